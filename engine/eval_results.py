@@ -12,7 +12,8 @@
   with the same settings, refuses other settings, and with `recompute` keeps the old entry in `history`.
   The activation maxima (`max_act`) likewise: maxima over other quant.act_max_extra_modules are refused, and
   with `recompute` the old ones move to `history` (`plan_max_act`, `retire_max_act`).
-  Options that only place work (APHQ's `cache_device`) are recorded but never make settings differ.
+  Options that change no number (`NEUTRAL_OPTIONS`: where APHQ caches, how often APHQ and GPLQ log or GPLQ
+  checkpoints its stage 1) are recorded but never make settings differ.
 * `evaluation_difference`, `recipe_difference` and `repeated_weights` say whether results can be averaged as
   seeds (evaluate.py --over-seeds) or compared as points of one sweep (the dose reports).
 * `refuse_stale` (run by the readers of result files) refuses a result whose checkpoint holds other weights now
@@ -45,9 +46,11 @@ class ResultsError(ValueError):
 
 # what the numbers of a result depend on besides its weights and its quantized entries' settings
 EVALUATION_KEYS = ("model", "data", "weights", "eval_amp", "images")
-# pipeline options that place work (where APHQ caches its units' inputs and targets: copies, exact on any
-# device, its batches drawn on the model's device), not what is computed: results with other values are alike
-PLACEMENT_OPTIONS = ("cache_device",)
+# pipeline options, per pipeline, that change no number of a result: where APHQ caches its units' inputs and targets
+# (copies, exact on any device, its batches drawn on the model's device), and how often APHQ and GPLQ log progress
+# and GPLQ writes its stage-1 checkpoint (it records the RNG states, draws nothing). Results with other values are
+# alike: a stored one is reused, seeds average, and no table marks them
+NEUTRAL_OPTIONS = {"aphq": ("cache_device", "log_every"), "gplq": ("log_every", "ckpt_every")}
 
 
 # identity fields added after result files were first written: a file without one takes it (see _read). A
@@ -82,18 +85,20 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))  # tuples -> lists, as they come back from the file
 
 
-def comparable_settings(settings: Optional[dict]) -> dict:
-    """A quantized entry's settings as compared: plain JSON types, without the placement options."""
+def comparable_settings(settings: Optional[dict], pipeline: str) -> dict:
+    """A quantized entry's settings of `pipeline` as compared: plain JSON types, without its NEUTRAL_OPTIONS."""
     plain = _plain(settings or {})
     if isinstance(plain.get("options"), dict):
-        plain["options"] = {k: v for k, v in plain["options"].items() if k not in PLACEMENT_OPTIONS}
+        neutral = NEUTRAL_OPTIONS.get(pipeline, ())
+        plain["options"] = {k: v for k, v in plain["options"].items() if k not in neutral}
     return plain
 
 
-def settings_change(entry: dict, settings: dict) -> Optional[str]:
-    """How the settings a quantized entry of a result file was computed with differ from `settings` ('key old ->
-    new; ...', the placement options aside), or None when alike: such an entry is no result of `settings`."""
-    stored, asked = comparable_settings(entry.get("settings")), comparable_settings(settings)
+def settings_change(entry: dict, settings: dict, pipeline: str) -> Optional[str]:
+    """How the settings a quantized entry of `pipeline` in a result file was computed with differ from `settings`
+    ('key old -> new; ...', its NEUTRAL_OPTIONS aside), or None when alike: such an entry is no result of
+    `settings`."""
+    stored, asked = comparable_settings(entry.get("settings"), pipeline), comparable_settings(settings, pipeline)
     return None if stored == asked else settings_diff(stored, asked)
 
 
@@ -138,7 +143,7 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     quant_a, quant_b = a.get("quant") or {}, b.get("quant") or {}
     for pipeline in sorted(set(quant_a) & set(quant_b)):
         for bits in sorted(set(quant_a[pipeline]) & set(quant_b[pipeline])):
-            x, y = (comparable_settings(q[pipeline][bits].get("settings")) for q in (quant_a, quant_b))
+            x, y = (comparable_settings(q[pipeline][bits].get("settings"), pipeline) for q in (quant_a, quant_b))
             if x != y:
                 return Difference(f"{pipeline} {bits} settings", settings_diff(x, y), True)
     return None
@@ -344,7 +349,7 @@ class EvalResults:
         entry = self.data["quant"].get(pipeline, {}).get(bits)
         if entry is None or recompute:
             return True
-        change = settings_change(entry, settings)
+        change = settings_change(entry, settings, pipeline)
         if change is None:
             return False
         raise ResultsError(f"{self.path} already has {pipeline} {bits}, computed with other settings ({change}): "

@@ -19,7 +19,7 @@ from typing import Optional
 from configs import Config
 from quant import PIPELINES, bits_order
 
-from .eval_results import PLACEMENT_OPTIONS, extra_modules, first_difference, recipe_difference, repeated_weights
+from .eval_results import NEUTRAL_OPTIONS, extra_modules, first_difference, recipe_difference, repeated_weights
 from .quant_settings import quant_settings
 from .tasks import capped_cell
 
@@ -225,7 +225,7 @@ def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
     found = []
     for key, value in (settings.get("options") or {}).items():
         default = defaults["options"].get(key, value)
-        if value != default and key not in PLACEMENT_OPTIONS:
+        if value != default and key not in NEUTRAL_OPTIONS.get(pipeline, ()):
             found.append(f"quant.{pipeline}.{key}={value}")
     for key, value in (settings.get("calibration") or {}).items():
         if key in names and value != defaults["calibration"].get(key, value):

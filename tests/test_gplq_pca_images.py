@@ -97,7 +97,7 @@ def test_a_stage1_identity_and_a_result_recorded_with_10000_still_match():
     cfg = load_config([DEBUG_CONFIG])
     recorded = quant_settings(cfg, "gplq")
     recorded["options"] = {**recorded["options"], "pca_images": 10000}  # as results of before were written
-    assert settings_change({"settings": recorded}, quant_settings(cfg, "gplq")) is None
+    assert settings_change({"settings": recorded}, quant_settings(cfg, "gplq"), "gplq") is None
     model = tiny_vit(depth=1)
     identity = stage1_identity(model, parse_bits("w4a4"), GPLQOptions(), cpu_pipeline_data(8))
     assert identity["stage1"]["pca_images"] == 10000
