@@ -31,7 +31,8 @@ other sections are its recipe). Writes one JSON
 (default: next to the checkpoint; without one, runs/eval/<model.name>.json), a per-layer activation-max CSV
 and plot beside it, and prints a markdown row in the layout of the paper's tables. A later call adds to that JSON;
 maxima over other quant.act_max_extra_modules than it holds are refused unless --recompute, which keeps the old
-ones under "history" and their files as <name>_act_max.replaced<N>.csv / .png.
+ones under "history" and their files as <name>_act_max.replaced<N>.csv / .png (also under quant.act_max_csv=false,
+so that a later call writes the new maxima's files in their place).
 GPLQ's stage 1 trains (a resumable checkpoint beside the JSON): a SIGTERM / SIGINT during it writes that
 checkpoint at the next update and exits with code 75; the same command resumes. A signal at any other time ends
 the process at once (Ctrl-C: exit code 130); the JSON keeps every result finished so far.
@@ -214,12 +215,13 @@ def main(args: argparse.Namespace) -> dict:
                  act.module, act.block, fp_seconds)
         listed = {k: v for k, v in (results.data.get("max_act") or {}).items() if k in ("csv", "plot")}
         if replaces_max_act:  # --recompute over other modules: the old maxima go to history with their files
-            moved = (run_on_main(lambda: keep_act_max_files(os.path.splitext(out)[0]), f"moving {out}'s maxima "
-                                 "files aside", device) if cfg.quant.act_max_csv else listed)  # else not written over
+            # moved aside whatever quant.act_max_csv says now: left in place, a later call writing the maxima would
+            # find them listed only in the history and refuse them as foreign, or write over them
+            moved = run_on_main(lambda: keep_act_max_files(os.path.splitext(out)[0], listed),
+                                f"moving {out}'s maxima files aside", device)
             log.info("the maxima over quant.act_max_extra_modules=%s move to the history of %s%s",
                      json.dumps(results.data["max_act"].get("extra_modules", [])), out,
-                     "" if not moved else f", their files {'moved aside to' if cfg.quant.act_max_csv else 'at'} "
-                                          f"{', '.join(moved.values())}")
+                     "" if not moved else f", their files now at {', '.join(moved.values())}")
             results.retire_max_act(moved)
         # without the files this time, those an earlier call wrote stay listed: still this result file's own (not
         # when its maxima were replaced: those files are of the old ones)
@@ -513,24 +515,30 @@ def save_naming_act_max_files(results: EvalResults, write: Optional[Callable[[],
         raise
 
 
-def keep_act_max_files(stem: str) -> dict[str, str]:
-    """Move the maxima files of the result file `<stem>.json` (`act_max_paths`) aside as
+def keep_act_max_files(stem: str, listed: dict[str, str]) -> dict[str, str]:
+    """Move the maxima files of the result file `<stem>.json` that it lists (`listed`: its max_act's
+    {"csv": path, "plot": path}, by file name as check_act_max_files reads them) aside as
     <stem>_act_max.replaced<N>.csv / .png, N the first number free for both, before maxima over other modules
-    (--recompute) are written in their place; {"csv": path, "plot": path} where those that exist lie now."""
+    (--recompute) replace those they are of: a later call writes the new maxima's files at those names. A file of
+    another name (listed before the result file was renamed) is not written over and stays where it is; a file of
+    that name the JSON does not list is not its own and stays too. {"csv": path, "plot": path} where the listed
+    files lie now."""
     current = act_max_paths(stem)
+    own = {key: os.path.basename(path) for key, path in listed.items() if key in current and isinstance(path, str)}
+    movable = {key: path for key, path in current.items()
+               if own.get(key) == os.path.basename(path) and os.path.exists(path)}
+    kept = {key: path for key, path in listed.items() if key in own and own[key] != os.path.basename(current[key])}
     aside = lambda path, n: "{0}.replaced{2}{1}".format(*os.path.splitext(path), n)
     n = 1
     while any(os.path.lexists(aside(path, n)) for path in current.values()):
         n += 1
-    kept = {}
-    for key, path in current.items():
-        if os.path.exists(path):
-            try:
-                os.replace(path, aside(path, n))
-            except OSError as e:
-                raise ResultsError(f"could not move {path} aside as {aside(path, n)} ({e.strerror or e}); the "
-                                   f"result file is unchanged: fix the folder, or give --out another file") from None
-            kept[key] = aside(path, n)
+    for key, path in movable.items():
+        try:
+            os.replace(path, aside(path, n))
+        except OSError as e:
+            raise ResultsError(f"could not move {path} aside as {aside(path, n)} ({e.strerror or e}); the "
+                               f"result file is unchanged: fix the folder, or give --out another file") from None
+        kept[key] = aside(path, n)
     return kept
 
 

@@ -58,17 +58,44 @@ def test_other_extra_modules_are_refused_untouched_and_recomputed_into_history(c
     assert third["history"] == second["history"]
 
 
-def test_without_the_files_a_recompute_keeps_the_old_files_where_they_are(checkpoint, tmp_path):
+def test_without_the_files_a_recompute_moves_the_old_files_aside_and_every_later_call_works(checkpoint, tmp_path):
+    """quant.act_max_csv=false writes no files, but the old maxima's files still go aside with them: left in place
+    and named only in the history, a later call writing the maxima would refuse them as foreign (or write over
+    them). The whole sequence: measure, replace without files, measure over those modules with files, replace
+    again; every old file is kept whole and named in the history, each current one in max_act."""
     out = tmp_path / "e.json"
+    names = lambda stem: {key: tmp_path / f"{stem}.{ext}" for key, ext in (("csv", "csv"), ("plot", "png"))}
+    files, aside1, aside2 = names("e_act_max"), names("e_act_max.replaced1"), names("e_act_max.replaced2")
+    contents = lambda paths: {key: path.read_bytes() for key, path in paths.items()}
     first = evaluate_into(checkpoint, out)
-    csv_text = (tmp_path / "e_act_max.csv").read_text()
+    first_files = contents(files)
     with pytest.raises(ResultsError, match="--recompute to replace them"):
         evaluate_into(checkpoint, out, EXTRA, "quant.act_max_csv=false")
     second = evaluate_into(checkpoint, out, EXTRA, "quant.act_max_csv=false", "--recompute")
-    # the new maxima list no files (those there are of the old ones), which history names where they still lie
     assert "csv" not in second["max_act"] and second["max_act"]["extra_modules"] == ["patch_embed.proj", "norm"]
-    assert second["history"][0]["max_act"] == first["max_act"]
-    assert (tmp_path / "e_act_max.csv").read_text() == csv_text
+    assert second["history"][0]["max_act"] == {**first["max_act"], **{k: str(p) for k, p in aside1.items()}}
+    assert contents(aside1) == first_files and not any(path.exists() for path in files.values())
+
+    third = evaluate_into(checkpoint, out, EXTRA)  # the same modules, now with the files: written, not refused
+    assert third["history"] == second["history"] and third["max_act"]["csv"] == str(files["csv"])
+    assert {"patch_embed.proj", "norm"} <= layers(files["csv"])
+    third_files = contents(files)
+
+    fourth = evaluate_into(checkpoint, out, "--recompute")  # back to the paper's modules
+    assert [h["max_act"].get("csv") for h in fourth["history"]] == [str(aside1["csv"]), str(aside2["csv"])]
+    assert contents(aside1) == first_files and contents(aside2) == third_files
+    assert "norm" not in layers(files["csv"]) and fourth["max_act"]["csv"] == str(files["csv"])
+
+
+def test_a_file_of_that_name_the_result_does_not_list_is_left_where_it_is(checkpoint, tmp_path):
+    """Without the files, a CSV of the maxima's name that the result file does not list is someone else's: not
+    moved aside nor named in the history; a later call writing the files still refuses it."""
+    out = tmp_path / "e.json"
+    evaluate_into(checkpoint, out, "quant.act_max_csv=false")
+    (tmp_path / "e_act_max.csv").write_text("mine")
+    second = evaluate_into(checkpoint, out, EXTRA, "quant.act_max_csv=false", "--recompute")
+    assert "csv" not in second["history"][0]["max_act"] and (tmp_path / "e_act_max.csv").read_text() == "mine"
+    assert not (tmp_path / "e_act_max.replaced1.csv").exists()
 
 
 def test_the_result_file_keeps_replaced_maxima_once_however_often_it_is_saved(tmp_path):
