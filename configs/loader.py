@@ -574,6 +574,34 @@ def check_options_read(options: Any, given: Iterable[str]) -> None:
         check_keys_read(tree, {prefix + key: getattr(options, key) for key in given}, rules=rules)
 
 
+def unread_options(section: str, options: dict) -> set[str]:
+    """The names among `options` ({name: value} of the config section `section`, e.g. quant.aphq: a result file's
+    recorded pipeline options) that the READ_ONLY_WHEN entries whose keys and deciding keys all lie in that section
+    say are unread under these very values (recon_images at iters=0). A rule whose deciding option `options` lacks or
+    holds in a form the rule cannot weigh (a file older than the option) decides nothing: its keys stay."""
+    prefix = section + "."
+    tree: Any = options
+    for part in reversed(section.split(".")):
+        tree = {part: tree}
+    unread = set()
+    for keys, decider, read_with in READ_ONLY_WHEN:
+        if not all(key.startswith(prefix) for key in (*keys, *decider_keys(decider))):
+            continue
+        try:
+            if _reads_under(decider, decider_value(tree, decider), read_with):
+                continue
+        except (KeyError, TypeError):
+            continue
+        deciders = {key[len(prefix):] for key in decider_keys(decider)}
+        for name in options:
+            dotted = prefix + name
+            if dotted in READ_ALWAYS or name in deciders:
+                continue
+            if any(dotted == key or (key.endswith(".") and dotted.startswith(key)) for key in keys):
+                unread.add(name)
+    return unread
+
+
 @functools.lru_cache(maxsize=None)
 def config_sections(section_type: type) -> tuple:
     """The dotted keys of the config sections that are `section_type` dataclasses (quant.aphq: APHQOptions)."""

@@ -36,6 +36,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
+from configs.loader import unread_options
+
 from .checkpoint import weights_fingerprint
 from .run_dir import SNAPSHOTS, exclusive_lock, partial_path, saved_config
 
@@ -85,12 +87,22 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))  # tuples -> lists, as they come back from the file
 
 
+def read_options(pipeline: str, options: dict) -> dict:
+    """`options` ({name: value} of `pipeline`'s quant.<pipeline> section) without those that the config's rules
+    say are unread under the others (configs/loader.py unread_options: quant.aphq.recon_images at iters=0): the
+    result is the same whatever they hold, and no command sets them (an override of an unread key is refused)."""
+    unread = unread_options(f"quant.{pipeline}", options)
+    return {name: value for name, value in options.items() if name not in unread}
+
+
 def comparable_settings(settings: Optional[dict], pipeline: str) -> dict:
-    """A quantized entry's settings of `pipeline` as compared: plain JSON types, without its NEUTRAL_OPTIONS."""
+    """A quantized entry's settings of `pipeline` as compared: plain JSON types, without its NEUTRAL_OPTIONS and
+    without the options unread under its own (`read_options`; entries written before evaluate.py left them out hold
+    them, maybe with another value than the default a command now records)."""
     plain = _plain(settings or {})
     if isinstance(plain.get("options"), dict):
         neutral = NEUTRAL_OPTIONS.get(pipeline, ())
-        plain["options"] = {k: v for k, v in plain["options"].items() if k not in neutral}
+        plain["options"] = {k: v for k, v in read_options(pipeline, plain["options"]).items() if k not in neutral}
     return plain
 
 

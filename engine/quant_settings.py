@@ -4,8 +4,10 @@ table compares with the defaults (engine/result_table.nondefault_settings).
 
     settings = quant_settings(cfg, "repq")  # {"options": {...}, "calibration": {...}, ...}
 
-A scheme that changed while its options stayed is recorded beside them (`scheme_settings`), so that an entry of
-the older scheme reads as computed with other settings.
+The options are those the pipeline reads: one that the config's rules (configs/loader.py READ_ONLY_WHEN) say is
+unread under the others (quant.aphq.recon_images at iters=0) is left out (engine/eval_results.py `read_options`),
+as the result does not depend on it. A scheme that changed while its options stayed is recorded beside them
+(`scheme_settings`), so that an entry of the older scheme reads as computed with other settings.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from data.transforms import train_transform_settings
 from quant import PIPELINES, run_settings
 from quant.plan import pipeline_options, reads_calibration_batch
 
+from .eval_results import read_options
 from .tasks import task_for
 
 
@@ -26,7 +29,8 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
     calibration batch where the pipeline reads it (RTN reads no data; APHQ and GPLQ draw their own images on
     a classifier), and the training transform where it sees training-transform images."""
     options = pipeline_options(cfg, pipeline)
-    settings = {"options": dataclasses.asdict(options) if options is not None else {}, **scheme_settings(options)}
+    settings = {"options": read_options(pipeline, dataclasses.asdict(options)) if options is not None else {},
+                **scheme_settings(options)}
     reads_batch = reads_calibration_batch(pipeline, task_for(cfg.data.dataset).language)
     if reads_batch:
         settings["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,

@@ -12,14 +12,17 @@ reports (dose_report.py, lm_study.py, gap_test.py) build their tables with the s
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Optional
 
 from configs import Config
 from quant import PIPELINES, bits_order
+from quant.plan import pipeline_options
 
-from .eval_results import NEUTRAL_OPTIONS, extra_modules, first_difference, recipe_difference, repeated_weights
+from .eval_results import (NEUTRAL_OPTIONS, extra_modules, first_difference, read_options, recipe_difference,
+                           repeated_weights)
 from .quant_settings import quant_settings
 from .tasks import capped_cell
 
@@ -216,14 +219,18 @@ def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
     """'quant.<pipeline>.<option>=value' (and quant.calib_*) for every setting a quantized result was
     computed with that differs from the default config's; a table marks such results (a degenerate APHQ
     grid or a 2-iteration run scores far from what the pipeline does). Settings the result does not record
-    (an older file) are not compared."""
+    (an older file), and options unread under the others (engine.eval_results.read_options), are not
+    compared."""
     if not settings or pipeline not in PIPELINES:
         return []
     plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples as lists, as in the file
     settings, defaults = plain(settings), plain(quant_settings(Config(), pipeline))
+    # every default option, also those the defaults leave unread (the MLP reconstruction's, read where it is on)
+    defaults["options"] = plain(dataclasses.asdict(pipeline_options(Config(), pipeline)))
     names = {"images": "quant.calib_images", "seed": "quant.calib_seed", "transform": "quant.calib_transform"}
     found = []
-    for key, value in (settings.get("options") or {}).items():
+    # the options read under the entry's own (an older entry holds unread ones, at whatever value it was given)
+    for key, value in read_options(pipeline, settings.get("options") or {}).items():
         default = defaults["options"].get(key, value)
         if value != default and key not in NEUTRAL_OPTIONS.get(pipeline, ()):
             found.append(f"quant.{pipeline}.{key}={value}")

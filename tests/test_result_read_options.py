@@ -1,0 +1,90 @@
+"""A result's settings hold the pipeline options it read, not those the config's rules say are unread under the
+others (configs/loader.py READ_ONLY_WHEN: quant.aphq.recon_images at iters=0). The command line refuses an
+unread option, so a result file written before they were left out, with an unread option at another value than
+the default, must still be reused by a command without it (the numbers are the same), averaged with a new file's
+result and marked alike in tables; where the option is read it is still compared."""
+import dataclasses
+import json
+
+import pytest
+
+from configs import Config
+from configs.loader import IgnoredOverrideError, apply_overrides
+from engine.eval_results import EvalResults, ResultsError, evaluation_difference
+from engine.quant_settings import quant_settings
+from engine.result_table import nondefault_settings
+from quant.plan import pipeline_options
+
+# (pipeline, the overrides of a run, an option those leave unread, a value other than its default)
+UNREAD = [
+    ("aphq", ["quant.aphq.iters=0"], "recon_images", 32),
+    ("aphq", ["quant.aphq.iters=0"], "seed", 7),
+    ("aphq", ["quant.aphq.round_weight=0"], "beta_start", 5.0),
+    ("aphq", ["quant.aphq.round_weight=0"], "warmup", 0.5),
+    ("aphq", ["quant.aphq.mlp_reconstruct=true", "quant.aphq.mlp_clip_weight=0"], "mlp_clip_percentile", 0.9),
+    ("gplq", ["quant.gplq.lr=0", "quant.gplq.scale_lr=0.001"], "weight_decay", 0.5),
+]
+CASES = [pytest.param(*case, id=f"{case[2]} at {' '.join(case[1])}") for case in UNREAD]
+
+
+def plain(value):
+    return json.loads(json.dumps(value, default=str))
+
+
+def old_style(pipeline: str, overrides: list, **options) -> dict:
+    """The settings an entry was recorded with before unread options were left out: every option of the section
+    (dataclasses.asdict, as evaluate.py wrote them), `options` changed by hand as an older command could."""
+    cfg = apply_overrides(Config(), overrides)
+    settings = plain(quant_settings(cfg, pipeline))
+    settings["options"] = {**plain(dataclasses.asdict(pipeline_options(cfg, pipeline))), **plain(options)}
+    return settings
+
+
+def result(pipeline: str, settings: dict) -> dict:
+    return {"model": "m", "quant": {pipeline: {"w4a4": {"top1": 60.0, "settings": settings}}}}
+
+
+@pytest.mark.parametrize("pipeline, overrides, option, value", CASES)
+def test_the_command_line_refuses_the_option_so_no_new_file_records_it(pipeline, overrides, option, value):
+    """The reference: the config's own refusal of the override says the option is unread there."""
+    with pytest.raises(IgnoredOverrideError, match=f"quant.{pipeline}.{option}=.* would be ignored"):
+        apply_overrides(Config(), [*overrides, f"quant.{pipeline}.{option}={value}"])
+    assert option not in quant_settings(apply_overrides(Config(), overrides), pipeline)["options"]
+
+
+@pytest.mark.parametrize("pipeline, overrides, option, value", CASES)
+def test_an_old_entry_with_an_unread_option_is_reused_averaged_and_marked_alike(pipeline, overrides, option, value,
+                                                                               tmp_path):
+    stored = old_style(pipeline, overrides, **{option: value})
+    results = EvalResults.open(str(tmp_path / "r.json"), {"model": "m"})
+    results.add(pipeline, "w4a4", {"top1": 60.0}, stored)
+    results.save()
+    now = quant_settings(apply_overrides(Config(), overrides), pipeline)  # what a command accepted now records
+    assert EvalResults.open(str(tmp_path / "r.json"), {"model": "m"}).plan(pipeline, "w4a4", now, False) is False
+    assert evaluation_difference(result(pipeline, stored), result(pipeline, plain(now))) is None
+    assert nondefault_settings(pipeline, stored) == nondefault_settings(pipeline, now)
+    assert not any(f".{option}=" in note for note in nondefault_settings(pipeline, stored))
+
+
+def test_where_the_option_is_read_it_is_still_compared(tmp_path):
+    stored = old_style("aphq", [], recon_images=32)
+    results = EvalResults.open(str(tmp_path / "r.json"), {"model": "m"})
+    results.add("aphq", "w4a4", {"top1": 60.0}, stored)
+    results.save()
+    now = quant_settings(Config(), "aphq")  # iters above 0: the reconstruction set is drawn
+    with pytest.raises(ResultsError, match=r"computed with other settings \(options.recon_images 32 -> 1024\)"):
+        EvalResults.open(str(tmp_path / "r.json"), {"model": "m"}).plan("aphq", "w4a4", now, False)
+    assert evaluation_difference(result("aphq", stored), result("aphq", plain(now))) is not None
+    assert "quant.aphq.recon_images=32" in nondefault_settings("aphq", stored)
+
+
+def test_options_under_an_unread_decider_of_another_value_differ():
+    """An entry at iters=0 beside one at iters=100: the iterations differ, and so does what each read."""
+    calibration_only = old_style("aphq", ["quant.aphq.iters=0"])
+    assert evaluation_difference(result("aphq", calibration_only), result("aphq", old_style("aphq", []))) is not None
+
+
+def test_an_entry_without_the_deciding_option_compares_every_option():
+    """A file older than the deciding option cannot say the option was unread: it stays compared."""
+    old = result("aphq", {"options": {"recon_images": 32}})
+    assert evaluation_difference(old, result("aphq", {"options": {"recon_images": 1024}})) is not None
