@@ -379,7 +379,9 @@ def test_gplq_trains_the_detector_on_its_own_loss_resumes_its_stage1_and_compens
     data = PipelineData(detector_samples=lambda count, seed: DetectorSamples(cfg, count, seed),
                         train_detector=lambda student, stage1, work: train_activation_qat(student, cfg, stage1, work),
                         work_prefix=str(tmp_path / "eval"))
-    options = {**GPLQ_DETECTION, "init_images": 1, "steps": 2, "stage2_images": 2, "lr": 0.0, "scale_lr": 0.0}
+    # lr 0 keeps the float weights where they were (only the LSQ scales train at scale_lr): the runner must not
+    # re-initialise the detector; scale_lr 0 too would be refused as a stage 1 that updates nothing
+    options = {**GPLQ_DETECTION, "init_images": 1, "steps": 2, "stage2_images": 2, "lr": 0.0, "scale_lr": 1e-3}
     quantized, report = PIPELINES["gplq"](model, DetectorFeed(cfg, 1), "w4a4", options, data=data)
     fp = dict(model.named_parameters())
     moved = [n for n, p in quantized.named_parameters() if n in fp and not torch.equal(p, fp[n])]
