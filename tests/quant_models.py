@@ -25,6 +25,11 @@ def images(n: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randn(n, 3, 32, 32, generator=g)
 
 
+def same_state(a: dict, b: dict) -> bool:
+    """Two state dicts hold the same keys and bit-identical values (a pipeline's options that change nothing)."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+
+
 def perturb_norms(model: nn.Module, seed: int = 2) -> nn.Module:
     """Give every LayerNorm non-trivial affine parameters
     (fresh timm inits are 1 / 0, which hides fold bugs)."""

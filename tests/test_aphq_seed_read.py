@@ -2,13 +2,12 @@
 MLP reconstruction's batches, and the row subsets of search_max_rows. A calibration-only run (iters=0) without
 the latter two draws nothing, so a seed given there is refused as an override that would be ignored."""
 import pytest
-import torch
 
 from configs.loader import ConfigError, load_config
 from configs.quant import APHQOptions
 from device_utils import cpu_pipeline_data
 from quant import PIPELINES
-from quant_models import images, tiny_vit
+from quant_models import images, same_state, tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -22,14 +21,10 @@ def quantized_state(**options) -> dict:
     return model.state_dict()
 
 
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
-
-
 def test_calibration_only_is_the_same_under_any_seed_and_search_max_rows_reads_it():
     """The property the rule rests on, and its exception: row subsets of the output-MSE search differ by seed."""
-    assert same(quantized_state(seed=0), quantized_state(seed=5))
-    assert not same(quantized_state(seed=0, search_max_rows=3), quantized_state(seed=5, search_max_rows=3))
+    assert same_state(quantized_state(seed=0), quantized_state(seed=5))
+    assert not same_state(quantized_state(seed=0, search_max_rows=3), quantized_state(seed=5, search_max_rows=3))
 
 
 def test_the_config_refuses_a_seed_at_iters_0_without_max_rows():

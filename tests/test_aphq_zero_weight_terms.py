@@ -4,13 +4,12 @@ MLP reconstruction's clipped branch (mlp_clip_weight * its distance, the fc2 inp
 mlp_clip_percentile level). At weight 0 the settings only that term reads change no gradient, so they are refused
 where given, as an override that would be ignored."""
 import pytest
-import torch
 
 from configs.loader import ConfigError, load_config
 from configs.quant import APHQOptions
 from device_utils import cpu_pipeline_data
 from quant import PIPELINES
-from quant_models import images, tiny_vit
+from quant_models import images, same_state, tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,20 +25,17 @@ def quantized_state(**options) -> dict:
     return model.state_dict()
 
 
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
-
-
 def test_the_rounding_settings_change_nothing_at_round_weight_0():
     """The property the refusal rests on, and that the comparison sees them where the regulariser is weighed."""
-    assert same(quantized_state(iters=4, round_weight=0.0), quantized_state(iters=4, round_weight=0.0, **ROUNDING))
-    assert not same(quantized_state(iters=4, round_weight=1.0), quantized_state(iters=4, round_weight=1.0, **ROUNDING))
+    off, on = dict(iters=4, round_weight=0.0), dict(iters=4, round_weight=1.0)
+    assert same_state(quantized_state(**off), quantized_state(**off, **ROUNDING))
+    assert not same_state(quantized_state(**on), quantized_state(**on, **ROUNDING))
 
 
 def test_the_clip_level_changes_nothing_at_mlp_clip_weight_0():
     mlp = dict(iters=0, mlp_reconstruct=True, mlp_iters=3)
-    assert same(quantized_state(**mlp, mlp_clip_weight=0.0), quantized_state(**mlp, mlp_clip_weight=0.0, **CLIP))
-    assert not same(quantized_state(**mlp), quantized_state(**mlp, **CLIP))
+    assert same_state(quantized_state(**mlp, mlp_clip_weight=0.0), quantized_state(**mlp, mlp_clip_weight=0.0, **CLIP))
+    assert not same_state(quantized_state(**mlp), quantized_state(**mlp, **CLIP))
 
 
 @pytest.mark.parametrize("key", sorted(ROUNDING))

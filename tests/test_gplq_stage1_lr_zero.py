@@ -9,7 +9,7 @@ from configs.loader import ConfigError, load_config
 from configs.quant import GPLQOptions
 from device_utils import cpu_pipeline_data
 from quant import PIPELINES
-from quant_models import images, tiny_vit
+from quant_models import images, same_state, tiny_vit
 from tests.conftest import DEMO_CONFIG, run_entry
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,10 +22,6 @@ def quantize(**options) -> dict:
     model, _ = PIPELINES["gplq"](tiny_vit(), images(8), "w4a4", GPLQOptions(**BASE, **options),
                                  data=cpu_pipeline_data(num_images=16))
     return model.state_dict()
-
-
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
 
 
 def test_adamw_at_lr_0_moves_nothing_decay_included():
@@ -41,15 +37,15 @@ def test_adamw_at_lr_0_moves_nothing_decay_included():
 
 
 def test_stage1_at_lr_0_gives_the_model_of_steps_0():
-    assert same(quantize(steps=2, lr=0.0), quantize(steps=0))
-    assert not same(quantize(steps=2, lr=1e-2), quantize(steps=0))  # the comparison can tell updates apart
+    assert same_state(quantize(steps=2, lr=0.0), quantize(steps=0))
+    assert not same_state(quantize(steps=2, lr=1e-2), quantize(steps=0))  # the comparison can tell updates apart
 
 
 def test_weight_decay_changes_nothing_at_lr_0():
     """With scale_lr above 0 the scales train (the model is not steps=0's), and the weights' decay does not act."""
     trained = quantize(steps=2, lr=0.0, scale_lr=1e-2)
-    assert not same(trained, quantize(steps=0))
-    assert same(trained, quantize(steps=2, lr=0.0, scale_lr=1e-2, weight_decay=0.5))
+    assert not same_state(trained, quantize(steps=0))
+    assert same_state(trained, quantize(steps=2, lr=0.0, scale_lr=1e-2, weight_decay=0.5))
 
 
 @pytest.mark.parametrize("overrides", [["quant.gplq.lr=0"], ["quant.gplq.lr=0", "quant.gplq.scale_lr=0"],

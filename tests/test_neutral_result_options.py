@@ -7,7 +7,6 @@ import dataclasses
 import json
 
 import pytest
-import torch
 
 from configs import Config
 from configs.quant import APHQOptions, GPLQOptions
@@ -16,7 +15,7 @@ from engine.eval_results import EvalResults, ResultsError, comparable_settings, 
 from engine.quant_settings import quant_settings
 from engine.result_table import nondefault_settings
 from quant import PIPELINES
-from quant_models import images, tiny_vit
+from quant_models import images, same_state, tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -24,16 +23,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 NEUTRAL = {"aphq": {"log_every": 1}, "gplq": {"log_every": 1, "ckpt_every": 1}}
 
 
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
-
-
 def test_aphq_logging_changes_no_number():
     def state(**options):
         opts = APHQOptions(iters=3, recon_images=8, calib_images=8, batch_size=4, eq_n=32, matmul_steps=5,
                            search_rounds=0, **options)
         return PIPELINES["aphq"](tiny_vit(), images(2), "w4a4", opts, data=cpu_pipeline_data(16))[0].state_dict()
-    assert same(state(), state(log_every=1))
+    assert same_state(state(), state(log_every=1))
 
 
 def test_gplq_logging_and_stage1_checkpoints_change_no_number(tmp_path):
@@ -43,7 +38,7 @@ def test_gplq_logging_and_stage1_checkpoints_change_no_number(tmp_path):
         (tmp_path / folder).mkdir()
         opts = GPLQOptions(steps=3, batch_size_per_gpu=4, init_images=8, stage2_images=8, pca_images=8, **options)
         return PIPELINES["gplq"](tiny_vit(), images(2), "w4a4", opts, data=data)[0].state_dict()
-    assert same(state("a"), state("b", log_every=1, ckpt_every=1))
+    assert same_state(state("a"), state("b", log_every=1, ckpt_every=1))
     assert (tmp_path / "b" / "r_gplq_w4a4_stage1.pt").exists()
 
 
