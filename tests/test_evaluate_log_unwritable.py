@@ -5,17 +5,7 @@ import os
 
 import pytest
 
-import train
-from configs import load_config
-from tests.conftest import DEBUG_CONFIG, run_entry
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    train.main(load_config([DEBUG_CONFIG], [f"out_dir={out}", "train.max_steps=1", "sched.warmup_epochs=0",
-                                            "log.tensorboard=false"]))
-    return str(out / "best.pt")
+from tests.conftest import run_entry
 
 
 def _refusal(checkpoint, out, capsys) -> str:

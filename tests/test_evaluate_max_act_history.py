@@ -9,20 +9,9 @@ import json
 import pytest
 
 import evaluate
-import train
-from configs import load_config
 from engine.eval_results import EvalResults, ResultsError
-from tests.conftest import DEBUG_CONFIG
 
 EXTRA = "quant.act_max_extra_modules=[patch_embed.proj,norm]"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("run")
-    train.main(load_config([DEBUG_CONFIG], [f"out_dir={out}", "train.max_steps=1", "sched.warmup_epochs=0",
-                                            "log.tensorboard=false"]))
-    return str(out / "best.pt")
 
 
 def evaluate_into(checkpoint, out, *argv) -> dict:
