@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import datetime
 import json
@@ -688,15 +689,15 @@ def checkpoint_config(payload: dict, checkpoint: str) -> Config:
 
 def resolve_config(args: argparse.Namespace):
     """Config and checkpoint payload: the checkpoint's own config (+ overrides), or --config files."""
-    payload = None
+    payload, saved = None, None
     if args.checkpoint:
         payload = load_checkpoint(args.checkpoint)
         # --config: e.g. a data preset for another machine
-        cfg = layer_config(checkpoint_config(payload, args.checkpoint), args.config or (), args.overrides)
+        saved = checkpoint_config(payload, args.checkpoint)  # parsed once: cfg is built on a copy
+        cfg = layer_config(copy.deepcopy(saved), args.config or (), args.overrides)
         check_checkpoint_settings(payload["config"], cfg, args.checkpoint)
         # what --config files and overrides changed ('key: old -> new'): its method is the checkpoint's own
-        changed = [change.split(": ", 1)[0] for change in
-                   config_changes(config_to_dict(config_from_dict(payload["config"])), config_to_dict(cfg))]
+        changed = [change.split(": ", 1)[0] for change in config_changes(config_to_dict(saved), config_to_dict(cfg))]
     else:
         cfg = load_config(args.config or [], args.overrides)
         if not cfg.model.pretrained:
@@ -725,7 +726,7 @@ def resolve_config(args: argparse.Namespace):
                           + ("; drop it" if key in given else  # else a --config file over the checkpoint's set it
                              f"; --config {' '.join(args.config or ())} sets it over {args.checkpoint}'s own: "
                              "give --config files of evaluation settings only (e.g. data), or key=value overrides"))
-    check_out_dir_unread(args, cfg, given, payload)
+    check_out_dir_unread(args, cfg, given, saved)
     if "model.pretrained_strict" in given and not cfg.model.pretrained_strict:  # asked, and never done here
         raise ConfigError("model.pretrained_strict=false: evaluate.py loads weights only as they are (a "
                           "classifier of another size is refused, not replaced); drop it, or fine-tune "
@@ -816,11 +817,13 @@ def resolve_config(args: argparse.Namespace):
     return cfg, payload
 
 
-def check_out_dir_unread(args: argparse.Namespace, cfg: Config, given: set[str], payload: Optional[dict]) -> None:
+def check_out_dir_unread(args: argparse.Namespace, cfg: Config, given: set[str], saved: Optional[Config]) -> None:
     """out_dir is train.py's folder: evaluate.py writes where --out says (default: beside the checkpoint), so an
-    out_dir override, or one a --config file sets over a checkpoint's own, would be ignored while the result went
-    elsewhere. A weights file's --config files are its recipe, whose out_dir is the run's and stays unread."""
-    from_file = payload is not None and cfg.out_dir != checkpoint_config(payload, args.checkpoint).out_dir
+    out_dir override, or one a --config file sets over a checkpoint's own (`saved`, the checkpoint's config; None
+    for a weights file), would be ignored while the result went elsewhere. A weights file's --config files are its
+    recipe, whose out_dir is the run's and stays unread. (resolve_config's `changed` leaves out_dir out: it is an
+    environment key of engine/run_dir.py.)"""
+    from_file = saved is not None and cfg.out_dir != saved.out_dir
     if "out_dir" not in given and not from_file:
         return
     where = ("" if "out_dir" in given else
