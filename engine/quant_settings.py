@@ -7,14 +7,14 @@ table compares with the defaults (engine/result_table.nondefault_settings).
 The options are those the pipeline reads: one that the config's rules (configs/loader.py READ_ONLY_WHEN) say is
 unread under the others (quant.aphq.recon_images at iters=0) is left out (engine/eval_results.py `read_options`),
 as the result does not depend on it. A scheme that changed while its options stayed is recorded beside them
-(`scheme_settings`), so that an entry of the older scheme reads as computed with other settings.
+(the pipeline's `scheme_settings`, quant/pipeline_base.py), so that an entry of the older scheme reads as computed
+with other settings.
 """
 from __future__ import annotations
 
 import dataclasses
 
 from configs import Config
-from configs.quant import SmoothQuantOptions
 from data.text import token_file_fingerprint
 from data.transforms import train_transform_settings
 from quant import PIPELINES, run_settings
@@ -30,7 +30,7 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
     a classifier), and the training transform where it sees training-transform images."""
     options = pipeline_options(cfg, pipeline)
     settings = {"options": read_options(pipeline, dataclasses.asdict(options)) if options is not None else {},
-                **scheme_settings(options)}
+                **(PIPELINES[pipeline].scheme_settings(options) if options is not None else {})}
     reads_batch = reads_calibration_batch(pipeline, task_for(cfg.data.dataset).language)
     if reads_batch:
         settings["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
@@ -42,16 +42,6 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
     if PIPELINES[pipeline].trains_model:  # dropout and stochastic depth act in its training
         settings["model_training"] = train_mode_settings(cfg)
     return {**settings, **run_settings(pipeline)}  # GPLQ: the number of ranks its stage 1 trained on
-
-
-def scheme_settings(options) -> dict:
-    """Settings of how a pipeline computes that no option names, where that changed while the options stayed.
-    SmoothQuant's per-tensor weights give a fused qkv one max-abs scale per q / k / v projection
-    (quant/smoothquant/fused_qkv.py); results computed before had one scale for the fused weight under the same
-    options, and recording the scheme makes them differ. Per-channel weights are the same either way: nothing."""
-    if isinstance(options, SmoothQuantOptions) and options.weight_granularity == "tensor":
-        return {"qkv_weight_scales": "per_projection"}
-    return {}
 
 
 def sees_training_transform(cfg: Config, pipeline: str) -> bool:

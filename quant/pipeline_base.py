@@ -187,6 +187,12 @@ class Pipeline:
         as chosen even where it equals the default."""
         return {}
 
+    def scheme_settings(self, options: Any) -> Dict[str, Any]:
+        """Settings of how this pipeline computes that no option names, where that changed while the options
+        stayed: evaluate.py records them beside the options (engine/quant_settings.py), so that a result of the
+        older scheme reads as computed with other settings. The default: none."""
+        return {}
+
     def layout(self, bits: Bits, options: Any) -> QuantSpec:
         """The conversion spec this pipeline starts from (also used by tests and derived pipelines)."""
         raise NotImplementedError

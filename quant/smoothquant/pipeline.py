@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from torch import nn
 
@@ -56,6 +56,14 @@ class SmoothQuantPipeline(Pipeline):
         if options.act_calibration == "static" and options.act_granularity != "tensor":
             raise ValueError(f"act_calibration=static needs act_granularity=tensor (per-{options.act_granularity} "
                              "ranges are computed at run time)")
+
+    def scheme_settings(self, options: SmoothQuantOptions) -> Dict[str, Any]:
+        """Per-tensor weights give a fused qkv one max-abs scale per q / k / v projection (fused_qkv.py); results
+        computed before had one scale for the fused weight under the same options, and recording the scheme makes
+        them differ. Per-channel weights are the same either way: nothing."""
+        if options.weight_granularity == "tensor":
+            return {"qkv_weight_scales": "per_projection"}
+        return {}
 
     def layout(self, bits: Bits, options: SmoothQuantOptions) -> QuantSpec:
         weight = QuantizerSpec(bits.w, symmetric=True, granularity=options.weight_granularity,
