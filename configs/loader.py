@@ -31,7 +31,7 @@ import re
 import sys
 import types
 import typing
-from typing import Annotated, Any, Callable, Iterable, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, Iterable, Iterator, Literal, Optional, Sequence, Union
 
 import yaml
 
@@ -523,6 +523,44 @@ READ_ONLY_WHEN = [
 READ_ALWAYS = {"cd.gated_mlp"}
 
 
+def unread_by_rules(cfg: Any, keys: Iterable[str], rules: Sequence = READ_ONLY_WHEN,
+                undecided: bool = False) -> Iterator[tuple[str, Union[str, When], tuple, Any]]:
+    """(key, decider, read_with, value) for each of `keys` (dotted) that a rule of `rules` (READ_ONLY_WHEN entries)
+    makes unread in `cfg` (a Config, or nested dicts of one), rule by rule in `rules`' order and within a rule in
+    `keys`' order; `value`: the deciding key's value in `cfg` (a When's: a tuple). READ_ALWAYS keys are never
+    unread. `undecided`: a rule whose deciding key `cfg` lacks (KeyError) or holds in a form the rule cannot weigh
+    (TypeError) decides nothing (its keys stay read), where by default the error goes to the caller."""
+    keys = list(keys)
+    for rule_keys, decider, read_with in rules:
+        try:
+            value = decider_value(cfg, decider)
+            if _reads_under(decider, value, read_with):
+                continue
+        except (KeyError, TypeError):
+            if not undecided:
+                raise
+            continue
+        for key in keys:
+            if key in READ_ALWAYS or not any(key == k or (k.endswith(".") and key.startswith(k)) for k in rule_keys):
+                continue  # not a key this decider makes unread
+            yield key, decider, read_with, value
+
+
+def _section_rules(section: str) -> list:
+    """The READ_ONLY_WHEN entries whose keys and deciding keys all lie in the config section `section`."""
+    prefix = section + "."
+    return [rule for rule in READ_ONLY_WHEN
+            if all(key.startswith(prefix) for key in (*rule[0], *decider_keys(rule[1])))]
+
+
+def _in_section(section: str, options: Any) -> dict:
+    """`options` as the config section `section` of a tree of nested dicts (quant.aphq -> {quant: {aphq: ..}})."""
+    tree = options
+    for part in reversed(section.split(".")):
+        tree = {part: tree}
+    return tree
+
+
 def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
                     excused: Optional[Callable[[str, str], bool]] = None, rules: Sequence = READ_ONLY_WHEN) -> None:
     """Refuse a key (`given`: dotted key -> value) that `cfg` ignores, e.g. data.root while data.dataset is
@@ -535,27 +573,21 @@ def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
     if excused is None:
         def excused(key: str, decider: str) -> bool:
             return given.get(decider, None) is False
-    for keys, decider, read_with in rules:
-        value = decider_value(cfg, decider)
-        if _reads_under(decider, value, read_with):
-            continue
-        for key in given:
-            if key in READ_ALWAYS or not any(key == k or (k.endswith(".") and key.startswith(k)) for k in keys):
-                continue  # not a key this decider makes unread
-            if not excused(key, decider):
-                if isinstance(decider, When):
-                    when, now = decider.text, ", ".join(f"{k}={_show(v)}" for k, v in zip(decider.keys, value))
-                    fix = (f"drop it from {sources[key]}, or layer it over a recipe where {when}"
-                           if key in sources else decider.fix or f"drop it or set {decider} as well")
-                    why = f"{key} is read only when {when}, and here {now}"
-                else:
-                    readers = " or ".join(map(_show, read_with))
-                    fix = (f"drop it from {sources[key]}, or layer it over a recipe whose {decider} is {readers}"
-                           if key in sources else f"drop it or set {decider} as well")
-                    why = f"{key} is read only when {decider} is {readers}, and it is {_show(value)}"
-                raise IgnoredOverrideError(
-                    f"{f'{sources[key]}: ' if key in sources else ''}{key}={_show(given[key])} would be ignored: "
-                    f"{why}; {fix}")
+    for key, decider, read_with, value in unread_by_rules(cfg, given, rules):
+        if not excused(key, decider):
+            if isinstance(decider, When):
+                when, now = decider.text, ", ".join(f"{k}={_show(v)}" for k, v in zip(decider.keys, value))
+                fix = (f"drop it from {sources[key]}, or layer it over a recipe where {when}"
+                       if key in sources else decider.fix or f"drop it or set {decider} as well")
+                why = f"{key} is read only when {when}, and here {now}"
+            else:
+                readers = " or ".join(map(_show, read_with))
+                fix = (f"drop it from {sources[key]}, or layer it over a recipe whose {decider} is {readers}"
+                       if key in sources else f"drop it or set {decider} as well")
+                why = f"{key} is read only when {decider} is {readers}, and it is {_show(value)}"
+            raise IgnoredOverrideError(
+                f"{f'{sources[key]}: ' if key in sources else ''}{key}={_show(given[key])} would be ignored: "
+                f"{why}; {fix}")
 
 
 def check_options_read(options: Any, given: Iterable[str]) -> None:
@@ -566,40 +598,20 @@ def check_options_read(options: Any, given: Iterable[str]) -> None:
     given = list(given)
     for section in config_sections(type(options)):
         prefix = section + "."
-        rules = [rule for rule in READ_ONLY_WHEN
-                 if all(key.startswith(prefix) for key in (*rule[0], *decider_keys(rule[1])))]
-        tree = options
-        for part in reversed(section.split(".")):
-            tree = {part: tree}
-        check_keys_read(tree, {prefix + key: getattr(options, key) for key in given}, rules=rules)
+        check_keys_read(_in_section(section, options), {prefix + key: getattr(options, key) for key in given},
+                        rules=_section_rules(section))
 
 
 def unread_options(section: str, options: dict) -> set[str]:
     """The names among `options` ({name: value} of the config section `section`, e.g. quant.aphq: a result file's
     recorded pipeline options) that the READ_ONLY_WHEN entries whose keys and deciding keys all lie in that section
     say are unread under these very values (recon_images at iters=0). A rule whose deciding option `options` lacks or
-    holds in a form the rule cannot weigh (a file older than the option) decides nothing: its keys stay."""
+    holds in a form the rule cannot weigh (a file older than the option) decides nothing: its keys stay. A deciding
+    option is never unread by its own rule."""
     prefix = section + "."
-    tree: Any = options
-    for part in reversed(section.split(".")):
-        tree = {part: tree}
-    unread = set()
-    for keys, decider, read_with in READ_ONLY_WHEN:
-        if not all(key.startswith(prefix) for key in (*keys, *decider_keys(decider))):
-            continue
-        try:
-            if _reads_under(decider, decider_value(tree, decider), read_with):
-                continue
-        except (KeyError, TypeError):
-            continue
-        deciders = {key[len(prefix):] for key in decider_keys(decider)}
-        for name in options:
-            dotted = prefix + name
-            if dotted in READ_ALWAYS or name in deciders:
-                continue
-            if any(dotted == key or (key.endswith(".") and dotted.startswith(key)) for key in keys):
-                unread.add(name)
-    return unread
+    found = unread_by_rules(_in_section(section, options), [prefix + name for name in options], _section_rules(section),
+                        undecided=True)
+    return {key[len(prefix):] for key, decider, _, _ in found if key not in decider_keys(decider)}
 
 
 @functools.lru_cache(maxsize=None)
