@@ -424,10 +424,16 @@ def pair_energy(pairs: Sequence[Pair], plan: Optional[Plan] = None) -> dict[str,
     return {role: sums[role] / units[role] for role in sums}
 
 
+def energy_unit(pair: Pair) -> tuple:
+    """(block, role, upstream_name, upstream_rows): the one energy `pair` is a row block of; pairs of one unit (q, k
+    and v of one norm; W_gate and W_up) are the row blocks of the one matrix Eq. (2) reads."""
+    return pair.block, pair.role, pair.upstream_name, pair.upstream_rows
+
+
 def energy_units(pairs: Sequence[Pair]) -> dict[str, int]:
-    """role -> how many energies `pair_energy` averages: one per (block, role, upstream matrix), whose pairs (q, k and
-    v of one norm; W_gate and W_up) are the row blocks of the one matrix Eq. (2) reads."""
-    units = {(p.block, p.role, p.upstream_name, p.upstream_rows) for p in pairs}
+    """role -> how many energies `pair_energy` averages: one per (block, role, upstream matrix), `energy_unit`,
+    whose pairs (q, k and v of one norm; W_gate and W_up) are the row blocks of the one matrix Eq. (2) reads."""
+    units = {energy_unit(p) for p in pairs}
     counts: dict[str, int] = {}
     for _, role, _, _ in units:
         counts[role] = counts.get(role, 0) + 1

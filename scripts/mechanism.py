@@ -68,7 +68,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from cd.layouts import LAYOUTS, Layout  # noqa: E402
 from cd.pairs import Pair, find_blocks, find_pairs  # noqa: E402
-from cd.update import pair_energy  # noqa: E402
+from cd.update import energy_unit, pair_energy  # noqa: E402
 from cd.values import check_channel_order  # noqa: E402
 from cd.verify import UnsupportedModelError, verify_pairs  # noqa: E402
 from cd.wrappers import unwrap_model  # noqa: E402
@@ -323,7 +323,7 @@ def pair_energies(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS, example
         raise MechanismError(str(e)) from None
     units: dict[tuple, list[Pair]] = {}  # in model order (dicts keep insertion order)
     for pair in pairs:
-        units.setdefault((pair.block, pair.role, pair.upstream_name, pair.upstream_rows), []).append(pair)
+        units.setdefault(energy_unit(pair), []).append(pair)  # the units cd/update.py energy_units counts
     rows = []
     for (block, role, _, _), unit in units.items():
         raw = 0.0
