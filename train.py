@@ -56,7 +56,7 @@ from engine.checkpoint import (CheckpointError, class_differences, record_quant_
 from engine.distributed import (DistInfo, OtherRankError, all_reduce, fail_on_every_rank_at_start,
                                 failure_on_every_rank, process_group)
 from engine.divergence import (DivergenceError, DivergenceGuard, best_withheld_line, withheld_max_steps_line,
-                               withheld_stop_line)
+                               withheld_stop_line, write_withheld)
 from engine.ema import build_ema
 from engine.rank_agreement import check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
@@ -296,11 +296,12 @@ class Run:
 
     def best_held_back(self) -> Optional[str]:
         """Why best.pt is not written from the weights just validated (the warning), or None. The divergence guard's
-        rule for checkpoint.pt (TrainLoop.checkpoint): nothing during a streak of high log windows, but the write that
-        ends the schedule. A diverged model may still score best (a first validation always does): written, it would
-        be the run's result beside a withheld checkpoint, and files a re-run must archive before it starts afresh."""
+        rule for checkpoint.pt (TrainLoop.checkpoint; both call engine/divergence.py write_withheld): nothing during
+        a streak of high log windows, but the write that ends the schedule. A diverged model may still score best (a
+        first validation always does): written, it would be the run's result beside a withheld checkpoint, and files
+        a re-run must archive before it starts afresh."""
         state = self.state
-        if state.divergence_streak == 0 or not more_to_train(self, state):
+        if not write_withheld(state.divergence_streak, final=not more_to_train(self, state)):
             return None
         return best_withheld_line(state.step, state.divergence_streak,
                                   state.best_step if state.best_value is not None else None)

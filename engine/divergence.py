@@ -81,6 +81,14 @@ def kept_text(kept_step: Optional[int]) -> str:
     return f"the last one, of update {kept_step}, is kept"
 
 
+def write_withheld(streak: int, final: bool, window_high: bool = False) -> bool:
+    """The divergence guard's rule for the files written from the training weights, checkpoint.pt
+    (TrainLoop.checkpoint) and best.pt (train.py Run.best_held_back), so that the two cannot drift apart: nothing
+    is written while the loss is high, a streak of `streak` > 0 high log windows or (checkpoint.pt's own check)
+    the mean loss since the last log step (`window_high`), but the write that ends the run's schedule (`final`)."""
+    return (streak > 0 or window_high) and not final
+
+
 def withheld_line(step: int, why: str, kept_step: Optional[int]) -> str:
     """The warning of a checkpoint not written at update `step` because the loss is high (`why`)."""
     return (f"checkpoint.pt not written at update {step}: {why} (the divergence guard, train.divergence_factor); "

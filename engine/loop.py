@@ -32,7 +32,7 @@ from cd.wrappers import unwrap_model
 from models.modules import nonfinite_tensors
 
 from .distributed import OtherRankError, all_reduce, raise_on_every_rank, raise_where_failed
-from .divergence import DivergenceError, DivergenceGuard, kept_text, withheld_line
+from .divergence import DivergenceError, DivergenceGuard, kept_text, withheld_line, write_withheld
 from .precision import autocast
 from .rng import mix_seed, seed_all
 
@@ -470,19 +470,20 @@ class TrainLoop:
         The same decision on every rank (the streak and the loss are all-reduced values)."""
         if self.save is None:
             return False
+        window_high = (state.divergence_streak == 0 and window_loss is not None and self.divergence is not None
+                       and self.divergence.high(window_loss, state.initial_loss))
         why = None
         if state.divergence_streak > 0:
             why = (f"the training loss was above the threshold in the last {state.divergence_streak} log "
                    f"window(s)")
-        elif (window_loss is not None and self.divergence is not None
-              and self.divergence.high(window_loss, state.initial_loss)):
+        elif window_high:
             why = f"the training loss since the last log step ({window_loss:.4g}) is above the threshold"
-        if why is not None and final:
-            log.warning("the run ends at update %d; %s (the divergence guard, train.divergence_factor): "
-                        "checkpoint.pt is written all the same, the run's last weights", state.step, why)
-        elif why is not None:
+        if write_withheld(state.divergence_streak, final, window_high):
             log.warning("%s", withheld_line(state.step, why, self.saved_step))
             return False
+        if why is not None:  # the final write, made all the same
+            log.warning("the run ends at update %d; %s (the divergence guard, train.divergence_factor): "
+                        "checkpoint.pt is written all the same, the run's last weights", state.step, why)
         self.save()
         self.saved_step = state.step
         return True
