@@ -56,7 +56,7 @@ import torch
 from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, parse_known, print_config
 from configs.loader import device_of_overrides, dotted_settings, get_key, override_keys, read_yaml_file
-from configs.schema import (TRAIN_MODE_MODEL_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, DataConfig,
+from configs.schema import (TRAIN_MODE_MODEL_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, DataConfig, ModelConfig,
                             unread_training_settings)
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, check_same_data_on_every_rank, dataset_classes,
@@ -435,9 +435,14 @@ def trained_input_size(payload: Optional[dict], language: bool) -> Optional[int]
     memory; model.img_size null is the model's own size), or None for a weights file or a language model."""
     if payload is None or language:
         return None
-    trained = dataclasses.replace(config_from_dict(payload["config"]).model, pretrained="")
+    return model_input_size(config_from_dict(payload["config"]).model)
+
+
+def model_input_size(model: ModelConfig) -> int:
+    """The input size of the model `model` builds (model.img_size null: the model's own), from a build on the meta
+    device (no weights, no memory; model.pretrained is not loaded)."""
     with torch.device("meta"):
-        return input_size(build_model(trained))
+        return input_size(build_model(dataclasses.replace(model, pretrained="")))
 
 
 def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, images: int,
@@ -628,9 +633,7 @@ def interpolation_override_unread(overrides: list[str], cfg: Config, recorded: O
         return None
     if any(sees_training_transform(cfg, p) for p in cfg.quant.pipelines):
         return None
-    with torch.device("meta"):  # the model's input size: no weights, no memory
-        img_size = input_size(build_model(dataclasses.replace(cfg.model, pretrained="")))
-    return None if eval_transform_resamples(cfg.data, img_size) else given[-1]
+    return None if eval_transform_resamples(cfg.data, model_input_size(cfg.model)) else given[-1]
 
 
 def eval_transform_resamples(data: DataConfig, img_size: int) -> bool:
