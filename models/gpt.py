@@ -218,13 +218,17 @@ def _gelu(model: GPT) -> str:
     return "tanh" if model.blocks[0].mlp.act.approximate == "tanh" else "exact"
 
 
+# the four settings nanoGPT's model_args and transformers' GPT2Config both record, under names of their own
+# (rules as in NANOGPT_ARGS)
+_DEPTH = ("model.kwargs.depth", _same, lambda m: len(m.blocks))
+_HEADS = ("model.kwargs.num_heads", _same, lambda m: m.blocks[0].attn.num_heads)
+_WIDTH = ("model.kwargs.embed_dim", _same, lambda m: m.wte.embedding_dim)
+_CONTEXT = ("model.kwargs.context", _same, lambda m: m.context)
+
 # nanoGPT's ckpt.pt records the GPTConfig it was built with (`model_args`): each one, the setting of ours that
 # builds the same, the recorded value as that setting takes it, and its value in a built GPT. n_head above all:
 # heads split the same weights another way
-NANOGPT_ARGS = {"n_layer": ("model.kwargs.depth", _same, lambda m: len(m.blocks)),
-                "n_head": ("model.kwargs.num_heads", _same, lambda m: m.blocks[0].attn.num_heads),
-                "n_embd": ("model.kwargs.embed_dim", _same, lambda m: m.wte.embedding_dim),
-                "block_size": ("model.kwargs.context", _same, lambda m: m.context),
+NANOGPT_ARGS = {"n_layer": _DEPTH, "n_head": _HEADS, "n_embd": _WIDTH, "block_size": _CONTEXT,
                 "vocab_size": ("model.num_classes", _same, lambda m: m.vocab_size),
                 "bias": ("model.kwargs.bias", _same, lambda m: m.norm.bias is not None)}
 
@@ -238,10 +242,8 @@ TRANSFORMERS_GELU = {"gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh"
 # NANOGPT_ARGS. A field of no setting (None; the file's value as the setting takes it None: an activation of
 # neither GELU) is one that models/gpt.py always builds as its default: another value is no GPT it builds.
 # resid/embd/attn_pdrop are training settings, and n_inner, vocab_size and tie_word_embeddings show in the shapes
-GPT2_CONFIG = {"n_layer": (12, "model.kwargs.depth", _same, lambda m: len(m.blocks)),
-               "n_head": (12, "model.kwargs.num_heads", _same, lambda m: m.blocks[0].attn.num_heads),
-               "n_embd": (768, "model.kwargs.embed_dim", _same, lambda m: m.wte.embedding_dim),
-               "n_positions": (1024, "model.kwargs.context", _same, lambda m: m.context),
+GPT2_CONFIG = {"n_layer": (12, *_DEPTH), "n_head": (12, *_HEADS), "n_embd": (768, *_WIDTH),
+               "n_positions": (1024, *_CONTEXT),
                "activation_function": ("gelu_new", "model.kwargs.gelu", TRANSFORMERS_GELU.get, _gelu),
                "layer_norm_epsilon": (1e-5, None, _same, lambda m: m.norm.eps),
                "scale_attn_weights": (True, None, _same, lambda m: True),
