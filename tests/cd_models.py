@@ -34,6 +34,25 @@ def tiny_swin(seed: int = 0, randomize: bool = True) -> nn.Module:
     return randomize_norms(model, seed) if randomize else model
 
 
+def vit_table_rows(depth: int, dim: int, hidden: int, packed_fc1: bool = False) -> list[list[str]]:
+    """The rows `python -m cd --model M` prints for a timm ViT of `depth` blocks, width `dim` and MLP hidden size
+    `hidden`, written by hand from Sec. 3's pairs: index, role, kind, W2 and its shape, W1 and its shape. With
+    `packed_fc1` (a GluMlp, gate_last=False) fc1 holds [W_gate; W_up] of 2 x hidden rows, and fc2's W1 is W_up."""
+    fc1_rows = 2 * hidden if packed_fc1 else hidden
+    rows = []
+    for i in range(depth):
+        b = f"blocks.{i}"
+        up = f"{b}.mlp.fc1.weight[{hidden}:{2 * hidden}]" if packed_fc1 else f"{b}.mlp.fc1.weight"
+        rows += [["qkv", "composable", f"{b}.attn.qkv.weight", f"{3 * dim}x{dim}", f"diag({b}.norm1.weight)",
+                  f"{dim}x{dim}"],
+                 ["proj", "functional", f"{b}.attn.proj.weight", f"{dim}x{dim}",
+                  f"{b}.attn.qkv.weight[{2 * dim}:{3 * dim}]", f"{dim}x{dim}"],
+                 ["fc1", "composable", f"{b}.mlp.fc1.weight", f"{fc1_rows}x{dim}", f"diag({b}.norm2.weight)",
+                  f"{dim}x{dim}"],
+                 ["fc2", "functional", f"{b}.mlp.fc2.weight", f"{dim}x{hidden}", up, f"{hidden}x{dim}"]]
+    return [[str(k)] + cells for k, cells in enumerate(rows)]
+
+
 def randomize_norms(model: nn.Module, seed: int = 0) -> nn.Module:
     """Give every LayerNorm a non-trivial scale (default init is all ones, which would hide bugs)."""
     gen = torch.Generator().manual_seed(seed + 1)

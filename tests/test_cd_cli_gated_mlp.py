@@ -8,6 +8,7 @@ import torch
 
 from cd.__main__ import main as cd_main
 from cd.pairs import find_pairs
+from cd_models import vit_table_rows
 
 EVA = "eva02_tiny_patch14_224"
 
@@ -37,16 +38,7 @@ def test_gated_mlp_lists_eva02s_pairs_with_the_up_half_of_its_packed_fc1(capsys)
     lines = out.splitlines()
     assert lines[0] == f"{EVA}:" and lines[-1] == "48 pairs: qkv 12, proj 12, fc1 12, fc2 12"
     rows = [line.split() for line in lines[3:-1]]  # after the name, header and rule; no cell holds a space
-    want = []
-    for i in range(12):
-        b = f"blocks.{i}"
-        want += [["qkv", "composable", f"{b}.attn.qkv.weight", "576x192", f"diag({b}.norm1.weight)", "192x192"],
-                 ["proj", "functional", f"{b}.attn.proj.weight", "192x192", f"{b}.attn.qkv.weight[384:576]",
-                  "192x192"],
-                 ["fc1", "composable", f"{b}.mlp.fc1.weight", "1024x192", f"diag({b}.norm2.weight)", "192x192"],
-                 ["fc2", "functional", f"{b}.mlp.fc2.weight", "192x512", f"{b}.mlp.fc1.weight[512:1024]",
-                  "512x192"]]
-    assert rows == [[str(k)] + cells for k, cells in enumerate(want)]
+    assert rows == vit_table_rows(depth=12, dim=192, hidden=512, packed_fc1=True)
     library = find_pairs(_meta(EVA), gated_mlp=True)
     assert [(r[3], r[5]) for r in rows] == [(p.name, p.upstream_label) for p in library]
 

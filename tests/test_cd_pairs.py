@@ -13,7 +13,7 @@ from torch import nn
 from cd import ColinearityDecay, UnsupportedModelError, find_pairs, pair_energy_source
 from cd.__main__ import main as pairs_main
 from cd.verify import refuse_split_devices
-from cd_models import tiny_swin, tiny_vit
+from cd_models import tiny_swin, tiny_vit, vit_table_rows
 
 
 def _meta(name: str) -> nn.Module:
@@ -358,15 +358,7 @@ def test_cli_table_cells_for_vit_tiny_match_the_pairs_written_by_hand(capsys):
     pairs_main(["--model", "vit_tiny_patch16_224"])
     lines = capsys.readouterr().out.splitlines()
     rows = [line.split() for line in lines[3:-1]]  # no cell holds a space; the header and rule come first
-    want = []
-    for i in range(12):
-        b = f"blocks.{i}"
-        want += [["qkv", "composable", f"{b}.attn.qkv.weight", "576x192", f"diag({b}.norm1.weight)", "192x192"],
-                 ["proj", "functional", f"{b}.attn.proj.weight", "192x192", f"{b}.attn.qkv.weight[384:576]",
-                  "192x192"],
-                 ["fc1", "composable", f"{b}.mlp.fc1.weight", "768x192", f"diag({b}.norm2.weight)", "192x192"],
-                 ["fc2", "functional", f"{b}.mlp.fc2.weight", "192x768", f"{b}.mlp.fc1.weight", "768x192"]]
-    assert rows == [[str(k)] + cells for k, cells in enumerate(want)]
+    assert rows == vit_table_rows(depth=12, dim=192, hidden=768)
     assert lines[-1] == "48 pairs: qkv 12, proj 12, fc1 12, fc2 12"
 
 
