@@ -296,7 +296,7 @@ class TrainLoop:
         # takes that stop for a preemption (no checkpoint of the updates since, no 'preempted' message).
         if window.updates:
             self._log(state, window, None, total)
-        window.check_finite(state.step)  # a host sync: the epoch's kernels have finished
+        window.check_finite(state.step, self.saved_step)  # a host sync: the epoch's kernels have finished
         self._settle_skipped_steps(state)  # the caller may checkpoint `state` now
         if (state.epoch_batches >= total * self.accum_steps and whole_epoch and self.log_epoch_costs
                 and self.log is not None):
@@ -403,7 +403,7 @@ class TrainLoop:
                       last if state.step else "nothing was trained yet: fix the cause and re-run the command")
             return
         try:
-            window_loss = window.check_finite(state.step)  # never a checkpoint of a diverged run
+            window_loss = window.check_finite(state.step, self.saved_step)  # never a checkpoint of a diverged run
             self._settle_skipped_steps(state)
             self._settle_initial_loss(state)
             written = self.checkpoint(state, window_loss if window.micro else None)
@@ -453,7 +453,7 @@ class TrainLoop:
             state.initial_loss = all_reduce(self._first_loss).item() / self.world_size
 
     def _save(self, window: "_Window", state: TrainState) -> None:
-        window_loss = window.check_finite(state.step)  # never write a checkpoint from a diverged run
+        window_loss = window.check_finite(state.step, self.saved_step)  # never write a checkpoint from a diverged run
         self._settle_skipped_steps(state)
         self._settle_initial_loss(state)
         self.checkpoint(state, window_loss if window.micro else None)
@@ -489,7 +489,7 @@ class TrainLoop:
         return True
 
     def _log(self, state: TrainState, window: "_Window", bar, updates_in_epoch: int) -> None:
-        metrics = window.flush(state.step)
+        metrics = window.flush(state.step, self.saved_step)
         if self.sample_tokens:
             metrics["train/tok_per_s"] = metrics["train/img_per_s"] * self.sample_tokens
         state.unreadable_images += metrics.get("train/unreadable_images", 0)
@@ -557,18 +557,19 @@ class _Window:
             f"another rank could not load its training batches ({int(failed)} rank(s)); its output says why"))
         return loss_sum, micro, unreadable
 
-    def check_finite(self, step: Optional[int], sums: Optional[tuple] = None) -> float:
-        """Raise NonFiniteLossError if the window's loss is NaN/inf on any rank;
-        return the global mean loss. `sums`: `_global_sums()` if already taken."""
+    def check_finite(self, step: Optional[int], kept_step: Optional[int], sums: Optional[tuple] = None) -> float:
+        """Raise NonFiniteLossError if the window's loss is NaN/inf on any rank, naming the checkpoint kept
+        (`kept_step`: TrainLoop.saved_step, None when none was written); return the global mean loss. `sums`:
+        `_global_sums()` if already taken."""
         loss_sum, micro, _ = sums or self._global_sums()
         if not math.isfinite(loss_sum):
             raise NonFiniteLossError(f"the training loss is {loss_sum} at or before update {step}; stopping "
-                                     f"without writing a checkpoint, the last good one is kept")
+                                     f"without writing a checkpoint: {kept_text(kept_step)}")
         return loss_sum / max(micro, 1.0)
 
-    def flush(self, step: int) -> dict:
+    def flush(self, step: int, kept_step: Optional[int]) -> dict:
         sums = self._global_sums()
-        mean_loss, unreadable = self.check_finite(step, sums), sums[2]
+        mean_loss, unreadable = self.check_finite(step, kept_step, sums), sums[2]
         elapsed = time.perf_counter() - self.t0
         metrics = {"train/loss": mean_loss, "train/img_per_s": self.images / max(elapsed, 1e-9),
                    "train/data_wait": self.data_wait / max(elapsed, 1e-9),  # share of the window's time

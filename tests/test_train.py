@@ -1544,12 +1544,12 @@ def test_a_windows_throughput_and_data_wait_are_its_own_images_and_waits_over_it
     window.add_update(8, None)
     window.data_wait += 1.0
     clock[0] = 14.0
-    first = window.flush(step=2)
+    first = window.flush(step=2, kept_step=None)
     window.add_loss(torch.tensor(1.0))
     window.add_update(8, None)
     window.data_wait += 0.5
     clock[0] = 16.0
-    second = window.flush(step=3)
+    second = window.flush(step=3, kept_step=None)
     assert (first["train/img_per_s"], first["train/data_wait"]) == (4.0, 0.25)
     assert (second["train/img_per_s"], second["train/data_wait"]) == (4.0, 0.25)
 
@@ -1574,6 +1574,29 @@ def test_a_nan_or_infinite_loss_stops_before_the_next_checkpoint(bad):
     with pytest.raises(NonFiniteLossError, match=f"the training loss is {bad}"):
         loop.run_epoch(TrainBatches(batches, _FixedOrder()), TrainState(), batch_size_per_gpu=2)
     assert len(saves) == 2
+
+
+@pytest.mark.parametrize("ckpt_every, kept", [(1, "the last one, of update 2, is kept"),
+                                               (100, "none was written yet, so the same command starts afresh")])
+def test_a_nan_loss_stop_names_the_checkpoint_kept_or_that_none_was_written(ckpt_every, kept):
+    """The stop's line names what a re-run resumes from: update 2's checkpoint when one was written every update,
+    and, with none written before the NaN of update 3, that the same command starts afresh (not 'the last good one
+    is kept', which named a file that did not exist)."""
+    from engine.loop import TrainBatches
+
+    calls = [0]
+
+    def compute_loss(m, x, y):
+        calls[0] += 1
+        loss = F_ce(m(x), y)
+        return loss * float("nan") if calls[0] == 3 else loss
+
+    model = torch.nn.Linear(3, 2)
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=compute_loss,
+                     device=torch.device("cpu"), ckpt_every=ckpt_every, save=lambda: None, log_every=100)
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(4)]
+    with pytest.raises(NonFiniteLossError, match="without writing a checkpoint: " + kept):
+        loop.run_epoch(TrainBatches(batches, _FixedOrder()), TrainState(), batch_size_per_gpu=2)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
