@@ -263,7 +263,8 @@ def test_hooks_on_two_parts_keep_their_own_state_across_a_resume(tmp_path, monke
 
 def test_input_shape_is_checked_when_the_hook_is_made_and_used_when_given(tmp_path):
     from cd.integrations.mmengine import ColinearityDecayHook
-    for bad in [("a", "b"), (1, 3, 0, 32), "1,3,32,32", (1.0, 3, 32, 32), (True, 3, 32, 32)]:
+    # an empty shape too: all() over nothing is True, and the pair check would fail inside runner.train()
+    for bad in [("a", "b"), (1, 3, 0, 32), "1,3,32,32", (1.0, 3, 32, 32), (True, 3, 32, 32), (), []]:
         with pytest.raises(ValueError, match="input_shape must be a sequence of positive ints"):
             ColinearityDecayHook(input_shape=bad)
     with pytest.raises(TypeError, match="module must be"):
