@@ -19,6 +19,9 @@ or your own. Each matrix gets the lr of its
 param group at that moment, which MMEngine's param schedulers set. With an OptimWrapperDict the optimizers' steps
 of one iteration make one update (`cd.integrations.SharedUpdate`): every pair reads the weights of before the
 iteration's steps, also a pair whose two matrices are in different optimizers, and `cd/updates` counts it once.
+The optimizers are bound at `before_train`, and bound again at an iteration's start when `runner.optim_wrapper` no
+longer holds the ones bound: a wrapper replaced during training (a hook that sets `runner.optim_wrapper` to a second
+stage's optimizer at `before_train_epoch`) gets CD as the first did, with the same counter.
 
 The model: `runner.model` without its (MM)DistributedDataParallel wrapper, and of it the `backbone` when it has
 one (a detector's, as the paper decays the backbone; `module=` names another part, `module=""` the whole
@@ -43,7 +46,8 @@ from mmengine.registry import HOOKS
 from ..decay import ColinearityDecay, budget_weight_decay
 from ..verify import UnsupportedModelError, example_input
 from ..wrappers import unwrap_model
-from . import bind_optimizers, check_cd_arguments, check_module_name, name_the_part, select_module
+from . import (bind_optimizers, check_cd_arguments, check_module_name, name_the_part, select_module,
+               torch_optimizer)
 
 CHECKPOINT_KEY = "colinearity_decay"
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)  # an image batch, for a part that cannot say its input size
@@ -102,8 +106,7 @@ class ColinearityDecayHook(Hook):
         return select_module(model, self.module)
 
     def before_train(self, runner) -> None:
-        for binding in self._bindings.values():
-            binding.remove()
+        self._unbind()  # a train() that raised left its bindings (MMEngine calls no after_train then)
         target = self.target(runner.model)
         kwargs = dict(self.cd_kwargs)
         shape = None  # the input batch this hook gives the pair check, if it gives one
@@ -144,9 +147,12 @@ class ColinearityDecayHook(Hook):
         # as for `resume`; only a resumed run stands past iteration 0 here
         if self._restored is not None and runner.iter > 0:
             self.decay.load_state_dict(self._restored)
-        self._bindings = bind_optimizers(self.decay, _optimizers(runner.optim_wrapper))
+        self._bind(runner)
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
+        # the bindings hold their optimizers, so an id here is of the same object as long as it is bound
+        if set(self._bindings) != {id(torch_optimizer(opt)) for opt in _optimizers(runner.optim_wrapper)}:
+            self._bind(runner)  # a wrapper replaced since (a second stage's optimizer): bound as the first ones were
         for binding in self._bindings.values():  # every update of the iteration (a train_step may make several)
             binding.arm(until_disarmed=True)
 
@@ -155,6 +161,15 @@ class ColinearityDecayHook(Hook):
             binding.disarm()
 
     def after_train(self, runner) -> None:
+        self._unbind()
+
+    def _bind(self, runner) -> None:
+        """CD bound to the optimizers of `runner.optim_wrapper` as they are now (and no longer to those bound
+        before); the decay, and so its counter, stays."""
+        self._unbind()
+        self._bindings = bind_optimizers(self.decay, _optimizers(runner.optim_wrapper))
+
+    def _unbind(self) -> None:
         for binding in self._bindings.values():
             binding.remove()
         self._bindings = {}
