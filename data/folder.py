@@ -1,7 +1,7 @@
 """ImageNet-style folders (`root/<split>/<class>/<image>`) through timm's ImageDataset, checked early.
 
-A missing root, a missing split folder or a split without class folders is a clear error here rather
-than an exception from inside a DataLoader worker. The classes are the split's sub-folders, each holding
+A missing root, a missing split folder (or a link to one) or a split without class folders is a clear error here
+rather than an exception from inside a DataLoader worker. The classes are the split's sub-folders, each holding
 its images directly: an image elsewhere or an empty class folder is an error (`check_class_folders`), as
 either would change the class set silently. timm's reader also accepts a .tar per split, checked by the same
 rules: its class folders are the tar's top-level folders, or the class tars it holds (ImageNet's train tar),
@@ -109,8 +109,21 @@ def find_split(root: str, split: str) -> str:
         if os.path.exists(candidate):
             check_split_kind(candidate)
             return candidate
+    for candidate in (os.path.join(root, split), os.path.join(root, split + ".tar")):
+        check_link_target(candidate)  # listed by the error below, yet not there: name what is missing
     raise DataError(f"no '{split}' split in {root}: found {sorted(os.listdir(root))[:10]}; set "
                     f"data.train_split / data.val_split")
+
+
+def check_link_target(path: str) -> None:
+    """A split `path` that is a symbolic link to nothing (a moved data set, an unmounted disk) is a DataError naming
+    the link's target; anything else passes."""
+    if not os.path.islink(path) or os.path.exists(path):
+        return
+    target, end = os.readlink(path), os.path.realpath(path)
+    via = "" if end == target else f", which leads to {end}"  # a relative target, or a chain of links
+    raise DataError(f"{path} is a symbolic link to {target}{via}, which does not exist: mount or restore it, or "
+                    f"point the link at the split's folder or .tar")
 
 
 def check_split_kind(path: str) -> None:
