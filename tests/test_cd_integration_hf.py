@@ -199,14 +199,51 @@ def test_a_checkpoint_without_the_saved_counter_resumes_it_at_the_global_step(tm
     assert given.decay.num_updates == 2 + 2
 
 
-def test_a_resumed_trainer_runs_the_callback_as_given_not_as_saved(tmp_path):
+def cd_config(lam: float, lam_per_role: dict | None = None) -> dict:
+    """ColinearityDecay's config as its state_dict (and so a Lightning or MMEngine checkpoint) records it, for the
+    decoupled update with the default targets and loss_coef."""
+    return {"lam": lam, "lam_per_role": lam_per_role or {}, "targets": "A+B", "mode": "decoupled", "loss_coef": 0.01}
+
+
+def test_a_resumed_trainer_runs_the_callback_as_given_not_as_saved_and_warns_as_lightning_and_mmengine_do(tmp_path):
+    """Other CD settings in the resumed run: the ones given run (the Trainer rebuilds no callback from the
+    checkpoint), with the warning that Lightning's callback and MMEngine's hook give, naming both configs."""
     train(tmp_path, steps=4, save_steps=2)
     saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
     assert "ColinearityDecayCallback" not in saved
     given = ColinearityDecayCallback(lam=LAM, lam_per_role={"fc2": 2 * LAM})
-    trainer, _, _ = train(tmp_path, steps=4, resume=str(tmp_path / "checkpoint-2"), callback=given)
+    with pytest.warns(UserWarning) as caught:
+        trainer, _, _ = train(tmp_path, steps=4, resume=str(tmp_path / "checkpoint-2"), callback=given)
+    want = (f"ColinearityDecay: resuming with a different CD config: saved {cd_config(LAM)}, "
+            f"now {cd_config(LAM, {'fc2': 2 * LAM})}")
+    assert [str(w.message) for w in caught if "CD config" in str(w.message)] == [want]
     assert given in trainer.callback_handler.callbacks
     assert given.decay.lam_per_role == {"fc2": 2 * LAM} and given.decay.num_updates == 4
+
+
+@pytest.mark.parametrize("entry", ["as_saved", "without_config"])
+def test_a_resume_with_the_same_config_or_an_entry_without_one_warns_nothing_and_keeps_the_counter(tmp_path, entry):
+    """The same settings resume without the warning; a checkpoint whose counter entry has no config (saved by an
+    earlier version of the callback) resumes too, its counter restored, with nothing to compare (another lam
+    then runs as given)."""
+    import warnings
+
+    from cd.integrations.hf import COUNTER_KEY
+    train(tmp_path, steps=4, save_steps=2, schedule=warmup)  # 1 update in the first 2 steps (step 0 has lr 0)
+    path = tmp_path / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(path.read_text())
+    assert state["stateful_callbacks"][COUNTER_KEY]["config"] == cd_config(LAM)
+    lam = LAM
+    if entry == "without_config":
+        del state["stateful_callbacks"][COUNTER_KEY]["config"]
+        path.write_text(json.dumps(state))
+        lam = 2 * LAM
+    given = ColinearityDecayCallback(lam=lam)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(tmp_path, steps=4, resume=str(tmp_path / "checkpoint-2"), callback=given, schedule=warmup)
+    assert not [w for w in caught if "CD config" in str(w.message)]
+    assert given.decay.lam == lam and given.decay.num_updates == 1 + 2  # the saved count, not global_step 2
 
 
 def test_a_resumed_callback_counts_the_restored_steps_as_updates_only_where_cd_updates():

@@ -18,12 +18,15 @@ gives the same weights as an uninterrupted one, with the callback as it is given
 callback is deliberately not one of the Trainer's stateful callbacks: `restore_callback_states_from_checkpoint=True`
 would replace it by a new instance built from the arguments saved in the checkpoint, dropping changed
 arguments and leaving the caller's object (and its `decay`) unused. The logging counter `cd/updates` (which also
-sets the steps whose update norms are computed, `norms_every`) is saved in the checkpoint's `trainer_state.json`
-instead, as a plain entry of its `stateful_callbacks` under `COUNTER_KEY` (not a callback's class name, so the
-Trainer rebuilds nothing from it; with `restore_callback_states_from_checkpoint=True` it logs that entry as a
-callback "not included in current configuration", and it is restored all the same). A checkpoint without that
-entry (saved by an earlier version of this callback) starts the counter at the restored `global_step`, which
-also counts the steps of lr 0 (a warmup's first) and those fp16 skipped: too high by those steps.
+sets the steps whose update norms are computed, `norms_every`) and CD's config are saved in the checkpoint's
+`trainer_state.json` instead, as a plain entry of its `stateful_callbacks` under `COUNTER_KEY` (not a callback's
+class name, so the Trainer rebuilds nothing from it; with `restore_callback_states_from_checkpoint=True` it logs
+that entry as a callback "not included in current configuration", and it is restored all the same). A resumed run
+whose callback has another config (lam, lam_per_role, targets, gated_mlp) warns, as Lightning's callback and
+MMEngine's hook do ("ColinearityDecay: resuming with a different CD config"), and runs with the one given now. A
+checkpoint without that entry (saved by an earlier version of this callback) starts the counter at the restored
+`global_step`, which also counts the steps of lr 0 (a warmup's first) and those fp16 skipped: too high by those
+steps; one whose entry has no config (an earlier version's too) compares none.
 
 The Trainer has no event for a `train()` that raises (Lightning has `on_exception`): the binding of a failed run
 stays on its optimizer, armed if the run stopped between `on_pre_optimizer_step` and the step. Each `train()`
@@ -43,7 +46,8 @@ from transformers import TrainerCallback
 from ..decay import _HOOKED, ColinearityDecay, make_step_hooks_run
 from . import OptimizerBinding, bind_optimizers, check_cd_arguments, torch_optimizer
 
-# the entry of TrainerState.stateful_callbacks that holds the counter: {"num_updates": n, "global_step": step}
+# the entry of TrainerState.stateful_callbacks that holds the counter and the config:
+# {"num_updates": n, "global_step": step, "config": ColinearityDecay.state_dict()["config"]} (JSON values)
 COUNTER_KEY = "cd.integrations.hf.ColinearityDecayCallback"
 
 
@@ -121,20 +125,28 @@ class ColinearityDecayCallback(TrainerCallback):
         # where it counts there (a fused optimizer's steps under GradScaler, whose scale accelerate reads at
         # every step anyway)
         if state.stateful_callbacks is not None:
-            state.stateful_callbacks[COUNTER_KEY] = {"num_updates": self.decay.state_dict()["num_updates"],
-                                                     "global_step": state.global_step}
+            saved = self.decay.state_dict()
+            state.stateful_callbacks[COUNTER_KEY] = {"num_updates": saved["num_updates"],
+                                                     "global_step": state.global_step, "config": saved["config"]}
 
     def on_train_end(self, args, state, control, **kwargs):
         self._unbind()
 
     def _restore_counter(self, state) -> None:
         """The counter of a resumed run: the saved one, when it was saved at the step the Trainer restored;
-        else (a checkpoint without it) the restored global_step, where CD updates at all (lam=0 counts none)."""
+        else (a checkpoint without it) the restored global_step, where CD updates at all (lam=0 counts none).
+        A saved config that differs from this decay's is warned about (`ColinearityDecay.load_state_dict`)."""
         saved = (state.stateful_callbacks or {}).get(COUNTER_KEY)
-        if isinstance(saved, dict) and saved.get("global_step") == state.global_step:
-            self.decay.load_state_dict({"num_updates": saved["num_updates"]})
-        elif self.decay._active:
-            self.decay.num_updates = state.global_step
+        saved = saved if isinstance(saved, dict) else {}
+        if saved.get("global_step") == state.global_step and "num_updates" in saved:
+            count = saved["num_updates"]
+        else:
+            count = state.global_step if self.decay._active else self.decay.num_updates
+        config = saved.get("config")  # a checkpoint of an earlier version has none: None compares nothing
+        if isinstance(config, dict):  # trainer_state.json sorts its keys: the decay's order, so that the warning
+            own = self.decay.state_dict()["config"]  # reads as Lightning's and MMEngine's (dicts compare equal anyway)
+            config = {**{k: config[k] for k in own if k in config}, **config}
+        self.decay.load_state_dict({"num_updates": count, "config": config})
 
     def _unbind(self) -> None:
         if self._binding is not None:
