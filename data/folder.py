@@ -332,6 +332,13 @@ def images_outside_class_folders(path: str, dataset: ImageDataset, wrapper: Sequ
     return outside
 
 
+def images_in_class_tar_folders(dataset: ImageDataset) -> list[tuple[str, str]]:
+    """(class tar, member) of each image of a tar split that sits in a folder inside its class tar, such as the ./0.png
+    of `tar cf cat.tar -C cat .`: timm labels it by that folder ('.'), not by the class tar's name."""
+    return [(inner.name, member.name) for member, _, inner in dataset.reader.samples
+            if inner is not None and posixpath.dirname(member.name.lstrip("/"))]
+
+
 def check_class_folders(path: str, dataset: ImageDataset) -> None:
     """The classes of a split (a folder or a .tar) are its class folders, each holding its images directly, or a
     DataError.
@@ -344,6 +351,15 @@ def check_class_folders(path: str, dataset: ImageDataset) -> None:
     wrapper, folders = ([], class_folders(path)) if os.path.isdir(path) else tar_layout(path)
     folders = visible_in_label_order(folders)
     outside = images_outside_class_folders(path, dataset, wrapper)
+    foldered = [] if os.path.isdir(path) or not outside else images_in_class_tar_folders(dataset)
+    if foldered:  # the general advice below would name the class tar they are in as the place to put them
+        (tar, member), *_ = foldered
+        folder, stem = posixpath.dirname(member), posixpath.splitext(posixpath.basename(tar))[0]
+        raise DataError(f"{path}: {len(foldered)} image(s) sit in a folder inside their class tar, e.g. "
+                        f"{', '.join(f'{t}/{m}' for t, m in foldered[:3])}: timm labels such an image by that "
+                        f"folder's name ('{posixpath.basename(folder)}' for {tar}/{member}), not by its tar's, so a "
+                        f"class tar must hold its images at its top. Re-pack each class tar without the {folder}/ "
+                        f"prefix, e.g. `tar cf {stem}.tar -C {stem} $(ls {stem})` in the folder holding {stem}/")
     if outside:
         where = (f"{path}/<class>/" if os.path.isdir(path) else
                  f"a top-level <class>/ folder or <class>.tar of {path} (or of one folder holding them all)")
