@@ -81,7 +81,7 @@ from engine.tasks import check_model_fits_task, perplexity_text, task_for
 from engine.console import console_print
 from engine.runinfo import exit_with_error, log_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
-from models.factory import check_recorded_architecture, model_kwargs
+from models.factory import check_recorded_architecture
 from models.modules import nonfinite_tensors
 from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
@@ -357,11 +357,10 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
         if trained != cfg.model.attn:
             raise CheckpointError(f"{args.checkpoint} was trained with model.attn={trained}; drop the "
                                   f"model.attn={cfg.model.attn} override")
-    if not payload:  # weights file or hub: evaluated only as they are, never with a new classifier
-        check_hub_weights_fit(cfg)
     # dropout acts in training only: unless a pipeline trains (GPLQ's stage 1), the model is built without it, so a
     # run recorded with a rate this code places otherwise, or refuses for its model (model.drop), still evaluates
     built = cfg.model if a_pipeline_trains(cfg) else dataclasses.replace(cfg.model, drop=0.0)
+    # a weights file or the hub's is evaluated only as it is (strict: never with a new classifier)
     model = build_model(dataclasses.replace(built, pretrained="") if payload
                         else dataclasses.replace(built, pretrained_strict=True))
     if payload:
@@ -386,26 +385,6 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
                               f"values, e.g. {'; '.join(bad[:3])}; nothing was evaluated or written: "
                               f"evaluate an earlier checkpoint of the run")
     return model
-
-
-def check_hub_weights_fit(cfg: Config) -> None:
-    """timm's hub loading replaces a classifier of another size by a random one, and an attention-sink
-    variant's parameters are not in the hub weights: both would score other weights than the published."""
-    if cfg.model.pretrained != "hub":
-        return
-    import timm.models
-
-    arch, _ = model_kwargs(cfg.model)
-    hub = timm.models.get_pretrained_cfg(arch)
-    classes = getattr(hub, "num_classes", None)
-    if classes is not None and classes != cfg.model.num_classes:
-        raise ConfigError(f"model.pretrained=hub: the hub weights of {arch} have "
-                          f"{classes or 'no'} classifier outputs, model.num_classes={cfg.model.num_classes}; "
-                          f"timm would score a random classifier in their place. Evaluate them with "
-                          f"model.num_classes={classes} (on their classes), or a fine-tuned checkpoint")
-    if cfg.model.attn in ("attn_bias", "kv_bias"):
-        raise ConfigError(f"model.pretrained=hub has no parameters of model.attn={cfg.model.attn}: "
-                          f"evaluate a checkpoint trained with it, or drop the model.attn override")
 
 
 def check_vocabulary_kind(payload: Optional[dict], val_vocab: Optional[list], weights: str, dataset: str) -> None:

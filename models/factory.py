@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import math
 
 import timm
@@ -21,10 +22,12 @@ from configs.schema import ModelConfig
 
 from .attention_sinks import use_sink_attention
 from .gpt import GPT, GPT_SIZES, build_gpt
+from .hub import check_hub_weights_fit, hub_table_resize
 from .pretrained import ModelError, load_pretrained
 from .timm_build_args import build_args_problem
 from .variants import VARIANTS
 
+log = logging.getLogger(__name__)
 
 # timm constructor arguments that ModelConfig sets with keys of its own (model.drop's: DROP_ARGS); timm's
 # create_model loads a checkpoint_path itself (timm's load_checkpoint: a train.py checkpoint's EMA weights, none of
@@ -144,6 +147,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         return _build_language_model(cfg)
     arch, kwargs = model_kwargs(cfg)
     hub = cfg.pretrained == "hub"
+    if hub and cfg.pretrained_strict:  # timm would fit the weights to the model (a random classifier), not refuse
+        check_hub_weights_fit(cfg, arch)
     try:
         model = timm.create_model(arch, pretrained=hub, **kwargs)
     except TypeError as e:  # an unknown constructor argument in model.kwargs
@@ -159,6 +164,10 @@ def build_model(cfg: ModelConfig) -> nn.Module:
                              f"{e or type(e).__name__}") from e
         raise
     check_patch_grid(model, cfg)
+    if hub:  # the scored table is not the hub's: logged and recorded as a local file's is (models/pretrained.py)
+        model.pretrained_resampled, line = hub_table_resize(model, arch)
+        if line:
+            log.warning(line)
     try:
         # after timm's init and hub weights (the variant takes them over, its sink parameters start at
         # zero), before local weights, so that a checkpoint of the variant fits

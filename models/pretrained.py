@@ -348,6 +348,10 @@ def _window_shrunk_to(model: nn.Module, key: str, file_side) -> tuple:
     return tuple(feature_map) if any(w == r < file_side for w, r in zip(window, feature_map)) else ()
 
 
+# the advice for weights whose classifier does not fit model.num_classes (a local file's or the hub's)
+NEW_CLASSIFIER = "only fine-tuning, with model.pretrained_strict=false, replaces it by a new classifier"
+
+
 def classifier_mismatch(head: str, state: dict, own: dict, path: str) -> str:
     """The error line for a file whose classifier (the keys under `head`, e.g. 'head.') has other shapes than the
     model's: another number of outputs alone is a setting (model.num_classes); another input width (or outputs that
@@ -355,7 +359,7 @@ def classifier_mismatch(head: str, state: dict, own: dict, path: str) -> str:
     keys = [k for k in state if k.startswith(head) and k in own]
     differ = [k for k in keys if state[k].shape != own[k].shape]
     outputs = {state[k].shape[0] for k in keys if state[k].dim()}
-    refit = " (only fine-tuning, with model.pretrained_strict=false, replaces it by a new classifier)"
+    refit = f" ({NEW_CLASSIFIER})"
     if len(outputs) == 1 and all(state[k].shape[1:] == own[k].shape[1:] for k in differ):
         key = differ[0]
         return (f"{path}: its classifier '{key}' has {state[key].shape[0]} outputs, model.num_classes="

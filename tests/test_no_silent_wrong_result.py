@@ -19,6 +19,7 @@ from engine.checkpoint import weights_fingerprint
 from engine.eval_results import EvalResults, ResultsError
 from engine.run_dir import partial_path, save_config_history
 from models import ModelError, build_model
+from models.hub import check_hub_weights_fit
 from tests.conftest import DEBUG_CONFIG, ROOT, run_entry
 
 
@@ -53,13 +54,13 @@ def test_weights_whose_classifier_does_not_fit_are_refused_not_given_a_random_he
 
 
 def test_hub_weights_without_a_fitting_classifier_are_refused():
+    """Before anything is fetched (tests/test_hub_weights_strict.py loads a hub cache of this machine's)."""
     cfg = load_config([DEBUG_CONFIG], ["model.name=vit_tiny_patch16_224", "model.pretrained=hub"])
-    with pytest.raises(ConfigError, match=r"1000 classifier outputs, model.num_classes=4; timm would score a "
-                                          r"random classifier"):
-        evaluate.check_hub_weights_fit(cfg)
-    evaluate.check_hub_weights_fit(load_config([DEBUG_CONFIG], ["model.name=vit_tiny_patch16_224",
-                                                                "model.pretrained=hub",
-                                                                "model.num_classes=1000"]))
+    with pytest.raises(ModelError, match=r"its classifier 'head.weight' has 1000 outputs, model.num_classes=4: set "
+                                         r"model.num_classes=1000 to use it as it is"):
+        check_hub_weights_fit(cfg.model, "vit_tiny_patch16_224")
+    check_hub_weights_fit(load_config([DEBUG_CONFIG], ["model.name=vit_tiny_patch16_224", "model.pretrained=hub",
+                                                       "model.num_classes=1000"]).model, "vit_tiny_patch16_224")
 
 
 # -- the class set of a folder data set --------------------------------------------------------------------
