@@ -294,7 +294,8 @@ class ColinearityDecay:
         matmul_precision: of the update's products: 'fp32' (exact), 'tf32', 'bf16', or 'auto' (tf32 when
             the pairs are on CUDA, else fp32). The error of each against float64 is in cd/README.md. An explicit
             'tf32' with the decayed matrices off CUDA (which has no TF32: fp32 products) is refused at the first
-            update, so that a model moved to a GPU after CD is built takes it.
+            update, so that a model moved to a GPU after CD is built takes it (the integrations refuse it when
+            they bind the framework's optimizers, the model on its device by then).
         norms_every: compute the update norms (`metrics`) on every n-th update only; they cost a
             materialised delta per pair, so the trainer passes its log interval.
         example_input: a tensor of the model's input shape (a tuple of positional inputs, a dict of keyword

@@ -1,7 +1,8 @@
 """An explicit matmul_precision='tf32' is refused where there is no TF32: CPUs have none, so the update's products
 would run in fp32 while the setting (and a run's config) says tf32. Refused at the first update, not when CD is built
-(a model may be moved to a GPU after that), by ColinearityDecay and so by the integrations; train.py makes the same
-check before a run starts, with its own setting's name (tests/test_train.py)."""
+(a model may be moved to a GPU after that), by ColinearityDecay and so by an OptimizerBinding; the integrations refuse
+it earlier, when they bind the framework's optimizers (the model is on its device by then), before any forward;
+train.py makes the same check before a run starts, with its own setting's name (tests/test_train.py)."""
 from __future__ import annotations
 
 import pytest

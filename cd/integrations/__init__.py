@@ -22,6 +22,7 @@ import torch
 from ..decay import ColinearityDecay, check_settings, make_step_hooks_run, register_step_update
 from ..layouts import check_layouts
 from ..pairs import check_example_use
+from ..update import check_tf32_device
 from ..verify import UNUSED
 from ..wrappers import (closure_then, in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text,
                         unwrap_model)
@@ -334,7 +335,9 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: boo
             a warning: their update starts once a param group adds them.
         RuntimeError: an optimizer's `step` calls no step hooks (`cd.wrappers.steps_without_hooks`): an lr scheduler
             built on timm's Lookahead before torch wrapped its class's step (CD would silently never run).
+        ValueError: matmul_precision='tf32' was given and a decayed matrix is not on CUDA (`check_tf32_device`).
     """
+    _refuse_tf32_off_cuda(decay)
     opts = {}
     for optimizer in optimizers:
         opt = torch_optimizer(optimizer)
@@ -364,6 +367,19 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: boo
     shared = SharedUpdate(decay, list(opts.values())) if len(opts) > 1 else None
     return {key: OptimizerBinding(decay, opt, strict_steps, warn_outside=False, shared=shared)
             for key, opt in opts.items()}
+
+
+def _refuse_tf32_off_cuda(decay: ColinearityDecay) -> None:
+    """An explicit matmul_precision='tf32' with a decayed matrix off CUDA, refused when the framework's optimizers
+    are bound: the framework has put the model on its device by then, so this is the device of the run, and the
+    error comes before the first forward and backward, not inside the first optimizer step (where ColinearityDecay
+    checks it, for a model that may still move after CD is built)."""
+    if not decay._tf32_to_check:
+        return
+    for t in decay._decayed():
+        check_tf32_device("tf32", t.device.type, "cd.integrations: matmul_precision", "the decayed matrices are",
+                          "pass matmul_precision='fp32', or 'auto' (tf32 on CUDA, fp32 elsewhere), or train on a "
+                          "GPU (the framework's device or accelerator setting)")
 
 
 def _warn_outside(decay: ColinearityDecay, held: Container[int]) -> None:
