@@ -27,8 +27,10 @@ converts batches under a "-true" precision), or the submodule that
 the optimizers are the Trainer's, bound at `on_train_start`, and bound again at the start of a batch when they are no
 longer the ones bound: an optimizer set up during fit (`trainer.strategy.setup_optimizers(trainer)` in
 `on_train_epoch_start`, Lightning's way to switch to a second stage's optimizer) gets CD as the first one did. One
-set up later in a batch (in the LightningModule's `on_train_batch_start`, which runs after the callbacks', or in
-`training_step`) is refused at its first step, before the step, not stepped without CD. The callback's state (the
+set up later in a batch and stepped in it (in the LightningModule's `on_train_batch_start`, which runs after the
+callbacks', or in `training_step` under manual optimization) is refused at its first step, before the step, not
+stepped without CD. Under automatic optimization Lightning steps the optimizer that the batch started with, so one
+set up in `training_step` is first stepped in the next batch, bound at that batch's start: every step gets CD. The callback's state (the
 update counter) is saved in Lightning checkpoints and restored with `fit(..., ckpt_path=...)`; the update itself has
 no state.
 """
