@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -511,14 +512,20 @@ def test_verify_false_trains_a_module_with_an_example_input_array():
 class SecondStage(Module):
     """Lightning's way to switch optimizers during fit: at epoch 1 the Trainer sets up the module's optimizer and
     schedule again (a second stage's, here a fresh AdamW and a schedule from its start); `late`: at its own
-    on_train_batch_start, after the callbacks' (one batch per epoch)."""
+    on_train_batch_start, after the callbacks' (one batch per epoch); `in_step`: in the first training_step of
+    epoch 1."""
 
-    def __init__(self, net, steps: int, late: bool = False) -> None:
+    def __init__(self, net, steps: int, late: bool = False, in_step: bool = False) -> None:
         super().__init__(net, steps)
-        self.late = late
+        self.late, self.in_step = late, in_step
+
+    def training_step(self, batch, batch_idx):
+        if self.in_step and self.current_epoch == 1 and batch_idx == 0:
+            self.trainer.strategy.setup_optimizers(self.trainer)
+        return super().training_step(batch, batch_idx)
 
     def on_train_epoch_start(self):
-        if self.current_epoch == 1 and not self.late:
+        if self.current_epoch == 1 and not self.late and not self.in_step:
             self.trainer.strategy.setup_optimizers(self.trainer)
 
     def on_train_batch_start(self, batch, batch_idx):
@@ -556,3 +563,29 @@ def test_an_optimizer_set_up_after_the_batch_started_is_refused_before_its_step(
         fit(module, 2, n_batches=1, max_epochs=2)
     assert len(module.after) == 1
     assert all(torch.equal(p, module.after[0][n]) for n, p in module.net.named_parameters())
+
+
+def test_an_optimizer_set_up_in_training_step_is_first_stepped_in_the_next_batch_with_cd():
+    """Automatic optimization: Lightning steps the optimizer that the batch started with (bound), so the one set up
+    in training_step is not refused; the callback binds it at the next batch's start, and every step gets CD.
+    Lightning steps the new schedule at the end of the batch that set it up, before the new optimizer's first step."""
+    net = tiny_vit().double()
+    initial = copy.deepcopy(net)
+    module = SecondStage(net, steps=2, in_step=True)
+    trainer = fit(module, 4, n_batches=2, max_epochs=2)
+    micro = [[batch] for batch in module.batches]
+
+    def run(variant):
+        ref = copy.deepcopy(initial)
+        opt, sched = vit_optimizer_and_schedule(ref, 2)
+        out = reference_run(ref, micro[:3], lambda m, b: F.cross_entropy(m(b[0]), b[1]), opt, sched,
+                            vit_pairs(BLOCKS, DIM), LAM, variant=variant)
+        opt, sched = vit_optimizer_and_schedule(ref, 2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's "lr_scheduler.step() before optimizer.step()": Lightning's order
+            sched.step()
+        return out + reference_run(ref, micro[3:], lambda m, b: F.cross_entropy(m(b[0]), b[1]), opt, sched,
+                                   vit_pairs(BLOCKS, DIM), LAM, variant=variant)
+
+    assert_matches_reference(module.after, run, TOL, variants=("before_backward", "after_step", "first_group_lr"))
+    assert cd_callback(trainer).decay.num_updates == trainer.global_step == 4
