@@ -30,9 +30,9 @@ longer the ones bound: an optimizer set up during fit (`trainer.strategy.setup_o
 set up later in a batch and stepped in it (in the LightningModule's `on_train_batch_start`, which runs after the
 callbacks', or in `training_step` under manual optimization) is refused at its first step, before the step, not
 stepped without CD. Under automatic optimization Lightning steps the optimizer that the batch started with, so one
-set up in `training_step` is first stepped in the next batch, bound at that batch's start: every step gets CD. The callback's state (the
-update counter) is saved in Lightning checkpoints and restored with `fit(..., ckpt_path=...)`; the update itself has
-no state.
+set up in `training_step` is first stepped in the next batch, bound at that batch's start: every step gets CD.
+The callback's state (the update counter) is saved in Lightning checkpoints and restored with
+`fit(..., ckpt_path=...)`; the update itself has no state.
 """
 from __future__ import annotations
 
