@@ -76,6 +76,7 @@ from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from engine.training_checks import check_schedule_on_resume, check_training_settings
 from models import ModelError, build_model, describe, input_size, model_label
 from models.factory import MODEL_DROP_SITES, check_recorded_architecture, without_dropout_rates
+from models.kwargs_change import check_kwargs_kept
 from models.gpt import GPT_SIZES
 from quant.plan import (RECORDED_FOR_EVALUATION, check_model_converts, check_quant_plan, evaluation_pipelines,
                         reads_calibration_batch, too_few_for_a_batch, too_many_train_images, train_image_demands)
@@ -448,7 +449,8 @@ def pretrained_run_config(model_cfg) -> Optional[dict]:
 def check_pretrained_architecture(model_cfg, model: nn.Module, config: dict) -> None:
     """A checkpoint of this code base given as model.pretrained records the model it was trained as (`config`): its
     weights loaded (their shapes fit), but a 2-head ViT's have the shapes of a 4-head one, which fine-tuning would
-    start from as another function without a word (models.factory.check_recorded_architecture)."""
+    start from as another function without a word (models.factory.check_recorded_architecture), and so would a
+    ReLU ViT's in a GELU one (other model.kwargs: models.kwargs_change.check_kwargs_kept)."""
     if not isinstance(config.get("model"), dict):
         return
     try:
@@ -456,6 +458,7 @@ def check_pretrained_architecture(model_cfg, model: nn.Module, config: dict) -> 
     except ConfigError:  # a record of an older schema: nothing to compare it with (its shapes fit)
         return
     check_recorded_architecture(recorded, model, f"model.pretrained={model_cfg.pretrained}")
+    check_kwargs_kept(recorded, model_cfg, f"model.pretrained={model_cfg.pretrained}")
 
 
 def note_attention_change(model_cfg, config: dict) -> None:
