@@ -17,7 +17,8 @@ early (a Swin of more blocks or stages too, whose conversion by timm fails on an
 of the other kind of model (a GPT's weights given to a ViT, or the reverse) is named as such, with the weights to
 give instead. A file that records its architecture (nanoGPT's `model_args`, transformers' config.json beside it) is
 checked against the model by the family's `check_recorded_settings`. A file torch's weights-only reader refuses (a
-safetensors file under another name, Python objects beside the tensors) is named with what to do about it.
+safetensors file under another name, Python objects beside the tensors, a numpy .npz archive such as JAX ViT weights)
+is named with what to do about it.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import logging
 import os
 import re
 import sys
+import zipfile
 
 import torch
 import torch.nn as nn
@@ -186,6 +188,17 @@ def unreadable(path: str, error: Exception) -> str:
     if not path.endswith(".safetensors") and _is_safetensors(path):  # timm picks the reader by the file name
         return (f"model.pretrained={path} is a safetensors file under another name, which torch's reader cannot "
                 f"read: give it the .safetensors extension")
+    arrays = _npz_arrays(path)
+    if arrays and any("/" in name for name in arrays):  # JAX / big_vision parameter paths ('embedding/kernel')
+        return (f"model.pretrained={path} is a numpy .npz archive of JAX weights (Google's ViT releases, big_vision), "
+                f"which is not read here: convert it with timm (its ViT reads them): model = timm.create_model(NAME, "
+                f"pretrained=True, pretrained_cfg_overlay=dict(file='{path}', custom_load=True), **ARGS) with "
+                f"model.name's timm name and its arguments, then torch.save(model.state_dict(), 'x.pth'), and give "
+                f"model.pretrained=x.pth")
+    if arrays:  # one array per parameter name (numpy.savez of a state dict)
+        return (f"model.pretrained={path} is a numpy .npz archive, which is not read here: save its arrays as torch "
+                f"tensors, torch.save({{k: torch.from_numpy(v) for k, v in numpy.load('{path}').items()}}, 'x.pth'), "
+                f"and give model.pretrained=x.pth")
     reason = " ".join(str(error).split()) or type(error).__name__
     if "weights_only" in reason:  # torch's weights-only unpickler met a Python object beside the tensors
         found = re.search(r"Unsupported globals?: (?:GLOBAL )?([\w.]+(?:, [\w.]+)*)", reason)
@@ -194,6 +207,16 @@ def unreadable(path: str, error: Exception) -> str:
                 + " that weights-only loading refuses: if the file is trusted, load it with torch.load(..., "
                   "weights_only=False), save its state dict alone with torch.save and give that file")
     return f"model.pretrained={path} cannot be read as weights: {reason}"
+
+
+def _npz_arrays(path: str) -> list[str]:
+    """The array names of a numpy .npz archive (a zip of NAME.npy members) at `path`; [] for any other file."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return []
+    return [m[:-len(".npy")] for m in members] if members and all(m.endswith(".npy") for m in members) else []
 
 
 def _is_safetensors(path: str) -> bool:
