@@ -280,7 +280,8 @@ def check_patch_size(state: dict, own: dict, path: str, strict: bool) -> str:
 
 
 def position_table_resize(state: dict, own: dict, model: nn.Module, path: str) -> tuple[dict, str]:
-    """A ViT file whose position table is for another grid (weights trained at another img_size): timm's filter
+    """A ViT file whose position table is for another grid (weights trained at another img_size or patch size, which
+    the line names as its cause: `_grid_cause`): timm's filter
     resamples the table (bicubic) to the model's grid. A fine-tune or an evaluation at a new resolution asks for
     exactly that, so it is not refused even when strict; but the scored table is not the file's, so the returned
     record ({'pos_embed_resampled': '2x2->4x4'}) and line say so, with both grids ({} and '' for none)."""
@@ -297,10 +298,28 @@ def position_table_resize(state: dict, own: dict, model: nn.Module, path: str) -
     prefix = own[key].shape[1] - grid[0] * grid[1]  # class/register tokens held in the table (0 for no_embed_class)
     tokens = converted - prefix
     side = int(tokens ** 0.5)
-    theirs, mine = f"{side}x{side}" if side * side == tokens else f"{tokens}-patch", f"{grid[0]}x{grid[1]}"
+    square = side * side == tokens
+    theirs, mine = f"{side}x{side}" if square else f"{tokens}-patch", f"{grid[0]}x{grid[1]}"
     return ({"pos_embed_resampled": f"{theirs}->{mine}"},
-            f"{path}: position table of a {theirs} grid resampled to the model's {mine} (timm's bicubic resize; the "
-            f"weights were trained at another img_size than model.img_size)")
+            f"{path}: position table of a {theirs} grid resampled to the model's {mine} (timm's bicubic resize; "
+            f"{_grid_cause(state, own, model, side if square else None)})")
+
+
+def _grid_cause(state: dict, own: dict, model: nn.Module, side) -> str:
+    """Why the file's position table has another grid than the model's: another patch size (the file's patch
+    embedding, named on the line of its resize too) over the same pixels, another img_size, or both (the file's
+    pixels, `side` of its square grid times its patch, unknown for a grid of no square: None)."""
+    key = "patch_embed.proj.weight"
+    if key not in state or key not in own or state[key].shape[-2:] == own[key].shape[-2:]:
+        return "the weights were trained at another img_size than model.img_size"
+    (ph, pw), (mh, mw) = state[key].shape[-2:], own[key].shape[-2:]
+    pixels = tuple(model.patch_embed.img_size)
+    patches = f"the weights were trained with another patch size, {ph}x{pw}, than the model's {mh}x{mw}"
+    if side is None:
+        return patches
+    if (side * ph, side * pw) == pixels:
+        return f"{patches}, at the same img_size ({pixels[0]} pixels)"
+    return f"{patches}, and at another img_size ({side * ph} pixels) than the model's ({pixels[0]})"
 
 
 def _entries_folded(state: dict) -> int:
