@@ -281,10 +281,10 @@ def check_patch_size(state: dict, own: dict, path: str, strict: bool) -> str:
 
 def position_table_resize(state: dict, own: dict, model: nn.Module, path: str) -> tuple[dict, str]:
     """A ViT file whose position table is for another grid (weights trained at another img_size or patch size, which
-    the line names as its cause: `_grid_cause`): timm's filter
-    resamples the table (bicubic) to the model's grid. A fine-tune or an evaluation at a new resolution asks for
-    exactly that, so it is not refused even when strict; but the scored table is not the file's, so the returned
-    record ({'pos_embed_resampled': '2x2->4x4'}) and line say so, with both grids ({} and '' for none)."""
+    the line names as its cause: `_grid_cause`): timm's filter resamples the table (bicubic) to the model's grid. A
+    fine-tune or an evaluation at a new resolution asks for exactly that, so it is not refused even when strict; but
+    the scored table is not the file's, so the returned record ({'pos_embed_resampled': '2x2->4x4'}) and line say so,
+    with both grids ({} and '' for none)."""
     key = "pos_embed"
     grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
     if key not in state or key not in own or grid is None:
