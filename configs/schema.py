@@ -32,7 +32,8 @@ class ModelConfig:
     # drop_rate (timm's pos_drop_rate / proj_drop_rate; not timm 1.x's classifier drop_rate); refused for timm's
     # Swin, which lacks official Swin's dropout after the patch embedding (model.kwargs.proj_drop_rate: the rest)
     drop: Annotated[float, BelowOne] = 0.0
-    # "" | local .pth/.pt/.safetensors path | "hub" (timm hub weights, needs internet)
+    # "" | local .pth/.pt/.safetensors path | "hub" (timm hub weights, needs internet); a file's raw weights, never
+    # an EMA copy beside them (model_ema / state_dict_ema, which the log names as not used)
     pretrained: Annotated[str, UserPath()] = ""
     pretrained_strict: bool = False  # False: drop a head whose shape differs (fine-tuning to new classes)
     kwargs: dict = field(default_factory=dict)  # extra timm constructor arguments (depth=..., embed_dim=...)

@@ -1,13 +1,14 @@
 """Load weights from a local file into a timm model (.pth/.pt/.safetensors, ours or official ones).
 
-Reuses timm: `load_state_dict` reads the file (the `model`, `state_dict` or raw layouts; `module.` prefixes
-stripped) and the model family's `checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and resizes
-position embeddings and Swin's relative position bias tables (a resized table is logged with both grids or windows
-and its cause, another window size or a window timm shrank to the feature map of a smaller img_size, and named in
-the model's `pretrained_resampled`, which evaluate.py records beside its result; a table is compared in the layout
-the conversion gives it, e.g. DINOv2's with registers without its class entry). Tensors the conversion leaves out
-(a layer the model lacks, such as an old in21k ViT's pre-logits layer; not the buffers the model rebuilds) are
-named: logged when fine-tuning, refused when strict (models/dropped_keys.py).
+Reuses timm: `load_state_dict` reads the file (the `model`, `state_dict` or raw layouts, the raw weights where an
+EMA copy is beside them, which the log names; `module.` prefixes stripped) and the model family's
+`checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and resizes position embeddings and Swin's relative
+position bias tables (a resized table is logged with both grids or windows and its cause, another window size or a
+window timm shrank to the feature map of a smaller img_size, and named in the model's `pretrained_resampled`, which
+evaluate.py records beside its result; a table is compared in the layout the conversion gives it, e.g. DINOv2's with
+registers without its class entry). Tensors the conversion leaves out (a layer the model lacks, such as an old in21k
+ViT's pre-logits layer; not the buffers the model rebuilds) are named: logged when fine-tuning, refused when strict
+(models/dropped_keys.py).
 On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a classifier of another shape (any of its
 keys: another number of outputs or input width) is dropped as a whole, weight and bias, when fine-tuning (unless
 strict, where the error names what differs), the parameters of an attention-sink variant (`attn.sink_*`) may
@@ -50,7 +51,8 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
 
     Args:
         model: a timm model (its class's module provides `checkpoint_filter_fn` when timm has one).
-        path: a .pth/.pt/.safetensors file; train.py checkpoints work too (their `model` entry).
+        path: a .pth/.pt/.safetensors file; train.py checkpoints work too (their `model` entry: the raw weights,
+            never an EMA copy beside them, which the log line names).
         strict: if False, classifier weights of a different shape are skipped (new head for fine-tuning)
             and missing attention-sink parameters keep their initial values.
     """
@@ -151,7 +153,11 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     # the scored tables are not the file's: what an evaluation of these weights records ({'pos_embed_resampled':
     # '2x2->4x4'}; {} for none)
     model.pretrained_resampled = {key: change for record, _ in tables for key, change in record.items()}
-    log.info("loaded %s%s%s", path, f" (new classifier: {', '.join(skipped)})" if skipped else "",
+    ema = ema_copy(path)
+    log.info("loaded %s%s%s%s", path,
+             f" (raw weights; the file's EMA copy ({ema}) is not used: to start from it, save it as a file of its own, "
+             f"torch.save(torch.load(PATH)['{ema}'], 'ema.pth'), and give that)" if ema else "",
+             f" (new classifier: {', '.join(skipped)})" if skipped else "",
              f" ({len(new_sinks)} attention-sink parameters not in the file keep their zero init)"
              if new_sinks else "")
 
@@ -239,6 +245,18 @@ def mapped_payload(path: str) -> object:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # noqa: BLE001 - an old-format or broken file: timm's reader says what is wrong with it
         return None
+
+
+# the entries of an EMA copy of the weights beside the raw ones (timm's train.py, DeiT's and this repository's
+# checkpoints), which timm's `load_state_dict` reads only when asked (use_ema; the raw weights are loaded here)
+EMA_KEYS = ("state_dict_ema", "model_ema")
+
+
+def ema_copy(path: str) -> str:
+    """The entry of the EMA copy of the weights that the torch file `path` holds beside its raw weights ('' for
+    none, and for a safetensors file: it holds one set)."""
+    payload = mapped_payload(path)
+    return next((k for k in EMA_KEYS if isinstance(payload.get(k), dict)), "") if isinstance(payload, dict) else ""
 
 
 def file_entries(path: str) -> dict:
