@@ -75,7 +75,7 @@ from engine.runinfo import exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from engine.training_checks import check_schedule_on_resume, check_training_settings
 from models import ModelError, build_model, describe, input_size, model_label
-from models.factory import MODEL_DROP_SITES, check_recorded_architecture, without_dropout_rates
+from models.factory import MODEL_DROP_SITES, check_recorded_architecture, own_img_size, without_dropout_rates
 from models.kwargs_change import check_kwargs_kept
 from models.gpt import GPT_SIZES
 from quant.plan import (RECORDED_FOR_EVALUATION, check_model_converts, check_quant_plan, evaluation_pipelines,
@@ -783,6 +783,10 @@ def check_resumable(saved: dict, current: Config, source: str) -> None:
     train.allow_changed_config=true (paths, logging and train.max_steps may always change:
     engine/run_dir.py ENVIRONMENT_KEYS)."""
     current_d = config_to_dict(current)
+    # model.img_size null is the model's own size: null and that size (vit_nano's 32) name one model
+    trained_size, size = saved["model"].get("img_size"), current.model.img_size
+    if (trained_size is None) != (size is None) and own_img_size(current.model) == (trained_size or size):
+        current_d["model"]["img_size"] = trained_size
     own = os.path.abspath(source) == os.path.abspath(os.path.join(current.out_dir, "checkpoint.pt"))
     other = "use another out_dir" if own else "give train.resume a checkpoint of this model and data set"
     # the model's build (not its start weights, nor its drop rates, model.drop(_path)'s or model.kwargs' *drop_rate:

@@ -234,6 +234,19 @@ def check_recorded_architecture(recorded: ModelConfig, model: nn.Module, source:
                          f"{json.dumps(list(value) if isinstance(value, tuple) else value)} (as trained)")
 
 
+def own_img_size(cfg: ModelConfig) -> int | None:
+    """The input size of `cfg`'s model with model.img_size unset: the variant's or timm's own (vit_nano's 32), from a
+    build on the meta device (no weights, no memory). None for a language model (no img_size) or a config this code
+    cannot build (its own refusal comes where the model is built)."""
+    if cfg.name in GPT_SIZES:
+        return None
+    try:
+        with torch.device("meta"):
+            return input_size(build_model(dataclasses.replace(cfg, img_size=None, pretrained="")))
+    except (ModelError, RuntimeError):
+        return None
+
+
 def is_language_model(model: nn.Module) -> bool:
     return isinstance(model, GPT)
 
