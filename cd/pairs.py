@@ -32,7 +32,8 @@ not matched wrongly; a fused qkv's V rows are checked by one real forward with t
 order in which proj reads V's channels by one more with some of them set to zero (`cd/values.py`), so that a qkv
 laid out per head or in another order, heads merged in another order, or channels mixed (XCiT's XCA) are
 refused. A block that does not fit (gated MLP unless `gated_mlp`, no affine norm, no qkv, grouped-query attention) is refused too:
-`UnsupportedModelError` names the block and its type.
+`UnsupportedModelError` names the block and its type; so does a block under names no layout has beside blocks
+that one has (`cd/unknown_blocks.py`), which would otherwise be left out.
 
 Print the pairs of any timm model (built on the `meta` device, no weights; a small CPU copy runs the checks on
 real numbers, `cd/__main__.py`):
@@ -51,6 +52,7 @@ import torch
 from torch import nn
 
 from .layouts import LAYOUTS, Layout, check_layouts
+from .unknown_blocks import unknown_blocks
 from .values import check_channel_order
 from .verify import UnsupportedModelError, refuse_fsdp1, refuse_shared, refuse_split_devices, verify_pairs
 from .wrappers import unwrap_model
@@ -206,9 +208,17 @@ def find_blocks(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[t
     Used by TWEO (block outputs A_l, read with `residual_stream`) and scripts/mechanism.py. Whether a block's output
     is the residual stream is decided per forward, by `residual_stream`, not per library. Nested matches inside a
     block are not searched.
+
+    Raises:
+        UnsupportedModelError: beside the blocks found, a Transformer block under names no layout has
+            (`refuse_unknown_blocks`), which TWEO would otherwise leave out.
     """
     layouts = check_layouts(layouts)
-    return list(_outermost(unwrap_model(model), lambda m: layout_of(m, layouts) is not None))
+    root = unwrap_model(model)
+    blocks = list(_outermost(root, lambda m: layout_of(m, layouts) is not None))
+    if blocks:  # a model with no known block is refused by the caller, naming what it looked for
+        refuse_unknown_blocks(root, layouts)
+    return blocks
 
 
 def residual_stream(name: str, block: nn.Module, args: tuple, output: object,
@@ -533,21 +543,53 @@ def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_ml
     return gated
 
 
+def _looked_for(layouts: tuple[Layout, ...]) -> str:
+    """What CD looks for with `layouts`: the built-in layouts' names, or the layouts given."""
+    if layouts is LAYOUTS:
+        return ("CD looks for pre-norm Transformer blocks (children norm1, attn.qkv or attn.q/k/v, attn.proj, norm2, "
+                "mlp.fc1, mlp.fc2, as in timm ViT/DeiT/Swin, or the same parts under the names of GPT-2, transformers' "
+                "ViT / GPT-2 / Llama and MMDetection's Swin) and patch-merging layers (norm, reduction); `python -m "
+                "cd --families` lists the families and what CD finds in each")
+    return "the layouts given (layouts=): " + "; ".join(lay.describe() for lay in layouts)
+
+
+# how a model trains when CD cannot pair it
+_WITHOUT_CD = ("Without CD (train.py: cd.enabled=false; a framework: no CD callback or hook) the model trains as "
+               "usual.")
+
+
 def _no_pair_message(root: nn.Module, layouts: tuple[Layout, ...]) -> str:
     """Why `root` has no pair: the layouts that were tried (the built-in ones, or those given)."""
     if layouts is LAYOUTS:
-        return (f"no matrix pair found in {type(root).__name__}. CD looks for pre-norm Transformer blocks "
-                "(children norm1, attn.qkv or attn.q/k/v, attn.proj, norm2, mlp.fc1, mlp.fc2, as in timm "
-                "ViT/DeiT/Swin, or the same parts under the names of GPT-2, transformers' ViT / GPT-2 / Llama and "
-                "MMDetection's Swin) and patch-merging layers (norm, reduction); `python -m cd --families` lists "
-                "the families and what CD finds in each. A model whose blocks name these layers otherwise gives its "
-                "names as layouts=[cd.Layout(...)] (cd/README.md, \"Blocks with names of your own\"). Without CD "
-                "(train.py: cd.enabled=false; a framework: no CD callback or hook) the model trains as usual.")
-    tried = "; ".join(lay.describe() for lay in layouts)
+        return (f"no matrix pair found in {type(root).__name__}. {_looked_for(layouts)}. A model whose blocks name "
+                "these layers otherwise gives its names as layouts=[cd.Layout(...)] (cd/README.md, \"Blocks with "
+                f"names of your own\"). {_WITHOUT_CD}")
     built_in = "" if set(LAYOUTS) <= set(layouts) else ", or add the built-in layouts, layouts=[..., *cd.LAYOUTS]"
-    return (f"no matrix pair found in {type(root).__name__} with the layouts given (layouts=): {tried}. No module "
+    return (f"no matrix pair found in {type(root).__name__} with {_looked_for(layouts)}. No module "
             "of the model has all the top-level children of one of them, nor is a patch-merging layer (norm, "
             f"reduction): check the paths against the model's module names (print(model)){built_in}.")
+
+
+def refuse_unknown_blocks(root: nn.Module, layouts: tuple[Layout, ...]) -> None:
+    """Refuse a Transformer block of `root` that no layout names (`cd.unknown_blocks`) beside blocks that one does:
+    CD and TWEO would act on the known blocks only, where the paper applies them to every block. Blocks of the
+    built-in layouts that `layouts` leaves out are not refused: what layouts= leaves out is left out as asked.
+
+    Raises:
+        UnsupportedModelError: naming the first such block, its type and parts, and the layouts= that adds it.
+    """
+    found = list(unknown_blocks(root, lambda m: layout_of(m, layouts) is not None
+                                or layout_of(m) is not None or _is_patch_merging(m)))
+    if not found:
+        return
+    name, module, parts = found[0]
+    more = f" (and {len(found) - 1} more: {', '.join(n for n, _, _ in found[1:4])}{', ...' if len(found) > 4 else ''})"
+    fix = ("Give its names as a layout beside the built-in ones, layouts=[cd.Layout(...), *cd.LAYOUTS] "
+           "(cd/README.md, \"Blocks with names of your own\")" if layouts is LAYOUTS else
+           "Add a cd.Layout with its names to layouts=")
+    raise _refuse(name, module, f"its children ({parts}) make a Transformer block, under names that none of the "
+                  f"layouts tried has{more if len(found) > 1 else ''}, so CD and TWEO would leave it out while acting "
+                  f"on the model's other blocks. {_looked_for(layouts)}. {fix}. {_WITHOUT_CD}")
 
 
 def check_example_use(example_input: object, verify: bool, who: str) -> None:
@@ -599,7 +641,8 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
         ValueError: `example_input` given with verify=False (`check_example_use`); `verify` or `gated_mlp` is not a
             bool (`check_switches`); gated_mlp=True on a model none of whose blocks has a gated MLP (the switch
             would change no pair).
-        UnsupportedModelError (a ValueError): no pair was found, a block does not fit the pairs (gated
+        UnsupportedModelError (a ValueError): no pair was found, a block under names no layout has sits beside
+            those found (`refuse_unknown_blocks`), a block does not fit the pairs (gated
             MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), the forward pass
             contradicts a pair (res-post-norm blocks such as Swin V2), the rows of a fused qkv paired with proj
             are not V (a per-head interleaved or reordered layout), or W2 does not read W1's channel i at its
@@ -626,6 +669,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
         raise refusal
     if not pairs:
         raise UnsupportedModelError(_no_pair_message(root, layouts))
+    refuse_unknown_blocks(root, layouts)
     if gated_mlp and not gated:  # a plain ValueError: pair_energy_source warns on UnsupportedModelError and goes on
         raise ValueError(f"gated_mlp=True (cd.gated_mlp=true): {type(root).__name__} has no gated MLP "
                          "(W_down (act(W_gate x) * W_up x), such as SwiGLU), so the switch adds no pair; drop it")

@@ -139,7 +139,8 @@ class TWEO:
     Raises:
         ValueError: naming the setting: lam, p, tau or eps not a real number (a bool, a string) or out of range,
             total_steps not an integer (a bool) or not > 0 for 'cosine', rescale not a bool, an unknown schedule or
-            form, or no pre-norm block in the model.
+            form, or no pre-norm block in the model; an UnsupportedModelError (a ValueError) for a block under names
+            no layout has beside the blocks found (`cd.pairs.find_blocks`), which would get no term.
     """
 
     def __init__(self, model: nn.Module, lam: float = 0.01, p: float = 4.0, tau: float = 3.0,

@@ -1,0 +1,184 @@
+"""A Transformer block under names no layout has, beside blocks that one has, is refused by find_pairs,
+ColinearityDecay, find_blocks and TWEO (cd/unknown_blocks.py), not left out while the known blocks are paired:
+cd/README.md says no pair is dropped silently, and the paper applies CD to all Transformer blocks.
+
+The expected pair names are written out by hand from the models' module names."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cd import LAYOUTS, TWEO, ColinearityDecay, Layout, UnsupportedModelError, find_pairs
+from cd.pairs import find_blocks
+
+timm_vit = pytest.importorskip("timm.models.vision_transformer")
+D = 32
+
+
+class _OwnNames(nn.Module):
+    """A pre-norm block of timm's attention and MLP under names of its own (ln_a, mix, ln_b, ffn)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_a, self.mix = nn.LayerNorm(D), timm_vit.Attention(D, 2)
+        self.ln_b, self.ffn = nn.LayerNorm(D), timm_vit.Mlp(D, 2 * D)
+
+    def forward(self, x):
+        x = x + self.mix(self.ln_a(x))
+        return x + self.ffn(self.ln_b(x))
+
+
+class _SeparateQKV(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, 2, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.o_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D))
+
+
+class _FusedOut(nn.Module):
+    """cd/README.md's attention of one's own: a fused `qkv_proj` and an output layer `out`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj, self.out = nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (y.view(b, t, 2, -1).transpose(1, 2) for y in self.qkv_proj(x).split(D, dim=-1))
+        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D))
+
+
+class _Block(nn.Module):
+    """A pre-norm block whose attention is `attention`, and whose MLP is a Sequential under names of its own."""
+
+    def __init__(self, attention: nn.Module) -> None:
+        super().__init__()
+        self.pre, self.attention, self.post = nn.LayerNorm(D), attention, nn.LayerNorm(D)
+        self.ff = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+    def forward(self, x):
+        h = self.pre(x)
+        x = x + (self.attention(h, h, h, need_weights=False)[0] if isinstance(self.attention, nn.MultiheadAttention)
+                 else self.attention(h))
+        return x + self.ff(self.post(x))
+
+
+class _Mixed(nn.Module):
+    """A timm Block (known names) followed by `other`."""
+
+    def __init__(self, other: nn.Module) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(timm_vit.Block(D, 2), other)
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 5, D)
+
+
+TIMM_BLOCK_0 = ["blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight", "blocks.0.mlp.fc1.weight",
+                "blocks.0.mlp.fc2.weight"]
+
+
+OWN_NORM_MLP = r"norm pre \(LayerNorm\), MLP ff \(Sequential\)"  # _Block's
+
+
+def _calls(model: nn.Module, layouts=LAYOUTS):
+    return {"find_pairs": lambda: find_pairs(model, example_input=_x(), layouts=layouts),
+            "ColinearityDecay": lambda: ColinearityDecay(model, example_input=_x(), layouts=layouts),
+            "find_blocks": lambda: find_blocks(model, layouts),
+            "TWEO": lambda: TWEO(model, layouts=layouts)}
+
+
+@pytest.mark.parametrize("other, parts", [
+    (_OwnNames(), r"attention mix \(Attention\), norm ln_a \(LayerNorm\), MLP ffn \(Mlp\)"),
+    (_Block(_SeparateQKV()), r"attention attention \(_SeparateQKV\), " + OWN_NORM_MLP),
+    (_Block(_FusedOut()), r"attention attention \(_FusedOut\), " + OWN_NORM_MLP),
+    (_Block(nn.MultiheadAttention(D, 2, batch_first=True)), r"attention attention \(MultiheadAttention\), "
+     + OWN_NORM_MLP),
+], ids=["timm-parts-own-names", "q_proj-k_proj-v_proj-o_proj", "qkv_proj-out", "MultiheadAttention"])
+def test_a_block_of_unknown_names_beside_a_known_one_is_refused_by_cd_and_tweo(other, parts):
+    model = _Mixed(other)
+    for call in _calls(model).values():
+        with pytest.raises(UnsupportedModelError, match=rf"block 'blocks.1' \({type(other).__name__}\) is not "
+                                                        rf"supported by CD: its children \({parts}\).*"
+                                                        r"norm1, attn.qkv.*layouts=\[cd.Layout\(\.\.\.\), "
+                                                        r"\*cd.LAYOUTS\]"):
+            call()
+
+
+def test_every_unknown_block_is_counted_and_the_first_named():
+    model = _Mixed(nn.Sequential(_OwnNames(), _OwnNames()))
+    with pytest.raises(UnsupportedModelError, match=r"'blocks.1.0' \(_OwnNames\).*\(and 1 more: blocks.1.1\)"):
+        find_pairs(model, example_input=_x())
+
+
+def test_the_layout_the_refusal_asks_for_pairs_every_block():
+    model = _Mixed(_OwnNames())
+    mine = Layout("mine", norm1="ln_a", norm2="ln_b", qkv="mix.qkv", proj="mix.proj", fc1="ffn.fc1", fc2="ffn.fc2")
+    pairs = find_pairs(model, example_input=_x(), layouts=[mine, *LAYOUTS])
+    assert [p.name for p in pairs] == TIMM_BLOCK_0 + ["blocks.1.mix.qkv.weight", "blocks.1.mix.proj.weight",
+                                                      "blocks.1.ffn.fc1.weight", "blocks.1.ffn.fc2.weight"]
+    assert [name for name, _ in find_blocks(model, [mine, *LAYOUTS])] == ["blocks.0", "blocks.1"]
+    assert [name for name, _ in TWEO(model, layouts=[mine, *LAYOUTS]).blocks] == ["blocks.0", "blocks.1"]
+
+
+def test_a_built_in_block_the_layouts_given_leave_out_is_still_left_out_as_asked():
+    """cd/README.md: with layouts= given, a block under built-in names that they leave out is not paired."""
+    model = _Mixed(_OwnNames())
+    mine = Layout("mine", norm1="ln_a", norm2="ln_b", qkv="mix.qkv", proj="mix.proj", fc1="ffn.fc1", fc2="ffn.fc2")
+    assert [p.name for p in find_pairs(model, example_input=_x(), layouts=[mine])] == [
+        "blocks.1.mix.qkv.weight", "blocks.1.mix.proj.weight", "blocks.1.ffn.fc1.weight", "blocks.1.ffn.fc2.weight"]
+
+
+def test_a_block_that_neither_the_layouts_given_nor_the_built_in_ones_name_is_refused():
+    model = _Mixed(nn.Sequential(_OwnNames(), _Block(_FusedOut())))
+    mine = Layout("mine", norm1="ln_a", norm2="ln_b", qkv="mix.qkv", proj="mix.proj", fc1="ffn.fc1", fc2="ffn.fc2")
+    for call in _calls(model, [mine]).values():
+        with pytest.raises(UnsupportedModelError, match=r"'blocks.1.1' \(_Block\).*layouts given \(layouts=\): "
+                                                        r"'mine' \(children ln_a, mix, ln_b, ffn\)\. Add a cd.Layout"):
+            call()
+
+
+class _Merge(nn.Module):
+    """Patch merging (norm, reduction): found whatever the names of the blocks around it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.reduction = nn.LayerNorm(D), nn.Linear(D, D // 2, bias=False)
+
+    def forward(self, x):
+        return self.reduction(self.norm(x))
+
+
+def test_blocks_of_unknown_names_beside_patch_merging_alone_are_refused():
+    """Only the merging layer's pair would be found: the blocks would be left out."""
+    model = nn.Sequential(_OwnNames(), _Merge())
+    with pytest.raises(UnsupportedModelError, match=r"block '0' \(_OwnNames\)"):
+        find_pairs(model, example_input=_x())
+
+
+def test_a_container_of_known_blocks_with_a_norm_and_a_head_is_not_taken_for_a_block():
+    """The model itself holds an attention-like pooling, a norm and an MLP head beside its known blocks: only its
+    direct children are read, and it holds known blocks, so it is a container, not a block."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(timm_vit.Block(D, 2), timm_vit.Block(D, 2))
+            self.pool, self.norm = _FusedOut(), nn.LayerNorm(D)
+            self.head = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, 3))
+
+        def forward(self, x):
+            return self.head(self.norm(self.pool(self.blocks(x))))
+
+    pairs = find_pairs(Model(), example_input=_x())
+    assert [p.name for p in pairs] == TIMM_BLOCK_0 + [n.replace("blocks.0", "blocks.1") for n in TIMM_BLOCK_0]
