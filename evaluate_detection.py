@@ -164,7 +164,7 @@ def check_reconstruction_data(given: dict) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, annotation_paths, build_detector,
-                                  build_loader, check_annotation_files, check_categories, check_checkpoint_classes,
+                                  build_loader, check_annotation_files, check_annotations, check_checkpoint_classes,
                                   check_evaluator_annotations, check_image_folders, check_pipeline,
                                   check_stage1_amp, check_stage1_device, check_stage1_folder, evaluate_detector,
                                   load_config, parse_overrides, train_activation_qat, TrainingImages)
@@ -236,7 +236,7 @@ def main(argv=None) -> dict:
         check_image_folders(cfg, loaders, source)
         check_evaluator_annotations(cfg)
         check_scoring_evaluator(cfg)
-        check_categories(cfg, loaders)
+        check_annotations(cfg, loaders, source)
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, args.device)
     with process_group(args.device, wait) as dist:

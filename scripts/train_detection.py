@@ -417,7 +417,7 @@ def refuse_on_every_rank(refusal, resumes_from=None) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     check_launcher(args.launcher)
-    from engine.detection import (check_annotation_files, check_backbone_init, check_categories,
+    from engine.detection import (check_annotation_files, check_annotations, check_backbone_init,
                                   check_evaluator_annotations, check_head_classes, check_hooks, check_image_folders,
                                   check_load_from, load_config, parse_overrides)
 
@@ -450,7 +450,7 @@ def main(argv=None) -> int:
         check_annotation_files(cfg, source, ("train_dataloader", "val_dataloader", "val_evaluator"))
         check_image_folders(cfg, ("train_dataloader", "val_dataloader"), source)
         check_evaluator_annotations(cfg, "val")  # the epoch-end validation scores the val loader's predictions
-        check_categories(cfg, ("train_dataloader", "val_dataloader"))
+        check_annotations(cfg, ("train_dataloader", "val_dataloader"), source)
         check_head_classes(cfg)
         if not args.resume:
             check_backbone_init(cfg)

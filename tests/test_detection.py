@@ -585,7 +585,7 @@ def test_an_override_of_the_wrong_type_is_named(sample, tmp_path, capsys, overri
 def test_a_start_that_fails_once_the_runner_is_built_names_the_setting_and_leaves_the_folder_usable(
         sample, tmp_path, capsys):
     """A setting that fails only when the loops are built (a batch size of 0, an unknown metric) was blamed on the
-    annotation files ('cannot be read as a COCO annotation file'), which check_categories had read whole; and the
+    annotation files ('cannot be read as a COCO annotation file'), which check_annotations had read whole; and the
     config dump the Runner had written made the corrected command in the same --work-dir a refusal."""
     from detection_runs import error_line
     work = ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(tmp_path / "run")]

@@ -340,8 +340,9 @@ def test_annotation_files_without_the_classes_in_label_order_are_refused_before_
     assert line.count("instances_") == 1 and "cat, dog" in line, line
     assert not (tmp_path / "w").exists()
     swapped = _categories_copy(sample, tmp_path, ["disc", "box"])
-    with pytest.raises(DetectionError, match=r"test_dataloader reads .*instances_val2017.json, which numbers its "
-                                             r"categories disc, box .* the config's classes are box, disc"):
+    with pytest.raises(DetectionError, match=r"test_dataloader reads .*instances_val2017.json, which lists the "
+                                             r"categories disc, box where the config's classes are box, disc: label 0 "
+                                             r"\(box\) would hold disc's objects; label 1 \(disc\) would hold box's"):
         main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", swapped, "--quant",
               "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()

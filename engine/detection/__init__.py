@@ -9,6 +9,7 @@ activation probes and the quantization seam (`DetectorFeed`, a `quant.calibrate.
 
     config.py       config files merged in order, `key=value` overrides and the checks that refuse ignored ones
     data_checks.py  the loaders' datasets, --data-root, annotation / image-folder / category / pipeline checks
+    annotation_contents.py  one annotation file's images and categories against its image folder and classes
     model.py        backbone checkpoint and load_from checks, `build_detector` from an evaluation checkpoint,
                     training method
     rng_state.py    `RngStateHook` (with `RankRngStates`): every rank's random-number state in training checkpoints,
@@ -33,10 +34,12 @@ try:
     from engine.detection.config import (CommandReads, check_hooks, check_method_hooks, check_override_keys,
                                          load_config, loader_arguments, merge_fragment, parse_overrides, read_config,
                                          runner_keys)
+    from engine.detection.annotation_contents import (category_problems, dropped_objects, label_names,
+                                                      missing_images)
     from engine.detection.data_checks import (annotation_files, annotation_paths, check_annotation_files,
-                                              check_categories, check_evaluator_annotations, check_head_classes,
+                                              check_annotations, check_evaluator_annotations, check_head_classes,
                                               check_image_folders, check_pipeline, dataset_classes, image_folders,
-                                              label_names, loader_datasets, reading_annotations, set_data_root)
+                                              loader_datasets, reading_annotations, set_data_root)
     from engine.detection.model import (build_detector, check_backbone_checkpoint, check_backbone_init,
                                         check_checkpoint_classes, check_checkpoint_file, check_load_from, mismatch,
                                         read_state, training_method)
@@ -54,9 +57,10 @@ __all__ = [
     "DetectionError",
     "CommandReads", "check_hooks", "check_method_hooks", "check_override_keys", "load_config", "loader_arguments",
     "merge_fragment", "parse_overrides", "read_config", "runner_keys",
-    "annotation_files", "annotation_paths", "check_annotation_files", "check_categories",
+    "category_problems", "dropped_objects", "label_names", "missing_images",
+    "annotation_files", "annotation_paths", "check_annotation_files", "check_annotations",
     "check_evaluator_annotations", "check_head_classes", "check_image_folders", "check_pipeline",
-    "dataset_classes", "image_folders", "label_names", "loader_datasets", "reading_annotations", "set_data_root",
+    "dataset_classes", "image_folders", "loader_datasets", "reading_annotations", "set_data_root",
     "build_detector", "check_backbone_checkpoint", "check_backbone_init", "check_checkpoint_classes",
     "check_checkpoint_file", "check_load_from", "mismatch", "read_state", "training_method",
     "RngStateHook", "RankRngStates",

@@ -1,7 +1,8 @@
 """The data a detection config reads: its loaders' datasets, one `--data-root` for every loader and evaluator,
-and the checks that refuse, before any work, a missing or unreadable annotation file or image folder, an
-evaluator scoring against another annotation file than its loader's, a pipeline transform that fails on the
-first image, and annotation categories or head class counts that do not match the config's classes."""
+and the checks that refuse, before any work, a missing or unreadable annotation file or image folder, an image
+an annotation file lists that its folder lacks, an evaluator scoring against another annotation file than its
+loader's, a pipeline transform that fails on the first image, and annotation categories or head class counts
+that do not match the config's classes."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +14,7 @@ from typing import Any, List, Optional, Sequence
 from mmengine.config import Config
 from mmdet.registry import DATASETS
 
+from engine.detection.annotation_contents import category_problems, missing_images
 from engine.detection.errors import DetectionError
 from engine.detection.rng_state import RngStateHook
 
@@ -114,7 +116,8 @@ def check_annotation_files(cfg: Config, source: Optional[str] = None, keys: Opti
 def check_image_folders(cfg: Config, loaders: Sequence[str], source: Optional[str] = None) -> None:
     """Refuse a missing image folder of the `loaders` a command reads (train_dataloader, val_dataloader,
     test_dataloader), naming it: the images are read only when a batch is drawn, so a missing val2017/ failed
-    after a training epoch. `source` as for `check_annotation_files`."""
+    after a training epoch (check_annotations then refuses a folder that lacks some of the images listed).
+    `source` as for `check_annotation_files`."""
     for key, path in image_folders(cfg):
         if key in loaders and not os.path.isdir(path):
             where = f"{source}: " if source else ""
@@ -127,7 +130,7 @@ def reading_annotations(files: Sequence[str], built: Optional[str] = None):
     """Report an error MMDetection or pycocotools raise while reading the annotation `files` (a file without
     COCO's keys, invalid JSON) as one line naming them: their messages ('categories', 'Expecting value')
     name no file. `built`: the config's parts built inside besides reading the files (where the files have
-    been read whole before, by check_categories), which the line names first: a setting there (a batch size of
+    been read whole before, by check_annotations), which the line names first: a setting there (a batch size of
     0, an unknown metric) fails with the same kinds of error."""
     try:
         yield
@@ -191,43 +194,54 @@ def dataset_classes(dataset: dict) -> Optional[tuple]:
     return tuple(classes) if classes else None
 
 
-def label_names(categories: Sequence[dict], classes: Sequence[str]) -> List[str]:
-    """The class each label means where MMDetection's CocoDataset and CocoMetric read a file with `categories`
-    for the config's `classes`: label i is the i-th of the FILE's categories whose name is a class (pycocotools'
-    getCatIds keeps the file's order), which is classes[i] only where the file lists them in that order."""
-    return [str(c.get("name")) for c in categories if c.get("name") in classes]
+def _image_folder(dataset: dict) -> Optional[str]:
+    """The folder a loader's dataset dict reads its images from (`data_prefix.img`, joined with its data_root as
+    MMEngine's datasets join it), or None where it names none."""
+    folder = (dataset.get("data_prefix") or {}).get("img")
+    return os.path.abspath(os.path.join(dataset.get("data_root") or "", folder)) if isinstance(folder, str) else None
 
 
-def check_categories(cfg: Config, keys: Sequence[str]) -> None:
-    """Refuse an annotation file of the loaders `keys` that lists no images, or whose categories do not give label i
-    to the config's class i (`label_names`): a file without the classes (other names) has no object to train on or
-    score, one with some of them or with them in another order would train or score each class against another's
-    objects. Each file is read once, whole, before any dataset is built, so COCO's train2017 file (about 450 MB)
-    is read twice in all, here and by the dataset: json.load of a 317 MB file of train2017's counts (118,287
-    images, 860,001 polygons) took 12.4 s and 1.9 GB on a 2-core Intel Xeon VM, per process (every rank of a
-    torchrun reads it)."""
-    seen = set()
+def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = None) -> None:
+    """Refuse a COCO annotation file of the loaders `keys` that lists no images, lists images its loader's image
+    folder lacks, or whose categories are not the config's classes in label order (`category_problems`): MMDetection
+    reads an image only when a batch is drawn (a missing val image failed with a traceback after a training epoch),
+    drops the objects of other categories without a word, and numbers the classes in the file's order (a file
+    with some of them, or with them in another order, would train or score each class against another's objects).
+    Every image the file lists is checked, those the training's filter_cfg would skip too. `source` as for
+    `check_annotation_files`.
+
+    Each file is read once, whole, before any dataset is built, so COCO's train2017 file (about 450 MB) is read
+    twice in all, here and by the dataset: json.load of a 317 MB file of train2017's counts (118,287 images,
+    860,001 polygons) took 12.4 s and 1.9 GB on a 2-core Intel Xeon VM, per process (every rank of a torchrun
+    reads it)."""
+    by_file: dict = {}  # the loaders of each file, so that one read serves them all
     for key, dataset in loader_datasets(cfg):
-        path = os.path.abspath(os.path.join(dataset.get("data_root") or "", dataset.get("ann_file") or ""))
         classes = dataset_classes(dataset) if key in keys and dataset.get("ann_file") else None
-        if not classes or path in seen:
-            continue
-        seen.add(path)
-        with reading_annotations([path]), open(path) as f:
-            data = json.load(f)
-            categories = data["categories"]
-            names = label_names(categories, classes)
-        if data.get("images") == []:  # MMEngine's sampler failed on it with "need at least one array to concatenate"
-            raise DetectionError(f"{key} reads {path}, which lists no images: give the data set's annotation file")
-        if names == list(classes):
-            continue
-        listed = ", ".join(str(c.get("name")) for c in categories[:6]) + (" ..." if len(categories) > 6 else "")
-        what = (f"has none of the config's classes ({', '.join(classes)}); its categories are {listed}"
-                if not names else
-                f"numbers its categories {', '.join(names)} (MMDetection keeps the file's order), but the config's "
-                f"classes are {', '.join(classes)}")
-        raise DetectionError(f"{key} reads {path}, which {what}: give the data set the detector is configured for, "
-                             f"or set {key}.dataset.metainfo.classes to its categories in the file's order")
+        if classes:  # a COCO dataset (others read other formats)
+            path = os.path.abspath(os.path.join(dataset.get("data_root") or "", dataset["ann_file"]))
+            by_file.setdefault(path, []).append((key, classes, _image_folder(dataset)))
+    for path, readers in by_file.items():
+        with reading_annotations([path]):
+            with open(path) as f:
+                data = json.load(f)
+            images, categories, annotations = data["images"], data["categories"], data.get("annotations") or []
+            for key, classes, folder in dict.fromkeys(readers):  # a file a ConcatDataset reads twice: once
+                if images == []:  # MMEngine's sampler failed on it with "need at least one array to concatenate"
+                    raise DetectionError(f"{key} reads {path}, which lists no images: give the data set's annotation "
+                                         "file")
+                missing = missing_images(images, folder) if folder else []
+                if missing:
+                    where = f"{source}: " if source else ""
+                    raise DetectionError(
+                        f"{where}{key} reads {path}, which lists {len(images)} images, {len(missing)} of them not "
+                        f"in {folder} (the first: {missing[0]}): put the missing images there, or give the "
+                        "annotation file of the images that folder holds")
+                problem = category_problems(categories, annotations, classes)
+                if problem:
+                    raise DetectionError(f"{key} reads {path}, which {problem}: give the data set the detector is "
+                                         f"configured for, or set {key}.dataset.metainfo.classes to its categories "
+                                         "in the file's order")
+        del data, images, annotations  # one file's objects at a time: a parsed train2017 file takes GBs
 
 
 CLASS_HEADS = ("bbox_head", "mask_head")  # the heads that predict the data set's classes

@@ -20,7 +20,7 @@ from models.modules import nonfinite_tensors
 
 def check_checkpoint_classes(model: nn.Module, loader, checkpoint: str) -> None:
     """Refuse a checkpoint trained on other classes, or on the same ones in another label order, than the data set
-    `loader` scores (its labels are the config's classes, check_categories): the metric would score each of its
+    `loader` scores (its labels are the config's classes, check_annotations): the metric would score each of its
     predicted labels as another class. A checkpoint that keeps no classes (written elsewhere) is not checked."""
     trained = (model.dataset_meta or {}).get("classes")
     scored = tuple(loader.dataset.metainfo.get("classes") or ())
