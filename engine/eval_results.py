@@ -15,7 +15,7 @@
   Options that change no number (`NEUTRAL_OPTIONS`: where APHQ caches, how often APHQ and GPLQ log or GPLQ
   checkpoints its stage 1) are recorded but never make settings differ.
 * `evaluation_difference`, `recipe_difference` and `repeated_weights` say whether results can be averaged as
-  seeds (evaluate.py --over-seeds) or compared as points of one sweep (the dose reports).
+  seeds (scripts/paper_table.py --over-seeds) or compared as points of one sweep (the dose reports).
 * `refuse_stale` (run by the readers of result files) refuses a result whose checkpoint holds other weights now
   (training went on after the evaluation and saved a new best.pt).
 * `refuse_unfinished` (run by the readers that average runs as seeds) refuses runs that did not all end alike:

@@ -227,7 +227,8 @@ def read_sweep(root: str) -> list[Run]:
                               f"settings ({other[2]}); the seeds of a point are averaged: give a run of other "
                               f"settings a point of its own (folder <point>_s<seed>)")
         # averaged as seeds: the same weights through another forward (a model.kwargs override at evaluation) are
-        # another evaluation, compared as evaluate.py --over-seeds compares them; points are marked (evaluated_marks)
+        # another evaluation, compared as paper_table.py --over-seeds compares them; points are marked
+        # (evaluated_marks)
         unlike = model_kwargs_unlike([(run.folder, run.result) for run in runs if run.point == point])
         if unlike is not None:
             raise ReportError(f"{unlike}; the seeds of point {point} are averaged: evaluate every run alike (the "

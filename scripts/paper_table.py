@@ -74,7 +74,7 @@ TABLE_KEYS = ("weights", "eval_amp", "checkpoint_kind")
 
 def refuse_unlike(results: list[dict], keys: tuple, where: str) -> None:
     """A ValueError naming the first two of `results` that differ in one of `keys` (evaluate.py's identity fields,
-    compared as evaluate.py --over-seeds compares them)."""
+    compared as --over-seeds compares them)."""
     found = first_difference([(r.get("checkpoint", r["model"]), {k: r.get(k) for k in keys}) for r in results])
     if found is not None:
         first, second, difference = found

@@ -231,7 +231,7 @@ def test_a_point_evaluated_with_other_model_kwargs_than_trained_is_marked_and_it
     """A sweep whose 'evaluate' list overrides model.kwargs (gelu=tanh on runs trained with the exact GELU) scores
     the same weights through another forward: the point's row in the tables of evaluated numbers is marked †,
     with a note naming both settings, as evaluate.py's table marks it; training numbers (pair energies) are not.
-    Seeds of one point evaluated with other model.kwargs are not averaged (evaluate.py --over-seeds refuses them)."""
+    Seeds of one point evaluated with other model.kwargs are not averaged (paper_table.py --over-seeds refuses them)."""
     tanh = {"gelu": "tanh"}
     evaluated = {"baseline_s0": {}, "baseline_s1": {}, "cd10x_s0": tanh, "cd10x_s1": tanh}
     for seed, (name, kwargs) in enumerate(evaluated.items()):
