@@ -68,6 +68,7 @@ from engine.checkpoint import (CheckpointError, class_differences, is_run_checkp
                                weights_fingerprint)
 from engine.eval_results import EvalResults, ResultsError, checkpoint_kind
 from engine.snapshots import check_same_weights_on_every_rank
+from engine.train_seeds import SEED_FIELD
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, fail_on_every_rank_at_start,
                                 failure_on_every_rank, process_group, raise_on_every_rank, run_on_main)
@@ -232,8 +233,12 @@ def main(args: argparse.Namespace) -> dict:
         kept = (("loss", "ppl", "ppl_bf16", "tokens") if task.language
                 else ("top1", "top5", "loss", "count", "excluded"))
         # the recipe as trained (the checkpoint's config through the schema, none for a weights file), not as
-        # evaluated: evaluation overrides (an APHQ data.scale) are no training setting
-        trained = {"recipe": recipe(config_to_dict(config_from_dict(payload["config"])))} if payload else {}
+        # evaluated: evaluation overrides (an APHQ data.scale) are no training setting; and its seed apart from it,
+        # so that the readers that average seeds refuse one seed trained twice (engine/train_seeds.py)
+        trained = {}
+        if payload:
+            as_trained = config_from_dict(payload["config"])
+            trained = {"recipe": recipe(config_to_dict(as_trained)), SEED_FIELD: as_trained.train.seed}
         results.update(method=method_name(cfg), **trained,
                        fp={k: fp[k] for k in kept if k in fp} |
                        {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths)

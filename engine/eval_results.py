@@ -15,7 +15,8 @@
   Options that change no number (`NEUTRAL_OPTIONS`: where APHQ caches, how often APHQ and GPLQ log or GPLQ
   checkpoints its stage 1) are recorded but never make settings differ.
 * `evaluation_difference`, `recipe_difference` and `repeated_weights` say whether results can be averaged as
-  seeds (scripts/paper_table.py --over-seeds) or compared as points of one sweep (the dose reports).
+  seeds (scripts/paper_table.py --over-seeds) or compared as points of one sweep (the dose reports); results of one
+  train.seed are no two seeds (engine/train_seeds.py).
 * `refuse_stale` (run by the readers of result files) refuses a result whose checkpoint holds other weights now
   (training went on after the evaluation and saved a new best.pt).
 * `refuse_unfinished` (run by the readers that average runs as seeds) refuses runs that did not all end alike:
@@ -40,6 +41,7 @@ from configs.loader import unread_options
 
 from .checkpoint import weights_fingerprint
 from .run_dir import SNAPSHOTS, exclusive_lock, partial_path, saved_config
+from .train_seeds import SEED_FIELD, config_seed
 
 
 class ResultsError(ValueError):
@@ -536,13 +538,14 @@ DETECTION_FIELDS = ("task", "config", "fp", "max_act", "quant")  # an evaluate_d
 # fields a result may lack (older files, weights files) but that the readers use as these types where present:
 # a recipe given as a list, a quantized entry or its settings as a number would stop them on a traceback
 OPTIONAL_FIELD_TYPES = {"recipe": dict, "data": dict, "checkpoint": str, "checkpoint_kind": str, "fingerprint": str,
-                        "weights": str, "eval_amp": str}
+                        "weights": str, "eval_amp": str, SEED_FIELD: int}
 
 
 def read_result_file(path: str, fields: tuple = TABLE_FIELDS, detection: bool = False) -> dict:
     """One evaluate.py JSON with the `fields` its reader needs (by default those of the table and figure
     scripts), or a ResultsError naming it; with `detection`, an evaluate_detection.py JSON (its "task" says so)
-    is read with DETECTION_FIELDS instead."""
+    is read with DETECTION_FIELDS instead. A file written before evaluate.py recorded the run's train.seed takes
+    it from its run (`take_run_seed`)."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -554,10 +557,27 @@ def read_result_file(path: str, fields: tuple = TABLE_FIELDS, detection: bool = 
     wrong = odd_fields(data, fields) if isinstance(data, dict) else list(fields)
     if not wrong:
         refuse_stale(path, data)
+        take_run_seed(path, data)
         return data
     raise ResultsError(f"{path} is not a result file of evaluate.py ({_shape(data)}"
                        f"{'; missing or odd: ' + ', '.join(wrong) if isinstance(data, dict) else ''}); give "
                        f"JSON files written by evaluate.py")
+
+
+def take_run_seed(path: str, result: dict) -> None:
+    """Give the result at `path` that records no train.seed (written before evaluate.py recorded it) the one of its
+    run's config.yaml, where the file sits in its run folder (the folder of the best.pt or checkpoint.pt it is of,
+    `run_folder`): the checks of results averaged as seeds (engine/train_seeds.py) then tell a run trained again
+    with a seed already there. A file elsewhere (gathered into a folder of results) is left without: the config.yaml
+    beside it, if any, need not be its run's. Detection results record no train.py seed."""
+    if SEED_FIELD in result or result.get("task") == "detection":
+        return
+    folder, own = run_folder(path, result), os.path.dirname(os.path.realpath(path))
+    if folder is None or not os.path.isdir(folder) or not os.path.samefile(folder, own):
+        return
+    seed = config_seed(folder)
+    if seed is not None:
+        result[SEED_FIELD] = seed
 
 
 def odd_fields(data: dict, fields: Sequence[str]) -> list[str]:

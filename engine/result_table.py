@@ -25,6 +25,7 @@ from .eval_results import (NEUTRAL_OPTIONS, extra_modules, first_difference, rea
                            repeated_weights)
 from .quant_settings import quant_settings
 from .tasks import capped_cell
+from .train_seeds import repeated_seed
 
 PAPER_NAMES = {"percentile": "Percentile", "repq": "RepQ-ViT", "aphq": "APHQ", "gplq": "GPLQ", "rtn": "RTN",
                "gptq": "GPTQ", "smoothquant": "SmoothQuant", "smoothquant_strict": "SmoothQuant-strict"}
@@ -155,7 +156,8 @@ def check_seed_group(model: str, method: str, group: list[dict], labels: Optiona
     """The results averaged into one row (`markdown_table(over_seeds=True)`, scripts/compare_act_max.py) must be
     distinct runs of one method evaluated alike: one weights file twice would count as two seeds, and results on
     other data, of EMA weights, under another autocast or quantized with other settings, or of another method or
-    recipe (the `method` and `recipe` evaluate.py records) would be averaged as if they were seeds.
+    recipe (the `method` and `recipe` evaluate.py records) would be averaged as if they were seeds, and so would two
+    runs of one train.seed (engine/train_seeds.py: a run trained again, its weights a hair apart).
     labels: how the errors name the results (default: their checkpoints)."""
     labelled = [(labels[i] if labels else r.get("checkpoint") or f"result {i + 1}", r) for i, r in enumerate(group)]
     repeated = repeated_weights(labelled)
@@ -184,6 +186,13 @@ def check_seed_group(model: str, method: str, group: list[dict], labels: Optiona
     if other is not None:
         raise ValueError(f"{model} {method}: {other[0]} and {other[1]} were trained with other settings "
                          f"({other[2]}); rows average the seeds of one recipe: give runs trained alike")
+    # last: runs alike in all the above but trained with one seed are one seed twice (runs of other settings that
+    # share a seed are refused above, for those settings)
+    same_seed = repeated_seed(labelled)
+    if same_seed is not None:
+        raise ValueError(f"{model} {method}: {same_seed[0]} and {same_seed[1]} are both runs of train.seed="
+                         f"{same_seed[2]}: one seed would count twice (a run trained again with its seed is no new "
+                         "seed); give one result of each seed")
 
 
 def model_kwargs_unlike(labelled: list[tuple[str, dict]]) -> Optional[str]:

@@ -4,16 +4,18 @@ r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml):
     python scripts/dose_report.py runs/sweeps/fashion_mnist_dose --out runs/fashion_mnist_dose_report
 
 Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged (mean ±
-sample std). A run without eval_best.json, or not evaluated at every quantized column of the table (an evaluation
-cut short), is left out, and a warning names it. Runs evaluated differently (autocast, weights and the kind of
-checkpoint, data, quantization settings), seeds of one point of other methods or trained with other settings (the
-method and recipe their eval_best.json records) or evaluated with other model.kwargs, and a run that stopped before
-the others' end (train.max_steps, a signal: engine/eval_results.refuse_unfinished) are refused. A point evaluated
-with other model.kwargs than it was trained with (an evaluate override in the sweep file) is marked † in the tables
-of evaluated numbers, with a note naming both; a module maximum that also counts modules outside the blocks
-(quant.act_max_extra_modules, not the paper's set) is marked ‡, with a note naming the patterns, and a quantized
-number computed with other settings than the defaults (e.g. quant.calib_images=8) *, with a note naming them, as
-paper_table.py marks them. What is read from each run, and what is written:
+sample std). Two runs of a point trained with one train.seed (a run trained again: one seed twice), and a folder
+whose <seed> is not the train.seed of its run (the one its eval_best.json records, or its config.yaml for an older
+file), are refused. A run without eval_best.json, or not evaluated at every quantized column of the table (an
+evaluation cut short), is left out, and a warning names it. Runs evaluated differently (autocast, weights and the
+kind of checkpoint, data, quantization settings), seeds of one point of other methods or trained with other settings
+(the method and recipe their eval_best.json records) or evaluated with other model.kwargs, and a run that stopped
+before the others' end (train.max_steps, a signal: engine/eval_results.refuse_unfinished) are refused. A point
+evaluated with other model.kwargs than it was trained with (an evaluate override in the sweep file) is marked † in
+the tables of evaluated numbers, with a note naming both; a module maximum that also counts modules outside the
+blocks (quant.act_max_extra_modules, not the paper's set) is marked ‡, with a note naming the patterns, and a
+quantized number computed with other settings than the defaults (e.g. quant.calib_images=8) *, with a note naming
+them, as paper_table.py marks them. What is read from each run, and what is written:
   metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
                          -> dose_energy.png: energy against update, one line per point (mean over seeds)
   eval_best.json         FP top-1, module / block maxima, percentile and RepQ-ViT top-1 at W4A4 and W3A3
@@ -53,6 +55,7 @@ from engine.result_table import (dagger_note, entries_nondefault, evaluated_othe
                                  method_difference, model_kwargs_unlike, settings_note)
 from engine.outputs import save_figure, write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from engine.train_seeds import recorded_seed, repeated_seed  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.console import console_print  # noqa: E402
@@ -233,7 +236,26 @@ def read_sweep(root: str) -> list[Run]:
         if unlike is not None:
             raise ReportError(f"{unlike}; the seeds of point {point} are averaged: evaluate every run alike (the "
                               f"same evaluate.py model.kwargs overrides)")
+        # averaged as seeds: a run trained again with a seed of the point (another thread count: weights a hair
+        # apart, which repeated_weights tells apart) would count as one more independent seed
+        same_seed = repeated_seed([(run.folder, run.result) for run in runs if run.point == point])
+        if same_seed is not None:
+            raise ReportError(f"{same_seed[0]} and {same_seed[1]} are both train.seed={same_seed[2]} of point "
+                              f"{point}: one seed would count twice; remove one")
+    check_seed_names(runs)
     return runs
+
+
+def check_seed_names(runs: Sequence[Run]) -> None:
+    """Refuse a run whose folder's seed (`<point>_s<seed>`) is not the train.seed it was trained with (the seed
+    its eval_best.json records, or its config.yaml for an older file: engine/train_seeds.py): its numbers would be
+    reported, and chosen by gap_test.py --seeds, as another seed's. Runs that record no seed are not compared."""
+    for run in runs:
+        seed = recorded_seed(run.result)
+        if seed is not None and seed != run.seed:
+            raise ReportError(f"{run.folder} is named seed {run.seed} (<point>_s<seed>) but its run was trained with "
+                              f"train.seed={seed}: its numbers would be reported as seed {run.seed}'s; rename the "
+                              f"folder {run.point}_s{seed}")
 
 
 def check_finished(runs: Sequence[Run]) -> None:

@@ -11,8 +11,10 @@ than it was trained or than the paper evaluates (a model.kwargs override, anothe
 autocast, the --ema weights) is marked † with a note (engine.result_table.evaluated_otherwise): its row's model in
 the rows layout, its entries (and the Average of its column) in the fine-tuning layout. A module
 maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's set) is marked ‡
-with a note naming them; seeds averaged by --over-seeds must have counted the same modules and scored the same
-kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records), and the run of
+with a note naming them; seeds averaged by --over-seeds must have counted the same modules, scored the same
+kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records) and be runs of
+distinct train.seed (the `train_seed` evaluate.py records, or for an older file in its run folder that of the run's
+config.yaml: a run trained again with its seed is one seed twice), and the run of
 a best.pt or checkpoint.pt must have ended as the others did (one stopped at train.max_steps or by a signal before
 the others' end is refused, as its run folder's metrics.jsonl tells: engine/eval_results.refuse_unfinished). In
 every layout a result of a run that stopped short of its schedule's end other than at its own train.max_steps (by a
