@@ -19,14 +19,16 @@ A sweep file (configs/sweeps/*.yaml):
     evaluate: ["quant.pipelines=[repq,aphq]"]   # optional: overrides for every evaluate.py command
     run_keys: [data.root]                       # optional: keys each run sets (a data-set preset), which
                                                 # an override for the whole sweep may not replace
-Overrides given on this command line apply to every run; one that would replace a key a run sets itself (a
-seed, a dose, or a key its own config files set and other runs set otherwise or not at all: model.name in
-gpt2_medium.yaml, cd.enabled in cd.yaml beside a baseline) is refused, as is one (here, in a run or in its own
-config files) that the 'evaluate' list would replace in evaluate.py. A key every run's config files set alike
+Overrides given on this command line apply to every run; one that would replace a key any run of the sweep sets
+itself (a seed, a dose, or a key its own config files set and other runs set otherwise or not at all: model.name in
+gpt2_medium.yaml, cd.enabled in cd.yaml beside a baseline) is refused, whichever runs --only keeps (cd.enabled=true
+with --only baseline_s0 would train the baseline as a CD run under its name), as is one (here, in a run or in its
+own config files) that the 'evaluate' list would replace in evaluate.py. A key every run's config files set alike
 (a recipe every run lists, the sweep's 'configs') may be overridden for the whole sweep, and so may a key that
-only places work (PLACEMENT_KEYS); with --only, only the runs kept are checked. With --run under a launcher that
-states how many processes it starts (torchrun --nproc_per_node=N, --nnodes=M), a run whose train.batch_size does not
-split into them (processes x train.batch_size_per_gpu x accumulation steps, as train.py splits it) is refused too.
+only places work (PLACEMENT_KEYS); with --only, the other checks of settings cover the runs kept only. With --run
+under a launcher that states how many processes it starts (torchrun --nproc_per_node=N, --nnodes=M), a run whose
+train.batch_size does not split into them (processes x train.batch_size_per_gpu x accumulation steps, as train.py
+splits it) is refused too.
 Runs are plain train.py invocations, so a run that stopped resumes when the sweep is started again. Every
 command runs in the repository root: relative paths (out_root, data.root, ...) are relative to it, wherever
 the sweep is started from.
@@ -119,22 +121,18 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
         files = [i for i in items if i.endswith(".yaml")]
         split[name] = (base + files, [i for i in items if i not in files])
     layer_keys = run_layer_keys({name: configs for name, (configs, _) in split.items()}, base)
+    # what each run sets itself: its key=value items, and what its own config files set differently from other
+    # runs (a key all runs share, e.g. from gpt2.yaml listed by every run, is common ground)
+    owns = {name: {**layer_keys[name], **{k: i for i in own_items for k in keys_of([i])}}
+            for name, (_, own_items) in split.items()}
+    # runs that --only leaves out do not run: their settings are not checked (their folders are, below: a kept
+    # run must not share one), but what they set still tells the sweep's runs apart
+    kept_names = [name for name in split if only is None or str(name) in only]
+    refuse_overrides_of_run_keys(owns, kept_names, extra_overrides, sweep_path)
     runs = []
     for name, (configs, own_items) in split.items():
-        # runs that --only leaves out do not run: their settings are not checked (their folders are, below: a
-        # kept run must not share one)
-        kept = only is None or str(name) in only
-        # what the run sets itself: its key=value items, and what its own config files set differently from
-        # other runs (a key all runs share, e.g. from gpt2.yaml listed by every run, is common ground)
-        own = {**layer_keys[name], **{k: i for i in own_items for k in keys_of([i])}}
-        replaced = [o for o in extra_overrides if sets_any(o, set(own))] if kept else []
-        if replaced:  # e.g. train.seed=7 for every run would turn a sweep's seeds into copies of one run, and
-            # model.name=gpt2 would train the gpt2_medium runs as GPT-2 Small under their names
-            where = set_by(own, replaced)
-            files = sorted({w.split(" in ", 1)[1] for w in where if " in " in w})
-            raise ConfigError(f"sweep run '{name}': {', '.join(replaced)} would replace what the run sets itself "
-                              f"({', '.join(where)}); drop it from the command line, or edit the run in "
-                              f"{' or '.join([sweep_path, *files])}")
+        kept = name in kept_names
+        own = owns[name]
         overrides = own_items + list(extra_overrides)
         # evaluate.py takes the sweep's 'evaluate' list last: quant.pipelines=[repq,aphq] given here would
         # be evaluated with the list's quant.pipelines=[repq] without a word
@@ -162,6 +160,47 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
                      "evaluate": eval_overrides})
     refuse_shared_folders(runs, sweep_path)
     return runs
+
+
+def refuse_overrides_of_run_keys(owns: dict, kept: list, extra_overrides: list[str], sweep_path: str) -> None:
+    """Refuse (ConfigError) a command-line override, given to every run, of a key that a run of the sweep sets itself
+    (`owns`: {run: {dotted key: the item or '<key> in <file>' that sets it}}). For a kept run that sets it: train.seed=7
+    would turn a sweep's seeds into copies of one run, model.name=gpt2 would train the gpt2_medium runs as GPT-2 Small
+    under their names. For a kept run that does not: the key tells the sweep's runs apart, whichever of them --only
+    keeps, and cd.enabled=true would train the baseline as a CD run under the baseline's name (and a report would
+    read it as the baseline). A key that only places work (PLACEMENT_KEYS) tells no result apart: one that other
+    runs' items set may be set for all."""
+    for name in kept:  # first where the run names the key itself: the message says where
+        own = owns[name]
+        replaced = [o for o in extra_overrides if sets_any(o, set(own))]
+        if replaced:
+            where = set_by(own, replaced)
+            layers = sorted({w.split(" in ", 1)[1] for w in where if " in " in w})
+            raise ConfigError(f"sweep run '{name}': {', '.join(replaced)} would replace what the run sets itself "
+                              f"({', '.join(where)}); drop it from the command line, or edit the run in "
+                              f"{' or '.join([sweep_path, *layers])}")
+    setters: dict = {}  # dotted key -> [the runs that set it themselves]
+    files: dict = {}  # dotted key -> {the runs' own config files that set it}
+    for name, own in owns.items():
+        for key, where in own.items():
+            if not key.startswith(PLACEMENT_KEYS):
+                setters.setdefault(key, []).append(str(name))
+                if " in " in where:
+                    files.setdefault(key, set()).add(where.split(" in ", 1)[1])
+    replaced = [o for o in extra_overrides if sets_any(o, set(setters))]
+    if kept and replaced:  # named for the first run kept: every kept run takes the override alike
+        keys = list(dict.fromkeys(k for o in replaced for k in overlapping_keys(o, setters)))
+        named = "; ".join(f"{k}: {few(setters[k])}" for k in keys)
+        where = sorted({f for k in keys for f in files.get(k, ())})
+        raise ConfigError(f"sweep run '{kept[0]}': {', '.join(replaced)} would replace what other runs of the sweep "
+                          f"set themselves ({named}), which tells the sweep's runs apart: run '{kept[0]}' would "
+                          f"train with it under its own name; drop it from the command line, or edit the runs in "
+                          f"{' or '.join([sweep_path, *where])} (or make a new sweep file for such runs)")
+
+
+def few(names: list[str], shown: int = 4) -> str:
+    """The first `shown` of `names` and how many more, for an error line."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def check_run_config(configs: list[str], overrides: list[str], eval_overrides: list[str],

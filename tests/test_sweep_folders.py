@@ -147,18 +147,23 @@ def test_a_key_every_run_sets_alike_stays_an_override_for_the_whole_sweep():
         assert all("train.batch_size_per_gpu=32" in r["overrides"] for r in runs)
 
 
-def test_only_the_runs_kept_by_only_are_checked_and_a_key_that_places_work_may_be_set_for_all(capsys):
+def test_a_key_one_runs_preset_sets_is_refused_for_every_run_kept_and_a_key_that_places_work_may_be_set_for_all():
     """finetune.yaml's imagenet preset sets its own batch sizes: train.batch_size_per_gpu=32 for the whole sweep
-    would replace its batch (refused, naming the preset), but not for a run --only keeps that does not set it;
-    the eval batch (where work runs, not what it computes) may be set for every run."""
+    would replace its batch (refused, naming the preset), and for a run --only keeps that does not set it too (the
+    key tells the sweep's runs apart: refused naming the runs that set it); the eval batch (where work runs, not
+    what it computes) may be set for every run."""
     path = os.path.join(ROOT, "configs", "sweeps", "finetune.yaml")
     with pytest.raises(SystemExit, match=r"error: sweep run 'imagenet_baseline': train.batch_size_per_gpu=32 would "
                                          r"replace .* edit the run in .*finetune.yaml or "
                                          r"configs/finetune/datasets/imagenet.yaml$"):
         sweep.main([path, "model.pretrained=/w.safetensors", "train.batch_size_per_gpu=32"])
-    assert sweep.main([path, "model.pretrained=/w.safetensors", "--only", "flowers102_baseline",
-                       "train.batch_size_per_gpu=32"]) == 0
-    assert " train.batch_size_per_gpu=32 " in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"error: sweep run 'flowers102_baseline': train.batch_size_per_gpu=32 would "
+                                         r"replace what other runs of the sweep set themselves "
+                                         r"\(train.batch_size_per_gpu: imagenet_baseline, imagenet_cd, "
+                                         r"imagenet_tweo\).* edit the runs in .*finetune.yaml or "
+                                         r"configs/finetune/datasets/imagenet.yaml"):
+        sweep.main([path, "model.pretrained=/w.safetensors", "--only", "flowers102_baseline",
+                    "train.batch_size_per_gpu=32"])
     runs = sweep.expand(path, ["model.pretrained=/w.safetensors", "train={eval_batch_size_per_gpu: 64}"])
     assert all("train={eval_batch_size_per_gpu: 64}" in r["overrides"] for r in runs) and len(runs) == 27
 
