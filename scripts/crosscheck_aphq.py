@@ -83,7 +83,7 @@ from engine.run_dir import refuse_existing_outputs  # noqa: E402
 from models import input_size  # noqa: E402
 from quant import PipelineData, evaluate_quantized, parse_bits  # noqa: E402
 from quant.plan import pipeline_options  # noqa: E402
-from quant.aphq.search import matmul_candidates, stem_levels  # noqa: E402
+from quant.aphq.search import matmul_candidates, official_levels, stem_levels  # noqa: E402
 from quant.attention import QuantAttentionBase  # noqa: E402
 from quant.layers import QuantConv2d, QuantLinear  # noqa: E402
 from quant.quantile import quantile  # noqa: E402
@@ -97,9 +97,10 @@ OFFICIAL_FILES = ("utils/calibrator.py", "utils/block_recon.py", "utils/wrap_net
                   "quant_layers/conv.py", "quant_layers/matmul.py", "quantizers/uniform.py",
                   "quantizers/adaround.py", "quantizers/_ste.py")
 FAKE_DEVICE_MEMORY = 4 << 30  # adaptation 2: bytes the official chunking believes the device has
-# Two scales are "the same" candidate within this relative difference: the implementations build the same
-# candidate in different arithmetic (official: float32 torch.quantile at float32 levels and float32 linspace;
-# ours: float64-exact quantiles), which moves a matmul candidate by up to ~5e-5 relative on vit_digits.
+# Two scales are "the same" candidate within this relative difference. Chosen when ours took numpy's
+# linear-interpolation quantiles, which moved a matmul candidate by up to ~5e-5 relative on vit_digits from the
+# official float32 torch.quantile; ours now follow torch.quantile at the official float32 levels, so equal inputs
+# give equal candidates bit for bit (tests/test_aphq_official_levels.py) and the tolerance is a margin only.
 # Neighbouring candidates are mostly further apart (vit_digits: median relative step 3e-4 between matmul
 # pairs, 2e-3 when one bound moves; 1.7e-4 between stem pairs), but the closest are not (down to ~1e-6), so a
 # group counted "same" may be a neighbour, and a differing group is at least one candidate away.
@@ -319,9 +320,9 @@ def candidate_steps(fp_model: nn.Module, calib: torch.Tensor, matmul_pct=(0.99, 
         for kind, t in _relative_steps(lo, hi, hi[-2] - lo[-2]).items():  # the search starts at pair -2
             matmul[kind].append(t)
     w = fp_model.patch_embed.proj.weight.detach().flatten(1).double()
-    levels = stem_levels(eq_n)
-    qs = quantile(w, levels + [1.0 - p for p in levels], dim=1)
-    hi, lo = qs[:len(levels)], qs[len(levels):]
+    ups, lows = official_levels(stem_levels(eq_n))
+    qs = quantile(w, ups + lows, dim=1)
+    hi, lo = qs[:len(ups)], qs[len(ups):]
     stem = _relative_steps(lo, hi, hi[-2] - lo[-2])
     return {"matmul_pair": _spread(matmul["pair"]), "matmul_one_bound": _spread(matmul["one_bound"]),
             "stem_pair": _spread([stem["pair"]]), "stem_one_bound": _spread([stem["one_bound"]])}

@@ -242,8 +242,9 @@ def _official_grid(rows, bits, pct, eq_n):
     n_levels = 2 ** (bits - 1)
     num_zp = min(16, n_levels * 2)
     num_scale = eq_n // num_zp
-    p = torch.tensor(pct, dtype=rows.dtype)
-    uppers, lowers = torch.quantile(rows, p, dim=-1), torch.quantile(rows, 1 - p, dim=-1)  # [2, G]
+    p = torch.tensor(pct)  # float32 there, and 1 - p taken in float32; cast only because these rows are float64
+    uppers = torch.quantile(rows, p.to(rows.dtype), dim=-1)  # [2, G]
+    lowers = torch.quantile(rows, (1 - p).to(rows.dtype), dim=-1)
     delta_min, delta_max = uppers[0] - lowers[0], uppers[1] - lowers[1]
     splits = torch.linspace(0, 1, num_scale, dtype=rows.dtype)[:, None] * (delta_max - delta_min)
     scales = (delta_min + splits).repeat(num_zp, 1) / (2 * n_levels - 1)

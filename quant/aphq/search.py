@@ -30,7 +30,7 @@ vectorised over channels / heads:
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,22 @@ from ..ranges import best_per_group, to_rows
 # step of 1e-4, not a narrower one. Weight candidates and the matmul operands' are not clamped there (MIN_SCALE
 # only guards a constant row against a zero step).
 ACT_MIN_SCALE = 1e-4
+
+
+def official_levels(uppers: Sequence[float]) -> Tuple[List[float], List[float]]:
+    """The quantile levels of the official candidate grids for upper percentiles `uppers`, as Python floats.
+
+    The official code builds `pct = torch.tensor([...])` (float32) and asks torch.quantile for `pct` and
+    `1 - pct`, the lower levels computed on that float32 tensor. 1 - float32(p) is not float32(1 - p) (p = 0.9:
+    0.100000024 against 0.100000001), and the rank (n - 1) * level moves with it; the floats returned here are
+    those float32 values exactly, which `quantile` keeps as they are.
+
+    Returns:
+        (upper levels, lower levels), in the order of `uppers`.
+    """
+    pct = torch.tensor(list(uppers), dtype=torch.float32)
+    return pct.tolist(), (1 - pct).tolist()
+
 
 def range_grid(rows: torch.Tensor, q: UniformQuantizer, pct: Tuple[float, float],
                eq_n: int, num_zp: Optional[int] = None,
@@ -71,8 +87,8 @@ def range_grid(rows: torch.Tensor, q: UniformQuantizer, pct: Tuple[float, float]
     num_scales = eq_n // num_zp
     if num_scales < 1:
         raise ValueError(f"eq_n={eq_n} is below the {num_zp} zero points of a {q.bits}-bit grid")
-    p_lo, p_hi = pct
-    qs = quantile(rows, [p_lo, 1.0 - p_lo, p_hi, 1.0 - p_hi], dim=1)  # [4, G]
+    (up_lo, up_hi), (low_lo, low_hi) = official_levels(pct)
+    qs = quantile(rows, [up_lo, low_lo, up_hi, low_hi], dim=1)  # [4, G]: q(p_lo), q(1 - p_lo), q(p_hi), q(1 - p_hi)
     t = torch.linspace(0.0, 1.0, num_scales, device=rows.device, dtype=rows.dtype)[:, None]
     width = (qs[0] - qs[1]) + t * ((qs[2] - qs[3]) - (qs[0] - qs[1]))  # [S, G], linear in the range
     scale = (width / (levels - 1)).clamp_min(min_scale)
@@ -225,9 +241,9 @@ def search_stem(layer: nn.Module, x: torch.Tensor, eq_n: int) -> dict:
     X, W = _as_rows(layer, x)
     X, W = X.float(), W.detach().float()
     target = X @ W.t()
-    levels = stem_levels(eq_n)
-    qs = quantile(W, levels + [1.0 - p for p in levels], dim=1)  # [2L, C_out]
-    uppers, lowers = qs[:len(levels)], qs[len(levels):]
+    ups, lows = official_levels(stem_levels(eq_n))
+    qs = quantile(W, ups + lows, dim=1)  # [2L, C_out]
+    uppers, lowers = qs[:len(ups)], qs[len(ups):]
     weight_errors = _weight_output_errors(X, X, W, target, wq, None)  # the cheaper of the two forms
 
     def errors(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -249,7 +265,8 @@ def matmul_candidates(x: torch.Tensor, pct: Tuple[float, float], steps: int
     upper widens while the lower narrows ("anti-mirrored"). x: [B, H, ...]. Returns (lo, hi) [steps, H].
     """
     rows = to_rows(x, 1)  # [H, M]
-    qs = quantile(rows, [pct[0], pct[1], 1.0 - pct[0], 1.0 - pct[1]], dim=1)  # [4, H]
+    ups, lows = official_levels(pct)
+    qs = quantile(rows, ups + lows, dim=1)  # [4, H]: q(p0), q(p1), q(1 - p0), q(1 - p1)
     t = torch.linspace(0.0, 1.0, steps, device=x.device, dtype=qs.dtype)[:, None]
     return qs[3] + t * (qs[2] - qs[3]), qs[0] + t * (qs[1] - qs[0])
 
