@@ -1,9 +1,12 @@
 """Fine-tuning a run checkpoint with other model.kwargs than it was trained with: a change that makes the weights
 compute another function (act_layer, global_pool, fc_norm) is named, old -> new, with the setting that keeps the trained
 function (a warning, an error under model.pretrained_strict=true); a change that does not (dropout rates,
-dynamic_img_size) is not."""
+dynamic_img_size, a value that spells out the model's own default) is not."""
+import dataclasses
 import logging
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -35,11 +38,59 @@ def computes_the_same(trained, now) -> bool:
     ([], ["model.kwargs.global_pool=avg", "model.kwargs.fc_norm=false"]),  # fc_norm: the same keys as trained
     ([], ["model.kwargs.dynamic_img_size=true"]),
     ([], ["model.kwargs.attn_drop_rate=0.1", "model.kwargs.proj_drop_rate=0.1"]),
-], ids=["relu_to_gelu", "relu_kept", "token_to_avg_pool", "dynamic_img_size", "drop_rates"])
+    # the model's own defaults spelt out (timm's ViT: act_layer=None is GELU in its Block): no change
+    ([], ["model.kwargs.global_pool=token"]),
+    ([], ["model.kwargs.act_layer=gelu"]),
+    (["model.kwargs.qkv_bias=true"], []),
+    ([], ["model.kwargs.class_token=true"]),
+    ([], ["model.kwargs.qkv_bias=false"]),  # another parameter set: the weights do not load
+], ids=["relu_to_gelu", "relu_kept", "token_to_avg_pool", "dynamic_img_size", "drop_rates", "explicit_token_pool",
+        "explicit_gelu", "explicit_qkv_bias", "explicit_class_token", "no_qkv_bias"])
 def test_a_change_is_named_exactly_when_the_weights_compute_another_function(trained, now, caplog):
+    try:
+        same = computes_the_same(nano(*trained), nano(*now))
+    except RuntimeError:  # the trained weights do not fit the model
+        same = False
     with caplog.at_level(logging.WARNING, logger="models.kwargs_change"):
         check_kwargs_kept(nano(*trained), nano(*now), "model.pretrained=run/best.pt")
-    assert bool(caplog.records) == (not computes_the_same(nano(*trained), nano(*now))), caplog.text
+    assert bool(caplog.records) == (not same), caplog.text
+    strict = dataclasses.replace(nano(*now), pretrained_strict=True)
+    if same:
+        check_kwargs_kept(nano(*trained), strict, "model.pretrained=run/best.pt")
+    else:
+        with pytest.raises(ModelError, match="other model.kwargs"):
+            check_kwargs_kept(nano(*trained), strict, "model.pretrained=run/best.pt")
+
+
+def test_a_language_model_spelling_out_its_own_gelu_is_no_change_and_another_gelu_is(caplog):
+    gpt = lambda *kwargs: load_config(None, ["model.name=gpt2_nano", "model.num_classes=16", "model.drop_path=0",
+                                             *kwargs]).model
+    tokens = torch.arange(32).remainder(16).unsqueeze(0)
+    torch.manual_seed(0)
+    exact, tanh = build_model(gpt()).eval(), build_model(gpt("model.kwargs.gelu=tanh")).eval()
+    tanh.load_state_dict(exact.state_dict())
+    with torch.no_grad():  # the reference: GPT-2's tanh approximation computes another function than the erf GELU
+        assert not torch.equal(exact(tokens), tanh(tokens))  # (by ~1e-6 at a fresh init's small activations)
+    with caplog.at_level(logging.WARNING, logger="models.kwargs_change"):
+        check_kwargs_kept(gpt(), gpt("model.kwargs.gelu=exact"), "model.pretrained=w")
+        assert not caplog.records, caplog.text
+        check_kwargs_kept(gpt(), gpt("model.kwargs.gelu=tanh"), "model.pretrained=w")
+    assert [r.getMessage().split(": fine-tuning")[0] for r in caplog.records] == [
+        "model.pretrained=w was trained with other model.kwargs than the model's (model.kwargs.gelu: unset (the "
+        "model's own) -> tanh)"]
+
+
+def test_deciding_a_change_leaves_the_callers_random_state_alone():
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    check_kwargs_kept(nano("model.kwargs.act_layer=relu"), nano("model.kwargs.global_pool=token"), "w")
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
 
 
 def test_each_changed_key_is_named_with_both_values_and_the_settings_that_keep_the_trained_function(caplog):
@@ -70,4 +121,13 @@ def test_train_py_warns_when_fine_tuning_a_relu_run_as_gelu_and_refuses_it_under
     with caplog.at_level(logging.WARNING):  # the trained function kept: nothing to say
         train.main(debug_config(f"model.pretrained={best}", "model.kwargs.act_layer=relu", "train.max_steps=1",
                                 name="kept"))
+    assert not [r for r in caplog.records if "other model.kwargs" in r.getMessage()], caplog.text
+
+
+def test_train_py_fine_tunes_under_strict_with_model_kwargs_that_spell_out_the_models_own(debug_config, caplog):
+    train.main(debug_config("train.max_steps=1", name="plain"))
+    best = debug_config(name="plain").out_dir + "/best.pt"
+    with caplog.at_level(logging.WARNING):
+        train.main(debug_config(f"model.pretrained={best}", "model.pretrained_strict=true", "train.max_steps=1",
+                                "model.kwargs.global_pool=token", "model.kwargs.act_layer=gelu", name="explicit"))
     assert not [r for r in caplog.records if "other model.kwargs" in r.getMessage()], caplog.text
