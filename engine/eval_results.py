@@ -40,7 +40,7 @@ import torch
 from configs.loader import unread_options
 
 from .checkpoint import weights_fingerprint
-from .run_dir import SNAPSHOTS, exclusive_lock, partial_path, saved_config
+from .run_dir import SNAPSHOTS, exclusive_lock, partial_path, saved_train_setting
 from .train_seeds import SEED_FIELD, config_seed
 
 
@@ -324,12 +324,7 @@ def refuse_unfinished(runs: Sequence[tuple[str, dict, str]],
 
 def _max_steps(folder: str) -> Optional[int]:
     """The train.max_steps of the run's config.yaml (what its latest command set), None without one."""
-    try:
-        config = saved_config(folder)
-    except UnicodeDecodeError:  # a damaged file tells nothing
-        return None
-    train = config.get("train") if config else None
-    value = train.get("max_steps") if isinstance(train, dict) else None
+    value = saved_train_setting(folder, "max_steps")
     return value if _positive_int(value) else None
 
 

@@ -41,7 +41,7 @@ import secrets
 import socket
 import shutil
 from contextlib import ExitStack, contextmanager
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import yaml
 
@@ -316,6 +316,16 @@ def saved_config(out_dir: str) -> Optional[dict]:
     except (OSError, yaml.YAMLError):
         return None
     return saved if isinstance(saved, dict) else None
+
+
+def saved_train_setting(out_dir: str, key: str) -> Any:
+    """train.<key> as the run's config.yaml records it (what its latest command set), None without a readable one."""
+    try:
+        config = saved_config(out_dir)
+    except UnicodeDecodeError:  # a damaged file tells nothing
+        return None
+    train = config.get("train") if config else None
+    return train.get(key) if isinstance(train, dict) else None
 
 
 def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from .run_dir import saved_config
+from .run_dir import saved_train_setting
 
 SEED_FIELD = "train_seed"  # the key of a result file that records the run's train.seed
 
@@ -26,12 +26,7 @@ def _is_seed(value: Any) -> bool:
 def config_seed(folder: str) -> Optional[int]:
     """The train.seed of the run config.yaml in `folder` records (train.py refuses to resume with another), or None
     without a readable one."""
-    try:
-        config = saved_config(folder)
-    except UnicodeDecodeError:  # a damaged file tells nothing
-        return None
-    train = config.get("train") if config else None
-    seed = train.get("seed") if isinstance(train, dict) else None
+    seed = saved_train_setting(folder, "seed")
     return seed if _is_seed(seed) else None
 
 
