@@ -4,7 +4,7 @@ A quantizer flattens its calibration tensor into rows (`to_rows`: one row per ch
 single row per tensor) and asks its `RangeSearch` for candidate (lo, hi) ranges per row:
 
 * ``percentile_mse`` (default, RepQ-ViT's `UniformQuantizer`): for each p in `percentiles`,
-  hi = quantile(p), lo = quantile(1 - p) with numpy's linear interpolation; the quantizer then keeps,
+  hi = quantile(p), lo = quantile(1 - p) as torch.quantile computes them (`quantile.py`); the quantizer then keeps,
   per row, the candidate with the smallest mean squared fake-quantization error. The raw min/max is
   never a candidate.
 * ``percentile``: one fixed p (e.g. 0.9999 -> [q(0.0001), q(0.9999)]), no MSE selection.

@@ -129,7 +129,8 @@ def fold_layernorm(norm: nn.LayerNorm, linear: QuantLinear, round_zero_point: bo
     if not isinstance(iq, UniformQuantizer) or iq.channel_dim != -1 or not iq.calibrated:
         raise ValueError(f"{iq.name if iq is not None else 'input'}: fold needs a calibrated per-channel "
                          "(last dim) uniform input quantizer")
-    # float64 for the fold arithmetic: keeps the float function equal to ~1e-7 relative.
+    # float64 for the fold arithmetic: keeps the float function equal to ~1e-7 relative. The official code folds in
+    # float32, so a folded parameter can differ from its in the last bit (quant/README.md, "Fold arithmetic").
     s_c, z_c = iq.scale.double(), iq.zero_point.double()
     z_t = torch.round(z_c.mean()) if round_zero_point else z_c.mean()
     # the folded quantizer stores s~, z~ in its own dtype: fold with exactly those values

@@ -10,6 +10,9 @@
 4. Re-fit only the weight quantizers of the folded Linears on the rescaled weights; all activation
    quantizers keep their step-2 parameters. No reconstruction.
 
+Every quantile is torch.quantile's, as the official quantizers call it (quant/quantile.py). The fold computes in
+float64 where the official code computes in float32 (quant/README.md, "Fold arithmetic").
+
 Zero point of the fold: the official code keeps the mean zero point z~ unrounded, which is our default
 (`round_zero_point=False`) because the paper's RepQ-ViT column reproduces the official pipeline.
 `round_zero_point=True` makes the per-tensor codes exactly equal to the per-channel ones
