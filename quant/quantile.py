@@ -10,7 +10,8 @@ separately rounded steps), which moves a 0.99999 quantile of 98,304 normal value
 
 Older torch releases refused a reduced dimension above 2^24 elements, and the RepQ-ViT code then fell back
 to `np.percentile`; the torch this project runs accepts any size with the same arithmetic (checked in
-tests/test_quant_quantile.py at 2^24 + 1 elements), so so do we.
+tests/test_quant_quantile.py at 2^24 + 1 elements), so the official code never falls back here, and `quantile`
+follows torch.quantile at every size.
 
 Calibration only ever needs quantiles in the tails (p = 0.999 ... 0.99999 and 1 - p), so we read the
 two neighbouring order statistics of each requested quantile from one `topk` per tail instead of a full
