@@ -8,10 +8,13 @@ and the two neighbouring order statistics are combined by `torch.lerp` (a fused 
 device has one). numpy's linear method keeps the level in float64 and interpolates in two separately rounded
 steps, which moves a 0.99999 quantile of 98,304 normal values by 4e-5 relative.
 
-Older torch releases refused a reduced dimension above 2^24 elements, and the RepQ-ViT code then fell back
-to `np.percentile`; the torch this project runs accepts any size with the same arithmetic (checked in
-tests/test_quant_quantile.py at 2^24 + 1 elements), so the official code never falls back here, and `quantile`
-follows torch.quantile at every size.
+torch releases that refuse a reduced dimension above 2^24 elements ("quantile() input tensor is too large";
+older ones, and CUDA builds by public reports) send the RepQ-ViT code to its `np.percentile` fallback for such
+tensors (a ViT-B fc2 input of 32 calibration images has 19.4 M elements). torch 2.14.1 on CPU accepts any size
+with the same arithmetic (tests/test_quant_quantile.py at 2^24 + 1 elements), so the official code never falls
+back there, and `quantile` follows torch.quantile at every size: where the running torch refuses (not checked on
+torch 2.11 or on CUDA), the official code's quantiles of tensors above 2^24 elements follow numpy's arithmetic
+and ours do not, a difference in the last bits of those levels.
 
 Calibration only ever needs quantiles in the tails (p = 0.999 ... 0.99999 and 1 - p), so we read the
 two neighbouring order statistics of each requested quantile from one `topk` per tail instead of a full
