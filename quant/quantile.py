@@ -35,7 +35,7 @@ QUANTILE_DTYPES = (torch.float32, torch.float64)
 
 def level_in(q: float, dtype: torch.dtype) -> float:
     """The level `q` as torch.quantile uses it on a `dtype` input (q rounded to dtype), as a Python float."""
-    return float(torch.tensor(q, dtype=dtype))
+    return float(torch.tensor(q, dtype=dtype, device="cpu"))  # a host number: on the CPU, whatever the default device
 
 
 def quantile(x: torch.Tensor, qs: Sequence[float], dim: Optional[int] = None) -> torch.Tensor:

@@ -60,7 +60,7 @@ def official_levels(uppers: Sequence[float]) -> Tuple[List[float], List[float]]:
     Returns:
         (upper levels, lower levels), in the order of `uppers`.
     """
-    pct = torch.tensor(list(uppers), dtype=torch.float32)
+    pct = torch.tensor(list(uppers), dtype=torch.float32, device="cpu")  # host numbers, whatever the default device
     return pct.tolist(), (1 - pct).tolist()
 
 
