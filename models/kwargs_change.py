@@ -97,13 +97,14 @@ def _probe(cfg: ModelConfig, state: dict, x: torch.Tensor | None = None
     at the model's size, or token ids of its vocabulary and context for a language model."""
     # the CPU generator alone (forked by functional_changes): torch.manual_seed would reseed the training's CUDA ones
     torch.random.default_generator.manual_seed(PROBE_SEED)
-    model: nn.Module = build_model(dataclasses.replace(cfg, pretrained="")).eval()
+    with torch.device("cpu"):  # real numbers on the CPU, whatever the default device
+        model: nn.Module = build_model(dataclasses.replace(cfg, pretrained="")).eval()
     if state:
         model.load_state_dict(state)  # a change of parameter names or shapes raises: another function
     if x is None:  # a generator of its own: the input does not depend on what the build drew
         size, draw = input_size(model), torch.Generator().manual_seed(PROBE_SEED)
-        x = (torch.randint(0, cfg.num_classes, (2, size), generator=draw) if is_language_model(model)
-             else torch.randn(2, 3, size, size, generator=draw))
+        x = (torch.randint(0, cfg.num_classes, (2, size), generator=draw, device="cpu") if is_language_model(model)
+             else torch.randn(2, 3, size, size, generator=draw, device="cpu"))
     with torch.no_grad():
         return model.state_dict(), x, model(x)
 

@@ -131,3 +131,17 @@ def test_train_py_fine_tunes_under_strict_with_model_kwargs_that_spell_out_the_m
         train.main(debug_config(f"model.pretrained={best}", "model.pretrained_strict=true", "train.max_steps=1",
                                 "model.kwargs.global_pool=token", "model.kwargs.act_layer=gelu", name="explicit"))
     assert not [r for r in caplog.records if "other model.kwargs" in r.getMessage()], caplog.text
+
+
+def test_the_probe_computes_on_the_cpu_whatever_the_default_device(caplog):
+    """The decision builds and runs the models on real numbers: under a default device of 'meta' (how GPU-only
+    tensor placement bugs show on a CPU) a real change is still named and a spelt-out default still is not."""
+    torch.set_default_device("meta")
+    try:
+        with caplog.at_level(logging.WARNING, logger="models.kwargs_change"):
+            check_kwargs_kept(nano(), nano("model.kwargs.act_layer=gelu"), "model.pretrained=run/best.pt")
+            assert not caplog.records, caplog.text
+            check_kwargs_kept(nano("model.kwargs.act_layer=relu"), nano(), "model.pretrained=run/best.pt")
+    finally:
+        torch.set_default_device(None)
+    assert "model.kwargs.act_layer: relu -> unset" in caplog.text, caplog.text
