@@ -146,11 +146,12 @@ def test_two_ranks_score_each_image_once_and_quantize_on_rank_0(sample, trained,
     assert not [p.name for p in (tmp_path / "two").iterdir() if ".partial-" in p.name]
 
 
-def test_a_calibration_draw_that_fails_on_rank_0_ends_every_rank_with_one_error_line(sample, trained, tmp_path):
-    """The command as users run it, one process per rank (no torchrun agent to stop the others): the training
-    images are gone, so drawing the calibration batch fails on rank 0, which alone draws it for RepQ-ViT. Rank 1
-    went on scoring and then died at the metric's first collective with a gloo traceback (exit 1), or waited there
-    for a peer that was gone; now every rank ends at once with exit code 2 and one `error:` line naming the file."""
+def test_training_images_gone_end_every_rank_with_one_error_line_before_any_work(sample, trained, tmp_path):
+    """The command as users run it, one process per rank (no torchrun agent to stop the others), with the training
+    images gone: drawing the calibration batch on rank 0 alone once failed there while rank 1 went on scoring and
+    died at the metric's first collective (a gloo traceback, exit 1). The annotation check (check_annotations) now
+    finds the missing images on every rank before any work: each ends with exit code 2 and one `error:` line naming
+    the annotation file and the first missing image, and no result file is written."""
     import shutil
     import subprocess
     import sys
@@ -182,10 +183,9 @@ def test_a_calibration_draw_that_fails_on_rank_0_ends_every_rank_with_one_error_
     assert (code0, code1) == (2, 2), (err0[-3000:], err1[-3000:])
     assert "Traceback" not in err0 + err1
     errors = [[line for line in err.splitlines() if line.startswith("error:")] for err in (err0, err1)]
-    assert len(errors[0]) == 1 and "No such file or directory" in errors[0][0], errors
-    assert any(str(path) in errors[0][0] for path in missing), errors
-    assert errors[1] == [f"error: rank 0 failed reading the training images: FileNotFoundError: "
-                         f"{errors[0][0][len('error: '):]}"]
+    for lines in errors:
+        assert len(lines) == 1 and "train_dataloader reads" in lines[0], errors
+        assert f"{len(missing)} of them not in {images}" in lines[0] and f"the first: {missing[0].name})" in lines[0]
     assert not (tmp_path / "eval.json").exists()
 
 
