@@ -10,7 +10,8 @@ commit 2d65066; `git clone https://github.com/mit-han-lab/smoothquant /tmp/smoot
 1. Model and text: a small GPT (models/gpt.py, `--model`, vocabulary = the 256 byte values) trained for
    `--steps` AdamW updates on the Python standard library's own source files (real text that ships with
    every Python; the top-level `*.py` files in sorted order, the last tenth of them held out). The float
-   weights are saved next to --out (`<out>.lm.pt`) and reused by a re-run with the same settings.
+   weights are saved next to --out (`<out>.lm.pt`, whole or not at all: an interrupted save leaves the file
+   as it was) and reused by a re-run with the same settings.
 2. The same tensors for both: `--calib` training windows of the model's context, drawn with seed 0
    (GPTQ and SmoothQuant calibration), and `--eval-windows` consecutive held-out windows. Perplexity =
    exp(mean next-token cross-entropy), one window per forward (as both official perplexity evaluations).
@@ -82,7 +83,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser, first_line  # noqa: E402
 from engine.outputs import write_json  # noqa: E402
-from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from engine.run_dir import RunDirError, refuse_existing_outputs, write_whole  # noqa: E402
 from models.gpt import GPT_SIZES, build_gpt  # noqa: E402
 from quant import PIPELINES  # noqa: E402
 from quant.layers import QuantLinear  # noqa: E402
@@ -157,7 +158,11 @@ def train_model(args: argparse.Namespace, train: torch.Tensor) -> nn.Module:
         opt.step()
         if step % 100 == 0 or step == args.steps - 1:
             print(f"train step {step}: loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
-    torch.save({"settings": settings, "model": model.state_dict()}, path)
+    payload = {"settings": settings, "model": model.state_dict()}
+    try:  # whole or not at all: an interrupted save leaves no torn file, and --overwrite keeps the old one until then
+        write_whole(path, lambda tmp: torch.save(payload, tmp), overwrite=args.overwrite)
+    except RunDirError as e:  # without --overwrite, another command wrote the file since this one looked
+        raise SystemExit(f"error: {e}")
     return model.eval()
 
 
