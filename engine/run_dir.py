@@ -24,8 +24,9 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
   the wandb/ folder a run makes when its config.yaml enables wandb. A config.yaml that is not a run's whole
   config (other top-level keys than the schema's sections: a recipe of the user's) is no run's, and the folder
   is refused naming it, unless `train.archive_existing=true` asks for everything to be moved. Nothing is moved
-  when a file the run reads lies among those files (model.pretrained or train.resume naming out_dir/best.pt, a
-  link in the folder, a file through a link to it): the folder is refused naming the setting (`check_inputs_stay`).
+  when a file the run reads lies among those files (model.pretrained or train.resume naming out_dir/best.pt,
+  data.root in the folder or the folder itself, a link in the folder, a file through a link to it): the folder is
+  refused naming the setting (`check_inputs_stay`).
 """
 from __future__ import annotations
 
@@ -254,9 +255,25 @@ def archive(out_dir: str, names: list[str]) -> str:
     return target
 
 
-# Files a run reads that may lie in its out_dir (an earlier run's best.pt as the weights to start from): archiving
-# the folder's files must not move them away before they are read. (setting, what the file is, for the advice)
-INPUT_FILES = (("model.pretrained", "the weights"), ("train.resume", "the checkpoint"))
+# Files a run reads that may lie in its out_dir (an earlier run's best.pt as the weights to start from, a data set
+# kept beside the runs): archiving the folder's files must not move them away before they are read. These are the
+# schema's path settings besides out_dir itself (configs/schema.py, UserPath). (setting, what it is, for the advice)
+INPUT_FILES = (("model.pretrained", "the weights"), ("train.resume", "the checkpoint"), ("data.root", "the data set"))
+
+
+def _read_paths(setting: str, value: str, settings: dict) -> list[str]:
+    """The paths the run reads through `setting`=`value` (a flat config, `settings`): the path itself, and for
+    data.root the splits in it as data/ looks them up (<split>, <split>.tar; tokens: <split>.bin), since data.root
+    may be out_dir itself, its split folders among the files moved. data.root of a data set that has none (digits,
+    synthetic, kjv) is read by nothing."""
+    if setting != "data.root":
+        return [value]
+    dataset = settings.get("data.dataset", "folder")  # the schema's default
+    if dataset not in ("folder", "tokens"):
+        return []
+    suffixes = ("", ".tar") if dataset == "folder" else (".bin",)
+    splits = [str(settings.get(f"data.{key}", "") or "") for key in ("train_split", "val_split")]
+    return [value, *(os.path.join(value, split + suffix) for split in splits for suffix in suffixes)]
 
 
 def check_inputs_stay(out_dir: str, names: list[str], config: dict, mover: str) -> None:
@@ -270,7 +287,7 @@ def check_inputs_stay(out_dir: str, names: list[str], config: dict, mover: str) 
         value = settings.get(setting)
         if not value or not isinstance(value, str):
             continue
-        passed = _lookup_path(value)
+        passed = [p for read in _read_paths(setting, value, settings) for p in _lookup_path(read)]
         moved = [n for n in names if any(_under(p, os.path.join(folder, n)) for p in passed)]
         if moved:
             raise RunDirError(f"{setting}={value} lies in out_dir '{out_dir}' among the files {mover} to "
