@@ -13,7 +13,9 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
   ViT-B) whose writer, a process of this machine, is gone are removed: they are never the only copy of
   anything, since writes are atomic renames. Only names this program gives its temporary files are removed
   (`partial_path`), and never another machine's (its writer may live, e.g. an evaluate.py on another node);
-* what the folder holds. `checkpoint.pt`: the run resumes (see `config_changes` for what may change).
+* what the folder holds. `checkpoint.pt`: the run resumes (see `config_changes` for what may change); a
+  checkpoint.pt, or a train.resume, that is a folder (a device, a pipe) is refused before anything moves
+  (`checkpoint_path_problem`).
   No checkpoint but files of an earlier run (best.pt, metrics.jsonl, ...): the run is refused, unless
   `train.archive_existing=true` moves them to `out_dir/archive/<time>/` first. `train.resume=` one of the
   folder's own snapshots continues its run (a roll-back), with or without checkpoint.pt. One case is archived
@@ -492,10 +494,45 @@ def claim_run_dir(out_dir: str, config: dict, archive_existing: bool = False) ->
         # train.resume=out_dir/snapshots/epoch<E>.pt continues this folder's run (a roll-back, also with its
         # checkpoint.pt moved away): its files are that run's, and archiving them would move the snapshot too
         resume = str((config.get("train") or {}).get("resume") or "")
+        problem = checkpoint_path_problem(out_dir, resume)
+        if problem:  # before anything moves: a folder at checkpoint.pt would make this a fresh start over its files
+            raise RunDirError(problem)
         own_snapshot = bool(resume) and os.path.isfile(resume) and is_inside(resume, os.path.join(out_dir, SNAPSHOTS))
-        if not os.path.exists(os.path.join(out_dir, "checkpoint.pt")) and not own_snapshot:
+        # isfile, as resume_source asks (engine/snapshots.py): the run resumes exactly when it skips this check
+        if not os.path.isfile(os.path.join(out_dir, "checkpoint.pt")) and not own_snapshot:
             check_fresh_start(out_dir, config, archive_existing)
         yield
+
+
+def not_a_checkpoint_file(path: str) -> str:
+    """What `path` is where it exists but no checkpoint can be read from it or written over it ('a folder', 'a
+    device, a pipe or a socket'); '' for a regular file, a link to one, or nothing there (a broken link included:
+    it names no file, as a missing one)."""
+    if not os.path.exists(path) or os.path.isfile(path):
+        return ""
+    return "a folder" if os.path.isdir(path) else "a device, a pipe or a socket"
+
+
+def checkpoint_path_problem(out_dir: str, resume: str) -> str:
+    """The one error line for a train.resume (`resume`) or an out_dir/checkpoint.pt that exists but is not a file
+    (`not_a_checkpoint_file`), '' when neither is. Asked by claim_run_dir before anything in the folder moves and
+    by resume_source on every rank, so that both take the same path for the resume point: a folder at checkpoint.pt
+    is neither a resume nor a fresh start, whose first checkpoint could not be written over it."""
+    if resume:
+        what = not_a_checkpoint_file(resume)
+        if what == "a folder":  # e.g. a run's out_dir: which of its checkpoints is meant is not ours to guess
+            return (f"train.resume={resume} is a folder, not a checkpoint file: give a file in it, e.g. "
+                    f"{os.path.join(resume, 'checkpoint.pt')} or a snapshot "
+                    f"({os.path.join(resume, SNAPSHOTS, 'epoch<E>.pt')})")
+        if what:
+            return (f"train.resume={resume} is {what}, not a checkpoint file: give a checkpoint.pt or a snapshot "
+                    f"(out_dir/{SNAPSHOTS}/epoch<E>.pt) written by train.py")
+    own = os.path.join(out_dir, "checkpoint.pt")
+    what = not_a_checkpoint_file(own)
+    if what:
+        return (f"{own} is {what}, not a checkpoint file: move it away (a run resumes from out_dir/checkpoint.pt "
+                f"and writes its checkpoints there), or choose another out_dir")
+    return ""
 
 
 @contextmanager

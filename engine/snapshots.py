@@ -34,7 +34,7 @@ from models.modules import nonfinite_tensors
 from .checkpoint import CheckpointError, foreign_objects, not_a_torch_file, weights_fingerprint
 from .distributed import raise_on_every_rank
 from .rank_agreement import differing_between_ranks
-from .run_dir import SNAPSHOTS, is_inside, keep_as_until_step, partial_path
+from .run_dir import SNAPSHOTS, checkpoint_path_problem, is_inside, keep_as_until_step, partial_path
 
 log = logging.getLogger(__name__)
 
@@ -161,11 +161,10 @@ def check_same_weights_on_every_rank(model: Optional[torch.nn.Module], weights: 
 def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[dict]]:
     """(path, payload) of the checkpoint this run continues from, or (None, None) for a fresh start."""
     own = os.path.join(out_dir, "checkpoint.pt")
+    problem = checkpoint_path_problem(out_dir, resume)  # a folder at either: claim_run_dir's refusal, on every rank
+    if problem:
+        raise CheckpointError(problem)
     if resume:
-        if os.path.isdir(resume):  # e.g. a run's out_dir: which of its checkpoints is meant is not ours to guess
-            raise CheckpointError(f"train.resume={resume} is a folder, not a checkpoint file: give a file in it, e.g. "
-                                  f"{os.path.join(resume, 'checkpoint.pt')} or a snapshot "
-                                  f"({os.path.join(resume, SNAPSHOTS, 'epoch<E>.pt')})")
         if not os.path.isfile(resume):
             raise CheckpointError(f"train.resume={resume}: no such file; give a checkpoint.pt or a snapshot "
                                   f"(out_dir/{SNAPSHOTS}/epoch<E>.pt) written by train.py")
