@@ -15,7 +15,7 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
   (`partial_path`), and never another machine's (its writer may live, e.g. an evaluate.py on another node);
 * what the folder holds. `checkpoint.pt`: the run resumes (see `config_changes` for what may change); a
   checkpoint.pt, or a train.resume, that is a folder (a device, a pipe) is refused before anything moves
-  (`checkpoint_path_problem`).
+  (`checkpoint_path_problem`), as is a `snapshots` that is no folder when train.keep_every_epochs > 0.
   No checkpoint but files of an earlier run (best.pt, metrics.jsonl, ...): the run is refused, unless
   `train.archive_existing=true` moves them to `out_dir/archive/<time>/` first. `train.resume=` one of the
   folder's own snapshots continues its run (a roll-back), with or without checkpoint.pt. One case is archived
@@ -501,6 +501,7 @@ def claim_run_dir(out_dir: str, config: dict, archive_existing: bool = False) ->
         # isfile, as resume_source asks (engine/snapshots.py): the run resumes exactly when it skips this check
         if not os.path.isfile(os.path.join(out_dir, "checkpoint.pt")) and not own_snapshot:
             check_fresh_start(out_dir, config, archive_existing)
+        check_snapshots_folder(out_dir, config)  # after archiving, which moves an earlier run's 'snapshots' too
         yield
 
 
@@ -533,6 +534,17 @@ def checkpoint_path_problem(out_dir: str, resume: str) -> str:
         return (f"{own} is {what}, not a checkpoint file: move it away (a run resumes from out_dir/checkpoint.pt "
                 f"and writes its checkpoints there), or choose another out_dir")
     return ""
+
+
+def check_snapshots_folder(out_dir: str, config: dict) -> None:
+    """With train.keep_every_epochs > 0, out_dir/snapshots must be a folder or nothing: a file (or a broken link)
+    of that name would fail the first snapshot, at the end of the first kept epoch, after that much training."""
+    every = (config.get("train") or {}).get("keep_every_epochs") or 0
+    path = os.path.join(out_dir, SNAPSHOTS)
+    if every and os.path.lexists(path) and not os.path.isdir(path):
+        what = "a file" if os.path.isfile(path) else "a device, a pipe or a broken link"
+        raise RunDirError(f"{path} is {what}, where train.keep_every_epochs={every} keeps its snapshots (a folder): "
+                          f"move it away, or set train.keep_every_epochs=0")
 
 
 @contextmanager
