@@ -22,7 +22,7 @@ from configs.schema import ModelConfig
 
 from .attention_sinks import use_sink_attention
 from .gpt import GPT, GPT_SIZES, build_gpt
-from .hub import check_hub_weights_fit, hub_table_resize
+from .hub import check_hub_weights_fit, check_pretrained_tag, hub_load_failure, hub_table_resize
 from .pretrained import ModelError, load_pretrained
 from .timm_build_args import build_args_problem
 from .variants import VARIANTS
@@ -82,6 +82,7 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
             raise ModelError(f"unknown model '{cfg.name}': not a timm model nor a variant "
                              f"({', '.join(VARIANTS)}) nor a GPT size ({', '.join(GPT_SIZES)})"
                              + (f"; names like it: {', '.join(close)}" if close else ""))
+        check_pretrained_tag(cfg.name, arch)
     module = timm.models.model_entrypoint(arch.split(".")[0]).__module__
     if cfg.drop and module == TIMM_SWIN:
         raise ModelError(f"model.drop={cfg.drop}: model '{cfg.name}' ({arch}) is timm's Swin, "
@@ -148,15 +149,14 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     arch, kwargs = model_kwargs(cfg)
     hub = cfg.pretrained == "hub"
     if hub and cfg.pretrained_strict:  # timm would fit the weights to the model (a random classifier), not refuse
-        check_hub_weights_fit(cfg, arch)
+        check_hub_weights_fit(cfg, arch, kwargs)
     try:
         model = timm.create_model(arch, pretrained=hub, **kwargs)
     except TypeError as e:  # an unknown constructor argument in model.kwargs
         raise ModelError(f"model '{cfg.name}' ({arch}) rejected its arguments {kwargs}: {e}") from e
     except Exception as e:
-        if hub:
-            raise ModelError(f"could not fetch hub weights for '{arch}' ({e}); without internet, give a "
-                             f"local file: model.pretrained=/path/to/weights.safetensors") from e
+        if hub:  # not fetched (no internet, no cached copy), or fetched but not fitting the model
+            raise ModelError(hub_load_failure(arch, kwargs, e)) from e
         # timm's checks of the values (embed_dim % num_heads), sizes it divides by (patch_size=0), and torch's
         # refusal of the tensors they size (embed_dim=-8); without hub weights nothing else raises these here
         if isinstance(e, (AssertionError, ValueError, ZeroDivisionError, RuntimeError)):

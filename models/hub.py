@@ -1,15 +1,20 @@
 """timm's hub weights (model.pretrained=hub) against the model they are loaded into.
 
 timm's own loading fits the hub weights to any model: a classifier of another size (or none, for a backbone's
-weights) is replaced by a random one, an attention-sink variant's parameters keep their zero init, and the position
-table is resampled to the model's grid, each with no more than a line of timm's log. A local file is checked for
-the same by models/pretrained.py; here the hub weights are, from timm's record of them (their pretrained_cfg), so
-that a refusal comes before the download:
+weights) is replaced by a random one, an attention-sink variant's parameters keep their zero init, a patch embedding
+of another patch size is resampled (FlexiViT's resize), and the position table and Swin's relative position bias
+tables are resampled to the model's grid and windows, each with no more than a line of timm's log. A local file is
+checked for the same by models/pretrained.py; here the hub weights are, from timm's record of them (their
+pretrained_cfg) and the hub model's shapes (a build on the meta device), so that a refusal comes before the download:
 
-    check_hub_weights_fit(cfg, arch)     # under model.pretrained_strict (and for every evaluation)
-    record, line = hub_table_resize(model, arch)   # once timm has loaded them
+    check_pretrained_tag(cfg.name, arch)          # for every model name (an unknown tag is no model timm builds)
+    check_hub_weights_fit(cfg, arch, kwargs)      # under model.pretrained_strict (and for every evaluation)
+    record, line = hub_table_resize(model, arch)  # once timm has loaded them
+    hub_load_failure(arch, kwargs, error)         # the error line when timm's fetching or loading failed
 """
 from __future__ import annotations
+
+import traceback
 
 import timm
 import torch
@@ -17,17 +22,33 @@ import torch.nn as nn
 
 from configs.schema import ModelConfig
 
-from .pretrained import NEW_CLASSIFIER, ModelError
+from .pretrained import NEW_CLASSIFIER, ModelError, check_patch_size, conversion_failed, relative_table_resize
 
 # attention-sink variants with parameters of their own, which no hub weights hold (models/attention_sinks.py)
 SINK_VARIANTS = ("attn_bias", "kv_bias")
 
 
-def check_hub_weights_fit(cfg: ModelConfig, arch: str) -> None:
+def check_pretrained_tag(name: str, arch: str) -> None:
+    """Refuse a timm name whose pretrained tag (`arch`'s part after the dot, model.name's) timm does not know: timm
+    refuses to build it at all, with or without hub weights, in a traceback."""
+    try:
+        timm.models.get_pretrained_cfg(arch)
+    except RuntimeError:  # timm's "Invalid pretrained tag (...) for ...": the only error it raises for a name
+        base, _, tag = arch.partition(".")
+        tags = [known.partition(".")[2] for known in timm.models.get_arch_pretrained_cfgs(base)]
+        default = timm.models.get_pretrained_cfg(base).tag  # the architecture exists: it has a default tag
+        raise ModelError(f"model.name={name}: timm's {base} has no pretrained tag '{tag}'; its tags: "
+                         f"{', '.join(tags)} (set model.name={base}.TAG, or model.name={base} for its default, "
+                         f"{default})") from None
+
+
+def check_hub_weights_fit(cfg: ModelConfig, arch: str, kwargs: dict | None = None) -> None:
     """Refuse the hub weights of `arch` (timm's name, with its tag) for the model of `cfg` where loading them would
     replace what they hold: a classifier of another number of outputs than model.num_classes, a classifier where they
-    hold none, or an attention-sink variant's parameters. Called where the weights must be used as they are
-    (model.pretrained_strict, an evaluation), with the words a local file gets there (models/pretrained.py)."""
+    hold none, an attention-sink variant's parameters, or a patch embedding of another patch size than the model's
+    (built with `kwargs`, models/factory.py's model_kwargs; None: the patch size is not compared). Called where the
+    weights must be used as they are (model.pretrained_strict, an evaluation), with the words a local file gets there
+    (models/pretrained.py)."""
     hub = timm.models.get_pretrained_cfg(arch)
     if hub is None:  # no hub weights: timm's own error says so when it fetches them
         return
@@ -45,21 +66,49 @@ def check_hub_weights_fit(cfg: ModelConfig, arch: str) -> None:
         raise ModelError(f"{source} has no parameters of model.attn={cfg.attn} (they would keep their zero init): "
                          f"drop the model.attn override, or fine-tune the weights with it (model.pretrained_strict="
                          f"false)")
+    if kwargs is not None:
+        weights, model = _meta_model(arch), _meta_model(arch, kwargs)
+        if weights is not None and model is not None:  # timm would resample the patch embedding (FlexiViT's resize)
+            check_patch_size(weights.state_dict(), model.state_dict(), source, strict=True)
+
+
+def _meta_model(arch: str, kwargs: dict | None = None) -> nn.Module | None:
+    """timm's model `arch` built on the meta device (its shapes; no memory or init time spent on weights): the hub
+    weights' own model without `kwargs` (timm builds a tagged name at the input size of its weights), else the model
+    of `kwargs`. None where timm cannot build it: the real build's own error comes where the model is built."""
+    base, _, tag = arch.partition(".")
+    # what timm.create_model does with a tagged name, without its download (pretrained is left False)
+    tagged = {"pretrained_cfg": tag} if tag else {}
+    with torch.device("meta"):
+        try:
+            return timm.models.model_entrypoint(base)(**tagged, **(kwargs or {}))
+        except Exception:  # noqa: BLE001 - e.g. an unknown constructor argument, which build_model names
+            return None
 
 
 def hub_table_resize(model: nn.Module, arch: str) -> tuple[dict, str]:
-    """The position table timm resampled (bicubic) when it loaded the hub weights of `arch` into `model`, whose grid
-    is another than the one the weights were trained at (their pretrained_cfg's input size at the hub model's patch
-    size): the record ({'pos_embed_resampled': '14x14->2x2'}) an evaluation keeps beside its result and the line to
-    log, as for a local file (models/pretrained.py's `position_table_resize`); {} and '' for none."""
+    """The tables timm resampled when it loaded the hub weights of `arch` into `model`: the record an evaluation
+    keeps beside its result ({'pos_embed_resampled': '14x14->2x2'}, {'relative_position_bias_resampled': '7x7->4x4'})
+    and the line to log, as for a local file (models/pretrained.py); {} and '' for none."""
+    weights = _meta_model(arch)
+    if weights is None:
+        return {}, ""
+    source = f"model.pretrained=hub ({arch})"
+    # Swin's relative position bias tables of another window size (model.kwargs.window_size), or windows timm shrank
+    # to a smaller img_size's feature maps: a local file's record and line, from the hub model's table shapes
+    tables = [_position_table_resize(model, weights, arch),
+              relative_table_resize(weights.state_dict(), model.state_dict(), model, source)]
+    return ({key: change for record, _ in tables for key, change in record.items()},
+            "; ".join(line for _, line in tables if line))
+
+
+def _position_table_resize(model: nn.Module, weights: nn.Module, arch: str) -> tuple[dict, str]:
+    """A ViT's position table timm resampled (bicubic) to `model`'s grid, another than the one the hub weights
+    (their model: `weights`) were trained at, their pretrained_cfg's input size at the hub model's patch size."""
     grid = getattr(getattr(model, "patch_embed", None), "grid_size", None)
     hub = timm.models.get_pretrained_cfg(arch)
-    if getattr(model, "pos_embed", None) is None or grid is None or hub is None or not hub.input_size:
-        return {}, ""
-    with torch.device("meta"):  # the hub model's patch size, no memory or init time spent on its weights
-        patch = getattr(getattr(timm.models.model_entrypoint(arch.split(".")[0])(), "patch_embed", None),
-                        "patch_size", None)
-    if patch is None:
+    patch = getattr(getattr(weights, "patch_embed", None), "patch_size", None)
+    if getattr(model, "pos_embed", None) is None or grid is None or hub is None or not hub.input_size or patch is None:
         return {}, ""
     pixels = tuple(hub.input_size[-2:])
     trained = tuple(side // p for side, p in zip(pixels, patch))
@@ -71,3 +120,34 @@ def hub_table_resize(model: nn.Module, arch: str) -> tuple[dict, str]:
             f"(timm's bicubic resize; the weights were trained at {pixels[0]}x{pixels[1]} pixels in patches of "
             f"{patch[0]}x{patch[1]}, the model takes {model.patch_embed.img_size[0]}x{model.patch_embed.img_size[1]}"
             f" in patches of {model.patch_embed.patch_size[0]}x{model.patch_embed.patch_size[1]})")
+
+
+# where fetching hub weights fails: huggingface_hub's errors (LocalEntryNotFoundError offline or without a cached
+# copy, OfflineModeIsEnabled, HfHubHTTPError) and torch.hub's (urllib's URLError) are OSErrors; anything else raised
+# inside these modules (an HTTP client's own error, an unreadable download) is a failure to fetch too
+FETCH_MODULES = ("huggingface_hub", "httpx", "httpx2", "requests", "urllib3", "urllib", "torch.hub", "timm.models._hub",
+                 "safetensors")
+
+
+def hub_load_failure(arch: str, kwargs: dict, error: Exception) -> str:
+    """The error line for timm's create_model(`arch`, pretrained=True, **`kwargs`) failing with `error`: the hub
+    weights could not be fetched (no internet, no cached copy: a local file is the way), or they were and timm's
+    conversion to the model failed (a position table of another token layout: a local file's words for it)."""
+    if not _fetch_error(error):
+        model = _meta_model(arch, kwargs)
+        if model is not None:
+            return conversion_failed(f"model.pretrained=hub ({arch})", model, error)
+    reason = " ".join(str(error).split()) or type(error).__name__
+    return (f"could not fetch hub weights for '{arch}' ({reason}); without internet, give a local file: "
+            f"model.pretrained=/path/to/weights.safetensors")
+
+
+def _fetch_error(error: Exception) -> bool:
+    """Whether `error` came from fetching or reading the hub weights (FETCH_MODULES), or from timm's finding no hub
+    weights to fetch (raised by its builder itself: "No pretrained weights exist for ..."), not from fitting them to
+    the model (timm's conversion of them, torch's load_state_dict)."""
+    if isinstance(error, OSError):
+        return True
+    modules = [frame.f_globals.get("__name__", "") for frame, _ in traceback.walk_tb(error.__traceback__)]
+    return (any(name == m or name.startswith(m + ".") for name in modules for m in FETCH_MODULES)
+            or modules[-1:] == ["timm.models._builder"])

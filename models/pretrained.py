@@ -102,10 +102,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
                                              own, strict, head_prefixes, path, model)
             # e.g. resampling a position table whose token layout (class, distillation, register tokens) is not
             # the model's: a reshape error from deep inside timm
-            raise ModelError(f"{path}: timm's conversion of these weights to {type(model).__name__} failed "
-                             f"({str(e).strip() or type(e).__name__}): weights of another model"
-                             + (" (another token layout, e.g. without a class token or with a distillation token)"
-                                if "pos_embed" in own else "") + "?") from None
+            raise ModelError(conversion_failed(path, model, e)) from None
         notes += check_dropped(dropped_by_filter(before, state, rebuilt_buffers(model)), strict, path, model)
     check_tied_weights(model, state, path)
 
@@ -165,6 +162,18 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
 # what timm's checkpoint_filter_fn raises for weights of another model: a reshape of a table of another token
 # layout, an assertion on a table's shape, or (Swin) the lookup of an attention the model lacks (get_submodule)
 FILTER_ERRORS = (RuntimeError, ValueError, AssertionError, KeyError, IndexError, AttributeError)
+
+
+def conversion_failed(source: str, model: nn.Module, error: Exception) -> str:
+    """The error line for weights (of `source`: a file, or the hub's) that timm's conversion to `model` failed on
+    (`error`), e.g. a reshape of a position table of another token layout (class, distillation, register tokens)
+    than the model's, deep inside timm: weights of another model than this one."""
+    # torch's load_state_dict error (hub weights timm loads itself) spans lines and names every key that differs
+    reason = " ".join(str(error).split()) or type(error).__name__
+    reason = reason if len(reason) <= 300 else reason[:300] + " ..."
+    return (f"{source}: timm's conversion of these weights to {type(model).__name__} failed ({reason}): weights of "
+            f"another model" + (" (another token layout, e.g. without a class token or with a distillation token)"
+                                if "pos_embed" in model.state_dict() else "") + "?")
 
 
 def _converted_without_foreign_tables(filter_fn, state: dict, model: nn.Module, filter_args: dict) -> dict:

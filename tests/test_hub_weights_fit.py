@@ -1,0 +1,110 @@
+"""model.pretrained=hub against the model it is loaded into, where a local file of the same weights is checked
+(models/pretrained.py): the same refusal, record and log line for another patch size or window size, a timm name
+of an unknown tag refused in one line, and hub weights that do not fit the model's token layout named as such, not
+as a failure to fetch them. The hub is a Hugging Face cache made here (offline: nothing is fetched)."""
+import logging
+
+import huggingface_hub.constants
+import pytest
+import timm
+import torch
+from safetensors.torch import save_file
+
+from conftest import run_entry
+from configs import load_config
+from models import ModelError, build_model
+
+VIT = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"  # 1000 classes at 224 pixels, patches of 16
+SWIN = "swin_tiny_patch4_window7_224.ms_in1k"  # windows of 7
+
+
+@pytest.fixture(scope="module")
+def hub_cache(tmp_path_factory):
+    """A Hugging Face cache holding random weights of VIT and SWIN as timm's hub copies (model.safetensors of the
+    main revision), and those weights as local files."""
+    root = tmp_path_factory.mktemp("hf") / "hub"
+    files = {}
+    for name in (VIT, SWIN):
+        repo, revision = root / f"models--timm--{name}", "0" * 40
+        (repo / "snapshots" / revision).mkdir(parents=True)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(revision)
+        torch.manual_seed(0)
+        weights = timm.create_model(name).state_dict()
+        save_file(weights, repo / "snapshots" / revision / "model.safetensors")
+        files[name] = str(repo / "snapshots" / revision / "model.safetensors")
+    return root, files
+
+
+@pytest.fixture
+def files(hub_cache, monkeypatch):
+    """{model name: a local file of its hub weights}, the hub served from the cache made here."""
+    root, files = hub_cache
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return files
+
+
+def model_cfg(name, *overrides):
+    return load_config(None, [f"model.name={name}", *overrides]).model
+
+
+def refusals(files, name, *overrides):
+    """The error lines of the hub weights of `name` and of a local file of the same weights (`files`), each without
+    its source."""
+    said = []
+    for source in ("hub", files[name]):
+        with pytest.raises(ModelError) as refused:
+            build_model(model_cfg(name, f"model.pretrained={source}", *overrides))
+        said.append(str(refused.value))
+    hub, file = said
+    assert hub.startswith(f"model.pretrained=hub ({name}): "), hub
+    assert file.startswith(f"{files[name]}: "), file
+    return hub.partition(": ")[2], file.partition(": ")[2]
+
+
+def test_strict_hub_weights_of_another_patch_size_are_refused_as_a_local_file_is(files):
+    hub, file = refusals(files, VIT, "model.pretrained_strict=true", "model.kwargs.patch_size=8")
+    assert hub == file and "its patch embedding has (16, 16) patches, the model (8, 8)" in hub, (hub, file)
+
+
+def test_hub_swin_tables_of_another_window_size_are_recorded_and_logged_as_a_local_files(files, caplog):
+    said = {}
+    for source in ("hub", files[SWIN]):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            model = build_model(model_cfg(SWIN, f"model.pretrained={source}", "model.pretrained_strict=true",
+                                          "model.kwargs.window_size=4"))
+        lines = [r.getMessage() for r in caplog.records if "relative position bias" in r.getMessage()]
+        assert len(lines) == 1, caplog.text
+        said[source] = (model.pretrained_resampled, lines[0])
+    # 7x7 windows: (2*7-1)^2 = 169 rows per table in the weights, (2*4-1)^2 = 49 in the model
+    assert said["hub"][0] == said[files[SWIN]][0] == {"relative_position_bias_resampled": "7x7->4x4"}
+    assert said["hub"][1] == said[files[SWIN]][1].replace(files[SWIN], f"model.pretrained=hub ({SWIN})")
+
+
+@pytest.mark.parametrize("layout", [["model.kwargs.class_token=false", "model.kwargs.global_pool=avg"],
+                                    ["model.kwargs.reg_tokens=4"]])
+def test_cached_hub_weights_of_another_token_layout_are_named_as_a_local_file_is_not_as_unfetched(files, layout):
+    hub, file = refusals(files, VIT, *layout)
+    assert hub == file and "another token layout" in hub, (hub, file)
+
+
+def test_hub_weights_not_in_the_cache_offline_are_still_a_failure_to_fetch(files):
+    with pytest.raises(ModelError, match=r"^could not fetch hub weights for 'vit_tiny_patch16_224.augreg_in21k' "
+                                         r"\(.*\); without internet, give a local file"):
+        build_model(model_cfg("vit_tiny_patch16_224.augreg_in21k", "model.pretrained=hub"))
+
+
+def test_an_unknown_pretrained_tag_is_one_error_line_with_the_known_tags(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = run_entry("train.py", ["model.name=vit_tiny_patch16_224.nosuchtag", "model.pretrained=hub",
+                                          "model.pretrained_strict=true", "data.dataset=digits",
+                                          "model.img_size=32", f"out_dir={tmp_path / 'run'}"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and not any("Traceback" in line for line in lines), err
+    last = lines[-1]
+    assert last.startswith("error: model.name=vit_tiny_patch16_224.nosuchtag: ") and "'nosuchtag'" in last, last
+    known = [name.partition(".")[2] for name in timm.list_pretrained("vit_tiny_patch16_224.*")]
+    assert known and all(tag in last for tag in known), (known, last)
