@@ -1,4 +1,4 @@
-"""Quantiles of large tensors, bit for bit as `torch.quantile` computes them.
+"""Quantiles of large tensors, bit for bit as `torch.quantile` computes them, except the sign of a zero result.
 
 The reference implementations this package reproduces call `torch.quantile` for every calibration
 quantile (RepQ-ViT's `UniformQuantizer` / `LogSqrt2Quantizer`, APHQ-ViT's candidate grids), so its
@@ -19,7 +19,13 @@ and ours do not, a difference in the last bits of those levels.
 Calibration only ever needs quantiles in the tails (p = 0.999 ... 0.99999 and 1 - p), so we read the
 two neighbouring order statistics of each requested quantile from one `topk` per tail instead of a full
 sort. Order statistics do not depend on how they are found, so this is exact, works on any size and
-device, needs no host round trip, and is much cheaper than a sort.
+device, needs no host round trip, and is much cheaper than a sort. The one exception is -0.0 and +0.0,
+which compare equal: which of them stands at a rank depends on how a sort or topk orders tied values
+(torch's CPU sort keeps the input's order, CUDA's small-size sorts need not), so a zero quantile may have
+the other sign than torch.quantile's (its value, 0, is the same). A row holding NaN gives a NaN of that
+row, lerped as torch.quantile lerps its last sorted value: torch's NaN where the row's NaNs share their bits
+(one NaN, or the NaNs of one computation); which of NaNs of different bits (-NaN and NaN) torch's sort puts
+last is not defined, and neither is our result then.
 """
 from __future__ import annotations
 
@@ -39,15 +45,18 @@ def level_in(q: float, dtype: torch.dtype) -> float:
 
 
 def quantile(x: torch.Tensor, qs: Sequence[float], dim: Optional[int] = None) -> torch.Tensor:
-    """`torch.stack([torch.quantile(x, q, dim=dim) for q in qs])`, bit for bit, from two `topk` tails.
+    """`torch.stack([torch.quantile(x, q, dim=dim) for q in qs])`, bit for bit (but for the sign of a zero
+    result: see the module docstring), from two `topk` tails.
 
     For each level q (see the module docstring): `rank = float64(dtype(q)) * (n - 1)`, `i = floor(rank)`,
     `j = ceil(rank)`, `w = dtype(rank - i)` and the value is `torch.lerp(x_(i), x_(j), w)` where x_(k) is
-    the k-th smallest value (0-based) along `dim`. A row holding NaN gives NaN, as torch.quantile.
+    the k-th smallest value (0-based) along `dim`. A row holding NaN gives NaN, as torch.quantile: the row's
+    first NaN lerped with itself at weight 0.
 
     Args:
-        x: floating tensor, any number of elements; float16 / bfloat16 are computed as `x.float()` would be
-            and returned in x's dtype.
+        x: floating tensor, any number of elements (a 0-d tensor is one, as torch.quantile takes it);
+            float16 / bfloat16 are computed as `x.float()` would be and returned in x's dtype. An integer,
+            bool or complex tensor is refused with a RuntimeError, as torch.quantile refuses it.
         qs: quantile levels in [0, 1] (Python floats; each is rounded to the computation dtype, as
             torch.quantile rounds its `q`).
         dim: reduce over this dimension; None reduces over all elements.
@@ -56,6 +65,13 @@ def quantile(x: torch.Tensor, qs: Sequence[float], dim: Optional[int] = None) ->
         Tensor of shape `[len(qs), *rest]` in x's dtype, where rest is x's shape without `dim` (empty if dim
         is None).
     """
+    if not x.is_floating_point():  # torch.quantile's refusal (its error type): the levels would be truncated
+        raise RuntimeError(f"quantile() input tensor must be a floating dtype, not {x.dtype}: give x.float() "
+                           f"(or x.double())")
+    if x.dim() == 0 and dim is not None:  # torch.quantile takes a 0-d tensor along dim 0 (or -1) as one element
+        if dim not in (0, -1):
+            raise IndexError(f"Dimension out of range (expected to be in range of [-1, 0], but got {dim})")
+        dim = None
     if dim is None:
         x = x.reshape(-1)
         dim = 0
@@ -96,7 +112,14 @@ def quantile(x: torch.Tensor, qs: Sequence[float], dim: Optional[int] = None) ->
     below = torch.stack([values[i] for i, _, _ in plan], dim=-1).to(dtype)
     above = torch.stack([values[j] for _, j, _ in plan], dim=-1).to(dtype)
     weights = torch.tensor([w for _, _, w in plan], dtype=dtype, device=x.device).expand_as(below).contiguous()
+    # topk ranks NaN as the largest value instead of poisoning the row; torch.quantile takes every level of a row
+    # holding NaN at its last sorted value (a NaN: its sort puts them last) at weight 0, and so keeps that NaN's
+    # sign (a -NaN in, a -NaN out on the CPU), which a NaN of our own would not
+    nans = x.isnan()
+    has_nan = nans.any(dim=-1, keepdim=True)
+    first = nans.to(torch.uint8).argmax(dim=-1, keepdim=True)  # argmax gives the first of equal maxima
+    nan = x.gather(-1, first).to(dtype).expand_as(below)
+    below, above = torch.where(has_nan, nan, below), torch.where(has_nan, nan, above)
+    weights = torch.where(has_nan, torch.zeros_like(weights), weights)
     out = torch.lerp(below, above, weights)
-    has_nan = x.isnan().any(dim=-1, keepdim=True)  # topk would rank NaN as the largest value, not poison the row
-    out = out.masked_fill(has_nan, float("nan"))
     return out.movedim(-1, 0).to(x.dtype)

@@ -127,3 +127,51 @@ def test_an_empty_tensor_is_a_value_error():
         quantile(torch.zeros(0), [0.5])
     with pytest.raises(ValueError, match="empty"):
         quantile(torch.zeros(3, 0), [0.5], dim=1)
+
+
+def bits(t):
+    """The tensor's bit patterns, so that NaNs (and their signs) compare as torch.equal cannot compare them."""
+    return t.view({torch.float32: torch.int32, torch.float64: torch.int64}[t.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_row_holding_a_negative_nan_gives_torch_quantiles_nan_bit_for_bit(dtype):
+    # -NaN is what x86 arithmetic makes of 0/0 or inf - inf: torch.quantile returns the row's own NaN, not +NaN
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(7), dtype=dtype)
+    x[1, 40] = -float("nan")
+    x[2, [3, 250]] = -float("nan")
+    x[3, 299] = float("nan")
+    got, want = quantile(x, LEVELS, dim=1), torch_reference(x, LEVELS, dim=1)
+    assert got.shape == want.shape and torch.equal(bits(got), bits(want)), (bits(got)[:, 1], bits(want)[:, 1])
+    assert (bits(got[:, 1:3]) < 0).all()  # the sign bit of the -NaN kept
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
+def test_a_tensor_of_no_floating_dtype_is_refused_as_torch_quantile_refuses_it(dtype):
+    x = torch.tensor([1, 0, 1, 1]).to(dtype)
+    with pytest.raises(RuntimeError):
+        torch.quantile(x, 0.5)
+    with pytest.raises(RuntimeError, match=f"quantile\\(\\) input tensor must be a floating dtype, not {dtype}"):
+        quantile(x, [0.5])
+
+
+@pytest.mark.parametrize("dim", [None, 0, -1])
+def test_a_0d_tensor_is_one_element_along_its_dimension_as_torch_takes_it(dim):
+    x = torch.tensor(2.5)
+    assert_bitwise(quantile(x, LEVELS, dim=dim), torch_reference(x, LEVELS, dim=dim))
+
+
+@pytest.mark.parametrize("dim", [1, -2])
+def test_a_0d_tensor_refuses_another_dimension_as_torch_does(dim):
+    with pytest.raises(IndexError) as theirs:
+        torch.quantile(torch.tensor(2.5), 0.5, dim=dim)
+    with pytest.raises(IndexError) as ours:
+        quantile(torch.tensor(2.5), [0.5], dim=dim)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_a_zero_quantile_has_torch_quantiles_value_whatever_the_sign_of_the_zeros():
+    # -0.0 and +0.0 tie: which stands at a rank depends on how ties are ordered, so only the value is promised
+    x = torch.tensor([[-0.0, 0.0, 1.0], [0.0, -0.0, -1.0], [-0.0, -0.0, 0.0]])
+    got, want = quantile(x, LEVELS, dim=1), torch_reference(x, LEVELS, dim=1)
+    assert torch.equal(got, want)  # -0.0 == 0.0
