@@ -21,6 +21,7 @@ resume. Validation windows are disjoint, from offset 0; the ids after the last w
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import importlib.util
 import json
@@ -98,16 +99,33 @@ def token_file(cfg: DataConfig, split: str) -> str:
 
 
 ID_CHECK_SAMPLE = 1 << 20  # the leading ids check_not_wider_ids reads: 2 MiB, a moment on any file
-# the bytes of plain ASCII text: tab, line feed, carriage return and the printable characters
-TEXT_BYTES = np.zeros(256, dtype=bool)
-TEXT_BYTES[[9, 10, 13, *range(32, 127)]] = True
+# the control bytes no text file holds: 0..31 but tab (9), line feed (10) and carriage return (13)
+CONTROL_BYTES = np.zeros(256, dtype=bool)
+CONTROL_BYTES[[b for b in range(32) if b not in (9, 10, 13)]] = True
 
 
 def is_plain_text(head: np.ndarray) -> bool:
-    """Whether every uint16 value of `head` is two bytes of plain ASCII text (TEXT_BYTES), as a text file read as
-    uint16 is. A real uint16 stream is not: character ids below 256 have a high byte of 0, and GPT-2 BPE's most
-    common ids (punctuation, ' the', ' and': below 2304) too."""
-    return bool(TEXT_BYTES[head & 0xFF].all() and TEXT_BYTES[head >> 8].all())
+    """Whether the bytes of the uint16 values `head` (as the file holds them) are text: UTF-8 (plain ASCII, or
+    accented letters, typographic quotes, ...) without a control byte (CONTROL_BYTES), as a text file read as
+    uint16 is. A sequence of UTF-8 cut by the end of the head is no fault: the head ends where it was cut. A real
+    uint16 stream is not text: character ids below 256 have a high byte of 0, GPT-2 BPE's most common ids
+    (punctuation, ' the', ' and': below 2304) one of 0..8, control bytes all; and the bytes of ids above 32767
+    are seldom valid UTF-8 one after the other."""
+    data = np.ascontiguousarray(head, dtype=np.uint16).view(np.uint8)
+    if CONTROL_BYTES[data].any():
+        return False
+    try:  # final=False: an incomplete sequence at the end is kept for more input, not refused
+        codecs.getincrementaldecoder("utf-8")().decode(data.tobytes(), final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def text_file_error(path: str, values: int) -> DataError:
+    """The refusal of a token file whose first `values` uint16 values are text (`is_plain_text`)."""
+    return DataError(f"{path}: its first {2 * values:,} bytes are text (UTF-8 without control bytes), as in a plain "
+                     "text file, not uint16 token ids; tokenize the text into a file of uint16 ids (as nanoGPT's "
+                     "prepare.py does: np.array(ids, dtype=np.uint16).tofile(...)) and give data.root its folder")
 
 
 def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
@@ -125,16 +143,14 @@ def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
     The model would train on twice as many tokens, half of them the other halves. In a real uint16 stream odd
     and even positions hold the same kind of text, so none of these happens (a vocabulary of fewer than 16
     ids has no even value of 4096; one of more than 18303 ids has odd values below 16256 too).
-    A plain text file (every value two ASCII bytes, `is_plain_text`) is refused too: read as uint16 it gives ids up
-    to 32382, so that model.num_classes widened to fit would train on pairs of characters."""
+    A plain text file (its bytes UTF-8 without control bytes, `is_plain_text`) is refused too: read as uint16 it
+    gives ids up to 32382 (plain ASCII) or 65535 (other characters), so that model.num_classes widened to fit would
+    train on pairs of bytes."""
     head = np.asarray(ids[:ID_CHECK_SAMPLE])
     if len(head) < 64:
         return
     if is_plain_text(head):
-        raise DataError(f"{path}: each of its first {len(head):,} uint16 values is two printable ASCII characters "
-                        "(bytes 9, 10, 13, 32..126), as in a plain text file, not uint16 token ids; tokenize the "
-                        "text into a file of uint16 ids (as nanoGPT's prepare.py does: np.array(ids, "
-                        "dtype=np.uint16).tofile(...)) and give data.root its folder")
+        raise text_file_error(path, len(head))
     odd, even = head[1::2], head[0::2]
     high, low = int(odd.max()), int(even.max())
     if (high == 0 and low > 0) or (high < 16 and low >= 4096):
@@ -204,12 +220,18 @@ def largest_id(ids: np.ndarray, chunk: int = 1 << 26) -> int:
 def check_vocabulary(stream: TokenStream, vocab_size: int, ids: Optional[np.ndarray] = None) -> None:
     """Refuse ids the model cannot embed, before any work: the character vocabulary, or the largest id of a
     token file (every id of it, read in chunks), or of `ids` alone when only those are used (calibration
-    windows)."""
+    windows). A token file whose ids do not fit and whose bytes are text (`is_plain_text`, judged however short
+    the file) is refused as text: the advice of a larger model.num_classes would train on pairs of bytes."""
     if stream.vocab is not None:
         size = len(stream.vocab)
     else:
         size = largest_id(stream.ids if ids is None else ids) + 1
     if size > vocab_size:
+        # ids that do not fit, read from text (a file too short for check_not_wider_ids to judge): a larger
+        # model.num_classes would train on pairs of bytes; the fix is the tokenizer
+        head = np.asarray(stream.ids[:ID_CHECK_SAMPLE]) if stream.vocab is None else None
+        if head is not None and head.dtype == np.uint16 and is_plain_text(head):
+            raise text_file_error(stream.source, len(head))
         raise VocabularyError(f"{stream.source} holds ids up to {size - 1}, model.num_classes={vocab_size} embeds "
                               f"0..{vocab_size - 1}", size)
 

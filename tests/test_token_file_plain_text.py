@@ -13,7 +13,7 @@ from data import DataError
 from data.text import _kjv, _kjv_text, token_stream
 
 NANO = "configs/lm/kjv_nano.yaml"
-REFUSED = r"each of its first [\d,]+ uint16 values is two printable ASCII characters .*as in a plain text file, " \
+REFUSED = r"its first [\d,]+ bytes are text \(UTF-8 without control bytes\), as in a plain text file, " \
           r"not uint16 token ids; tokenize the text into a file of uint16 ids \(as nanoGPT's prepare.py does"
 
 
