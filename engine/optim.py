@@ -50,8 +50,10 @@ def use_fused(cfg: OptimConfig, device: torch.device) -> bool:
     return device.type == "cuda" and cfg.name in FUSED
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_decay: float,
-                    device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+def check_optimizer_settings(cfg: OptimConfig) -> None:
+    """Refuse (ValueError, one line naming the key) optim.* settings the optimizer would not be built as written
+    with, whatever the model and the device: train.py asks before the run makes anything
+    (engine/training_checks.py), `build_optimizer` again for its other callers."""
     if cfg.name != cfg.name.lower():
         # timm lower-cases the name itself, but betas / eps / momentum, the fused kernel and the resume
         # check go by the name as written: AdamW would train with timm's default betas, not the recipe's
@@ -64,13 +66,17 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_
         raise ValueError(f"optim.betas={list(cfg.betas)} / optim.eps={cfg.eps:g} are read for "
                          f"{', '.join(ADAM_OPTIMIZERS)} only, and optim.name={cfg.name} would train with its own; "
                          f"use one of those, or a recipe without optim.betas / optim.eps")
+    if cfg.fused and cfg.name not in FUSED:  # auto (None) picks a fused kernel only where torch has one
+        raise ValueError(f"optim.fused=true: torch has no fused '{cfg.name}'; use one of {', '.join(FUSED)}")
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_decay: float,
+                    device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+    check_optimizer_settings(cfg)
     kwargs = dict(eps=cfg.eps, betas=tuple(cfg.betas)) if cfg.name in ADAM_OPTIMIZERS else {}
     if cfg.name in ("sgd", "momentum"):
         kwargs["momentum"] = cfg.momentum
     if use_fused(cfg, device):
-        if cfg.name not in FUSED:
-            raise ValueError(f"optim.fused=true: torch has no fused '{cfg.name}'; "
-                             f"use one of {', '.join(FUSED)}")
         kwargs["fused"] = True
     if cfg.layer_decay is not None and not hasattr(model, "group_matcher"):
         # timm would put every parameter in one layer and only log a warning: no decay would happen

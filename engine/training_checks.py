@@ -19,20 +19,26 @@ from typing import Any, Optional
 from cd.decay import check_settings
 from cd.pairs import ROLES
 from configs import ConfigError
-from engine.optim import lr_rule, peak_lr
+from engine.optim import check_optimizer_settings, lr_rule, peak_lr
 
 log = logging.getLogger(__name__)
 
 
 def check_training_settings(cfg: Any) -> None:
     """Refuse (ConfigError, one line naming the key and the fix) a CD setting ColinearityDecay would refuse before
-    it looks at the model, an optim.name timm's registry does not have, the budget rule (cd.budget) beside an
+    it looks at the model, an optim.name timm's registry does not have, optim.* settings the optimizer would not be
+    built with as written (engine/optim.py `check_optimizer_settings`: optim.name in upper case, optim.fused=true
+    for an optimizer torch has no fused kernel of), the budget rule (cd.budget) beside an
     optimizer whose weight decay is not decoupled (`check_budget_optimizer`), and a schedule whose ends lie above
     its peak (`check_schedule_ends`) unless the run may continue a checkpoint, which train.py judges once it has
     read it (`check_schedule_on_resume`)."""
     if cfg.cd.enabled:
         check_cd_settings(cfg.cd)
     check_optimizer_name(cfg.optim.name)
+    try:  # the name's case, betas beside an optimizer that reads none, a fused kernel torch lacks
+        check_optimizer_settings(cfg.optim)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if cfg.cd.enabled and cfg.cd.budget:
         check_budget_optimizer(cfg.optim.name, cfg.optim.momentum)
     if not may_resume(cfg):
@@ -114,7 +120,7 @@ def without_lookahead(name: str) -> str:
 
 
 def check_optimizer_name(name: str) -> None:
-    """optim.name resolved as timm's create_optimizer_v2 resolves it (engine/optim.py refuses upper case itself):
+    """optim.name resolved as timm's create_optimizer_v2 resolves it (upper case: `check_optimizer_settings`):
     a name of its registry, or `lookahead_` and one. timm builds the optimizer named after the last '_' and of the
     part before it reads only whether it begins with `lookahead`, so any other part (lookahed_adamw, foo_sgd,
     _adamw) would be dropped without a word and plain AdamW / SGD trained; no name in the registry holds a '_'."""

@@ -1,0 +1,54 @@
+"""optim.* settings the optimizer would not be built with as written (optim.name in upper case, optim.fused=true
+for an optimizer torch has no fused kernel of, a recipe's betas beside one that reads none) are refused by
+train.py before anything is made: they were refused only once out_dir was claimed (train.log written) and the
+model and the data were built, inside build_run."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import train
+from configs import ConfigError, load_config
+from tests.conftest import DEBUG_CONFIG, ROOT
+
+NANO = os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")
+REFUSALS = [
+    (DEBUG_CONFIG, ["optim.name=ADAMW"],
+     r"^optim.name=ADAMW: optimizer names are timm's, in lower case; use optim.name=adamw$"),
+    (DEBUG_CONFIG, ["optim.name=lamb", "optim.fused=true"],
+     r"^optim.fused=true: torch has no fused 'lamb'; use one of adamw, adam, sgd, momentum$"),
+    (NANO, ["optim.name=nadamw"], r"^optim.betas=\[0.9, 0.95\] / optim.eps=1e-08 are read for adamw, adam, lamb only"),
+]
+
+
+def test_train_py_refuses_an_upper_case_optimizer_name_with_one_line_and_makes_nothing(tmp_path):
+    """The reviewer's repro: `train.py --config configs/debug/tiny.yaml out_dir=/tmp/o optim.name=ADAMW` left
+    /tmp/o/train.log behind its error."""
+    out = tmp_path / "o"
+    done = subprocess.run([sys.executable, "train.py", "--config", DEBUG_CONFIG, f"out_dir={out}",
+                           "optim.name=ADAMW", "log.tensorboard=false"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == ["error: optim.name=ADAMW: optimizer names are timm's, in lower case; use "
+                                        "optim.name=adamw"]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("recipe, overrides, message", REFUSALS, ids=["upper_case", "fused_lamb", "nano_betas"])
+def test_each_refusal_comes_before_out_dir_is_claimed(tmp_path, recipe, overrides, message):
+    """The check before start (check_before_start) refuses each; the run's folder is never made."""
+    out = tmp_path / "run"
+    cfg = load_config([recipe], [f"out_dir={out}", "log.tensorboard=false", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        train.check_before_start(cfg)
+    with pytest.raises(ConfigError, match=message):
+        train.main(cfg)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("overrides", [["optim.name=adamw", "optim.fused=true"], ["optim.name=lamb"],
+                                       ["optim.name=sgd", "optim.fused=false"]])
+def test_what_builds_as_written_passes_the_check_before_start(overrides):
+    """A fused kernel torch has (adamw), auto for one it lacks (lamb: unfused), and fused off pass."""
+    train.check_before_start(load_config([DEBUG_CONFIG], overrides))
