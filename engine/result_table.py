@@ -25,7 +25,7 @@ from .eval_results import (NEUTRAL_OPTIONS, extra_modules, first_difference, rea
                            repeated_weights)
 from .quant_settings import quant_settings
 from .tasks import capped_cell
-from .train_seeds import repeated_seed
+from .train_seeds import repeated_seed, unrecorded_seed_note
 
 PAPER_NAMES = {"percentile": "Percentile", "repq": "RepQ-ViT", "aphq": "APHQ", "gplq": "GPLQ", "rtn": "RTN",
                "gptq": "GPTQ", "smoothquant": "SmoothQuant", "smoothquant_strict": "SmoothQuant-strict"}
@@ -75,7 +75,8 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     maximum also over quant.act_max_extra_modules ‡, each with a note below the table.
 
     over_seeds: one row per (model, method) with mean +- sample std over its results (e.g. the seeds of a
-    sweep) and their count, instead of one row per result.
+    sweep) and their count, instead of one row per result; a row averaging results that record no train.seed
+    (older files: `check_seed_group` cannot tell one seed twice among them) has a note naming them.
     """
     language = all("ppl" in r["fp"] for r in results)
     if not language and any("ppl" in r["fp"] for r in results):
@@ -136,6 +137,10 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
         if changed:
             notes.append(dagger_note(f"{first['model']} {first['method']}", changed))
         model = first["model"] + ("†" if changed else "")
+        # seeds averaged without the train.seed of each: one may be a run trained again with another's seed
+        if over_seeds and (unknown := unrecorded_seed_note(f"{first['model']} {first['method']}",
+                                                           seed_labels(group))):
+            notes.append(unknown)
         # a module maximum also over quant.act_max_extra_modules is not the paper's (inside blocks only): marked ‡
         # (a group's results are alike in them: check_seed_group)
         extra = sorted({m for r in group for m in extra_modules(r)})
@@ -159,7 +164,7 @@ def check_seed_group(model: str, method: str, group: list[dict], labels: Optiona
     recipe (the `method` and `recipe` evaluate.py records) would be averaged as if they were seeds, and so would two
     runs of one train.seed (engine/train_seeds.py: a run trained again, its weights a hair apart).
     labels: how the errors name the results (default: their checkpoints)."""
-    labelled = [(labels[i] if labels else r.get("checkpoint") or f"result {i + 1}", r) for i, r in enumerate(group)]
+    labelled = seed_labels(group, labels)
     repeated = repeated_weights(labelled)
     if repeated is not None:
         raise ValueError(f"{model} {method}: {repeated[0]} and {repeated[1]} hold the same weights; give each "
@@ -193,6 +198,11 @@ def check_seed_group(model: str, method: str, group: list[dict], labels: Optiona
         raise ValueError(f"{model} {method}: {same_seed[0]} and {same_seed[1]} are both runs of train.seed="
                          f"{same_seed[2]}: one seed would count twice (a run trained again with its seed is no new "
                          "seed); give one result of each seed")
+
+
+def seed_labels(group: list[dict], labels: Optional[list[str]] = None) -> list[tuple[str, dict]]:
+    """(label, result) for each result of `group` averaged as seeds: `labels`, else its checkpoint (or 'result N')."""
+    return [(labels[i] if labels else r.get("checkpoint") or f"result {i + 1}", r) for i, r in enumerate(group)]
 
 
 def model_kwargs_unlike(labelled: list[tuple[str, dict]]) -> Optional[str]:

@@ -8,7 +8,10 @@ Results averaged as seeds (engine.result_table.check_seed_group: paper_table.py 
 the seeds of a point of a sweep report: scripts/dose_report.py read_sweep) must each be of a seed of their own
 (`repeated_seed`): a run trained again with a seed already there (under another thread count or on another
 machine) holds weights a hair apart from the first, which the fingerprint check of a copied run
-(engine.eval_results.repeated_weights) tells apart, and would count as one more independent seed.
+(engine.eval_results.repeated_weights) tells apart, and would count as one more independent seed. A result that
+records no seed (an older file outside its run folder, or one whose run left no readable config.yaml) is still
+averaged, but it cannot be compared: the table or report names such results below it (`unrecorded_seed_note`),
+so that a reader knows one seed may be counted twice there.
 """
 from __future__ import annotations
 
@@ -49,3 +52,21 @@ def repeated_seed(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str, s
             return seen[seed], label, seed
         seen[seed] = label
     return None
+
+
+def unrecorded_seeds(labelled: Sequence[tuple[str, dict]]) -> list[str]:
+    """The labels of the (label, result) pairs that record no train.seed (`recorded_seed`), in their order."""
+    return [label for label, result in labelled if recorded_seed(result) is None]
+
+
+def unrecorded_seed_note(label: str, labelled: Sequence[tuple[str, dict]]) -> str:
+    """The note below a table for the results of `label` (e.g. 'vit_t CD', a report's point) averaged as seeds (the
+    (label, result) pairs `labelled`) of which some record no train.seed, so that `repeated_seed` could not compare
+    them: one of them may be a run trained again with a seed already there, counted as one more seed. '' where all
+    record theirs, and for a single result (nothing averaged)."""
+    unknown = unrecorded_seeds(labelled)
+    if not unknown or len(labelled) < 2:
+        return ""
+    return (f"seeds of {label}: the train.seed of {len(unknown)} of its {len(labelled)} results is not recorded "
+            f"({', '.join(unknown)}: written before evaluate.py recorded it, and not in a run folder with its "
+            f"config.yaml), so one seed may be counted twice")

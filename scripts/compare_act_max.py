@@ -11,7 +11,9 @@ methods must be measured alike in what sets the float maxima (data, image count,
 weights, autocast, the kind of a run's checkpoint (model.pretrained weights, no file of a run, are drawn beside
 any), the modules counted (quant.act_max_extra_modules): compared as paper_table.py's fine-tuning layout compares
 its methods, engine/eval_results.first_difference), and a method evaluated with other model.kwargs than it trained
-with is marked † with a note below the table, as paper_table.py marks it.
+with is marked † with a note below the table, as paper_table.py marks it. A method whose result files record no
+train.seed for some of its runs (older files outside their run folders) is averaged, and a note below the table
+names them: the seed check could not compare them, so one seed may be counted twice.
 
     python scripts/compare_act_max.py \\
         baseline='runs/sweeps/fashion_mnist_mini/baseline_s*/eval_best_act_max.csv' \\
@@ -37,6 +39,7 @@ from engine.console import console_print  # noqa: E402
 from engine.outputs import save_figure, write_csv  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import check_seed_group, dagger_note, evaluated_otherwise  # noqa: E402
+from engine.train_seeds import unrecorded_seed_note  # noqa: E402
 
 SUFFIX = "_act_max.csv"  # evaluate.act_max_paths: <stem>_act_max.csv beside the result file <stem>.json
 # what sets a float maximum besides the weights: the methods drawn side by side must agree on these, or the figure
@@ -166,9 +169,16 @@ def plot(rows: list[dict], path: str, marked: set = frozenset(), overwrite: bool
     save_figure(fig, path, overwrite)
 
 
-def markdown(rows: list[dict], notes: dict[str, list[str]] | None = None) -> str:
+def unrecorded_seeds(groups: dict[str, list[str]]) -> list[str]:
+    """The notes below the table for the methods some of whose CSVs' result files record no train.seed (older
+    files outside their run folders): averaged, but `check_seed_group` could not tell one seed twice among them."""
+    return [note for method, paths in groups.items()
+            if (note := unrecorded_seed_note(method, [(p, result_beside(p)) for p in paths]))]
+
+
+def markdown(rows: list[dict], notes: dict[str, list[str]] | None = None, seed_notes: list[str] | None = None) -> str:
     """The table of mean maxima per block; a method with notes (other model.kwargs than trained) is marked †
-    and its notes follow the table."""
+    and its notes follow the table, and so do `seed_notes` (`unrecorded_seeds`)."""
     notes = notes or {}
     methods = list(dict.fromkeys(r["method"] for r in rows))
     blocks = sorted({r["block"] for r in rows})
@@ -176,7 +186,7 @@ def markdown(rows: list[dict], notes: dict[str, list[str]] | None = None) -> str
     lines = ["| block | " + " | ".join(f"{m}{'†' if notes.get(m) else ''} (block / module)" for m in methods) + " |",
              "|---|" + "---|" * len(methods)]
     lines += [f"| {b} | " + " | ".join(cell.get((m, b), "-") for m in methods) + " |" for b in blocks]
-    marks = [dagger_note(m, notes[m]) for m in methods if notes.get(m)]
+    marks = [dagger_note(m, notes[m]) for m in methods if notes.get(m)] + (seed_notes or [])
     return "\n".join(lines + ([""] + marks if marks else []))
 
 
@@ -222,6 +232,7 @@ def main(argv=None) -> list[dict]:
     try:
         rows = summarize(groups)  # everything that can fail, before an output is opened
         notes = evaluated_alike(groups)
+        seed_notes = unrecorded_seeds(groups)
     except ValueError as e:
         sys.exit(f"error: {e}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -230,7 +241,7 @@ def main(argv=None) -> list[dict]:
         plot(rows, args.out + ".png", {m for m, n in notes.items() if n}, args.overwrite)
     except RunDirError as e:
         sys.exit(f"error: {e}")
-    console_print(markdown(rows, notes))  # its † on an ASCII console, or a closed pipe
+    console_print(markdown(rows, notes, seed_notes))  # its † on an ASCII console, or a closed pipe
     print(f"wrote {args.out}.png and {args.out}.csv", file=sys.stderr)
     return rows
 

@@ -6,16 +6,18 @@ r"""Report of a CD dose-response sweep (configs/sweeps/fashion_mnist_dose.yaml):
 Runs are the folders under the sweep root named `<point>_s<seed>`; the seeds of one point are averaged (mean ±
 sample std). Two runs of a point trained with one train.seed (a run trained again: one seed twice), and a folder
 whose <seed> is not the train.seed of its run (the one its eval_best.json records, or its config.yaml for an older
-file), are refused. A run without eval_best.json, or not evaluated at every quantized column of the table (an
-evaluation cut short), is left out, and a warning names it. Runs evaluated differently (autocast, weights and the
-kind of checkpoint, data, quantization settings), seeds of one point of other methods or trained with other settings
-(the method and recipe their eval_best.json records) or evaluated with other model.kwargs, and a run that stopped
-before the others' end (train.max_steps, a signal: engine/eval_results.refuse_unfinished) are refused. A point
-evaluated with other model.kwargs than it was trained with (an evaluate override in the sweep file) is marked † in
-the tables of evaluated numbers, with a note naming both; a module maximum that also counts modules outside the
-blocks (quant.act_max_extra_modules, not the paper's set) is marked ‡, with a note naming the patterns, and a
-quantized number computed with other settings than the defaults (e.g. quant.calib_images=8) *, with a note naming
-them, as paper_table.py marks them. What is read from each run, and what is written:
+file), are refused; the seeds of a point that record no train.seed (neither file) are averaged, and a note below the
+first table names them (one may be a seed counted twice). A run without eval_best.json, or not evaluated at every
+quantized column of the table (an evaluation cut short), is left out, and a warning names it. Runs evaluated
+differently (autocast, weights and the kind of checkpoint, data, quantization settings), seeds of one point of other
+methods or trained with other settings (the method and recipe their eval_best.json records) or evaluated with other
+model.kwargs, and a run that stopped before the others' end (train.max_steps, a signal:
+engine/eval_results.refuse_unfinished) are refused. A point evaluated with other model.kwargs than it was trained
+with (an evaluate override in the sweep file) is marked † in the tables of evaluated numbers, with a note naming
+both; a module maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's
+set) is marked ‡, with a note naming the patterns, and a quantized number computed with other settings than the
+defaults (e.g. quant.calib_images=8) *, with a note naming them, as paper_table.py marks them. What is read from
+each run, and what is written:
   metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
                          -> dose_energy.png: energy against update, one line per point (mean over seeds)
   eval_best.json         FP top-1, module / block maxima, percentile and RepQ-ViT top-1 at W4A4 and W3A3
@@ -55,7 +57,7 @@ from engine.result_table import (dagger_note, entries_nondefault, evaluated_othe
                                  method_difference, model_kwargs_unlike, settings_note)
 from engine.outputs import save_figure, write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from engine.train_seeds import recorded_seed, repeated_seed  # noqa: E402
+from engine.train_seeds import recorded_seed, repeated_seed, unrecorded_seed_note  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.console import console_print  # noqa: E402
@@ -442,7 +444,10 @@ def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_pea
     labels, notes = evaluated_marks(groups)
     marks, extra_notes = module_marks(groups)
     starred, settings_notes = settings_marks(groups, QUANT_COLUMNS)
-    notes += extra_notes + settings_notes
+    # seeds averaged without a recorded train.seed (read_sweep's check cannot compare them): named, not refused
+    seed_notes = [note for point, runs in groups.items()
+                  if (note := unrecorded_seed_note(point, [(run.folder, run.result) for run in runs]))]
+    notes += extra_notes + settings_notes + seed_notes
     for point, runs in groups.items():
         cells = [labels[point], ",".join(str(r.seed) for r in runs),
                  fmt([r.result["fp"]["top1"] for r in runs]),

@@ -14,7 +14,8 @@ maximum that also counts modules outside the blocks (quant.act_max_extra_modules
 with a note naming them; seeds averaged by --over-seeds must have counted the same modules, scored the same
 kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records) and be runs of
 distinct train.seed (the `train_seed` evaluate.py records, or for an older file in its run folder that of the run's
-config.yaml: a run trained again with its seed is one seed twice), and the run of
+config.yaml: a run trained again with its seed is one seed twice; a result that records neither is averaged, and a
+note below the table names it, as one seed may count twice there), and the run of
 a best.pt or checkpoint.pt must have ended as the others did (one stopped at train.max_steps or by a signal before
 the others' end is refused, as its run folder's metrics.jsonl tells: engine/eval_results.refuse_unfinished). In
 every layout a result of a run that stopped short of its schedule's end other than at its own train.max_steps (by a

@@ -238,7 +238,7 @@ def test_a_point_evaluated_with_other_model_kwargs_than_trained_is_marked_and_it
         write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
         path = tmp_path / name / "eval_best.json"
         path.write_text(json.dumps({**json.loads(path.read_text()), "model_kwargs": kwargs,
-                                    "recipe": {"model.kwargs": {}}}))
+                                    "recipe": {"model.kwargs": {}}, "train_seed": int(name[-1])}))
     report = dose_report.main([str(tmp_path), "--out", str(tmp_path / "o")])
     first, energies = report.split("Pair energy")[0], report.split("Pair energy")[1].split("Largest")[0]
     types = report.split("Largest")[1].split("FC1-FC2")[0]

@@ -308,6 +308,7 @@ def test_table_over_seeds_reports_mean_and_sample_std_per_method():
 
     results = [result("Baseline", 80.0, 70.0), result("Baseline", 82.0, 74.0), result("Baseline", 84.0, 72.0),
                result("CD", 81.0, 75.0, module=4.0)]
+    results = [dict(r, train_seed=seed) for seed, r in enumerate(results)]  # distinct seeds: no note below
     header, _, base, cd = result_table.markdown_table(results, over_seeds=True).splitlines()
     # mean and sample std (n - 1) of (80, 82, 84) = 82 +- 2; of (70, 74, 72) = 72 +- 2
     assert base == "| m | Baseline (n=3) | 82.00 ± 2.00 | 5.00 ± 0.00 / 3.00 ± 0.00 | 72.00 ± 2.00 |"
@@ -481,8 +482,9 @@ def test_table_over_seeds_keeps_one_row_per_model_of_a_method():
         return {"model": model, "method": "Baseline", "fp": {"top1": fp}, "max_act": {"module": 5.0, "block": 3.0},
                 "quant": {"repq": {"w4a4": {"top1": repq}}}}
 
-    table = result_table.markdown_table([result("m1", 80.0, 70.0), result("m2", 60.0, 50.0), result("m1", 84.0, 74.0)],
-                                    over_seeds=True)
+    results = [result("m1", 80.0, 70.0), result("m2", 60.0, 50.0), result("m1", 84.0, 74.0)]
+    table = result_table.markdown_table([dict(r, train_seed=seed) for seed, r in enumerate(results)],  # distinct
+                                        over_seeds=True)
     std = f"{statistics.stdev([80.0, 84.0]):.2f}"  # also that of 70 and 74
     assert table.splitlines()[2:] == [
         f"| m1 | Baseline (n=2) | 82.00 ± {std} | 5.00 ± 0.00 / 3.00 ± 0.00 | 72.00 ± {std} |",
