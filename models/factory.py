@@ -36,6 +36,13 @@ FIRST_CLASS_KEYS = {"num_classes": "num_classes", "drop_path_rate": "drop_path",
                     "pretrained": "pretrained", "checkpoint_path": "pretrained",
                     "pretrained_strict": "pretrained_strict"}
 
+# GPT (models/gpt.py) constructor arguments that ModelConfig sets with keys of its own: build_gpt takes its name,
+# vocabulary and dropout from model.name, model.num_classes and model.drop (in model.kwargs as well, build_gpt would
+# get two values for one argument), and timm's spellings of the same settings (num_classes, a checkpoint_path to
+# load) are answered with the key that sets them rather than as unknown arguments
+GPT_FIRST_CLASS_KEYS = {"name": "name", "vocab_size": "num_classes", "num_classes": "num_classes", "drop": "drop",
+                        "pretrained": "pretrained", "checkpoint_path": "pretrained"}
+
 # model.drop is the dropout of DeiT's `drop_rate`: after the position embedding (pos_drop), the attention's output
 # projection and the MLP. timm 1.x split that rate: its `drop_rate` is the classifier head's dropout alone (which
 # DeiT never had), so model.drop sets these arguments instead, per module of timm's model entry points.
@@ -67,6 +74,15 @@ def check_kwargs_given(cfg: ModelConfig) -> None:
         raise ModelError(problem)
 
 
+def shadowed_kwarg_problem(kwargs: dict, own_keys: dict) -> str | None:
+    """'model.kwargs.K: set model.X instead' for the first entry of `kwargs` that `own_keys` ({constructor argument:
+    ModelConfig key}) gives a key of its own, or None: one of the two values would be ignored, or collide."""
+    shadowed = sorted(set(kwargs) & set(own_keys))
+    if not shadowed:
+        return None
+    return f"model.kwargs.{shadowed[0]}: set model.{own_keys[shadowed[0]]} instead (the model's own key for it)"
+
+
 def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
     """Resolve `cfg` into (timm architecture name, constructor kwargs)."""
     check_kwargs_given(cfg)
@@ -92,10 +108,8 @@ def model_kwargs(cfg: ModelConfig) -> tuple[str, dict]:
     drop_args = DROP_ARGS.get(module)
     # model.drop's arguments are its own only where it sets them: at 0 a model.kwargs rate of one is the only one
     own_keys = {**FIRST_CLASS_KEYS, **{name: "drop" for name in (drop_args or ()) if cfg.drop}}
-    shadowed = sorted(set(cfg.kwargs) & set(own_keys))
-    if shadowed:  # one of the two would be ignored
-        raise ModelError(f"model.kwargs.{shadowed[0]}: set model.{own_keys[shadowed[0]]} instead (the "
-                         f"model's own key for it)")
+    if problem := shadowed_kwarg_problem(cfg.kwargs, own_keys):  # one of the two would be ignored
+        raise ModelError(problem)
     if problem := build_args_problem(cfg.kwargs):  # timm's building would consume it itself
         raise ModelError(problem)
     if cfg.drop and drop_args is None:  # timm's drop_rate means another dropout from model to model
@@ -190,6 +204,8 @@ def _build_language_model(cfg: ModelConfig) -> GPT:
                          f"{'it' if len(given) == 1 else 'them'}"
                          + (" (model.drop_path, stochastic depth: set it to 0)" if cfg.drop_path else ""))
     check_kwargs_given(cfg)
+    if problem := shadowed_kwarg_problem(cfg.kwargs, GPT_FIRST_CLASS_KEYS):
+        raise ModelError(problem)
     try:
         model = build_gpt(cfg.name, vocab_size=cfg.num_classes, drop=cfg.drop, **cfg.kwargs)
     except TypeError as e:
