@@ -320,6 +320,20 @@ def check_snapshots_fit(cfg: Config, ended_epochs: int) -> None:
                           f"({schedule}), so it would keep no snapshot; {fix}, or lengthen the run")
 
 
+def check_cadences_fit(cfg: Config, total_steps: int, updates_per_epoch: int) -> None:
+    """Refuse a train.eval_every_steps or train.ckpt_every_steps longer than the run: they act at the updates N,
+    2N, ... of the run (counted from its start, a resumed run's too), and a run of fewer than N updates would never
+    act on it (the setting ignored, while config.yaml records it). A resume may change either within the run."""
+    schedule = (f"sched.steps={cfg.sched.steps}" if cfg.sched.steps is not None
+                else f"sched.epochs={cfg.sched.epochs} x {updates_per_epoch} updates")
+    for key, every, what in (("train.eval_every_steps", cfg.train.eval_every_steps, "validate"),
+                             ("train.ckpt_every_steps", cfg.train.ckpt_every_steps, "write checkpoint.pt")):
+        if every > total_steps:
+            raise ConfigError(f"{key}={every}: the run has {total_steps} updates ({schedule}), so it would never "
+                              f"{what} at one; set it to {total_steps} or fewer (0: at epoch ends only), or lengthen "
+                              f"the run")
+
+
 def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     """Model (the same initial weights on every rank), data, optimizer, schedule, precision, EMA and the
     regularizers. A resumed run takes its weights from the checkpoint: pretrained weights are not loaded."""
@@ -354,6 +368,7 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
                           f"{accum_steps} accumulation steps of one update: lower train.batch_size")
     epochs, total_steps, per_step = schedule_length(cfg.sched, updates_per_epoch)
     check_snapshots_fit(cfg, total_steps // updates_per_epoch)  # sched.steps: a last part-epoch never ends
+    check_cadences_fit(cfg, total_steps, updates_per_epoch)
 
     # Optimizer, schedule, precision, EMA. With CD, the paper's budget rule moves lam from wd to CD.
     lr = peak_lr(cfg.optim, cfg.train.batch_size)

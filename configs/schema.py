@@ -224,10 +224,11 @@ class TrainConfig:
     # stop after this many optimizer updates (debugging); None: full schedule
     max_steps: Annotated[Optional[int], AtLeastOne] = None
     eval_every_epochs: Annotated[int, AtLeastOne] = 1  # validate every N epochs (and after the last)
-    # also validate (and write checkpoint.pt) at every N-th update of the run; 0: at epoch ends only (nanoGPT:
-    # 2000); a resume may change it (validation then at the new value's multiples)
+    # also validate (and write checkpoint.pt) at every N-th update of the run, N at most its updates (train.py
+    # refuses more); 0: at epoch ends only (nanoGPT: 2000); a resume may change it (validation then at the new
+    # value's multiples)
     eval_every_steps: Annotated[int, NonNegative] = 0
-    # also write checkpoint.pt every N updates (0: at epoch ends only)
+    # also write checkpoint.pt every N updates, N at most the run's (0: at epoch ends only)
     ckpt_every_steps: Annotated[int, NonNegative] = 0
     log_every_steps: Annotated[int, AtLeastOne] = 50  # training metrics every N updates
     deterministic: bool = False  # cuDNN/cuBLAS deterministic algorithms (slower)

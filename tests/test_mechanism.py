@@ -240,7 +240,7 @@ def test_surrogate_and_remove_on_digits_images(checkpoints, tmp_path):
     assert result["blocks"][0]["tokens"] == 2 * 17 and -1 <= result["blocks"][0]["pearson"] <= 1
     lm = tmp_path / "lm"
     train.main(load_config([os.path.join(ROOT, "configs/lm/kjv_nano.yaml")],
-                           [f"out_dir={lm}", "sched.steps=2", "sched.warmup_steps=1"]))
+                           [f"out_dir={lm}", "sched.steps=2", "sched.warmup_steps=1", "train.eval_every_steps=2"]))
     with pytest.raises(mechanism.MechanismError, match=r"^`surrogate`: .* is a language model \(data.dataset=kjv\)"):
         mechanism.main(["surrogate", "--checkpoint", str(lm / "best.pt"), "--out", str(tmp_path / "lm_figs" / "a")])
     with pytest.raises(mechanism.MechanismError, match=r"--images 100000: the val split has \d+ images"):
