@@ -27,7 +27,7 @@ from .layouts import LAYOUTS, Layout, check_layouts
 from .pairs import ROLES, Pair, check_switches, find_pairs
 from .sharded import any_sharded, block_plans, register_shards, sharded_colinearity_decay_, sharded_pair_energy
 from .update import (PRECISIONS, align_to_task_loss, build_plan, check_tf32_device, colinearity_decay_, is_sharded,
-                     known_zero, pair_energy, pair_penalty)
+                     known_zero, pair_energy, pair_penalty, resolve_precision)
 from .verify import UnsupportedModelError
 from .wrappers import (closure_then, in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text,
                        unwrap_model)
@@ -291,8 +291,9 @@ class ColinearityDecay:
         mode: 'decoupled' (the paper's update, via `attach`/`apply`) or 'loss' (ablation: a penalty from
             `aux_loss`; `attach`/`apply` then do nothing).
         loss_coef: loss mode only: coefficient of the penalty after aligning it to the task-loss magnitude.
-        matmul_precision: of the update's products: 'fp32' (exact), 'tf32', 'bf16', or 'auto' (tf32 when
-            the pairs are on CUDA, else fp32). The error of each against float64 is in cd/README.md. An explicit
+        matmul_precision: of the update's products: 'fp32' (exact), 'tf32', 'bf16', or 'auto' (tf32 while
+            the pairs are on CUDA, else fp32: resolved at each update, so a model moved by model.cuda() after CD is
+            built gets tf32 there). The error of each against float64 is in cd/README.md. An explicit
             'tf32' with the decayed matrices off CUDA (which has no TF32: fp32 products) is refused at the first
             update, so that a model moved to a GPU after CD is built takes it (the integrations refuse it when
             they bind the framework's optimizers, the model on its device by then).
@@ -366,9 +367,9 @@ class ColinearityDecay:
         # an explicit tf32 is checked against the matrices' device at the first update, not here: the model may be
         # moved to a GPU (model.cuda()) after CD is built
         self._tf32_to_check = matmul_precision == "tf32"
-        if matmul_precision == "auto":  # the measured choice (cd/README.md): TF32 where it exists
-            matmul_precision = "tf32" if self.pairs[0].w2().device.type == "cuda" else "fp32"
-        self.matmul_precision = matmul_precision
+        # 'auto' likewise is resolved at each update (`matmul_precision`), not here: fixed at construction it kept a
+        # CPU-built CD's fp32 products after model.cuda()
+        self._precision_setting = matmul_precision
         self._all_plan = build_plan(self.all_pairs)
         # FSDP2 (fully_shard): the pairs' matrices are DTensor shards, updated block by block whole (`cd.sharded`)
         self._sharded = any_sharded(self.all_pairs)
@@ -484,6 +485,13 @@ class ColinearityDecay:
                                    "decay it twice per step. Use one per model: the other's handle.remove(), or "
                                    "the end of the framework run whose callback or hook holds it, frees them")
 
+    @property
+    def matmul_precision(self) -> str:
+        """The precision of the update's products now: the setting as given, 'auto' resolved from the device of the
+        decayed matrices as they are at this call (`resolve_precision`: tf32 on CUDA, fp32 elsewhere), so that a model
+        moved to a GPU after CD is built gets tf32 there."""
+        return resolve_precision(self._precision_setting, self.pairs[0].downstream.device)
+
     def _apply(self, lr2: list, lr1: list, gate: Optional[Tensor], reads: Optional[Mapping[int, Tensor]] = None,
                count: bool = True) -> bool:
         """The update with these per-pair lrs; returns whether it ran (not when every step is a Python zero).
@@ -508,12 +516,13 @@ class ColinearityDecay:
             pairs = [dataclasses.replace(p, upstream=reads.get(id(p.upstream), p.upstream),
                                          downstream=reads.get(id(p.downstream), p.downstream)) for p in pairs]
         norms = (self.num_updates + int(count)) % self.norms_every == 0
+        precision = self.matmul_precision  # 'auto' from where the matrices are at this update
         if self._sharded:
             result = sharded_colinearity_decay_(pairs, steps, up_steps, self._block_plans, gate=gate,
-                                                precision=self.matmul_precision, norms=norms)
+                                                precision=precision, norms=norms)
         else:
-            result = colinearity_decay_(pairs, steps, up_steps, gate=gate, plan=self._plan,
-                                        precision=self.matmul_precision, norms=norms)
+            result = colinearity_decay_(pairs, steps, up_steps, gate=gate, plan=self._plan, precision=precision,
+                                        norms=norms)
         if norms and count:
             last = self._last_update_norms
             if ran is not None:  # an update the device skipped keeps the last one's norms (`_kept_unless`)

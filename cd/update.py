@@ -164,6 +164,15 @@ def _normalized_scale_sq(g: Tensor) -> Tensor:
 PRECISIONS = ("fp32", "tf32", "bf16")
 
 
+def resolve_precision(precision: str, device: Union[str, torch.device]) -> str:
+    """The precision of the products that `precision` ('auto' or one of PRECISIONS) names for matrices on `device`:
+    'auto' is 'tf32' on CUDA (the measured choice, cd/README.md) and 'fp32' elsewhere (no TF32 there); the others
+    stay as given. `ColinearityDecay` asks at each update, from where its matrices are then."""
+    if precision == "auto":
+        return "tf32" if torch.device(device).type == "cuda" else "fp32"
+    return precision
+
+
 def check_tf32_device(precision: str, device_type: str, setting: str, where: str, fix: str) -> None:
     """Refuse TF32 products asked for on a device without TF32 (anything but CUDA: CPUs have none, and
     `_products_in` runs them in fp32 there) while the setting, and the config that records it, says tf32. One check
