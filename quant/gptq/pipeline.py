@@ -38,6 +38,7 @@ from ..pipeline_base import Pipeline, PTQResult, StageTimer, check_float_ends, p
 from ..pipeline_data import PipelineData
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import find_units, stream_module_inputs
+from .group_width import group_size_unread
 from .quantizer import GPTQQuantizer
 from .solver import HessianAccumulator, gptq_quantize
 
@@ -57,6 +58,12 @@ class RTNPipeline(Pipeline):
     def check(self, bits: Bits, options: RTNOptions) -> None:
         super().check(bits, options)
         check_float_ends(self.name, options)
+
+    def check_model_options(self, fp_model: nn.Module, bits: Bits, options: RTNOptions) -> None:
+        # a group as wide as every quantized layer is per-channel: refused rather than recorded as a grouped run
+        problem = group_size_unread(fp_model, self.layout(bits, options), self.name, options)
+        if problem:
+            raise ValueError(problem)
 
     def layout(self, bits: Bits, options: RTNOptions) -> QuantSpec:
         weight = QuantizerSpec(bits.w, kind=GPTQQuantizer, symmetric=options.symmetric, granularity="channel",
