@@ -479,7 +479,8 @@ def detection_defaults(name: str, args, given: Optional[dict] = None) -> dict:
     """The options a pipeline starts from on a detector: APHQ's and GPLQ's detection recipes (configs/quant.py),
     with their calibration / initialisation images the --calib-images batch. `given`: the user's options of that
     pipeline; with aphq.iters=0 there the recipe's recon_images is left out, as nothing reads it (parse_options
-    refuses an unread option of the mapping it is handed, the recipe's as the user's)."""
+    refuses an unread option of the mapping it is handed, the recipe's as the user's), and with gplq.qwt=false
+    the recipe's stage2_train_transform likewise (stage 2 draws images only for QwT's fits)."""
     from configs.quant import APHQ_DETECTION, GPLQ_DETECTION
     if name == "aphq":
         recipe = {**APHQ_DETECTION, "calib_images": args.calib_images}
@@ -487,7 +488,10 @@ def detection_defaults(name: str, args, given: Optional[dict] = None) -> dict:
             del recipe["recon_images"]
         return recipe
     if name == "gplq":
-        return {**GPLQ_DETECTION, "init_images": args.calib_images}
+        recipe = {**GPLQ_DETECTION, "init_images": args.calib_images}
+        if (given or {}).get("qwt") is False:
+            del recipe["stage2_train_transform"]
+        return recipe
     return {}
 
 

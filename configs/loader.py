@@ -204,7 +204,10 @@ def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) ->
         keys = [k for k in decider_keys(decider) if k != key] or decider_keys(decider)
         last = max(layer.get(k, -1) for k in keys)
         final = decider_value(cfg, decider)
-        return last == own or (last > own and (final != decided[own][decider] or final is False))
+        # a section switched off again at the value it had still says what it means (cd.enabled=false over a file's
+        # cd.lam); a single option's switch given false again does not (as check_keys_read's overrides)
+        off = final is False and decider in section_switches()
+        return last == own or (last > own and (final != decided[own][decider] or off))
 
     check_keys_read(cfg, from_files, sources={key: paths[layer[key]] for key in from_files}, excused=excused)
     return cfg
@@ -561,18 +564,31 @@ def _in_section(section: str, options: Any) -> dict:
     return tree
 
 
+def section_switches(rules: Sequence = READ_ONLY_WHEN) -> frozenset:
+    """The deciding keys among `rules` that switch a whole config section off: those of a rule over a section
+    ("cd." under cd.enabled, "tweo." under tweo.enabled). Given as false they excuse the section's other keys
+    (`check_keys_read`); the switch of a single step or option (quant.gplq.qwt, quant.aphq.mlp_reconstruct) does
+    not, so that its options given beside it are refused rather than dropped without a word."""
+    return frozenset(decider for keys, decider, _ in rules
+                     if isinstance(decider, str) and any(key.endswith(".") for key in keys))
+
+
 def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
                     excused: Optional[Callable[[str, str], bool]] = None, rules: Sequence = READ_ONLY_WHEN) -> None:
     """Refuse a key (`given`: dotted key -> value) that `cfg` ignores, e.g. data.root while data.dataset is
     digits, or cd.lam while cd.enabled is false, naming its file (`sources`: key -> file; overrides have none).
-    `excused(key, decider)` lets a deciding key make a key moot; by default (overrides) a section switched off
-    explicitly (cd.enabled=false next to cd.lam=..., as a sweep's baseline run gets them) says what it means
-    and passes, and any other deciding override does not excuse a key it makes unread (data.dataset=kjv next
-    to data.mixup=0.8 is refused). `rules`: the READ_ONLY_WHEN entries to apply."""
+    `excused(key, decider)` lets a deciding key make a key moot; by default (overrides) a whole section switched
+    off explicitly (cd.enabled=false next to cd.lam=..., as a sweep's baseline run gets them: `section_switches`)
+    says what it means and passes, and any other deciding override does not excuse a key it makes unread
+    (data.dataset=kjv next to data.mixup=0.8 is refused, and so is quant.gplq.matmul_operands=false next to
+    quant.gplq.matmul_percentile=0.9: a switch of one option is no section). `rules`: the READ_ONLY_WHEN entries
+    to apply."""
     sources = sources or {}
     if excused is None:
-        def excused(key: str, decider: str) -> bool:
-            return given.get(decider, None) is False
+        switches = section_switches(rules)
+
+        def excused(key: str, decider: Union[str, When]) -> bool:
+            return decider in switches and given.get(decider, None) is False
     for key, decider, read_with, value in unread_by_rules(cfg, given, rules):
         if not excused(key, decider):
             if isinstance(decider, When):
@@ -594,7 +610,8 @@ def check_options_read(options: Any, given: Iterable[str]) -> None:
     """Refuse, as an override is refused, an option among `given` (the field names a caller set itself) that
     `options`, the dataclass of a config section (APHQOptions of quant.aphq), leaves unread: by the READ_ONLY_WHEN
     entries whose keys and deciding keys all lie in that section. For the Python API (quant/pipeline_base.py
-    parse_options), which has no config around the options; a deciding switch given as false excuses, as there."""
+    parse_options), which has no config around the options. No pipeline section is switched off whole
+    (`section_switches`), so a switch given as false beside the options it leaves unread does not excuse them."""
     given = list(given)
     for section in config_sections(type(options)):
         prefix = section + "."

@@ -441,7 +441,6 @@ def test_random_erasing_fill_and_count_are_read_where_timm_builds_random_erasing
                                       "quant.aphq.log_every=10"]),
     ("configs/demo/vit_digits.yaml", ["quant.gplq.pca_weight=0.5", "quant.gplq.pca_images=64"]),
     ("configs/demo/vit_digits.yaml", ["quant.gplq.pca_images=64", "quant.gplq.stage2_images=64"]),  # defaults on
-    ("configs/demo/vit_digits.yaml", ["quant.gplq.qwt=false", "quant.gplq.stage2_images=64"]),  # as cd.enabled
     ("configs/demo/vit_digits.yaml", ["quant.gplq.matmul_percentile=0.9"]),  # operands quantized by default
 ])
 
@@ -452,12 +451,14 @@ def test_an_override_the_config_reads_is_taken(path, overrides):
 
 def test_a_gplq_qwt_setting_over_a_config_without_qwt_is_refused(tmp_path):
     """GPLQ's stage 2 draws images only for QwT's fits: stage2_images over a config whose QwT is off would be
-    ignored (explicit qwt=false beside it passes, as cd.enabled=false beside cd.lam does)."""
+    ignored, and so it would beside an explicit qwt=false (a step's switch, not a whole section's as cd.enabled)."""
     no_qwt = tmp_path / "no_qwt.yaml"
     no_qwt.write_text("quant:\n  gplq:\n    qwt: false\n")
     with pytest.raises(ConfigError, match=r"quant.gplq.stage2_images=64 would be ignored: .* read only when "
                                           r"quant.gplq.qwt is true, and it is false"):
         load_config([str(no_qwt)], ["quant.gplq.stage2_images=64"])
+    with pytest.raises(ConfigError, match=r"^quant.gplq.stage2_images=64 would be ignored"):
+        load_config([], ["quant.gplq.qwt=false", "quant.gplq.stage2_images=64"])
     assert load_config([str(no_qwt)], ["quant.gplq.qwt=true", "quant.gplq.stage2_images=64"]).quant.gplq.qwt
 
 

@@ -97,7 +97,7 @@ def _gplq_outcome(data) -> tuple:
 
     try:
         PIPELINES["gplq"](tiny_vit(depth=1), None, "w4a4", dict(steps=2, batch_size_per_gpu=4, init_images=8,
-                                                                pca_images=8, stage2_images=8, qwt=False), data=data)
+                                                                pca_images=8, qwt=False), data=data)
         return ("ok", "")
     except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
         return (type(e).__name__, str(e))

@@ -17,7 +17,8 @@ OPTIONS = {"aphq": APHQOptions, "gplq": GPLQOptions}
 # (section, options given, the refused option or None)
 CASES = [
     ("aphq", {"mlp_iters": 500}, "mlp_iters"),
-    ("aphq", {"mlp_lr": 0.1, "mlp_reconstruct": False}, None),  # a switch turned off beside its options (a sweep)
+    # a step's switch turned off beside its options: not a whole section (cd.enabled), so no excuse
+    ("aphq", {"mlp_lr": 0.1, "mlp_reconstruct": False}, "mlp_lr"),
     ("aphq", {"mlp_reconstruct": True, "mlp_iters": 5}, None),
     ("aphq", {"loss": "mse", "temperature": 3.0}, "temperature"),
     ("aphq", {"loss": "mse", "hessian_eps": 0.5}, "hessian_eps"),
@@ -32,8 +33,9 @@ CASES = [
     ("aphq", {"iters": 0, "mlp_reconstruct": True, "mlp_iters": 5, "recon_images": 8}, None),
     ("gplq", {"pca_weight": 0.0, "pca_images": 16}, "pca_images"),
     ("gplq", {"pca_weight": 0.5, "pca_images": 16}, None),
-    ("gplq", {"qwt": False, "stage2_images": 8}, None),
+    ("gplq", {"qwt": False, "stage2_images": 8}, "stage2_images"),
     ("gplq", {"matmul_percentile": 0.9}, None),
+    ("gplq", {"matmul_operands": False, "matmul_percentile": 0.9}, "matmul_percentile"),
 ]
 
 
@@ -76,12 +78,15 @@ def test_a_pipeline_called_with_an_unread_option_refuses_it_before_any_work():
 def test_the_detection_recipes_leave_every_step_switchable(section, recipe, change):
     """evaluate_detection.py hands a pipeline its detection recipe (detection_defaults) with the user's options on
     top: no recipe key may become unread when the user turns a step off (the user did not give it). APHQ's
-    recon_images is one at iters=0, which detection_defaults leaves out there."""
+    recon_images is one at iters=0, and GPLQ's stage2_train_transform one at qwt=false, which detection_defaults
+    leaves out there."""
     from types import SimpleNamespace
 
     from evaluate_detection import detection_defaults
     handed = {**detection_defaults(section, SimpleNamespace(calib_images=1), change), **change}
-    assert set(recipe) - set(handed) == ({"recon_images"} if change == {"iters": 0} else set())
+    left_out = {"recon_images"} if change == {"iters": 0} else {"stage2_train_transform"} if change == {"qwt": False} \
+        else set()
+    assert set(recipe) - set(handed) == left_out
     parse_options(OPTIONS[section], handed)
 
 

@@ -305,7 +305,7 @@ def test_pca_fit_uses_exactly_max_images_across_batches():
 
 def test_stage1_loss_is_ce_plus_pca_weight_times_pca(caplog):
     model, data = tiny_vit(depth=1), cpu_pipeline_data(num_images=16)
-    opts = dict(steps=2, batch_size_per_gpu=4, init_images=8, pca_images=8, stage2_images=8, qwt=False,
+    opts = dict(steps=2, batch_size_per_gpu=4, init_images=8, pca_images=8, qwt=False,
                 log_every=2, pca_weight=2.5, lr=1e-3)
     with caplog.at_level(logging.INFO, logger="quant.gplq"):
         PIPELINES["gplq"](model, None, "w4a4", opts, data=data)

@@ -21,19 +21,21 @@ def test_round_zero_point_over_a_recipe_without_the_fold_is_refused(tmp_path):
     assert cfg.quant.repq.reparam and cfg.quant.repq.round_zero_point
 
 
-@pytest.mark.parametrize("options", [{"reparam": False, "round_zero_point": True},
-                                     RepQOptions(reparam=False, round_zero_point=True)])
-def test_round_zero_point_without_the_fold_is_refused_through_the_api(options):
-    """A switch given as false beside its options passes the config rules (a sweep's baseline): the pipeline's
-    own check refuses the non-default value all the same, through validate as through parse_options."""
+def test_round_zero_point_without_the_fold_is_refused_through_the_api():
+    """A mapping is refused by the config rules (the switch of one step given as false excuses nothing); a
+    RepQOptions handed over as it is, by the pipeline's own check of the non-default value."""
     pipeline = PIPELINES["repq"]
+    with pytest.raises(ValueError, match=r"^quant\.repq\.round_zero_point=true would be ignored: "
+                                         r".*quant\.repq\.reparam"):
+        parse_options(pipeline.Options, {"reparam": False, "round_zero_point": True})
     with pytest.raises(ValueError, match="round_zero_point=True is read only by the LayerNorm fold.*reparam=False"):
-        pipeline.validate(parse_bits("w4a4"), parse_options(pipeline.Options, options))
+        pipeline.validate(parse_bits("w4a4"), parse_options(pipeline.Options,
+                                                            RepQOptions(reparam=False, round_zero_point=True)))
 
 
 def test_round_zero_point_with_the_fold_or_at_its_default_passes():
     pipeline = PIPELINES["repq"]
-    for options in ({"reparam": True, "round_zero_point": True}, {"reparam": False, "round_zero_point": False},
+    for options in ({"reparam": True, "round_zero_point": True}, RepQOptions(reparam=False, round_zero_point=False),
                     {"reparam": False}):
         pipeline.validate(parse_bits("w4a4"), parse_options(pipeline.Options, options))
 
@@ -47,4 +49,6 @@ def test_evaluate_refuses_it_in_one_error_line(tmp_path, capsys):
                              capsys)
     lines = err.strip().splitlines()
     assert code != 0 and len(lines) == 1, err
-    assert lines[0].startswith("error: quant.repq: round_zero_point=True") and "drop it" in lines[0], err
+    assert lines[0].startswith("error: quant.repq.round_zero_point=true would be ignored: "
+                               "quant.repq.round_zero_point is read only when quant.repq.reparam is true") \
+        and "drop it" in lines[0], err
