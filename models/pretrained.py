@@ -17,7 +17,9 @@ and any other missing or unexpected key is an error that names the keys, so a ch
 early (a Swin of more blocks or stages too, whose conversion by timm fails on an attention the model lacks); a file
 of the other kind of model (a GPT's weights given to a ViT, or the reverse) is named as such, with the weights to
 give instead. A file that records its architecture (nanoGPT's `model_args`, transformers' config.json beside it) is
-checked against the model by the family's `check_recorded_settings`. A file torch's weights-only reader refuses (a
+checked against the model by the family's `check_recorded_settings`. Integer (or bool) tensors where the model's
+are floating point, such as a quantized model's codes saved without their scales, are refused, not cast to weights
+(models/weight_dtypes.py); float16 / bfloat16 weights load. A file torch's weights-only reader refuses (a
 safetensors file under another name, Python objects beside the tensors, a numpy .npz archive such as JAX ViT weights)
 is named with what to do about it.
 """
@@ -38,6 +40,7 @@ from timm.models import load_state_dict
 from .attention_sinks import SINK_PARAMS
 from .dropped_keys import dropped_by_filter, rebuilt_buffers
 from .modules import nonfinite_tensors
+from .weight_dtypes import codes_refusal
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +86,9 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     if problem:
         raise ModelError(f"model.pretrained={path}: {problem}")
     own = model.state_dict()
+    codes = codes_refusal(state, own, path)  # before a table is resampled: integer codes are no table either
+    if codes:
+        raise ModelError(codes)
     tables = [position_table_resize(state, own, model, path), relative_table_resize(state, own, model, path)]
     # lines to log once the file has loaded: tables resampled, tensors timm's conversion left out
     notes = [line for line in (check_patch_size(state, own, path, strict), *(line for _, line in tables)) if line]
@@ -104,6 +110,9 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
             # the model's: a reshape error from deep inside timm
             raise ModelError(conversion_failed(path, model, e)) from None
         notes += check_dropped(dropped_by_filter(before, state, rebuilt_buffers(model)), strict, path, model)
+        codes = codes_refusal(state, own, path)  # keys an official layout names otherwise, in the model's names
+        if codes:
+            raise ModelError(codes)
     check_tied_weights(model, state, path)
 
     skipped = []
