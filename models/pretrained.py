@@ -1,7 +1,8 @@
 """Load weights from a local file into a timm model (.pth/.pt/.safetensors, ours or official ones).
 
 Reuses timm: `load_state_dict` reads the file (the `model`, `state_dict` or raw layouts, the raw weights where an
-EMA copy is beside them, which the log names; `module.` prefixes stripped) and the model family's
+EMA copy is beside them, which the log names; `module.` prefixes stripped; DeepSpeed's `module` layout, in which the
+official EVA weights come, is unwrapped here) and the model family's
 `checkpoint_filter_fn` remaps official DeiT/ViT/Swin key layouts and resizes position embeddings and Swin's relative
 position bias tables (a resized table is logged with both grids or windows and its cause, another window size or a
 window timm shrank to the feature map of a smaller img_size, and named in the model's `pretrained_resampled`, which
@@ -35,7 +36,7 @@ import zipfile
 
 import torch
 import torch.nn as nn
-from timm.models import load_state_dict
+from timm.models import clean_state_dict, load_state_dict
 
 from .attention_sinks import SINK_PARAMS
 from .dropped_keys import dropped_by_filter, rebuilt_buffers
@@ -65,13 +66,14 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
             " is a folder; give the weights file in it" if os.path.isdir(path) else
             " is no such file; give the path of a local .pth, .pt or .safetensors weights file"))
     no_state = (f"model.pretrained={path} holds no state dict (parameter name -> tensor), neither as a whole "
-                f"nor under 'model' / 'state_dict': give a weights file")
+                f"nor under 'model' / 'state_dict' / 'module': give a weights file")
     try:
         state = load_state_dict(path, use_ema=False)
     except (AttributeError, TypeError, KeyError):  # timm reads e.g. a list as if it were a mapping
         raise ModelError(no_state) from None
     except Exception as e:  # torch / safetensors readers raise RuntimeError, pickle and zip errors alike
         raise ModelError(unreadable(path, e)) from None
+    state = module_entry(state)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ModelError(no_state)
     bad = nonfinite_tensors(state)
@@ -166,6 +168,18 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
              f" (new classifier: {', '.join(skipped)})" if skipped else "",
              f" ({len(new_sinks)} attention-sink parameters not in the file keep their zero init)"
              if new_sinks else "")
+
+
+def module_entry(state: object) -> object:
+    """The state dict under a file's 'module' entry when that is its one state dict (DeepSpeed's layout, in which
+    the official EVA / EVA-02 weights come; timm's EVA conversion reads it too), its own 'module.' prefixes
+    stripped as timm strips them elsewhere; `state` as it is otherwise (timm's `load_state_dict` unwraps only the
+    'model' and 'state_dict' entries, so such a file arrives whole)."""
+    inner = state.get("module") if isinstance(state, dict) else None
+    if (isinstance(inner, dict) and inner and all(isinstance(v, torch.Tensor) for v in inner.values())
+            and not any(isinstance(v, torch.Tensor) for v in state.values())):  # no weights beside it
+        return clean_state_dict(inner)
+    return state
 
 
 # what timm's checkpoint_filter_fn raises for weights of another model: a reshape of a table of another token
