@@ -13,7 +13,9 @@ ViT's pre-logits layer; not the buffers the model rebuilds) are named: logged wh
 On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a classifier of another shape (any of its
 keys: another number of outputs or input width) is dropped as a whole, weight and bias, when fine-tuning (unless
 strict, where the error names what differs), the parameters of an attention-sink variant (`attn.sink_*`) may
-be missing when weights of the plain model are loaded into a variant (they keep their zero init; unless strict),
+be missing when weights of the plain model are loaded into a variant (they keep their zero init; unless strict;
+where sink parameters alone differ, the error names the file's model.attn variant and the setting that loads it,
+models/sink_weights.py),
 and any other missing or unexpected key is an error that names the keys, so a checkpoint of another model fails
 early (a Swin of more blocks or stages too, whose conversion by timm fails on an attention the model lacks); a file
 of the other kind of model (a GPT's weights given to a ViT, or the reverse) is named as such, with the weights to
@@ -41,6 +43,7 @@ from timm.models import clean_state_dict, load_state_dict
 from .attention_sinks import SINK_PARAMS
 from .dropped_keys import dropped_by_filter, rebuilt_buffers
 from .modules import nonfinite_tensors
+from .sink_weights import recorded_attn, sink_mismatch
 from .weight_dtypes import codes_refusal
 
 log = logging.getLogger(__name__)
@@ -153,6 +156,10 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     if missing or unexpected:
         if _other_kind(state, model):  # a language model's file into a ViT (fine-tuning: its head was dropped)
             _refuse_another_architecture(state, own, strict, head_prefixes, path, model)
+        # a run of another model.attn variant: its sink parameters alone differ, which the key list does not explain
+        sinks = sink_mismatch(missing, unexpected, state, model, recorded_attn(mapped_payload(path)))
+        if sinks:
+            raise ModelError(f"{path} does not fit {type(model).__name__}: {sinks}")
         raise ModelError(f"{path} does not fit {type(model).__name__}: missing {missing[:8]}"
                          f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
                          f"{'...' if len(unexpected) > 8 else ''}")
