@@ -11,7 +11,8 @@ commit 2d65066; `git clone https://github.com/mit-han-lab/smoothquant /tmp/smoot
    `--steps` AdamW updates on the Python standard library's own source files (real text that ships with
    every Python; the top-level `*.py` files in sorted order, the last tenth of them held out). The float
    weights are saved next to --out (`<out>.lm.pt`, whole or not at all: an interrupted save leaves the file
-   as it was) and reused by a re-run with the same settings.
+   as it was; a training that diverges, a loss or weight that is not finite, saves nothing) and reused by a
+   re-run with the same settings.
 2. The same tensors for both: `--calib` training windows of the model's context, drawn with seed 0
    (GPTQ and SmoothQuant calibration), and `--eval-windows` consecutive held-out windows. Perplexity =
    exp(mean next-token cross-entropy), one window per forward (as both official perplexity evaluations).
@@ -81,7 +82,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from configs.cli import OneLineParser, first_line  # noqa: E402
+from configs.cli import OneLineParser, at_least, first_line  # noqa: E402
 from engine.outputs import write_json  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs, write_whole  # noqa: E402
 from models.gpt import GPT_SIZES, build_gpt  # noqa: E402
@@ -103,20 +104,27 @@ def corpus() -> tuple:
     return read(files[:cut]), read(files[cut:])
 
 
-def check_counts(args: argparse.Namespace, held_out: torch.Tensor) -> None:
-    """The counts (--calib and --eval-windows against what the text holds) and the training settings: before
-    minutes of training, not after them (a negative --steps would train nothing and save the model as trained)."""
+def learning_rate(text: str) -> float:
+    """An argparse `type` for --lr: a finite number above 0. inf (or a NaN) trains a model of NaN weights, which
+    would be saved as the float model and reloaded by every later run with the same flags."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text}: give a finite learning rate above 0")
+    return value
+
+
+learning_rate.__name__ = "float"  # argparse's "invalid float value" for text that is no number
+
+
+def eval_windows_problem(args: argparse.Namespace, held_out: torch.Tensor) -> Optional[str]:
+    """Why --eval-windows asks for more windows than the held-out text holds (None if it does not): the one
+    argument check that needs the text, made before anything is written or trained."""
     ctx = GPT_SIZES[args.model]["context"]
     available = len(held_out) // ctx
-    for flag, value, least in (("--calib", args.calib, 1), ("--eval-windows", args.eval_windows, 1),
-                               ("--batch", args.batch, 1), ("--threads", args.threads, 1), ("--steps", args.steps, 0)):
-        if value < least:
-            raise SystemExit(f"error: {flag} {value}: give at least {least}")
-    if not args.lr > 0:
-        raise SystemExit(f"error: --lr {args.lr}: give a learning rate above 0")
     if args.eval_windows > available:
-        raise SystemExit(f"error: --eval-windows {args.eval_windows}: the held-out text has {available} windows of "
-                         f"{ctx} tokens ({args.model}); give at most that")
+        return (f"--eval-windows {args.eval_windows}: the held-out text has {available} windows of {ctx} tokens "
+                f"({args.model}); give at most that")
+    return None
 
 
 def train_model(args: argparse.Namespace, train: torch.Tensor) -> nn.Module:
@@ -152,13 +160,21 @@ def train_model(args: argparse.Namespace, train: torch.Tensor) -> nn.Module:
         idx = torch.randint(len(train) - ctx - 1, (args.batch,), generator=g)
         x = torch.stack([train[i:i + ctx + 1] for i in idx.tolist()])
         loss = F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        if not torch.isfinite(loss):  # diverged: saved, it would be reloaded as the trained model by later runs
+            raise SystemExit(f"error: the float model's training loss is {loss.item()} at step {step} (--lr "
+                             f"{args.lr}): the training diverged and nothing was saved; give a smaller --lr")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 100 == 0 or step == args.steps - 1:
             print(f"train step {step}: loss {loss.item():.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):  # the last update's, after its loss
+        raise SystemExit(f"error: the float model's weights are not finite after {args.steps} steps (--lr {args.lr}): "
+                         f"the training diverged and nothing was saved; give a smaller --lr")
     payload = {"settings": settings, "model": model.state_dict()}
+    # --out's folder is made here, with the first file in it: a refused command or a diverged training leaves none
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     try:  # whole or not at all: an interrupted save leaves no torn file, and --overwrite keeps the old one until then
         write_whole(path, lambda tmp: torch.save(payload, tmp), overwrite=args.overwrite)
     except RunDirError as e:  # without --overwrite, another command wrote the file since this one looked
@@ -463,13 +479,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--smoothquant", required=True, help="a checkout of mit-han-lab/smoothquant")
     parser.add_argument("--out", required=True, help="JSON of the results (the float weights go next to it)")
     parser.add_argument("--model", default="gpt2_micro", choices=sorted(GPT_SIZES))
-    parser.add_argument("--steps", type=int, default=600, help="training updates of the float model")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--batch", type=int, default=32, help="training windows per update")
-    parser.add_argument("--calib", type=int, default=128, help="calibration windows (GPTQ's 128 samples)")
-    parser.add_argument("--eval-windows", type=int, default=400, help="held-out windows for the perplexity")
+    # the counts and the learning rate are checked here, before anything is written or minutes are trained (a
+    # negative --steps would train nothing and save the model as trained)
+    parser.add_argument("--steps", type=at_least(0), default=600, help="training updates of the float model")
+    parser.add_argument("--lr", type=learning_rate, default=2e-3, help="peak AdamW learning rate (finite, above 0)")
+    parser.add_argument("--batch", type=at_least(1), default=32, help="training windows per update")
+    parser.add_argument("--calib", type=at_least(1), default=128, help="calibration windows (GPTQ's 128 samples)")
+    parser.add_argument("--eval-windows", type=at_least(1), default=400,
+                        help="held-out windows for the perplexity")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=at_least(1), default=1)
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --out and a float model of other settings next to it")
     args = parser.parse_args(argv)
@@ -484,11 +503,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         refuse_existing_outputs([args.out], args.overwrite)
     except RunDirError as e:
         raise SystemExit(f"error: {e}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     start = time.perf_counter()
-
     train, held_out = corpus()
-    check_counts(args, held_out)
+    if problem := eval_windows_problem(args, held_out):
+        parser.error(problem)
     torch.set_num_threads(args.threads)
     fp = train_model(args, train)
     ctx = fp.context

@@ -2,29 +2,52 @@
 perplexity both sides are scored with against a naive loop."""
 import argparse
 import math
+import re
 
 import pytest
 import torch
 
 import crosscheck_lm_quant as xc
 from models.gpt import build_gpt
+from tests.conftest import run_entry
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--eval-windows", "5000"], r"--eval-windows 5000: the held-out text has \d+ windows of 128 tokens"),
-    (["--eval-windows", "0"], "--eval-windows 0: give at least 1"),
-    (["--calib", "0"], "--calib 0: give at least 1"),
-    (["--batch", "0"], "--batch 0: give at least 1"),
-    (["--threads", "0"], "--threads 0: give at least 1"),
-    (["--steps", "-3"], "--steps -3: give at least 0"),
-    (["--lr", "-1"], "--lr -1.0: give a learning rate above 0"),
+    (["--eval-windows", "1000000"], r"--eval-windows 1000000: the held-out text has \d+ windows of 32 tokens"),
+    (["--eval-windows", "0"], "argument --eval-windows: 0: must be at least 1"),
+    (["--calib", "0"], "argument --calib: 0: must be at least 1"),
+    (["--batch", "0"], "argument --batch: 0: must be at least 1"),
+    (["--threads", "0"], "argument --threads: 0: must be at least 1"),
+    (["--steps", "-3"], "argument --steps: -3: must be at least 0"),
+    (["--lr", "-1"], "argument --lr: -1: give a finite learning rate above 0"),
+    (["--lr", "0"], "argument --lr: 0: give a finite learning rate above 0"),
+    (["--lr", "inf"], "argument --lr: inf: give a finite learning rate above 0"),
+    (["--lr", "1e400"], "argument --lr: 1e400: give a finite learning rate above 0"),  # inf once read
+    (["--lr", "nan"], "argument --lr: nan: give a finite learning rate above 0"),
 ])
-def test_window_counts_the_text_cannot_give_and_unusable_training_settings_are_one_error_before_training(tmp_path, argv, message):
-    # were a traceback (a view of the held-out text, a division by zero, an empty stack) after the training
-    out = tmp_path / "o" / "x.json"
-    with pytest.raises(SystemExit, match=message):
-        xc.main([*_empty_checkouts(tmp_path), "--out", str(out), *argv])
-    assert not (tmp_path / "o" / "x.lm.pt").exists()  # nothing trained
+def test_window_counts_the_text_cannot_give_and_unusable_training_settings_are_one_usage_error_before_anything(
+        tmp_path, capsys, argv, message):
+    """Were a traceback (a view of the held-out text, a division by zero, an empty stack) after the training, or
+    (--lr inf) a model of NaN weights saved as the trained one. A usage error: argparse's status 2 and one `error:`
+    line, as every script's; and nothing is made, not even --out's folder."""
+    code, out, err = run_entry("scripts/crosscheck_lm_quant.py",
+                               [*_empty_checkouts(tmp_path), "--out", str(tmp_path / "o" / "sub" / "x.json"),
+                                "--model", "gpt2_nano", *argv], capsys)
+    assert code == 2 and not out and err.count("\n") == 1, err
+    assert re.match(rf"error: crosscheck_lm_quant.py: {message}.*; see crosscheck_lm_quant.py --help$", err), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g", "s"]  # no --out folder, nothing trained
+
+
+def test_a_training_that_diverges_saves_no_float_model_and_makes_no_folder(tmp_path):
+    """A finite --lr too large for the model: its loss turns NaN, and the NaN model is not saved as the trained
+    one (a later run with the same flags would reload it) nor --out's folder made for it."""
+    with pytest.raises(SystemExit) as error:
+        xc.main([*_empty_checkouts(tmp_path), "--out", str(tmp_path / "o" / "x.json"), "--model", "gpt2_nano",
+                 "--lr", "1e30", "--steps", "3", "--batch", "2", "--calib", "1", "--eval-windows", "1"])
+    message = str(error.value.code)
+    assert message.startswith("error: the float model's training loss is nan at step ") and "\n" not in message
+    assert "give a smaller --lr" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g", "s"]
 
 
 def _empty_checkouts(tmp_path) -> list[str]:
