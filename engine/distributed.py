@@ -1,7 +1,9 @@
 """Process-group setup for `torchrun` (single or multi-node) and plain single-process runs.
 
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR / MASTER_PORT); without them the run is a
-single process. NCCL on CUDA, gloo on CPU (so tests can run two CPU processes).
+single process. Values that are no numbers, or WORLD_SIZE > 1 without the others (a command started without
+torchrun), are one error line (`launcher_environment`). NCCL on CUDA, gloo on CPU (so tests can run two CPU
+processes).
 
 Work that must happen once (a quantization pipeline's sequential reconstruction, a file write) runs on
 rank 0 through `run_on_main`; the other ranks wait for its result in a separate gloo group whose timeout
@@ -78,8 +80,7 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    rank, world, local_rank = launcher_environment(joining=not dist.is_initialized())
     if use_cuda:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -89,6 +90,51 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                 device_id=dev if use_cuda else None, timeout=timeout)
     return DistInfo(rank, world, local_rank, dev)
+
+
+def launch_fix(*names: str) -> str:
+    """The advice of a launcher variable refused: torchrun, or none of WORLD_SIZE (and `names`) at all."""
+    return f"start multi-process runs with torchrun (or unset {' and '.join(('WORLD_SIZE',) + names)})"
+
+
+def whole_number(text: str) -> Optional[int]:
+    """`text` as a whole number 0, 1, ... (digits 0-9 only, spaces around them aside), or None."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def launcher_environment(joining: bool = True) -> tuple[int, int, int]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) as torchrun sets them, (0, 1, 0) where unset; refused (ConfigError, one line
+    naming the variable) where they are no whole numbers or describe no process group this process can join: a
+    rank outside the world (RANK=3 alone would be a single process that is not the main rank, writing nothing), or,
+    `joining` a group of several processes, no RANK, MASTER_ADDR and MASTER_PORT of torchrun's rendezvous (torch's
+    env:// ends in a ValueError traceback without them; a group already formed needs none)."""
+    def number(name: str, default: int, least: int) -> int:
+        text = os.environ.get(name)
+        if text is None:
+            return default
+        value = whole_number(text)
+        if value is None or value < least:
+            what = "a number of processes" if name == "WORLD_SIZE" else "a process's number (0, 1, ...)"
+            raise ConfigError(f"{name}={text!r} is not {what}: "
+                              f"{launch_fix() if name == 'WORLD_SIZE' else launch_fix(name)}")
+        return value
+
+    world = number("WORLD_SIZE", 1, least=1)
+    rank, local_rank = number("RANK", 0, least=0), number("LOCAL_RANK", 0, least=0)
+    if rank >= world:
+        raise ConfigError(f"RANK={rank} is not below WORLD_SIZE={world}: {launch_fix('RANK')}")
+    if world > 1 and joining:
+        missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+        if missing:
+            names = " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
+            raise ConfigError(f"WORLD_SIZE={world} but {names} {'is' if len(missing) == 1 else 'are'} not set "
+                              f"(torchrun sets {'it' if len(missing) == 1 else 'them'}): {launch_fix()}")
+        port = whole_number(os.environ["MASTER_PORT"])
+        if port is None or not 0 < port < 65536:
+            raise ConfigError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} is not a port number (1..65535): "
+                              f"{launch_fix()}")
+    return rank, world, local_rank
 
 
 @contextlib.contextmanager

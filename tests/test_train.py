@@ -938,7 +938,8 @@ def test_the_rank_is_torchruns_global_rank_and_the_device_index_its_local_rank(m
     joined = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append((backend, kw)))
-    for name, value in (("RANK", "3"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "4")):
+    for name, value in (("RANK", "3"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "node0"),
+                        ("MASTER_PORT", "29500")):
         monkeypatch.setenv(name, value)
     assert init_distributed("cpu") == DistInfo(3, 4, 1, torch.device("cpu"))
     assert joined == [("gloo", {"rank": 3, "world_size": 4, "device_id": None, "timeout": None})]  # torch's own

@@ -1,0 +1,103 @@
+"""The launcher's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) that are no numbers or
+describe no process group are one `error:` line naming the variable and the fix, exit status 1 as a config
+error, before anything is made: `WORLD_SIZE=abc python train.py ...` ended in a ValueError traceback (int()),
+and `WORLD_SIZE=2 python train.py ...` without torchrun in torch's MASTER_ADDR traceback. evaluate.py joins
+through the same engine.distributed.init_distributed."""
+import re
+
+import pytest
+import torch
+
+import train
+from configs import ConfigError
+from tests.conftest import DEBUG_CONFIG, run_entry
+
+LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+FIX = "start multi-process runs with torchrun (or unset WORLD_SIZE"
+FIX_RE = re.escape(FIX)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """Set the launcher's variables to exactly `values` (the others unset), as the test's command would run."""
+    def set_to(**values: str) -> None:
+        for name in LAUNCHER:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in values.items():
+            monkeypatch.setenv(name, value)
+    return set_to
+
+
+REFUSED = [
+    (dict(WORLD_SIZE="abc"), rf"WORLD_SIZE='abc' is not a number of processes: {FIX_RE}\)"),
+    (dict(WORLD_SIZE="0"), rf"WORLD_SIZE='0' is not a number of processes: {FIX_RE}\)"),
+    (dict(WORLD_SIZE="2"), rf"WORLD_SIZE=2 but RANK, MASTER_ADDR and MASTER_PORT are not set \(torchrun sets them\): "
+                           rf"{FIX_RE}\)"),
+    (dict(WORLD_SIZE="2", RANK="0", MASTER_PORT="29500"), rf"WORLD_SIZE=2 but MASTER_ADDR is not set "
+                                                          rf"\(torchrun sets it\): {FIX_RE}\)"),
+    (dict(WORLD_SIZE="2", RANK="1", MASTER_ADDR="h", MASTER_PORT="port"),
+     rf"MASTER_PORT='port' is not a port number \(1..65535\): {FIX_RE}\)"),
+    (dict(RANK="x"), rf"RANK='x' is not a process's number \(0, 1, ...\): {FIX_RE} and RANK\)"),
+    (dict(RANK="3"), rf"RANK=3 is not below WORLD_SIZE=1: {FIX_RE} and RANK\)"),
+    (dict(WORLD_SIZE="2", RANK="2", MASTER_ADDR="h", MASTER_PORT="1"), rf"RANK=2 is not below WORLD_SIZE=2: {FIX_RE} "
+                                                                       rf"and RANK\)"),
+    (dict(LOCAL_RANK="-1"), rf"LOCAL_RANK='-1' is not a process's number \(0, 1, ...\): {FIX_RE} and LOCAL_RANK\)"),
+]
+
+
+@pytest.mark.parametrize("env, message", REFUSED, ids=[" ".join(f"{k}={v}" for k, v in e.items()) for e, _ in REFUSED])
+def test_init_distributed_refuses_what_no_process_group_can_be_made_of(launched, monkeypatch, env, message):
+    """Refused before torch is asked to form a group (which would wait for a rendezvous that never comes)."""
+    import torch.distributed as dist
+
+    from engine.distributed import init_distributed
+
+    def join(*args, **kwargs):
+        raise AssertionError(f"asked torch to form a group: {kwargs}")
+
+    monkeypatch.setattr(dist, "init_process_group", join)
+    launched(**env)
+    with pytest.raises(ConfigError, match=rf"^{message}$"):
+        init_distributed("cpu")
+
+
+def test_what_torchrun_sets_and_a_plain_process_pass(launched, monkeypatch):
+    """Nothing set: one process, rank 0. torchrun's five variables: the group torch is asked to form (by hand,
+    its init_process_group recorded), with RANK and WORLD_SIZE as given."""
+    import torch.distributed as dist
+
+    from engine.distributed import DistInfo, init_distributed
+
+    launched()
+    assert init_distributed("cpu") == DistInfo(0, 1, 0, torch.device("cpu"))
+    joined = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append((kw["rank"], kw["world_size"])))
+    launched(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", MASTER_ADDR="node0", MASTER_PORT="29500")
+    assert init_distributed("cpu") == DistInfo(3, 4, 1, torch.device("cpu"))
+    assert joined == [(3, 4)]
+
+
+@pytest.mark.parametrize("env, line", [
+    (dict(WORLD_SIZE="abc"), f"error: WORLD_SIZE='abc' is not a number of processes: {FIX})"),
+    (dict(WORLD_SIZE="2"), f"error: WORLD_SIZE=2 but RANK, MASTER_ADDR and MASTER_PORT are not set (torchrun sets "
+                           f"them): {FIX})")], ids=["not_a_number", "without_torchrun"])
+def test_train_py_says_it_in_one_line_and_makes_nothing(tmp_path, capsys, launched, env, line):
+    """The reviewer's commands: `WORLD_SIZE=abc python train.py --config configs/debug/tiny.yaml out_dir=...` and
+    `WORLD_SIZE=2 python train.py ...` without torchrun."""
+    launched(**env)
+    out = tmp_path / "o"
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={out}"], capsys)
+    assert (code, err.splitlines()) == (1, [line])
+    assert not out.exists()
+
+
+def test_evaluate_py_says_it_in_one_line(tmp_path, capsys, launched, debug_config):
+    launched()
+    cfg = debug_config("log.tensorboard=false")
+    train.main(cfg)
+    launched(WORLD_SIZE="abc")
+    code, _, err = run_entry("evaluate.py", ["--checkpoint", f"{cfg.out_dir}/best.pt", "--out",
+                                             str(tmp_path / "e" / "eval.json")], capsys)
+    assert (code, err.splitlines()) == (1, [f"error: WORLD_SIZE='abc' is not a number of processes: {FIX})"])
+    assert not (tmp_path / "e").exists()
