@@ -19,7 +19,8 @@ set) is marked ‡, with a note naming the patterns, and a quantized number comp
 defaults (e.g. quant.calib_images=8) *, with a note naming them, as paper_table.py marks them. What is read from
 each run, and what is written:
   metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
-                         -> dose_energy.png: energy against update, one line per point (mean over seeds)
+                         -> dose_energy.png: energy against update, one line per point (mean over seeds),
+                         titled with what the runs trained (best.pt's config: scripts/training_title.py)
   eval_best.json         FP top-1, module / block maxima, percentile and RepQ-ViT top-1 at W4A4 and W3A3
   eval_best_act_max.csv  max |activation| per module -> dose_act_max_types.png: the largest value per
                          module type (norm1, attn.qkv, ..., ls2, block output), one bar per point
@@ -46,7 +47,7 @@ from typing import Optional, Sequence
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from configs import ConfigError, config_from_dict  # noqa: E402
+from configs import Config, ConfigError, config_from_dict  # noqa: E402
 from configs.cli import OneLineParser  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint  # noqa: E402
 from engine.eval_results import (ResultsError, extra_modules, first_difference, metrics_records,  # noqa: E402
@@ -63,6 +64,7 @@ from engine.figures import new_figure  # noqa: E402
 from engine.console import console_print  # noqa: E402
 import evaluate  # noqa: E402
 from scripts.mechanism import ffn_pairs, rank_directions  # noqa: E402
+from scripts.training_title import training_title  # noqa: E402
 
 ROLES = ("qkv", "proj", "fc1", "fc2")
 QUANT_COLUMNS = (("percentile", "w4a4"), ("repq", "w4a4"), ("percentile", "w3a3"), ("repq", "w3a3"))
@@ -429,10 +431,15 @@ def evaluated_model(run: Run) -> torch.nn.Module:
     return model
 
 
+def run_config(run: Run) -> Config:
+    """The config the run trained with, as its best.pt records it."""
+    return config_from_dict(load_checkpoint(os.path.join(run.folder, "best.pt"))["config"])
+
+
 def pretrained_model(run: Run) -> Optional[torch.nn.Module]:
     """The backbone the runs started from (`model.pretrained` of their config); None when they started from a
     random initialisation, which is no backbone to report."""
-    cfg = config_from_dict(load_checkpoint(os.path.join(run.folder, "best.pt"))["config"]).model
+    cfg = run_config(run).model
     return build_model(cfg).eval() if cfg.pretrained else None
 
 
@@ -494,9 +501,10 @@ def describe_peak(peak: dict) -> str:
     return f"{peak['block']} i={peak['direction']} j={peak['row']} alpha {peak['alpha']:.3f}"
 
 
-def plot_energies(groups: dict[str, list[Run]], path: str, overwrite: bool,
-                  title: str = "Pair energy during fine-tuning (DINOv2 ViT-S/14, Fashion-MNIST 28 px)") -> None:
-    """Energy against update per role, one line per point (mean over its seeds, the seeds' range shaded)."""
+def plot_energies(groups: dict[str, list[Run]], path: str, overwrite: bool, *, title: str) -> None:
+    """Energy against update per role, one line per point (mean over its seeds, the seeds' range shaded), under
+    `title`: what the runs trained, which only the caller knows (no default: one sweep's setting on another's figure
+    would name a model and data the runs never saw)."""
     fig = new_figure(11, 6.4)
     for k, role in enumerate(ROLES):
         ax = fig.add_subplot(2, 2, k + 1)
@@ -575,8 +583,10 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
         start_peak = alignment_peak(start) if start is not None else None
         peaks = {p: [alignment_peak(evaluated_model(r)) for r in runs]
                  for p, runs in groups.items()}
+    # the runs' own configs name what they trained; read before any output is written
+    title = training_title("Pair energy", [run_config(r) for rs in groups.values() for r in rs])
     os.makedirs(args.out, exist_ok=True)
-    plot_energies(groups, paths[0], args.overwrite)
+    plot_energies(groups, paths[0], args.overwrite, title=title)
     plot_type_maxima(groups, paths[1], args.overwrite)
     report = tables(groups, peaks, start_peak)
     write_text(paths[2], report, args.overwrite)  # UTF-8 whatever the locale: the report has ± and †
