@@ -69,7 +69,7 @@ def validation_curve(run: Run, key: str) -> list[tuple[int, float]]:
 
 def cell(values: list[float], runs: list[Run], digits: int = 3) -> str:
     """fmt of the values, '-' for none, and their count when fewer than the point's seeds (a column some runs
-    were not evaluated at): the seeds column counts every run. A perplexity at the cap (an overflowed exp,
+    were not evaluated at): the seeds column lists every run's seed. A perplexity at the cap (an overflowed exp,
     engine.tasks.perplexity) makes the cell that bound, not a mean of it; a gap of a run whose fp32 perplexity is
     at the cap (NaN, `quantization_gap`) makes it 'FP32 capped'."""
     if not values:
@@ -86,7 +86,8 @@ def tables(groups: dict[str, list[Run]]) -> str:
     starred, settings_notes = settings_marks(groups, COLUMNS)
     notes += settings_notes
     for point, runs in groups.items():
-        cells = [labels[point], str(len(runs)), cell([r.result["fp"]["ppl"] for r in runs], runs),
+        # the seed numbers, as dose_report.py's Seeds column: a count there ("2") reads as seed 2
+        cells = [labels[point], ",".join(str(r.seed) for r in runs), cell([r.result["fp"]["ppl"] for r in runs], runs),
                  cell([r.result["fp"]["ppl_bf16"] for r in runs], runs)]
         for pipeline, bits in COLUMNS:
             values = [r.result["quant"][pipeline][bits]["ppl"] for r in runs

@@ -567,7 +567,7 @@ def test_the_json_of_an_evaluation_without_checkpoint_is_where_the_readme_and_he
 
 def test_the_committed_lm_study_report_has_the_marks_notes_and_captions_lm_study_writes(tmp_path):
     """docs/figures/lm_study.md is lm_study.py's report of configs/sweeps/kjv_lm_dose (its run folders are not
-    kept): written again for runs of its points and seed counts evaluated as the sweep evaluates them (its
+    kept): written again for runs of its points and seeds evaluated as the sweep evaluates them (its
     `evaluate:` settings, quant.calib_images=64), the report has the same tables, marks (* of a quantized number
     of other settings than the defaults), notes and captions; only the numbers differ. The committed file was
     written before lm_study.py marked such numbers and had none. Its section on the points' training settings
@@ -579,11 +579,13 @@ def test_the_committed_lm_study_report_has_the_marks_notes_and_captions_lm_study
     with open(os.path.join(ROOT, "docs", "figures", "lm_study.md"), encoding="utf-8") as f:
         committed = f.read()
     first_table = committed.split("\n\n")[0].splitlines()[2:]
-    seeds = {line.split(" | ")[0].strip("| "): int(line.split(" | ")[1]) for line in first_table}
+    # the seeds column lists each point's seed numbers (e.g. 0,1,2,3)
+    seeds = {line.split(" | ")[0].strip("| "): [int(s) for s in line.split(" | ")[1].split(",")]
+             for line in first_table}
     sweep = read_yaml_file(os.path.join(ROOT, "configs", "sweeps", "kjv_lm_dose.yaml"))
     cfg = load_config([os.path.join(ROOT, path) for path in sweep["configs"]], sweep["evaluate"])
-    for point, count in seeds.items():
-        for seed in range(count):
+    for point, numbers in seeds.items():
+        for seed in numbers:
             folder = tmp_path / f"{point}_s{seed}"
             write_run(tmp_path, folder.name, ppl=4.0 + seed / 100, rtn=5.0, block_max=20.0, kurtosis=10.0,
                       fc2_final=100.0)

@@ -50,9 +50,9 @@ def test_tables_match_hand_computed_values(sweep, tmp_path):
     report = lm_study.main([str(sweep), "--out", str(tmp_path)])
     rows = {line.split(" | ")[0].strip("| "): line for line in report.splitlines() if line.startswith("| ")}
     # baseline: ppl mean 4.1, sample std 0.1414; rtn mean 5.2, std 0.2828; smoothquant_strict absent
-    assert "| baseline | 2 | 4.100 ± 0.141 | 4.102 ± 0.141 | 5.200 ± 0.283 | 4.110 ± 0.141 | 4.100 ± 0.141 | - | - | - | - |" \
-        in report
-    assert "| cd10x | 1 | 4.100 | 4.102 | 4.500 | 4.110 | 4.100 | - | - | - | - |" in report
+    assert "| baseline | 0,1 | 4.100 ± 0.141 | 4.102 ± 0.141 | 5.200 ± 0.283 | 4.110 ± 0.141 | 4.100 ± 0.141 | " \
+           "- | - | - | - |" in report
+    assert "| cd10x | 0 | 4.100 | 4.102 | 4.500 | 4.110 | 4.100 | - | - | - | - |" in report
     # final energies (fc2: 110 ± 14.1), block maxima, kurtosis
     assert "| baseline | 8.0 ± 0.0 | 4.0 ± 0.0 | 6.0 ± 0.0 | 110.0 ± 14.1 | 9.00 ± 0.00 | 25.00 ± 7.07 | 12.0 ± 2.8 |" \
         in report
@@ -92,7 +92,7 @@ def test_a_perplexity_at_the_cap_is_shown_as_the_bound(tmp_path):
               fc2_final=120.0)
     report = lm_study.main([str(root), "--out", str(tmp_path / "out")])
     capped = ">= exp(700) (capped)"
-    assert f"| baseline | 2 | {capped} | {capped} | {capped} | {capped} | {capped} | - | - | - | - |" in report
+    assert f"| baseline | 0,1 | {capped} | {capped} | {capped} | {capped} | {capped} | - | - | - | - |" in report
     assert "e+303" not in report and "0000000000" not in report
     assert "Quantization gap" not in report  # no run was evaluated below 8 activation bits: no such table
 
@@ -109,7 +109,7 @@ def test_a_validation_logged_twice_counts_with_its_last_record(tmp_path):
 
 
 def test_a_column_over_fewer_seeds_names_its_count(tmp_path):
-    """The seeds column counts every run of a point; a cell averaged over fewer (a pipeline or bit-width
+    """The seeds column lists every run of a point; a cell averaged over fewer (a pipeline or bit-width
     some seeds were not evaluated at) says over how many."""
     root = tmp_path / "sweep"
     root.mkdir()
@@ -117,6 +117,21 @@ def test_a_column_over_fewer_seeds_names_its_count(tmp_path):
     write_run(root, "baseline_s1", ppl=4.2, rtn=5.4, block_max=30.0, kurtosis=14.0, fc2_final=120.0)
     report = lm_study.main([str(root), "--out", str(tmp_path / "out")])
     assert "| baseline | - | - | 1.000 (n=1) | - | 0.000 ± 0.000 | - | - | - |" in report  # the W8A5 gap of s0
+
+
+def test_the_seeds_column_lists_the_seed_numbers_not_their_count(tmp_path):
+    """A point's seeds cell names the seeds its row averages, as dose_report.py's Seeds column does: it held their
+    count, and a point of two runs showed "2", which reads as seed 2. Seeds 2 and 5 and a lone seed 3 (neither
+    a count nor 0..n-1), from the run folders' names <point>_s<seed>."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    for name in ("baseline_s2", "baseline_s5", "cd10x_s3"):
+        write_run(root, name, ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+    report = lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    first_table = report.split("\n\n")[0].splitlines()
+    assert first_table[0].startswith("| Point | seeds | FP32 PPL |")
+    assert {line.split(" | ")[0].strip("| "): line.split(" | ")[1] for line in first_table[2:]} == \
+        {"baseline": "2,5", "cd10x": "3"}
 
 
 def test_type_tables_average_every_seed_and_name_the_count_of_a_type_some_seeds_lack(tmp_path):
@@ -156,7 +171,7 @@ def test_seeds_of_a_point_trained_with_other_settings_are_refused_not_averaged(t
     path = root / "baseline_s1" / "eval_best.json"
     path.write_text(json.dumps({**json.loads(path.read_text()),
                                 "recipe": {"optim.lr": 0.001, "cd.lam": 0.0, "cd.precision": "fp32"}}))
-    assert "| baseline | 2 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    assert "| baseline | 0,1 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
 
 
 def test_a_point_evaluated_with_other_model_kwargs_than_trained_is_marked(tmp_path):
@@ -194,7 +209,7 @@ def test_a_run_evaluated_before_its_last_update_is_refused_not_averaged(tmp_path
         lm_study.main([str(root), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
     _edit_result(root / "cd10x_s0", lambda r: r.update(recipe={"sched.steps": None, "sched.epochs": 3}))
-    assert "| cd10x | 1 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    assert "| cd10x | 0 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
 
 
 def test_a_run_one_update_short_of_its_schedule_is_unfinished(tmp_path):
@@ -312,7 +327,7 @@ def test_a_run_evaluated_before_its_best_pt_was_replaced_is_refused_by_name(tmp_
     assert f"python evaluate.py --checkpoint {root / 'baseline_s1' / 'best.pt'} --out {stale}" in message, message
     assert not (tmp_path / "out").exists()  # refused before anything is written
     torch.save({"model": evaluated, "config": {}}, root / "baseline_s1" / "best.pt")  # the weights it scored
-    assert "| baseline | 2 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    assert "| baseline | 0,1 |" in lm_study.main([str(root), "--out", str(tmp_path / "out")])
 
 
 def test_module_maxima_over_extra_modules_are_marked_in_the_table(tmp_path):
@@ -397,7 +412,7 @@ def test_a_copied_sweep_is_checked_against_the_best_pt_beside_each_result(tmp_pa
     the original's best.pt, so a copy whose run trained on was reported with its old evaluation. The best.pt beside
     the file, which the report's run folder holds, is the one compared."""
     original, copy = copied_sweep_with_a_new_best(tmp_path)
-    assert "| baseline | 2 |" in lm_study.main([str(original), "--out", str(tmp_path / "out")])
+    assert "| baseline | 0,1 |" in lm_study.main([str(original), "--out", str(tmp_path / "out")])
     stale, now = copy / "baseline_s1" / "eval_best.json", copy / "baseline_s1" / "best.pt"
     with pytest.raises(lm_study.ResultsError, match=rf"{stale} is stale: it scored other weights than {now} holds now"):
         lm_study.main([str(copy), "--out", str(tmp_path / "out2")])
@@ -437,7 +452,7 @@ def test_quantized_numbers_of_other_settings_than_the_defaults_are_marked_and_na
             _edit_result(root / name, lambda r: r["quant"][pipeline][bits].update(
                 settings={"options": {}, "calibration": {"images": 64, "seed": 0, "split": "train"}}))
     report = lm_study.main([str(root), "--out", str(tmp_path / "out")])
-    assert "| baseline | 1 | 4.000 | 4.002 | 5.000 | 4.010* | 4.000 |" in report
+    assert "| baseline | 0 | 4.000 | 4.002 | 5.000 | 4.010* | 4.000 |" in report
     assert "| cd10x | - | - | 1.000* | - |" in report
     note = "\\* baseline, cd10x {}: not the default settings: quant.calib_images=64"
     assert report.splitlines().count(note.format("GPTQ W4A16")) == 1
