@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import yaml
 
-from configs.loader import dump_yaml
+from configs.loader import dump_yaml, unread_by_rules
 
 from .distributed import raise_on_every_rank
 
@@ -103,11 +103,23 @@ def _is_environment(key: str) -> bool:
     return any(key == k or (k.endswith(".*") and key.startswith(k[:-1])) for k in ENVIRONMENT_KEYS)
 
 
+def _unread_in_both(saved: dict, current: dict, keys: list[str]) -> set[str]:
+    """The `keys` that the config rules (configs/loader.py READ_ONLY_WHEN) leave unread in `saved` and in
+    `current` alike, e.g. train.ema_decay while train.ema is false in both: no run reads them, so their value
+    changes nothing computed. A rule whose deciding key a config lacks (an older run's) decides nothing there."""
+    def unread(config: dict) -> set[str]:
+        return {key for key, *_ in unread_by_rules(config, keys, undecided=True)}
+    return unread(saved) & unread(current) if keys else set()
+
+
 def config_changes(saved: dict, current: dict) -> list[str]:
-    """'key: old -> new' for every setting that differs and changes what the run computes."""
+    """'key: old -> new' for every setting that differs and changes what the run computes. A key that both
+    configs leave unread is no change: a run saved with train.ema=false beside train.ema_decay=0.5 resumes with
+    train.ema_decay left out (the loader refuses an option given beside a switch that leaves it unread)."""
     old, new = _flat(saved), _flat(current)
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k) and not _is_environment(k)]
+    differ = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and not _is_environment(k)]
+    moot = _unread_in_both(saved, current, differ)
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differ if k not in moot]
 
 
 def recipe(config: dict) -> dict:
