@@ -173,6 +173,7 @@ def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) ->
     before = copy.deepcopy(cfg)
     deciders = {decider for _, decider, _ in READ_ONLY_WHEN}
     layer: dict[str, int] = {}  # dotted key -> the last layer that set it (files 0, 1, ...; the overrides last)
+    set_in: dict[str, set] = {}  # dotted key -> every file that set it (a later layer may repeat its value)
     values: dict[str, Any] = {}  # dotted key -> the value its last file gives it
     decided: list[dict] = []  # per file: the deciding keys' values once that file was applied
     for index, path in enumerate(paths):
@@ -192,6 +193,7 @@ def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) ->
                 spelt[setting] = str(key)
             for dotted, inner in dotted_settings(str(key), value, cfg).items():
                 layer[dotted], values[dotted] = index, inner
+                set_in.setdefault(dotted, set()).add(index)
         decided.append({decider: copy.deepcopy(decider_value(cfg, decider)) for decider in deciders})
     cfg = apply_overrides(cfg, overrides)
     layer.update(dict.fromkeys((key for item in overrides for key in override_keys(item)), len(paths)))
@@ -204,10 +206,14 @@ def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) ->
         keys = [k for k in decider_keys(decider) if k != key] or decider_keys(decider)
         last = max(layer.get(k, -1) for k in keys)
         final = decider_value(cfg, decider)
+        # the key's own file set the deciding key too (train: {ema: false, ema_decay: 0.999}, a run's config.yaml):
+        # it says what it means, whatever a later layer repeats (train.ema=false over that config.yaml)
+        if last == own or any(own in set_in.get(k, ()) for k in keys):
+            return True
         # a section switched off again at the value it had still says what it means (cd.enabled=false over a file's
         # cd.lam); a single option's switch given false again does not (as check_keys_read's overrides)
         off = final is False and decider in section_switches()
-        return last == own or (last > own and (final != decided[own][decider] or off))
+        return last > own and (final != decided[own][decider] or off)
 
     check_keys_read(cfg, from_files, sources={key: paths[layer[key]] for key in from_files}, excused=excused)
     return cfg
