@@ -68,7 +68,7 @@ from engine.resume import (check_schedule_holds, epoch_position, optimizer_param
                            resume_position)
 from engine.snapshots import (check_same_start_on_every_rank, check_same_weights_on_every_rank,
                               keep_abandoned_checkpoint, keep_snapshot, resume_source)
-from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, save_config_history,
+from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, is_inside, save_config_history,
                             start_only_changes, validation_changes)
 from engine.running_stats import average_running_stats
 from engine.runinfo import exit_with_error, log_environment, setup_logging
@@ -251,7 +251,7 @@ class Run:
     state: TrainState = dataclasses.field(default_factory=TrainState)
     started_from: Optional[str] = None  # the train.resume file this run descends from (checkpoints record it)
     resumed_elsewhere: bool = False  # from another file than out_dir/checkpoint.pt (train.resume=PATH)
-    wandb_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:16])  # new after archiving
+    wandb_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:16])  # kept by a resume in out_dir
     logger: Optional[MetricLogger] = None
     best: Optional[BestCheckpoint] = None
 
@@ -552,8 +552,11 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
         epoch_batches=state.epoch_batches, step=state.step, checkpoint=resume_path)
     if run.decay is not None and "cd" in payload:
         run.decay.load_state_dict(payload["cd"])
-    run.wandb_id = payload.get("wandb_id") or run.wandb_id
     own = os.path.abspath(resume_path) == os.path.abspath(run.ckpt_path)
+    # the wandb run goes on where the run does (its checkpoint.pt, or a roll-back to one of its snapshots); another
+    # run's checkpoint (train.resume into a new out_dir) starts a new one: its id would log into that run, renamed
+    if is_inside(resume_path, run.cfg.out_dir):
+        run.wandb_id = payload.get("wandb_id") or run.wandb_id
     run.started_from = payload.get("resumed_from") if own else os.path.abspath(resume_path)
     run.resumed_elsewhere = not own
     log.info("resumed from %s at epoch %d, update %d", resume_path, state.epoch, state.step)

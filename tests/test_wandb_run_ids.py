@@ -1,0 +1,53 @@
+"""Which wandb run a training run logs into: its own, kept in its checkpoints, whatever file it resumes from.
+
+A resume from the run's own checkpoint.pt, or a roll-back to one of its own snapshots, continues its wandb run. A
+new run started from another run's checkpoint (train.resume=PATH into another out_dir) gets a wandb run of its own:
+with the id copied from that checkpoint, wandb.init(id=..., resume="allow") would log the new run into the old one
+and rename it. wandb itself is replaced by a stand-in that records the keywords of wandb.init."""
+import os
+import sys
+import types
+
+import torch
+
+import train
+
+RUN = ("log.wandb=true", "log.tensorboard=false")
+
+
+def fake_wandb(monkeypatch) -> list[dict]:
+    """Install a stand-in wandb module; the keyword arguments of each wandb.init call are appended to the list."""
+    inits: list[dict] = []
+    fake = types.SimpleNamespace(init=lambda **kw: inits.append(kw) or types.SimpleNamespace(
+        log=lambda *a, **k: None, finish=lambda: None))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    return inits
+
+
+def saved_id(out_dir: str) -> str:
+    return torch.load(os.path.join(out_dir, "checkpoint.pt"), weights_only=True)["wandb_id"]
+
+
+def test_a_run_started_from_another_runs_checkpoint_gets_its_own_wandb_run(debug_config, monkeypatch):
+    inits = fake_wandb(monkeypatch)
+    first = debug_config(*RUN, name="x")
+    train.main(first)
+    resume = f"train.resume={os.path.join(first.out_dir, 'checkpoint.pt')}"
+    second = debug_config(*RUN, "sched.epochs=3", "train.allow_changed_config=true", resume, name="y")
+    train.main(second)
+    train.main(second)  # the same command again (a requeue): it continues y's own checkpoint.pt
+    x_id, y_id, y_again = (kw["id"] for kw in inits)
+    assert x_id and y_id and x_id != y_id, inits
+    assert y_again == y_id  # the requeued y goes on in y's wandb run, not x's
+    assert saved_id(first.out_dir) == x_id and saved_id(second.out_dir) == y_id
+    assert inits[0]["dir"] == first.out_dir and inits[1]["dir"] == second.out_dir
+
+
+def test_a_roll_back_to_one_of_the_runs_own_snapshots_keeps_its_wandb_run(debug_config, monkeypatch):
+    inits = fake_wandb(monkeypatch)
+    cfg = debug_config(*RUN, "train.keep_every_epochs=1", name="x")
+    train.main(cfg)
+    snapshot = os.path.join(cfg.out_dir, "snapshots", "epoch0001.pt")
+    assert os.path.isfile(snapshot)
+    train.main(debug_config(*RUN, "train.keep_every_epochs=1", f"train.resume={snapshot}", name="x"))
+    assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"], inits
