@@ -25,7 +25,9 @@ A SIGTERM / SIGINT during a GPLQ stage 1 saves it and exits 75, as evaluate.py d
 Extra `key=value` overrides go to every run (e.g. quant.gplq.steps=50); one of a key that a variant varies
 is refused, and so is one that no run would read: the options of a pipeline that no variant runs
 (quant.aphq.* without --with-aphq), and quant.pipelines / quant.bits, which the variants and --bits set.
-The options of one pipeline go to the variants that run it only (evaluate.py refuses them elsewhere).
+The options of one pipeline go to the variants that run it only (evaluate.py refuses them elsewhere), and an
+option that a variant's own setting switches off (quant.gplq.matmul_percentile under `gplq operands float`) is left
+out of that variant, with a note line.
 Every variant's command is checked as evaluate.py checks it before the first evaluation. The variants are this
 command's list, not settings the user gives: one whose own setting the checkpoint cannot take (calib=train or gplq
 stage2 eval on synthetic images, which no transform prepares) is skipped, with a warning line, and listed under
@@ -39,12 +41,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import evaluate  # noqa: E402
-from configs import ConfigError  # noqa: E402
+from configs import Config, ConfigError, apply_overrides  # noqa: E402
 from configs.cli import OneLineParser, first_line, passed_on_epilog  # noqa: E402
-from configs.loader import overlapping_keys, override_keys  # noqa: E402
+from configs.loader import READ_ONLY_WHEN, decider_keys, overlapping_keys, override_keys, unread_by_rules  # noqa: E402
 from engine.checkpoint import run_checkpoint_config, weights_fingerprint  # noqa: E402
 from engine.eval_results import ResultsError, settings_change  # noqa: E402
 from engine.quant_settings import quant_settings  # noqa: E402
@@ -81,8 +84,9 @@ def variant_args(checkpoint: str, out_dir: str, overrides: list[str], bits: str,
     """evaluate.py's arguments for `variant` running `pipelines` with its settings `extra`, into its own JSON in
     `out_dir`. The overrides come before --bits and --quant, whose lists (nargs="*") would take a word of theirs."""
     path = os.path.join(out_dir, variant.replace(" ", "_").replace("=", "-") + ".json")
-    return evaluate.parse_args(["--checkpoint", checkpoint, "--out", path, *variant_overrides(overrides, pipelines),
-                                *extra, "--bits", bits, "--quant", *pipelines])
+    return evaluate.parse_args(["--checkpoint", checkpoint, "--out", path,
+                                *variant_overrides(overrides, pipelines, extra), *extra, "--bits", bits,
+                                "--quant", *pipelines])
 
 
 def checked_variants(checkpoint: str, out_dir: str, overrides: list[str], bits: str,
@@ -216,13 +220,29 @@ def refuse_unread_keys(overrides: list[str], with_aphq: bool) -> None:
                               ".<option>=...): they go to the variants that run that pipeline only")
 
 
-def variant_overrides(overrides: list[str], pipelines: list[str]) -> list[str]:
-    """The overrides a variant running `pipelines` reads: all but the options of the pipelines it does not run,
-    and the calibration batch's where none of them reads it (evaluate.py refuses those; the `calib=train`
-    variant runs no GPLQ, and GPLQ on a classifier draws its own images, for example)."""
+def variant_overrides(overrides: list[str], pipelines: list[str], extra: Sequence[str] = ()) -> list[str]:
+    """The overrides a variant running `pipelines` with its settings `extra` reads: all but the options of the
+    pipelines it does not run, the calibration batch's where none of them reads it (evaluate.py refuses those; the
+    `calib=train` variant runs no GPLQ, and GPLQ on a classifier draws its own images, for example), and the
+    options that the variant's own switch leaves unread (`switched_off`)."""
     unread = {item for item, _ in evaluate.pipeline_options_unread(overrides, pipelines)}
     unread |= set(evaluate.calibration_overrides_unread(overrides, pipelines, language=False))
+    unread |= set(switched_off(overrides, extra))
     return [o for o in overrides if o not in unread]
+
+
+def switched_off(overrides: list[str], extra: Sequence[str]) -> list[str]:
+    """The overrides whose every key the variant's settings `extra` leave unread by a rule that they alone decide
+    (configs/loader.py READ_ONLY_WHEN): quant.gplq.matmul_percentile under the `gplq operands float` variant's
+    quant.gplq.matmul_operands=false. An option for every GPLQ run has no meaning in the variant that switches it
+    off, and evaluate.py would refuse the pair; the variant runs without it (`main` says so)."""
+    own = {key for item in extra for key in override_keys(item)}
+    rules = [rule for rule in READ_ONLY_WHEN if set(decider_keys(rule[1])) <= own]
+    if not rules:
+        return []
+    cfg = apply_overrides(Config(), extra)
+    return [item for item in overrides if override_keys(item) and
+            set(override_keys(item)) <= {key for key, *_ in unread_by_rules(cfg, override_keys(item), rules)}]
 
 
 def markdown(table: dict, bits: str) -> str:
@@ -265,6 +285,10 @@ def main(argv=None) -> dict:
     variants, skipped = checked_variants(args.checkpoint, args.out, args.overrides, args.bits, args.with_aphq)
     for variant, why in skipped.items():
         print(f"warning: variant '{variant}' skipped: {why}", file=sys.stderr)
+    for variant, (_, extra) in variants.items():
+        for item in switched_off(args.overrides, extra):
+            print(f"note: variant '{variant}' runs without {item}, which its {' '.join(extra)} leaves unread",
+                  file=sys.stderr)
     table = run(args.checkpoint, args.out, args.overrides, args.bits, variants)
     print(markdown(table, args.bits))
     # never over a summary another command wrote since this one started (RunDirError: one error line)
