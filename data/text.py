@@ -99,6 +99,10 @@ def token_file(cfg: DataConfig, split: str) -> str:
 
 
 ID_CHECK_SAMPLE = 1 << 20  # the leading ids check_not_wider_ids reads: 2 MiB, a moment on any file
+# the fewest bytes judged as text or not: one or two ids of a real stream are a few bytes that may well be valid
+# UTF-8 by chance (50256, GPT-2's end of text, is 'P' and a cut lead byte); four ids of a text file are 8
+# characters (`check_vocabulary`)
+TEXT_JUDGE_BYTES = 8
 # the control bytes no text file holds: 0..31 but tab (9), line feed (10) and carriage return (13)
 CONTROL_BYTES = np.zeros(256, dtype=bool)
 CONTROL_BYTES[[b for b in range(32) if b not in (9, 10, 13)]] = True
@@ -220,8 +224,9 @@ def largest_id(ids: np.ndarray, chunk: int = 1 << 26) -> int:
 def check_vocabulary(stream: TokenStream, vocab_size: int, ids: Optional[np.ndarray] = None) -> None:
     """Refuse ids the model cannot embed, before any work: the character vocabulary, or the largest id of a
     token file (every id of it, read in chunks), or of `ids` alone when only those are used (calibration
-    windows). A token file whose ids do not fit and whose bytes are text (`is_plain_text`, judged however short
-    the file) is refused as text: the advice of a larger model.num_classes would train on pairs of bytes."""
+    windows). A token file whose ids do not fit and whose bytes are text (`is_plain_text`, judged on a file of
+    TEXT_JUDGE_BYTES bytes or more, however short beyond that) is refused as text: the advice of a larger
+    model.num_classes would train on pairs of bytes. Shorter files get that advice."""
     if stream.vocab is not None:
         size = len(stream.vocab)
     else:
@@ -230,7 +235,8 @@ def check_vocabulary(stream: TokenStream, vocab_size: int, ids: Optional[np.ndar
         # ids that do not fit, read from text (a file too short for check_not_wider_ids to judge): a larger
         # model.num_classes would train on pairs of bytes; the fix is the tokenizer
         head = np.asarray(stream.ids[:ID_CHECK_SAMPLE]) if stream.vocab is None else None
-        if head is not None and head.dtype == np.uint16 and is_plain_text(head):
+        if (head is not None and head.dtype == np.uint16 and head.nbytes >= TEXT_JUDGE_BYTES
+                and is_plain_text(head)):
             raise text_file_error(stream.source, len(head))
         raise VocabularyError(f"{stream.source} holds ids up to {size - 1}, model.num_classes={vocab_size} embeds "
                               f"0..{vocab_size - 1}", size)
