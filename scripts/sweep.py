@@ -40,13 +40,14 @@ checkpoint.pt; evaluated with --evaluate, and the sweep goes on: the limit was a
 torchrun exits 1 when its processes exit 75, and the lines this command added to the run's train.log record the
 stop, eval.log for evaluate.py's GPLQ stage 1: scripts/launchers.py; not evaluated, and no later run starts),
 interrupted (the sweep got SIGTERM / SIGINT, and the command ended with another code and no record of the stop, as
-after a second Ctrl-C: no checkpoint was written on the stop; the sweep exits with the command's code), failed (also a
-train.py that exited 0 without a checkpoint.pt: the divergence guard withheld every write up to train.max_steps; not
-evaluated, no later run starts, and the sweep exits 1), or not started (also where SIGTERM / SIGINT came between two
-commands). The sweep exits 0 only when every run finished or stopped at train.max_steps; 75 when one stopped, so the
-same command can be requeued: it continues each unfinished run
-(a finished one only validates again) and evaluates it. SIGTERM / SIGINT to the sweep are passed on to the
-running command, and the sweep waits for it to write its checkpoint and exit. An evaluation JSON older
+after a second Ctrl-C: no checkpoint was written on the stop; the sweep exits with the command's code), failed
+(also a train.py that exited 0 at train.max_steps without a checkpoint.pt of that update: the divergence guard withheld the writes of its
+high-loss updates, and checkpoint.pt, where there is one, is of an earlier update; not evaluated, no later run starts,
+and the sweep exits 1), or not started (also where SIGTERM / SIGINT came between two commands). The sweep exits 0
+only when every run finished or stopped at train.max_steps; 75 when one stopped, so the same command can be
+requeued: it continues each unfinished run (a finished one only validates again) and evaluates it. SIGTERM /
+SIGINT to the sweep are passed on to the running command, and the sweep waits for it to write its checkpoint and
+exit. An evaluation JSON older
 than the run's best.pt (written for an earlier best.pt of the run) is moved aside to
 eval_best.<time>.json, so that evaluate.py writes a fresh one instead of refusing the old one.
 --eval-amp {none,fp16,bf16} gives every evaluate.py command `--amp X` (its autocast; default: none, fp32, as the
@@ -602,7 +603,8 @@ def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") ->
         if code:
             print(f"sweep: run '{run['name']}' failed ({code}); stopping", file=sys.stderr, flush=True)
             return code, f"failed during {step} (exit code {code}{killed})"
-        if i == 0 and (unsaved := trained_without_checkpoint(out_dir_of(run), run["name"])):
+        if i == 0 and (unsaved := trained_without_checkpoint(out_dir_of(run), run["name"])
+                       or withheld_at_max_steps(run)):
             # a failure, not a result: its best.pt (none, or one of an earlier point) is not evaluated
             print(f"sweep: run '{run['name']}' {unsaved}; stopping", file=sys.stderr, flush=True)
             return 1, f"failed during training: {unsaved}"
@@ -639,23 +641,59 @@ def trained_without_checkpoint(out_dir: str, name: str) -> Optional[str]:
             f"move {out_dir} (its logs only) out of the way, or give the run another name")
 
 
+def withheld_at_max_steps(run: dict) -> Optional[str]:
+    """What ended a run whose train.py exited 0 with a checkpoint.pt of an update before the one it stopped at, or
+    None. train.py stops at min(train.max_steps, the schedule's updates) and exits 0 there also when the divergence
+    guard withheld the writes of its high-loss updates (engine/divergence.py): the checkpoint.pt and best.pt left are
+    an earlier update's, not a result of the run's length. Compared with the config the run trained with (the
+    sweep's, not the checkpoint's: a resume with a raised train.max_steps whose writes were all withheld leaves the
+    older config in it), its schedule counted in the checkpoint's updates per epoch. Without train.max_steps the write
+    that ends the schedule is always made. An unreadable checkpoint is left to stopped_before_schedule_end, which
+    says so."""
+    cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"])
+    if cfg.train.max_steps is None:
+        return None
+    out_dir = out_dir_of(run)
+    try:
+        step, _, updates_per_epoch, _ = checkpoint_position(out_dir)
+    except Exception:  # noqa: BLE001 - no checkpoint, or one of an older version: told by the caller's next check
+        return None
+    from engine.optim import schedule_length
+
+    _, total, _ = schedule_length(cfg.sched, updates_per_epoch)
+    stop = min(total, cfg.train.max_steps)
+    if step >= stop:
+        return None
+    return (f"stopped at train.max_steps at update {stop} with its checkpoint withheld (divergence guard: the training "
+            f"loss was above its threshold, its train.log says from which update; checkpoint.pt is of update "
+            f"{step}); not evaluated: lower the optim.lr of run '{run['name']}' (with train.allow_changed_config=true "
+            f"it goes on from update {step}), or move {out_dir} out of the way")
+
+
+def checkpoint_position(out_dir: str) -> tuple[int, int, int, dict]:
+    """(update, epoch, updates per epoch, saved config) of `out_dir`'s checkpoint.pt, memory-mapped: its weights are
+    not read. Raises whatever reading it raises (no file, a file of an older version)."""
+    import torch  # only once a run has trained: expanding a sweep does not need it
+
+    payload = torch.load(os.path.join(ROOT, out_dir, "checkpoint.pt"), map_location="cpu", weights_only=True,
+                         mmap=True)
+    state = payload["state"]
+    return (int(state["step"]), int(state["epoch"]), int(payload["epoch_position"]["updates_per_epoch"]),
+            payload["config"])
+
+
 def stopped_before_schedule_end(out_dir: str) -> Optional[str]:
     """How far a run that train.py ended with exit 0 got, when its schedule has not ended (train.max_steps
     stopped it): e.g. 'stopped at train.max_steps at update 8 of 24, before its schedule ended'; None when it
     finished. Read from the run's checkpoint.pt as train.py decides it (engine/optim.schedule_length of its saved
     config and updates per epoch), memory-mapped: its weights are not read."""
-    import torch  # only once a run has trained: expanding a sweep does not need it
-
     from configs import config_from_dict
     from engine.optim import schedule_length
 
     path = os.path.join(ROOT, out_dir, "checkpoint.pt")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        state = payload["state"]
-        epochs, total, _ = schedule_length(config_from_dict(payload["config"]).sched,
-                                           payload["epoch_position"]["updates_per_epoch"])
-        step, epoch = int(state["step"]), int(state["epoch"])
+        step, epoch, updates_per_epoch, config = checkpoint_position(out_dir)
+        epochs, total, _ = schedule_length(config_from_dict(config).sched, updates_per_epoch)
     except Exception as e:  # noqa: BLE001 - no checkpoint, or one of an older version: say what is not known
         return f"trained (exit 0), but {path} does not say whether its schedule ended ({type(e).__name__}: {e})"
     if epoch < epochs and step < total:  # train.py's own test of a run cut short (train.finish)
