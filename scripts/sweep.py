@@ -38,10 +38,11 @@ at train.max_steps before its schedule ended (the update it reached and its sche
 checkpoint.pt; evaluated with --evaluate, and the sweep goes on: the limit was asked for), stopped
 (train.py exited with EXIT_PREEMPTED = 75 after writing its checkpoint; or its launcher exited otherwise, as
 torchrun exits 1 when its processes exit 75, and the lines this command added to the run's train.log record the
-stop, eval.log for evaluate.py's GPLQ stage 1: scripts/launchers.py; not evaluated, and no later run starts),
-interrupted (the sweep got SIGTERM / SIGINT, and the command ended with another code and no record of the stop, as
-after a second Ctrl-C: no checkpoint was written on the stop; the sweep exits with the command's code), failed
-(also a train.py that exited 0 at train.max_steps without a checkpoint.pt of that update: the divergence guard withheld the writes of its
+stop, eval.log for evaluate.py's GPLQ stage 1: scripts/launchers.py; not evaluated, and no later run starts; an
+evaluate.py that the sweep's SIGTERM / SIGINT ended otherwise: evaluation stopped, re-run to continue), interrupted
+(the sweep got SIGTERM / SIGINT, and train.py ended with another code and no record of the stop, as after a second
+Ctrl-C: no checkpoint was written on the stop; the sweep exits with the command's code), failed (also a train.py that
+exited 0 at train.max_steps without a checkpoint.pt of that update: the divergence guard withheld the writes of its
 high-loss updates, and checkpoint.pt, where there is one, is of an earlier update; not evaluated, no later run starts,
 and the sweep exits 1), or not started (also where SIGTERM / SIGINT came between two commands). The sweep exits 0
 only when every run finished or stopped at train.max_steps; 75 when one stopped, so the same command can be
@@ -596,7 +597,13 @@ def run_one(run: dict, args: argparse.Namespace, signals: "ForwardedSignals") ->
             print(f"sweep: run '{run['name']}' stopped during {step}; run the same command again to continue",
                   file=sys.stderr, flush=True)
             return EXIT_PREEMPTED, f"stopped during {step} (resumable)"
-        if code and signals.received:  # e.g. a second Ctrl-C: the command ended at once, without a checkpoint
+        if code and signals.received and i == 1:
+            # evaluate.py ends on the signal (only GPLQ's stage 1 writes a checkpoint, above); the same command
+            # evaluates again and skips what its JSON already holds: a stop to requeue, as a training's
+            print(f"sweep: run '{run['name']}': its evaluation was stopped ({code}{killed}); run the same command "
+                  "again to continue", file=sys.stderr, flush=True)
+            return EXIT_PREEMPTED, "evaluation stopped (re-run to continue)"
+        if code and signals.received:  # e.g. a second Ctrl-C: train.py ended at once, without a checkpoint
             print(f"sweep: run '{run['name']}' was interrupted during {step} before it wrote a checkpoint ({code}); "
                   "stopping", file=sys.stderr, flush=True)
             return code, f"interrupted during {step}, no checkpoint written on the stop (exit code {code}{killed})"
