@@ -28,7 +28,9 @@ own config files) that the 'evaluate' list would replace in evaluate.py. A key e
 only places work (PLACEMENT_KEYS); with --only, the other checks of settings cover the runs kept only. With --run
 under a launcher that states how many processes it starts (torchrun --nproc_per_node=N, --nnodes=M), a run whose
 train.batch_size does not split into them (processes x train.batch_size_per_gpu x accumulation steps, as train.py
-splits it) is refused too.
+splits it) is refused too. With --run, so is a run's train.resume, or the model.pretrained of a run that starts
+afresh, that is no file (model.pretrained=hub aside; a path in the folder of an earlier run, which that run may
+write, is left alone).
 Runs are plain train.py invocations, so a run that stopped resumes when the sweep is started again. Every
 command runs in the repository root: relative paths (out_root, data.root, ...) are relative to it, wherever
 the sweep is started from.
@@ -505,6 +507,11 @@ def main(argv=None) -> int:
                 refuse_results_of_another_autocast(runs, args.eval_amp)
         except ConfigError as e:
             sys.exit(f"error: {e}")
+    if args.run:  # (printed commands may be meant for another machine: checked only where they run)
+        try:
+            refuse_missing_input_files(runs)
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
     if not args.run:
         for run in runs:
             for cmd in commands(run, args.launcher, args.evaluate, args.eval_amp):
@@ -706,6 +713,34 @@ def stopped_before_schedule_end(out_dir: str) -> Optional[str]:
     if epoch < epochs and step < total:  # train.py's own test of a run cut short (train.finish)
         return f"stopped at train.max_steps at update {step} of {total}, before its schedule ended"
     return None
+
+
+def refuse_missing_input_files(runs: list[dict]) -> None:
+    """A run's train.resume, and the model.pretrained of a run that starts afresh (no train.resume, no checkpoint.pt
+    in its folder: a resumed run takes its weights from the checkpoint), must be a file when its train.py starts:
+    refused before the first run trains (ConfigError), not after the earlier runs have trained. model.pretrained=hub
+    is timm's download, no path. A path in the folder of an earlier run of the sweep is left alone: that run may
+    write it (b: [model.pretrained=<out_root>/a/best.pt])."""
+    from engine.run_dir import is_inside
+
+    earlier: list[str] = []  # the folders of the runs before this one
+    for run in runs:
+        cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"])
+        out_dir = os.path.join(ROOT, out_dir_of(run))
+        resumes = bool(cfg.train.resume) or os.path.isfile(os.path.join(out_dir, "checkpoint.pt"))
+        inputs = [("train.resume", cfg.train.resume, "a checkpoint.pt or a snapshot (out_dir/snapshots/epoch<E>.pt) "
+                   "written by train.py")] if cfg.train.resume else []
+        if cfg.model.pretrained and cfg.model.pretrained != "hub" and not resumes:
+            inputs.append(("model.pretrained", cfg.model.pretrained,
+                           "a local .pth, .pt or .safetensors weights file, or hub"))
+        for key, value, what in inputs:
+            path = os.path.join(ROOT, value)  # the commands run in the repository root
+            if os.path.isfile(path) or any(is_inside(path, folder) for folder in earlier):
+                continue
+            problem = "is a folder" if os.path.isdir(path) else "is no such file"
+            raise ConfigError(f"sweep run '{run['name']}': {key}={value} {problem}: give {what} (checked before the "
+                              f"sweep's first run trains)")
+        earlier.append(out_dir)
 
 
 def refuse_results_of_another_autocast(runs: list[dict], eval_amp: Optional[str]) -> None:
