@@ -236,13 +236,32 @@ def switched_off(overrides: list[str], extra: Sequence[str]) -> list[str]:
     (configs/loader.py READ_ONLY_WHEN): quant.gplq.matmul_percentile under the `gplq operands float` variant's
     quant.gplq.matmul_operands=false. An option for every GPLQ run has no meaning in the variant that switches it
     off, and evaluate.py would refuse the pair; the variant runs without it (`main` says so)."""
-    own = {key for item in extra for key in override_keys(item)}
-    rules = [rule for rule in READ_ONLY_WHEN if set(decider_keys(rule[1])) <= own]
-    if not rules:
-        return []
-    cfg = apply_overrides(Config(), extra)
     return [item for item in overrides if override_keys(item) and
-            set(override_keys(item)) <= {key for key, *_ in unread_by_rules(cfg, override_keys(item), rules)}]
+            switched_off_keys(item, extra) == set(override_keys(item))]
+
+
+def switched_off_keys(item: str, extra: Sequence[str]) -> set[str]:
+    """The keys of the override `item` that the variant's settings `extra` leave unread by a rule they alone decide."""
+    own = {key for setting in extra for key in override_keys(setting)}
+    rules = [rule for rule in READ_ONLY_WHEN if set(decider_keys(rule[1])) <= own]
+    if not rules or not override_keys(item):
+        return set()
+    cfg = apply_overrides(Config(), extra)
+    return {key for key, *_ in unread_by_rules(cfg, override_keys(item), rules)}
+
+
+def refuse_partly_switched_off(overrides: list[str]) -> None:
+    """A section override (quant.gplq={matmul_percentile: 0.999, steps: 50}) of which a variant's own switch leaves
+    some keys unread and reads the others can be neither dropped from that variant nor given to it whole (evaluate.py
+    refuses the unread key): refused, naming the keys to give as overrides of their own."""
+    for variant, (_, extra) in VARIANTS.items():
+        for item in overrides:
+            unread = switched_off_keys(item, extra)
+            if unread and unread != set(override_keys(item)):
+                raise ConfigError(f"{item}: the '{variant}' variant's {' '.join(extra)} leaves "
+                                  f"{', '.join(sorted(unread))} unread and reads the rest; give "
+                                  f"{', '.join(sorted(unread))} as an override of its own (key=value), which that "
+                                  "variant runs without")
 
 
 def markdown(table: dict, bits: str) -> str:
@@ -279,6 +298,7 @@ def main(argv=None) -> dict:
                      f"script once for each bit-width")
     refuse_variant_keys(args.overrides)
     refuse_unread_keys(args.overrides, args.with_aphq)
+    refuse_partly_switched_off(args.overrides)
     refuse_language_model(args.checkpoint)
     summary = os.path.join(args.out, f"sensitivity_{args.bits}.json")
     refuse_existing_outputs([summary], args.overwrite)  # before the variants' evaluations

@@ -41,3 +41,21 @@ def test_main_says_which_variant_runs_without_the_option(synthetic_checkpoint, t
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
     assert notes == [f"note: variant 'gplq operands float' runs without {OPTION}, which its "
                      f"quant.gplq.matmul_operands=false leaves unread"], notes
+
+
+
+def test_a_section_override_the_switch_leaves_partly_unread_is_refused_before_any_evaluation(tmp_path):
+    """quant.gplq={matmul_percentile: 0.999, steps: 50}: the `gplq operands float` variant reads steps but not
+    matmul_percentile, so the override can neither go to it whole (evaluate.py refuses the pair) nor be dropped (the
+    variant would run without steps=50); it was kept whole and the variant skipped as a refusal of its own switch.
+    Refused (ConfigError: `__main__` prints it as one error line) before any evaluation, naming the key to split off."""
+    from configs.loader import ConfigError
+
+    sens = load_script("quant_sensitivity")
+    out = tmp_path / "sens"
+    with pytest.raises(ConfigError, match=r"'gplq operands float'.*give quant\.gplq\.matmul_percentile as an override"):
+        sens.main(["--checkpoint", str(tmp_path / "best.pt"), "--out", str(out),
+                   "quant.gplq={matmul_percentile: 0.999, steps: 50}"])
+    assert not out.exists()  # nothing evaluated, nothing written
+    assert sens.switched_off(["quant.gplq.matmul_percentile=0.999", "quant.gplq.steps=50"],
+                             ["quant.gplq.matmul_operands=false"]) == ["quant.gplq.matmul_percentile=0.999"]
