@@ -615,7 +615,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
 
     Args:
         model: a timm ViT/DeiT/Swin (or any model built from pre-norm blocks), possibly wrapped in
-            DDP/DataParallel (`.module`) and/or torch.compile (`._orig_mod`).
+            DDP/DataParallel (`.module`) and/or torch.compile (`._orig_mod`) (`cd.wrappers.unwrap_model`).
         example_input: a tensor of the shape the model takes, a tuple of positional inputs, or a dict of
             keyword inputs, for the checks: the meta forward (`cd.verify`) uses shapes and dtypes, the V-row check
             (`cd.values`) the first sample's values of a real (non-meta) tensor. Default:

@@ -10,20 +10,47 @@ import torch
 from torch import nn
 
 
+# wrappers that hold the model as `.module`, by class name where their package may be missing: DeepSpeed's engine
+# (which accelerate's DeepSpeed plugin returns from `prepare`)
+_WRAPPER_NAMES = {"DeepSpeedEngine"}
+
+
+def _module_wrappers() -> tuple:
+    """The torch classes that hold the model as `.module`: DDP (and its subclasses, MMEngine's
+    MMDistributedDataParallel among them), DataParallel and FSDP1's FullyShardedDataParallel (whose `.module` is
+    the wrapped model; CD refuses FSDP1 itself, `cd.verify.refuse_fsdp1`, before stripping)."""
+    kinds = [nn.DataParallel, nn.parallel.DistributedDataParallel]
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch built without distributed
+        pass
+    else:
+        kinds.append(FullyShardedDataParallel)
+    return tuple(kinds)
+
+
+def _is_module_wrapper(model: nn.Module) -> bool:
+    """`model` is a known wrapper holding the model as `.module`: by type, so that a model of the user's own that
+    names its only part `module` keeps its own forward (which may reshape the input first)."""
+    return isinstance(model, _module_wrappers()) or any(
+        c.__name__ in _WRAPPER_NAMES for c in type(model).__mro__)
+
+
 def unwrap_model(model: nn.Module) -> nn.Module:
     """Strip DDP/DataParallel-style wrappers (`.module`) and torch.compile (`._orig_mod`), in any order.
 
-    A wrapper is recognised by its only child being called `module` (DDP, DataParallel, FSDP-style
-    wrappers) or by an `_orig_mod` attribute (torch.compile's OptimizedModule).
+    A wrapper is recognised by its type: torch's DistributedDataParallel (and subclasses such as MMEngine's
+    MMDistributedDataParallel), DataParallel, FSDP1's FullyShardedDataParallel and DeepSpeed's DeepSpeedEngine
+    hold the model as `.module`; torch.compile's OptimizedModule holds it as `._orig_mod`.
     """
     while True:
         orig = getattr(model, "_orig_mod", None)
         if isinstance(orig, nn.Module):
             model = orig
             continue
-        children = dict(model.named_children())
-        if list(children) == ["module"]:
-            model = children["module"]
+        inner = getattr(model, "module", None) if _is_module_wrapper(model) else None
+        if isinstance(inner, nn.Module):
+            model = inner
             continue
         return model
 

@@ -214,12 +214,12 @@ def test_a_disarmed_binding_leaves_the_next_step_alone():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
 
 
-class _Wrapper(torch.nn.Module):
-    """A DDP-style wrapper: its only child is `module`."""
+class _Wrapper(torch.nn.DataParallel):
+    """A DataParallel on no device (no GPU is used): the model as `.module`."""
 
     def __init__(self, module):
-        super().__init__()
-        self.module = module
+        torch.nn.Module.__init__(self)  # DataParallel's own would move the model to a GPU where there is one
+        self.module, self.device_ids = module, []
 
 
 class _WithAModuleChild(torch.nn.Module):

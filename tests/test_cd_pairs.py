@@ -63,10 +63,10 @@ def test_proj_upstream_is_a_view_of_the_v_rows():
     assert proj.w1().data_ptr() == qkv[64:96].data_ptr() and torch.equal(proj.w1(), qkv[64:96])
 
 
-class _Wrapper(nn.Module):  # what DDP / DataParallel look like structurally
+class _Wrapper(nn.DataParallel):  # a DataParallel on no device: the model as `.module`
     def __init__(self, module):
-        super().__init__()
-        self.module = module
+        nn.Module.__init__(self)  # DataParallel's own would move the model to a GPU where there is one
+        self.module, self.device_ids = module, []
 
 
 def test_wrapped_models_give_unwrapped_names():

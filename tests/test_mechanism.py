@@ -93,10 +93,10 @@ def test_model_without_changes_only_the_named_fc1_weights():
 
 
 def test_model_without_takes_a_wrapped_model_as_ffn_pairs_does():
-    class Wrapper(nn.Module):  # DDP's layout: the model as the only child `module`
+    class Wrapper(nn.DataParallel):  # a DataParallel on no device: the model as `.module`
         def __init__(self, model: nn.Module) -> None:
-            super().__init__()
-            self.module = model
+            nn.Module.__init__(self)  # DataParallel's own would move the model to a GPU where there is one
+            self.module, self.device_ids = model, []
 
     wrapped = Wrapper(tiny_vit())
     copy = mechanism.model_without(wrapped, [{"block": "blocks.1", "direction": 3}])

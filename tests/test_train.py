@@ -1250,15 +1250,15 @@ def test_a_training_payload_restores_optimizer_scaler_ema_and_counters():
 
 
 def test_a_training_payload_holds_the_weights_of_the_wrapped_module_by_their_own_names():
-    """Under DDP (a wrapper whose only child is `module`) the checkpoint's 'model' holds the names of the model
+    """Under DDP (a wrapper holding the model as `module`) the checkpoint's 'model' holds the names of the model
     itself, 'weight' and 'bias' of a Linear, not 'module.weight': the same file then loads into a one-process run,
     into evaluate.py and into the unwrapped model of a resumed DDP run."""
     from engine.checkpoint import restore_training, training_payload
 
-    class Wrapper(torch.nn.Module):  # DDP's shape, without a process group
+    class Wrapper(torch.nn.DataParallel):  # a DataParallel on no device: the model as `.module`
         def __init__(self, module):
-            super().__init__()
-            self.module = module
+            torch.nn.Module.__init__(self)  # DataParallel's own would move the model to a GPU where there is one
+            self.module, self.device_ids = module, []
 
     model = torch.nn.Linear(3, 2)
     payload = training_payload(model=Wrapper(model), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
