@@ -278,6 +278,32 @@ def check_settings(lam, lam_per_role, targets, mode, loss_coef, matmul_precision
     return lam_per_role
 
 
+# config keys that a state dict of an earlier release lacks: compared only where the saved config has them
+_RECORDED_LATER = ("matmul_precision", "decayed")
+
+
+def config_change(saved: Mapping[str, Any], now: Mapping[str, Any]) -> Optional[str]:
+    """The warning for resuming from a CD state dict whose config `saved` differs from this run's `now`, or None.
+    The decayed matrices' names are summarised (counts and one name only on one side) rather than listed."""
+    now = {k: v for k, v in now.items() if k in saved or k not in _RECORDED_LATER}
+    if dict(saved) == now:
+        return None
+
+    def shown(config: Mapping[str, Any]) -> dict:
+        return {k: v for k, v in config.items() if k != "decayed"}
+
+    text = f"ColinearityDecay: resuming with a different CD config: saved {shown(saved)}, now {shown(now)}"
+    old, new = list(saved.get("decayed", [])), list(now.get("decayed", []))
+    if old != new:
+        text += f"; decayed matrices: {len(old)} saved, {len(new)} now"
+        only_now, only_saved = [n for n in new if n not in set(old)], [n for n in old if n not in set(new)]
+        if only_now:
+            text += f" ({len(only_now)} only now, e.g. {only_now[0]})"
+        if only_saved:
+            text += f" ({len(only_saved)} only saved, e.g. {only_saved[0]})"
+    return text
+
+
 class ColinearityDecay:
     """Colinearity Decay on the matrix pairs of a pre-norm vision Transformer.
 
@@ -836,11 +862,14 @@ class ColinearityDecay:
                   "mode": self.mode, "loss_coef": self.loss_coef}
         if self.gated_mlp:  # only when on, so that checkpoints of the paper's setting compare equal
             config["gated_mlp"] = True
+        # the setting as given ('auto' stays 'auto': resolved at each update, it may differ between runs by device)
+        config["matmul_precision"] = self._precision_setting
+        config["decayed"] = [p.name for p in self.pairs]  # other layouts= or targets pair other matrices
         return config
 
     def state_dict(self) -> dict:
         """CD has no state that affects the update (it is fixed by the config); this holds the update
-        counter for logging and the config, checked on load."""
+        counter for logging and the config (the settings and the names of the decayed matrices), checked on load."""
         return {"num_updates": self._updates_done(), "config": self._config()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -848,9 +877,9 @@ class ColinearityDecay:
         self.num_updates = int(state.get("num_updates", 0))
         self._gated_skips = self._round_skip = None
         saved = state.get("config")
-        if saved is not None and saved != self._config():
-            warnings.warn(f"ColinearityDecay: resuming with a different CD config: saved {saved}, "
-                          f"now {self._config()}", stacklevel=2)
+        change = config_change(saved, self._config()) if saved is not None else None
+        if change is not None:
+            warnings.warn(change, stacklevel=2)
 
     def __repr__(self) -> str:
         roles = sorted({p.role for p in self.pairs}, key=ROLES.index)
