@@ -51,10 +51,12 @@ from typing import Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from .adapters import adapter_parameters, refuse_adapters
 from .layouts import LAYOUTS, Layout, check_layouts
 from .unknown_blocks import unknown_blocks
 from .values import check_channel_order
-from .verify import UnsupportedModelError, refuse_fsdp1, refuse_shared, refuse_split_devices, verify_pairs
+from .verify import (ADAPTER_FIX, UnsupportedModelError, refuse_fsdp1, refuse_shared, refuse_split_devices,
+                     verify_pairs)
 from .wrappers import unwrap_model
 
 ROLES = ("qkv", "proj", "fc1", "fc2", "reduction")
@@ -364,7 +366,8 @@ class _Block:
         """A layer of the layout is absent: name the paths looked for and the layout its children matched, since a
         block of one's own whose children happen to be another library's (an MLP named `ffn` reads as
         MMDetection's Swin) would otherwise be told about the wrong part. A layer that is there but whose weight is
-        computed at each forward (a parametrization, weight_norm) is named as such, with the way to remove it."""
+        computed at each forward (a parametrization, weight_norm) is named as such, with the way to remove it, and
+        one that is there without a 2-D weight Parameter (a wrapper holding the layer and adapters) too."""
         from .noise import weight_source  # here: noise -> update -> pairs
         for path in paths.replace(" or ", " and ").split(" and "):
             layer = _module(self.module, path)
@@ -374,6 +377,11 @@ class _Block:
                 if fix.startswith("give WeightNoise"):
                     fix = "give the layer a weight Parameter of its own"
                 return self.refuse(f"the weight of {path} is {how}, not a Parameter CD can update; {fix}")
+            if layer is not None and _matrix_weight(layer) is None:  # there: not "found no", but no matrix to pair
+                extra = adapter_parameters(layer)  # what a wrapper (PEFT-style adapters) holds
+                held = (f" (it holds {', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''}; for a layer with "
+                        f"adapters, {ADAPTER_FIX})") if extra else ""
+                return self.refuse(f"{path} is a {type(layer).__name__} with no 2-D weight Parameter{held}")
         if self.lay.library not in {lay.library for lay in LAYOUTS}:  # a layout given as layouts=
             return self.refuse(f"found no {paths} ({what}); its children {', '.join(self.lay.children)} are those of "
                                f"the layout {self.lay.library!r} given as layouts=: check its paths against the "
@@ -670,6 +678,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
     if not pairs:
         raise UnsupportedModelError(_no_pair_message(root, layouts))
     refuse_unknown_blocks(root, layouts)
+    refuse_adapters(root, pairs, types)  # before the checks: they would blame the forward, not the adapters
     if gated_mlp and not gated:  # a plain ValueError: pair_energy_source warns on UnsupportedModelError and goes on
         raise ValueError(f"gated_mlp=True (cd.gated_mlp=true): {type(root).__name__} has no gated MLP "
                          "(W_down (act(W_gate x) * W_up x), such as SwiGLU), so the switch adds no pair; drop it")

@@ -395,6 +395,11 @@ def _misread(reads: dict[str, set[bool]], p) -> str:
     return ""
 
 
+# how a refusal of adapters ends: what CD applies to and the ways out (here and in cd.adapters)
+ADAPTER_FIX = ("CD applies to full fine-tuning or training, not to adapters: merge the adapters into the weight "
+               "first (PEFT: merge_and_unload()) and train the merged model, or train without CD")
+
+
 def _adapter_hint(root: nn.Module) -> str:
     """The likely cause when `root` holds PEFT adapters (LoRA's lora.Linear reads a frozen `base_layer` and adds a
     low-rank term, so the matrix the pair names is not what the forward multiplies): CD decays whole matrices."""
@@ -404,7 +409,7 @@ def _adapter_hint(root: nn.Module) -> str:
         return ""
     named = ", ".join(adapters[:2]) + (", ..." if len(adapters) > 2 else "")
     return (f"; the model holds PEFT adapters ({named}), which freeze the weights CD decays and train low-rank "
-            "terms beside them: CD applies to full fine-tuning or training, not to adapters")
+            f"terms beside them: {ADAPTER_FIX}")
 
 
 def refuse_shared(pairs: Sequence, block_types: dict[str, str]) -> None:

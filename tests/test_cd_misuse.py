@@ -689,8 +689,9 @@ def test_a_model_with_lora_adapters_is_refused_naming_them():
     model = tiny_vit()
     for block in model.blocks:
         block.attn.qkv, block.mlp.fc2 = LoraLinear(block.attn.qkv), LoraLinear(block.mlp.fc2)
-    with pytest.raises(UnsupportedModelError, match=r"not used in the forward pass .*PEFT adapters "
-                                                    r"\(peft.tuners.lora.layer.LoraLinear\)"):
+    with pytest.raises(UnsupportedModelError, match=r"the layer blocks.0.attn.qkv "
+                                                    r"\(peft.tuners.lora.layer.LoraLinear\) of its qkv pair holds "
+                                                    r"adapters \(base_layer.weight, "):
         ColinearityDecay(model)
 
 
