@@ -17,10 +17,10 @@ from .verify import ADAPTER_FIX, UnsupportedModelError
 
 
 def adapter_parameters(layer: nn.Module) -> list[str]:
-    """The parameters of `layer` that are no part of a plain layer: its own ones other than `weight` and `bias`,
-    and those of a child holding a matrix (a `base_layer`, a `lora_A` layer). A child holding vectors alone (a
-    quantizer's scales) is not an adapter."""
-    extra = [n for n, _ in layer.named_parameters(recurse=False) if n not in ("weight", "bias")]
+    """The parameters of `layer` that are no part of a plain layer: its own matrices other than `weight` (loralib's
+    `lora_A`, `lora_B`), and those of a child holding a matrix (a `base_layer`, a `lora_A` layer). Vectors are no
+    adapter: a pruned bias's `bias_orig` (torch.nn.utils.prune), a quantizer's scales in a child."""
+    extra = [n for n, p in layer.named_parameters(recurse=False) if n not in ("weight", "bias") and p.dim() >= 2]
     for child_name, child in layer.named_children():
         params = list(child.named_parameters())
         if any(p.dim() >= 2 for _, p in params):

@@ -131,3 +131,20 @@ def _with_plain(kind) -> nn.Module:
         block.attn.qkv, block.mlp.fc1, block.mlp.fc2 = (kind(block.attn.qkv), kind(block.mlp.fc1),
                                                         kind(block.mlp.fc2))
     return model
+
+
+def test_a_pair_layer_with_a_pruned_bias_is_no_adapter():
+    """torch.nn.utils.prune on a bias gives the layer an own `bias_orig` vector; its weight stays the matrix it
+    applies, so the pairs are found as without the pruning (it was refused as "holds adapters (bias_orig)")."""
+    import timm
+    from torch.nn.utils import prune
+
+    def model():
+        torch.manual_seed(0)
+        return timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, num_classes=4, depth=2)
+
+    pruned = model()
+    prune.l1_unstructured(pruned.blocks[0].mlp.fc2, "bias", 0.3)
+    example = torch.randn(1, 3, 32, 32)
+    names = [p.name for p in find_pairs(pruned, example)]
+    assert names == [p.name for p in find_pairs(model(), example)] and len(names) == 8
