@@ -343,19 +343,20 @@ class FirstRun(Exception):
 @pytest.mark.parametrize("path, name, args, elided", EPOCHS_COMMANDS,
                          ids=[f"{p}: {' '.join(a)}"[:120] for p, _, a, _ in EPOCHS_COMMANDS])
 def test_every_documented_epochs_protocol_is_accepted_up_to_its_first_run(path, name, args, elided, monkeypatch,
-                                                                           capsys):
+                                                                           capsys, tmp_path):
     """The epochs protocol checks its whole plan before its first run (every run's config, each per-GPU batch
     on the launcher's processes against the global batch, the launcher's program), as a sweep's dry path
-    does: the document's command gets that far. The first run is stopped; nothing before it writes a file."""
+    does: the document's command gets that far. The first run is stopped. Its --out is a folder of the test's
+    own: the protocol records each run's launcher (runs/<folder>.launcher.json) just before that run, and the
+    example's results/ under the checkout may hold a user's records."""
     import sys
 
-    import engine.run_dir
-
     monkeypatch.chdir(ROOT)
-    # the environment the example assumes is active (its torchrun on PATH); the outputs this machine already
-    # holds under the example's --out are no concern of the example's
+    # the environment the example assumes is active (its torchrun on PATH)
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    monkeypatch.setattr(engine.run_dir, "refuse_existing_outputs", lambda written, overwrite: None)
+    out = str(tmp_path / "out")
+    args = ([out if i and args[i - 1] == "--out" else a for i, a in enumerate(args)] if "--out" in args
+            else [*args, "--out", out])
 
     def first_run(cmd, **kw):
         raise FirstRun(cmd)
