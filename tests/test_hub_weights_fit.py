@@ -4,13 +4,11 @@ of an unknown tag refused in one line, and hub weights that do not fit the model
 as a failure to fetch them. The hub is a Hugging Face cache made here (offline: nothing is fetched)."""
 import logging
 
-import huggingface_hub.constants
 import pytest
 import timm
-import torch
-from safetensors.torch import save_file
 
 from conftest import run_entry
+from hub_cache import make_hub_cache, serve_hub_cache
 from configs import load_config
 from models import ModelError, build_model
 
@@ -20,28 +18,16 @@ SWIN = "swin_tiny_patch4_window7_224.ms_in1k"  # windows of 7
 
 @pytest.fixture(scope="module")
 def hub_cache(tmp_path_factory):
-    """A Hugging Face cache holding random weights of VIT and SWIN as timm's hub copies (model.safetensors of the
-    main revision), and those weights as local files."""
+    """A Hugging Face cache holding random weights of VIT and SWIN as timm's hub copies, and those files."""
     root = tmp_path_factory.mktemp("hf") / "hub"
-    files = {}
-    for name in (VIT, SWIN):
-        repo, revision = root / f"models--timm--{name}", "0" * 40
-        (repo / "snapshots" / revision).mkdir(parents=True)
-        (repo / "refs").mkdir()
-        (repo / "refs" / "main").write_text(revision)
-        torch.manual_seed(0)
-        weights = timm.create_model(name).state_dict()
-        save_file(weights, repo / "snapshots" / revision / "model.safetensors")
-        files[name] = str(repo / "snapshots" / revision / "model.safetensors")
-    return root, files
+    return root, make_hub_cache(root, [VIT, SWIN])
 
 
 @pytest.fixture
 def files(hub_cache, monkeypatch):
     """{model name: a local file of its hub weights}, the hub served from the cache made here."""
     root, files = hub_cache
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(root))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    serve_hub_cache(monkeypatch, root)
     return files
 
 

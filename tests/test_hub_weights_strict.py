@@ -5,13 +5,12 @@ cache made here (offline: nothing is fetched)."""
 import logging
 import re
 
-import huggingface_hub.constants
 import pytest
-import timm
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import train
+from hub_cache import make_hub_cache, serve_hub_cache
 from configs import load_config
 from models import ModelError, build_model
 
@@ -20,25 +19,15 @@ NAME = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"  # timm/<NAME> on the hub: 10
 
 @pytest.fixture(scope="module")
 def hub_cache(tmp_path_factory):
-    """A Hugging Face cache holding random weights of NAME as timm's hub copy (model.safetensors of the main
-    revision), and the weights themselves."""
+    """A Hugging Face cache holding random weights of NAME as timm's hub copy, and the weights themselves."""
     root = tmp_path_factory.mktemp("hf") / "hub"
-    repo = root / f"models--timm--{NAME}"
-    revision = "0" * 40
-    (repo / "snapshots" / revision).mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(revision)
-    torch.manual_seed(0)
-    weights = timm.create_model(NAME).state_dict()
-    save_file(weights, repo / "snapshots" / revision / "model.safetensors")
-    return root, weights
+    return root, load_file(make_hub_cache(root, [NAME])[NAME])
 
 
 @pytest.fixture
 def hub(hub_cache, monkeypatch):
     root, weights = hub_cache
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(root))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    serve_hub_cache(monkeypatch, root)
     return weights
 
 
