@@ -16,7 +16,8 @@ evaluated at are named below the table, not tested. Nothing is corrected for mul
 were planned before the numbers were seen is the reader's to say (docs/lm_study.md, docs/vit_scratch.md). A point
 whose runs were evaluated otherwise than the paper evaluates (model.kwargs, the split, --amp) is marked †, with a
 note of how below the table, and a setting computed with other settings than the defaults (e.g.
-quant.calib_images=64) *, with a note naming them, as dose_report.py and lm_study.py mark them. The
+quant.calib_images=64) *, with a note naming them, and the seeds of a point whose train.seed no file records are
+named below the table (one may be a seed counted twice), as dose_report.py and lm_study.py mark them. The
 runs are read and checked as lm_study.py (a language model) or dose_report.py (a classifier) reads them
 (numbers present, not stale, the runs ending alike: engine/eval_results.refuse_unfinished);
 nothing is written.
@@ -35,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configs.cli import OneLineParser  # noqa: E402
 from engine.console import console_print  # noqa: E402
 from engine.tasks import PPL_CAP  # noqa: E402
+from engine.train_seeds import unrecorded_seed_note  # noqa: E402
 from quant import bits_order  # noqa: E402
 from scripts.dose_report import (ERRORS, ReportError, Run, by_point, check_finished, check_numbers,  # noqa: E402
                                  evaluated_marks, read_sweep, settings_marks)
@@ -126,7 +128,10 @@ def report(a: list[Run], b: list[Run], score: str) -> str:
     points = {a[0].point: a, b[0].point: b}
     labels, notes = evaluated_marks(points)  # † and how, as dose_report / lm_study mark
     starred, settings_notes = settings_marks(points, tested)  # * and which settings, as they mark them
-    notes += settings_notes
+    # seeds tested without a recorded train.seed (read_sweep's check cannot compare them): named, not refused
+    seed_notes = [note for point, runs in points.items()
+                  if (note := unrecorded_seed_note(point, [(run.folder, run.result) for run in runs]))]
+    notes += settings_notes + seed_notes
     names, d = (labels[a[0].point], labels[b[0].point]), DIGITS[score]
     lines = [f"{CAPTIONS[score]}, {names[0]} (seeds "
              f"{', '.join(str(r.seed) for r in a)}) against {names[1]} (seeds {', '.join(str(r.seed) for r in b)}); "

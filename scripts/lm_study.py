@@ -11,7 +11,8 @@ beside it holds now (engine/eval_results.refuse_stale) are refused; a
 point evaluated with other model.kwargs than it was trained with is marked † in the tables of evaluated numbers, with
 a note naming both, a module maximum that also counts modules outside the blocks (quant.act_max_extra_modules)
 ‡, with a note naming the patterns, and a quantized number (or gap) computed with other settings than the defaults
-(e.g. quant.calib_images=64) *, with a note naming them, as paper_table.py marks them. Written, and never
+(e.g. quant.calib_images=64) *, with a note naming them, as paper_table.py marks them; seeds of a point whose
+train.seed no file records are named below the tables (one may be a seed counted twice). Written, and never
 overwritten without --overwrite:
   lm_study.md              the paper's Table 8 settings (bf16 perplexity, with fp32 beside it, RTN-W4A16, GPTQ-W4A16,
                            SmoothQuant-W8A8 and -strict; then W3A16 and strict W6A6 where evaluated), the
@@ -19,7 +20,8 @@ overwritten without --overwrite:
                            (where evaluated below 8), and the maxima and
                            kurtosis per module type (eval_best_act_max.csv), and each point's
                            training settings beside the first point's; printed as well
-  lm_study_energy.png      pair energy against update (metrics.jsonl)
+  lm_study_energy.png      pair energy against update (metrics.jsonl); both curve figures are titled with what
+                           the runs trained, from the recipe their eval_best.json record (scripts/training_title.py)
   lm_study_outliers.png    act/max_block and act/kurtosis_block at every validation, against update
   lm_study_act_max_types.png   the largest max |activation| per module type, one bar per point
 """
@@ -31,9 +33,9 @@ import sys
 from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from engine.eval_results import ResultsError  # noqa: E402
-from engine.run_dir import RunDirError  # noqa: E402
-from scripts.dose_report import (ROLES, ReportError, Run, check_finished, check_numbers,  # noqa: E402
+from configs import Config, config_from_dict  # noqa: E402
+from engine.train_seeds import unrecorded_seed_note  # noqa: E402
+from scripts.dose_report import (ERRORS, ROLES, ReportError, Run, check_finished, check_numbers,  # noqa: E402
                                  evaluated_marks, final_energy, fmt, metric_number, metrics_records, module_marks,
                                  open_sweep, plot_energies, plot_type_maxima, point_settings, settings_marks,
                                  type_maxima)
@@ -41,6 +43,7 @@ from engine.figures import new_figure  # noqa: E402
 from engine.outputs import save_figure, write_text  # noqa: E402
 from engine.tasks import PPL_CAP, capped_cell  # noqa: E402
 from engine.console import console_print  # noqa: E402
+from scripts.training_title import training_title  # noqa: E402
 
 # the paper's Table 8 settings, then lower bit-widths that separate the points more at laptop scale (shown
 # where the runs were evaluated at them: evaluate.py --quant rtn gptq --bits w3a16, ... smoothquant_strict w6a6)
@@ -84,7 +87,10 @@ def tables(groups: dict[str, list[Run]]) -> str:
              "|---|---|---|---|" + "---|" * len(quant)]
     labels, notes = evaluated_marks(groups)
     starred, settings_notes = settings_marks(groups, COLUMNS)
-    notes += settings_notes
+    # seeds averaged without a recorded train.seed (read_sweep's check cannot compare them): named, not refused
+    seed_notes = [note for point, runs in groups.items()
+                  if (note := unrecorded_seed_note(point, [(run.folder, run.result) for run in runs]))]
+    notes += settings_notes + seed_notes
     for point, runs in groups.items():
         # the seed numbers, as dose_report.py's Seeds column: a count there ("2") reads as seed 2
         cells = [labels[point], ",".join(str(r.seed) for r in runs), cell([r.result["fp"]["ppl"] for r in runs], runs),
@@ -150,10 +156,27 @@ def activation_bit_gaps(groups: dict[str, list[Run]], labels: dict[str, str]) ->
     return lines + ([""] + notes if notes else [])
 
 
-def plot_outliers(groups: dict[str, list[Run]], path: str, overwrite: bool) -> None:
+# the recipe keys a figure's title reads (scripts/training_title.py); the others stay unread, so a recipe of another
+# evaluate.py version (a setting added or renamed since) still titles its figures
+TITLE_KEYS = ("model.name", "model.attn", "model.pretrained", "model.img_size", "data.dataset", "data.root")
+
+
+def figure_title(subject: str, groups: dict[str, list[Run]]) -> str:
+    """`subject` during what the runs trained (scripts/training_title.py), read from the recipe each eval_best.json
+    records (every training setting but the seed): the model and the data set, KJV or a token folder. Where some run
+    records none (a file written before evaluate.py recorded it), the title says so rather than guess."""
+    recipes = [r.result.get("recipe") for runs in groups.values() for r in runs]
+    if not all(isinstance(recipe, dict) for recipe in recipes):
+        return f"{subject} during training (the runs' settings are not recorded in their eval_best.json)"
+    configs: list[Config] = [config_from_dict({k: v for k, v in recipe.items() if k in TITLE_KEYS})
+                             for recipe in recipes]
+    return training_title(subject, configs)
+
+
+def plot_outliers(groups: dict[str, list[Run]], path: str, overwrite: bool, title: str) -> None:
     """The validation curves of CURVES, one line per point (mean over its seeds, the seeds' range shaded)."""
     fig = new_figure(11, 6.4)
-    for k, (key, title) in enumerate(CURVES):
+    for k, (key, panel) in enumerate(CURVES):
         ax = fig.add_subplot(2, 2, k + 1)
         for point, runs in groups.items():
             per_seed = [dict(validation_curve(r, key)) for r in runs]
@@ -166,12 +189,12 @@ def plot_outliers(groups: dict[str, list[Run]], path: str, overwrite: bool) -> N
                 ax.fill_between(steps, [min(v[i] for v in values) for i in range(len(steps))],
                                 [max(v[i] for v in values) for i in range(len(steps))], alpha=0.15,
                                 color=ax.lines[-1].get_color())
-        ax.set_title(title, fontsize=9)
+        ax.set_title(panel, fontsize=9)
         ax.set_xlabel("update", fontsize=8)
         ax.grid(alpha=0.3)
         if k == 0:
             ax.legend(fontsize=7)
-    fig.suptitle("Outliers during training from scratch (char-level GPT, King James Bible)", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     save_figure(fig, path, overwrite, dpi=90)  # never over a file another command wrote meanwhile
 
@@ -191,12 +214,13 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                 raise ReportError(f"{os.path.join(run.folder, 'metrics.jsonl')} has no record of {key}, which "
                                   f"{OUTPUTS[2]} draws at every validation: {fix}")
     check_finished([r for runs in groups.values() for r in runs])
+    # the runs' own recipes name what they trained; read before any output is written
+    titles = {subject: figure_title(subject, groups) for subject in ("Pair energy", "Outliers")}
     os.makedirs(args.out, exist_ok=True)
     report = tables(groups)
     write_text(paths[0], report, args.overwrite)  # UTF-8 whatever the locale: the report has ± and †
-    plot_energies(groups, paths[1], args.overwrite,
-                  title="Pair energy during training from scratch (char-level GPT)")
-    plot_outliers(groups, paths[2], args.overwrite)
+    plot_energies(groups, paths[1], args.overwrite, title=titles["Pair energy"])
+    plot_outliers(groups, paths[2], args.overwrite, title=titles["Outliers"])
     plot_type_maxima(groups, paths[3], args.overwrite, types=TYPES)
     console_print(report)
     return report
@@ -205,5 +229,5 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 if __name__ == "__main__":
     try:
         main()
-    except (ReportError, RunDirError, ResultsError) as e:
+    except ERRORS as e:  # the sweep reports' user errors, one line each (a recipe this version cannot read included)
         sys.exit(f"error: {e}")

@@ -8,6 +8,8 @@ import statistics
 
 import pytest
 
+from engine.eval_results import ResultsError
+
 import dose_report
 import lm_study
 
@@ -204,7 +206,7 @@ def test_a_run_evaluated_before_its_last_update_is_refused_not_averaged(tmp_path
         write_run(root, name, ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
     _edit_result(root / "baseline_s0", lambda r: r.update(recipe={"sched.steps": 50}))
     _edit_result(root / "cd10x_s0", lambda r: r.update(recipe={"sched.steps": 2000}))
-    with pytest.raises(lm_study.ResultsError, match=r"cd10x_s0 validated last at update 50 of the 2000 of its "
+    with pytest.raises(ResultsError, match=r"cd10x_s0 validated last at update 50 of the 2000 of its "
                                                     r"schedule \(sched.steps=2000\): an unfinished run"):
         lm_study.main([str(root), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
@@ -218,7 +220,7 @@ def test_a_run_one_update_short_of_its_schedule_is_unfinished(tmp_path):
     write_run(tmp_path, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
     folder = str(tmp_path / "baseline_s0")  # write_run: validations at updates 25 and 50
     lm_study.check_finished([lm_study.Run("baseline", 0, folder, {}, {"recipe": {"sched.steps": 50}}, [])])
-    with pytest.raises(lm_study.ResultsError, match=r"validated last at update 50 of the 51 of its schedule"):
+    with pytest.raises(ResultsError, match=r"validated last at update 50 of the 51 of its schedule"):
         lm_study.check_finished([lm_study.Run("baseline", 0, folder, {}, {"recipe": {"sched.steps": 51}}, [])])
 
 
@@ -273,7 +275,7 @@ def test_a_run_file_without_what_the_report_reads_is_named(tmp_path, damage, mes
     root.mkdir()
     write_run(root, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
     damage(root / "baseline_s0")
-    with pytest.raises((lm_study.ReportError, lm_study.ResultsError), match=message):
+    with pytest.raises((lm_study.ReportError, ResultsError), match=message):
         lm_study.main([str(root), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 
@@ -320,7 +322,7 @@ def test_a_run_evaluated_before_its_best_pt_was_replaced_is_refused_by_name(tmp_
         result.update(checkpoint=str(folder / "best.pt"), weights="raw", fingerprint=weights_fingerprint(scored))
         (folder / "eval_best.json").write_text(json.dumps(result))
     stale = root / "baseline_s1" / "eval_best.json"
-    with pytest.raises(lm_study.ResultsError) as refused:
+    with pytest.raises(ResultsError) as refused:
         lm_study.main([str(root), "--out", str(tmp_path / "out")])
     message = str(refused.value)
     assert message.startswith(f"{stale} is stale") and "\n" not in message, message
@@ -414,7 +416,7 @@ def test_a_copied_sweep_is_checked_against_the_best_pt_beside_each_result(tmp_pa
     original, copy = copied_sweep_with_a_new_best(tmp_path)
     assert "| baseline | 0,1 |" in lm_study.main([str(original), "--out", str(tmp_path / "out")])
     stale, now = copy / "baseline_s1" / "eval_best.json", copy / "baseline_s1" / "best.pt"
-    with pytest.raises(lm_study.ResultsError, match=rf"{stale} is stale: it scored other weights than {now} holds now"):
+    with pytest.raises(ResultsError, match=rf"{stale} is stale: it scored other weights than {now} holds now"):
         lm_study.main([str(copy), "--out", str(tmp_path / "out2")])
     assert not (tmp_path / "out2").exists()
 
