@@ -594,6 +594,7 @@ def test_the_committed_lm_study_report_has_the_marks_notes_and_captions_lm_study
             for pipeline, bits in lm_study.COLUMNS + lm_study.ACT_BITS:  # as evaluate.py records each entry
                 settings = json.loads(json.dumps(quant_settings(cfg, pipeline), default=str))
                 result["quant"].setdefault(pipeline, {})[bits] = {"ppl": 4.5, "settings": settings}
+            result["train_seed"] = seed  # as evaluate.py records it (without, the report notes the seeds it cannot tell)
             (folder / "eval_best.json").write_text(json.dumps(result))
     written = lm_study.tables(dose_report.by_point(dose_report.read_sweep(str(tmp_path))))
 
