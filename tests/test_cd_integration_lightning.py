@@ -210,6 +210,24 @@ def test_callbacks_on_two_parts_have_their_own_checkpoint_keys_and_module_is_che
         ColinearityDecayCallback(0.005)  # lam by position
 
 
+def test_module_none_is_refused_and_the_example_goes_to_the_lightning_module_only():
+    """module=None is not Lightning's default ("" is the whole module): it would be select_module's `backbone`
+    (MMEngine's convention), here a part that the LightningModule's example_input_array (64 px, resized in its
+    forward) does not fit. Refused at once, naming the two values taken."""
+    with pytest.raises(TypeError, match=r'module must be "" \(the whole module\) or a dotted submodule name'):
+        ColinearityDecayCallback(module=None, lam=LAM)
+
+    class Resizing(Module):
+        def forward(self, x):
+            return self.net(F.interpolate(x, size=32))
+
+    module = Resizing(tiny_vit().double(), steps=1)
+    module.backbone = module.net  # what None would pick
+    module.example_input_array = torch.zeros(1, 3, 64, 64, dtype=torch.float64)
+    trainer = fit(module, 1, callback=ColinearityDecayCallback(module="", lam=LAM))  # the example fits the whole
+    assert cd_callback(trainer).decay.num_updates == 1
+
+
 def test_a_finished_fit_leaves_no_cd_on_its_optimizer():
     """After fit() the optimizer is the user's again: a step of their own is neither refused (strict_steps) nor
     given the callback's CD, and an attach of their own is not refused as a second CD update."""

@@ -57,12 +57,17 @@ def check_cd_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
     return dict(kwargs)
 
 
-def check_module_name(module: Optional[str], who: str) -> Optional[str]:
+def check_module_name(module: Optional[str], who: str, backbone: bool = True) -> Optional[str]:
     """`module=` as the integrations take it (see select_module), checked when the callback or hook is made: a
-    number there (e.g. lam given by position) would otherwise fail inside the framework's train start."""
-    if module is not None and not isinstance(module, str):
-        raise TypeError(f"{who}: module must be a dotted submodule name (str) or None, got {module!r}; CD's "
-                        "arguments go by name (lam=...)")
+    number there (e.g. lam given by position) would otherwise fail inside the framework's train start.
+    `backbone`: whether None (the `backbone`, MMEngine's convention) is taken; where it is not (Lightning, whose
+    default is "" the whole module), None is refused rather than silently decaying another part."""
+    if module is None and backbone:
+        return module
+    if not isinstance(module, str):
+        allowed = ("a dotted submodule name (str) or None" if backbone
+                   else '"" (the whole module) or a dotted submodule name (str)')
+        raise TypeError(f"{who}: module must be {allowed}, got {module!r}; CD's arguments go by name (lam=...)")
     return module
 
 

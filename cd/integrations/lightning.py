@@ -52,7 +52,7 @@ class ColinearityDecayCallback(Callback):
 
     Args:
         module: the part of the LightningModule that CD decays: "" (default) the whole module, or a dotted
-            submodule name.
+            submodule name; None (MMEngine's `backbone`) is refused.
         **cd_kwargs: the arguments of `ColinearityDecay` (`lam=0.005`, `lam_per_role`, `targets`, `gated_mlp`,
             `matmul_precision`, `norms_every`, `verify`, `example_input`); the decoupled update only. The update
             norms in `decay.metrics()` are computed on every `norms_every`-th update, 50 unless given
@@ -63,7 +63,8 @@ class ColinearityDecayCallback(Callback):
     """
 
     def __init__(self, module: str = "", **cd_kwargs: Any) -> None:
-        self.module = check_module_name(module, "ColinearityDecayCallback")
+        # None would be select_module's `backbone` (MMEngine's default), not the whole module that "" is here
+        self.module = check_module_name(module, "ColinearityDecayCallback", backbone=False)
         self.cd_kwargs = check_cd_arguments(cd_kwargs)
         self.decay: Optional[ColinearityDecay] = None
         self._restored: Optional[dict] = None
@@ -78,16 +79,18 @@ class ColinearityDecayCallback(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         self._unbind()
         kwargs = dict(self.cd_kwargs)
+        part = select_module(pl_module, self.module)
         example = getattr(pl_module, "example_input_array", None)
         checked = kwargs.get("verify", True)  # the example serves the pair check only (none with verify=False)
-        if kwargs.get("example_input") is None and example is not None and not self.module and checked:
+        # the LightningModule's example is its own input: given to the LightningModule only, never to a part of it
+        if kwargs.get("example_input") is None and example is not None and part is pl_module and checked:
             kwargs["example_input"] = example
         if kwargs.get("example_input") is not None:
             # as Lightning hands every batch to the module: "64-true", "bf16-true" and "16-true" convert floating
             # inputs to the module's dtype, so a float32 example (as users write it) serves those runs too
             kwargs["example_input"] = trainer.precision_plugin.convert_input(kwargs["example_input"])
         try:
-            self.decay = ColinearityDecay(select_module(pl_module, self.module), **kwargs)
+            self.decay = ColinearityDecay(part, **kwargs)
         except UnsupportedModelError as e:
             message = _lightning_names(str(e), self.module)
             if not self.module:  # the whole LightningModule: a copy beside the network names `module=` as the fix
