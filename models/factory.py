@@ -22,7 +22,8 @@ from configs.schema import ModelConfig
 
 from .attention_sinks import use_sink_attention
 from .gpt import GPT, GPT_SIZES, build_gpt
-from .hub import check_hub_weights_fit, check_pretrained_tag, hub_load_failure, hub_table_resize
+from .hub import (check_hub_variant, check_hub_weights_fit, check_pretrained_tag, hub_load_failure, hub_new_sinks,
+                  hub_resampled)
 from .pretrained import ModelError, load_pretrained
 from .timm_build_args import build_args_problem
 from .variants import VARIANTS
@@ -160,8 +161,10 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     weights, if any."""
     if cfg.name in GPT_SIZES:
         return _build_language_model(cfg)
-    arch, kwargs = model_kwargs(cfg)
     hub = cfg.pretrained == "hub"
+    if hub:  # before the variant resolves to its timm architecture, whose hub weights timm would fetch
+        check_hub_variant(cfg.name)
+    arch, kwargs = model_kwargs(cfg)
     if hub and cfg.pretrained_strict:  # timm would fit the weights to the model (a random classifier), not refuse
         check_hub_weights_fit(cfg, arch, kwargs)
     try:
@@ -178,9 +181,9 @@ def build_model(cfg: ModelConfig) -> nn.Module:
                              f"{e or type(e).__name__}") from e
         raise
     check_patch_grid(model, cfg)
-    if hub:  # the scored table is not the hub's: logged and recorded as a local file's is (models/pretrained.py)
-        model.pretrained_resampled, line = hub_table_resize(model, arch)
-        if line:
+    if hub:  # the scored weights are not all the hub's: logged and recorded as a local file's (models/pretrained.py)
+        model.pretrained_resampled, lines = hub_resampled(model, arch)
+        for line in lines:
             log.warning(line)
     try:
         # after timm's init and hub weights (the variant takes them over, its sink parameters start at
@@ -188,6 +191,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         use_sink_attention(model, cfg.attn)
     except ValueError as e:
         raise ModelError(f"model '{cfg.name}': {e}") from e
+    if hub and (line := hub_new_sinks(model, arch)):  # logged as a local file's loading logs it
+        log.info(line)
     if cfg.pretrained and not hub:
         load_pretrained(model, cfg.pretrained, strict=cfg.pretrained_strict)
     return model

@@ -5,11 +5,14 @@ weights) is replaced by a random one, an attention-sink variant's parameters kee
 of another patch size is resampled (FlexiViT's resize), and the position table and Swin's relative position bias
 tables are resampled to the model's grid and windows, each with no more than a line of timm's log. A local file is
 checked for the same by models/pretrained.py; here the hub weights are, from timm's record of them (their
-pretrained_cfg) and the hub model's shapes (a build on the meta device), so that a refusal comes before the download:
+pretrained_cfg) and the hub model's shapes (a build on the meta device), so that a refusal comes before the download,
+and what fine-tuning changed of them is logged with a local file's words:
 
+    check_hub_variant(cfg.name)                   # before anything: a small variant has no hub weights
     check_pretrained_tag(cfg.name, arch)          # for every model name (an unknown tag is no model timm builds)
     check_hub_weights_fit(cfg, arch, kwargs)      # under model.pretrained_strict (and for every evaluation)
-    record, line = hub_table_resize(model, arch)  # once timm has loaded them
+    record, lines = hub_resampled(model, arch)    # once timm has loaded them: patch embedding, tables
+    line = hub_new_sinks(model, arch)             # once the attention-sink variant has taken them over
     hub_load_failure(arch, kwargs, error)         # the error line when timm's fetching or loading failed
 """
 from __future__ import annotations
@@ -23,9 +26,24 @@ import torch.nn as nn
 from configs.schema import ModelConfig
 
 from .pretrained import NEW_CLASSIFIER, ModelError, check_patch_size, conversion_failed, relative_table_resize
+from .sink_weights import is_sink_key
+from .variants import VARIANTS
 
 # attention-sink variants with parameters of their own, which no hub weights hold (models/attention_sinks.py)
 SINK_VARIANTS = ("attn_bias", "kv_bias")
+
+
+def check_hub_variant(name: str) -> None:
+    """Refuse model.pretrained=hub for model.name=`name` when it is one of models/variants.py's small variants: timm
+    would fetch the weights of the variant's timm architecture (vit_nano's vit_tiny_patch16_224), of other widths and
+    depths, and fail on their shapes deep inside its loading, or fail to fetch them offline, as if a cached copy or
+    internet were what was missing."""
+    if name in VARIANTS:
+        arch = VARIANTS[name]["arch"]
+        raise ModelError(f"model.pretrained=hub: model.name={name} is one of models/variants.py's small variants, "
+                         f"which have no hub weights (timm's are {arch}'s, of other sizes); give a local file of "
+                         f"its weights, model.pretrained=PATH, or a timm model name (e.g. model.name={arch}) for "
+                         f"timm's hub weights")
 
 
 def check_pretrained_tag(name: str, arch: str) -> None:
@@ -86,20 +104,32 @@ def _meta_model(arch: str, kwargs: dict | None = None) -> nn.Module | None:
             return None
 
 
-def hub_table_resize(model: nn.Module, arch: str) -> tuple[dict, str]:
-    """The tables timm resampled when it loaded the hub weights of `arch` into `model`: the record an evaluation
-    keeps beside its result ({'pos_embed_resampled': '14x14->2x2'}, {'relative_position_bias_resampled': '7x7->4x4'})
-    and the line to log, as for a local file (models/pretrained.py); {} and '' for none."""
+def hub_resampled(model: nn.Module, arch: str) -> tuple[dict, list[str]]:
+    """What timm resampled when it loaded the hub weights of `arch` into `model`, as a local file's loading names it
+    (models/pretrained.py): the record an evaluation keeps beside its result ({'pos_embed_resampled': '14x14->2x2'},
+    {'relative_position_bias_resampled': '7x7->4x4'}; a patch embedding's resize is logged, not recorded, as a local
+    file's is) and the lines to log, one per change; {} and [] for none."""
     weights = _meta_model(arch)
     if weights is None:
-        return {}, ""
+        return {}, []
     source = f"model.pretrained=hub ({arch})"
+    theirs, ours = weights.state_dict(), model.state_dict()
     # Swin's relative position bias tables of another window size (model.kwargs.window_size), or windows timm shrank
     # to a smaller img_size's feature maps: a local file's record and line, from the hub model's table shapes
-    tables = [_position_table_resize(model, weights, arch),
-              relative_table_resize(weights.state_dict(), model.state_dict(), model, source)]
-    return ({key: change for record, _ in tables for key, change in record.items()},
-            "; ".join(line for _, line in tables if line))
+    tables = [_position_table_resize(model, weights, arch), relative_table_resize(theirs, ours, model, source)]
+    # a patch embedding of another patch size (model.kwargs.patch_size): timm resampled it (FlexiViT's resize), which
+    # fine-tuning may ask for; strict loading refused it before the download (check_hub_weights_fit)
+    lines = [check_patch_size(theirs, ours, source, strict=False), *(line for _, line in tables)]
+    return {key: change for record, _ in tables for key, change in record.items()}, [line for line in lines if line]
+
+
+def hub_new_sinks(model: nn.Module, arch: str) -> str:
+    """The line to log for the attention-sink parameters of `model` (its model.attn variant, after
+    models/attention_sinks.py took timm's attentions over), which no hub weights hold: they keep their zero init, as a
+    local file's loading says of those not in the file; '' for a variant without any."""
+    sinks = [name for name, _ in model.named_parameters() if is_sink_key(name)]
+    return (f"model.pretrained=hub ({arch}): {len(sinks)} attention-sink parameters not in the weights keep their "
+            f"zero init" if sinks else "")
 
 
 def _position_table_resize(model: nn.Module, weights: nn.Module, arch: str) -> tuple[dict, str]:

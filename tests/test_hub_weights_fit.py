@@ -3,14 +3,19 @@
 of an unknown tag refused in one line, and hub weights that do not fit the model's token layout named as such, not
 as a failure to fetch them. The hub is a Hugging Face cache made here (offline: nothing is fetched)."""
 import logging
+import re
 
 import pytest
 import timm
+import torch
+from safetensors.torch import load_file
+from timm.layers import resample_patch_embed
 
 from conftest import run_entry
 from hub_cache import make_hub_cache, serve_hub_cache
 from configs import load_config
 from models import ModelError, build_model
+from models.variants import VARIANTS
 
 VIT = "vit_tiny_patch16_224.augreg_in21k_ft_in1k"  # 1000 classes at 224 pixels, patches of 16
 SWIN = "swin_tiny_patch4_window7_224.ms_in1k"  # windows of 7
@@ -94,3 +99,65 @@ def test_an_unknown_pretrained_tag_is_one_error_line_with_the_known_tags(tmp_pat
     assert last.startswith("error: model.name=vit_tiny_patch16_224.nosuchtag: ") and "'nosuchtag'" in last, last
     known = [name.partition(".")[2] for name in timm.list_pretrained("vit_tiny_patch16_224.*")]
     assert known and all(tag in last for tag in known), (known, last)
+
+
+def loaded_lines(caplog, cfg, *words):
+    """build_model(`cfg`) and its log lines holding every one of `words`."""
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        model = build_model(cfg)
+    return model, [r.getMessage() for r in caplog.records if all(w in r.getMessage() for w in words)]
+
+
+def test_fine_tuned_hub_weights_of_another_patch_size_are_logged_and_recorded_as_a_local_files(files, caplog):
+    said = {}
+    for source in ("hub", files[VIT]):
+        # 112 / 8 = 224 / 16: the position table's grid stays, the patch embedding alone is resampled
+        model, lines = loaded_lines(caplog, model_cfg(VIT, f"model.pretrained={source}", "model.img_size=112",
+                                                      "model.num_classes=10", "model.kwargs.patch_size=8"),
+                                    "patch size")
+        assert len(lines) == 1, caplog.text
+        said[source] = (model.pretrained_resampled, lines[0].partition(": ")[2])
+        # the weights are the hub's resized as timm's FlexiViT resize does (an independent reference)
+        stored = load_file(files[VIT])["patch_embed.proj.weight"]
+        assert torch.allclose(model.state_dict()["patch_embed.proj.weight"], resample_patch_embed(stored, [8, 8]),
+                              atol=1e-6)
+    assert said["hub"] == said[files[VIT]] == ({}, "patch size (16, 16) resampled to the model's (8, 8) (timm's "
+                                                   "patch-embedding resize)"), said
+
+
+def test_fine_tuned_hub_weights_name_the_sink_parameters_left_at_zero_as_a_local_file_does(files, caplog):
+    counts = {}
+    for source in ("hub", files[VIT]):
+        model, lines = loaded_lines(caplog, model_cfg(VIT, f"model.pretrained={source}", "model.num_classes=10",
+                                                      "model.attn=kv_bias"), "attention-sink parameters not in the")
+        assert len(lines) == 1, caplog.text
+        counts[source] = int(re.search(r"(\d+) attention-sink parameters not in the \w+ keep their zero init",
+                                       lines[0])[1])
+    # kv_bias adds a key and a value slot (sink_k, sink_v) to each of the 12 blocks' attentions
+    assert counts["hub"] == counts[files[VIT]] == 12 * 2, counts
+    assert all(not torch.any(p) for n, p in model.named_parameters() if ".sink_" in n)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_hub_weights_for_a_small_variant_are_refused_before_any_lookup(variant, monkeypatch):
+    def looked_up(*args, **kwargs):
+        raise AssertionError("the hub weights were looked up")
+    monkeypatch.setattr(timm, "create_model", looked_up)
+    monkeypatch.setattr(timm.models, "get_pretrained_cfg", looked_up)
+    with pytest.raises(ModelError) as refused:
+        build_model(model_cfg(variant, "model.pretrained=hub", "model.pretrained_strict=true"))
+    said = str(refused.value)
+    assert said.startswith(f"model.pretrained=hub: model.name={variant} is one of models/variants.py's small "
+                           f"variants, which have no hub weights"), said
+    assert "model.pretrained=PATH" in said and "a timm model name" in said, said
+
+
+def test_train_py_refuses_hub_weights_for_a_small_variant_in_one_error_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code, _, err = run_entry("train.py", ["model.name=vit_nano", "model.pretrained=hub", "data.dataset=digits",
+                                          f"out_dir={tmp_path / 'run'}"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and not any("Traceback" in line for line in lines), err
+    assert lines[-1].startswith("error: model.pretrained=hub: model.name=vit_nano is one of models/variants.py"), err
