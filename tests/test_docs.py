@@ -605,3 +605,100 @@ def test_the_committed_lm_study_report_has_the_marks_notes_and_captions_lm_study
                 for line in text.split("\n\nTraining settings of each point")[0].splitlines()]
 
     assert skeleton(committed) == skeleton(written)
+
+
+def test_the_extending_guide_names_the_method_cd_reads_for_the_input_of_a_model_of_ones_own():
+    """A model class of one's own trained by train.py gets CD only if CD can tell its input (train.py passes no
+    example_input= and no verify=False): docs/extending.md's construction step names the method that does it, and
+    a model without timm's or torchvision's size attributes that defines it (returning a meta batch) gets its pairs
+    checked, where the same model without it is refused."""
+    import torch
+    import torch.nn as nn
+    from timm.models.vision_transformer import Block
+
+    from cd import UnsupportedModelError, find_pairs
+
+    with open(os.path.join(ROOT, "docs", "extending.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("## A model family or a block layout"):]
+    construction = section[:section.index("\n2. ")]
+    methods = re.findall(r"`(\w+)\(\)` method", construction)
+    assert methods, "docs/extending.md's construction step names no method of the model for CD's input"
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(16, 32)
+            self.blocks = nn.Sequential(Block(32, 4), Block(32, 4))
+            self.head = nn.Linear(32, 10)
+
+        def forward(self, x):
+            return self.head(self.blocks(self.embed(x)).mean(1))
+
+    with pytest.raises(UnsupportedModelError, match="cannot tell the input size"):
+        find_pairs(Net())
+    for name in methods:
+        model = type("Documented", (Net,), {name: lambda self: torch.zeros(1, 8, 16, device="meta")})()
+        assert find_pairs(model), name
+
+
+def measurement_table(heading: str) -> list[list[str]]:
+    """The cells of the rows of docs/measurements.md's table under `## heading` (date, commit, hardware, command,
+    figure), in the file's order (newest on top)."""
+    with open(os.path.join(ROOT, "docs", "measurements.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index(f"## {heading}\n"):].split("\n## ")[0]
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in section.splitlines()
+            if line.startswith("| 20") or line.startswith("| undated")]
+
+
+def test_the_readme_quotes_the_latest_demo_timing_of_each_cpu_kind():
+    """The README's demo timings are, for each CPU kind of docs/measurements.md's demo rows, the newest row that
+    timed the README's first command, with that row's figure."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    timed = re.compile(r"(\d+ min \d+ s) with the install")
+    latest = {}
+    for row in measurement_table("Demo and test suite"):
+        kind = re.search(r"(AMD EPYC|Intel Xeon)", row[2])
+        if kind and timed.search(row[4]) and "README first command" in row[4]:
+            latest.setdefault(kind.group(1), (row[1], timed.search(row[4]).group(1)))
+    assert set(latest) == {"AMD EPYC", "Intel Xeon"}, latest
+    quoted = dict((kind, (commit, took)) for took, kind, commit in
+                  re.findall(r"took (\d+ min \d+ s) on a 2-core (AMD EPYC|Intel Xeon) VM at ([0-9a-f]{7})", readme)
+                  + re.findall(r"and (\d+ min \d+ s) on a 2-core (AMD EPYC|Intel Xeon) VM at ([0-9a-f]{7})", readme))
+    assert quoted == latest
+
+
+def test_the_digits_quantization_table_has_the_figures_of_the_rows_it_names():
+    """quant/README.md's digits table: percentile, repq and gplq (defaults) are the 673a7f7 row's figures at that
+    commit (the current quantile code), aphq and gplq at lr 1e-4 the 0ac52a9 row's."""
+    rows = {row[1].split()[0]: row for row in measurement_table("Quantization")}
+    current = {model: [float(v) for v in figures.split(" / ")] for model, figures in
+               re.findall(r"(ViT|Swin) (\d+\.\d+ / \d+\.\d+ / \d+\.\d+) \(", rows["673a7f7"][4])}
+    numpy = {model: [float(v) for v in figures.split(" / ")] for model, figures in
+             re.findall(r"(ViT|Swin) ((?:\d+\.\d+ / ){4}\d+\.\d+)", rows["0ac52a9"][4])}
+    with open(os.path.join(ROOT, "quant", "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("## Measured on digits (CPU), W4A4"):].split("\n## ")[0]
+    table = {line.split("|")[1].strip().split("_")[0]: [float(c.split()[0]) for c in line.split("|")[2:-1]]
+             for line in section.splitlines() if line.startswith("| vit_micro") or line.startswith("| swin_micro")}
+    for model, key in (("vit", "ViT"), ("swin", "Swin")):
+        percentile, repq, aphq, gplq, gplq_lr = table[model]
+        assert [percentile, repq, gplq] == current[key], (model, table[model], current[key])
+        assert [aphq, gplq_lr] == [numpy[key][2], numpy[key][4]], (model, table[model], numpy[key])
+
+
+HISTORY = re.compile(r"since commit|before commit|those commits|earlier session|this task|no GPU was lent"
+                     r"|\bsince [0-9a-f]{7}\b", re.I)
+
+
+@pytest.mark.parametrize("path", MARKDOWN)
+def test_the_prose_describes_the_software_not_how_it_was_developed(path):
+    """The documents say what the code does and which code a figure was computed with (a measurements row's
+    commit); a sentence about the order of development ("since commit X it does Y", "those commits") is not
+    kept in the prose. Table rows (a row records its commit) are not read."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        lines = [line for line in FENCE.sub("", f.read()).splitlines() if not line.startswith("|")]
+    found = [line for line in lines if HISTORY.search(line)]
+    assert not found, found
