@@ -324,7 +324,8 @@ class ColinearityDecay:
             update, so that a model moved to a GPU after CD is built takes it (the integrations refuse it when
             they bind the framework's optimizers, the model on its device by then).
         norms_every: compute the update norms (`metrics`) on every n-th update only; they cost a
-            materialised delta per pair, so the trainer passes its log interval.
+            materialised delta per pair (and one more product per functional pair), so the trainer passes its
+            log interval. The weights are the same (bitwise) whatever it is.
         example_input: a tensor of the model's input shape (a tuple of positional inputs, a dict of keyword
             inputs) for checking the pairs against a forward pass (see `find_pairs`); timm models need none.
         verify: check the pairs against that forward pass (`find_pairs`); False trusts the structure alone,

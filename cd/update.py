@@ -303,7 +303,8 @@ def colinearity_decay_(
         plan: a cached `build_plan(pairs, upstream)`; built here if None.
         precision: of the two products of a functional pair: 'fp32' (exact), 'tf32' (CUDA tensor cores)
             or 'bf16' (see `_products_in`; the error of each against float64 is in cd/README.md).
-        norms: also return the update norms (costs a materialised delta per pair: call on log steps).
+        norms: also return the update norms (costs a materialised delta per pair, and one more product for a
+            pair updated in place: call on log steps); the weights are the same (bitwise) with or without.
 
     Returns:
         with `norms`, dict role -> 0-dim fp32 tensor: Frobenius norm of the role's whole update (root of
@@ -331,11 +332,16 @@ def colinearity_decay_(
     sq_norms: dict[str, Tensor] = {}
     pending: list[tuple[Tensor, Tensor]] = []  # (target, delta) of deferred groups, added at the end
 
-    def add(key: str, target: Tensor, delta: Tensor, deferred: bool) -> None:
-        """target += delta (a materialised delta: deferred groups and log steps)."""
+    def record(key: str, delta: Tensor) -> None:
+        """Add delta's squared norm to key's (with `norms`)."""
         if norms:
             sq = delta.square().sum()
             sq_norms[key] = sq_norms[key] + sq if key in sq_norms else sq
+
+    def add(key: str, target: Tensor, delta: Tensor, deferred: bool) -> None:
+        """target += delta (a materialised delta: deferred groups, bf16 products, target C's upstream), its norm
+        recorded."""
+        record(key, delta)
         if deferred:
             pending.append((target, delta))
         else:
@@ -349,34 +355,39 @@ def colinearity_decay_(
                 continue
             role = pairs[group[0]].role
             if pairs[group[0]].diagonal:
-                _composable(pairs, idx2, step_sizes, gate, role, deferred, norms, add)
+                _composable(pairs, idx2, step_sizes, gate, role, deferred, norms, add, record)
             else:
                 _functional(pairs, idx2, idx1, step_sizes, up_steps, gate, role, deferred, norms, precision,
-                            add)
+                            add, record)
 
     for target, delta in pending:
         _add_into(target, delta)
     return {k: v.sqrt() for k, v in sq_norms.items()}
 
 
-def _composable(pairs, idx, steps, gate, role, deferred, norms, add) -> None:
-    """W2 <- W2 - s W2 diag(g^2 / mean(g^2)): a per-column scaling, one read and write of W2 per pair."""
+def _composable(pairs, idx, steps, gate, role, deferred, norms, add, record) -> None:
+    """W2 <- W2 - s W2 diag(g^2 / mean(g^2)): a per-column scaling, one read and write of W2 per pair. With
+    `norms` the delta is made for its norm alone, the update committed as without: the same weights either way."""
     g = torch.stack([pairs[i].w1().detach().to(compute_dtype(pairs[i].w1())) for i in idx])  # (n, m)
     scale = _normalized_scale_sq(g).squeeze(1)  # (n, m)
     alphas = _fold_steps([steps[i] for i in idx], gate, scale)
     for k, i in enumerate(idx):
         target = pairs[i].w2()
-        if norms or deferred:
+        if deferred:
             add(role, target, _working(target) * scale[k] * alphas[k], deferred)
         else:
+            if norms:
+                record(role, _working(target) * scale[k] * alphas[k])
             work = _working(target)
             _commit(target, work.addcmul_(work, scale[k], value=alphas[k]))  # exact alias: elementwise
 
 
-def _functional(pairs, idx2, idx1, steps, up_steps, gate, role, deferred, norms, precision, add) -> None:
+def _functional(pairs, idx2, idx1, steps, up_steps, gate, role, deferred, norms, precision, add, record) -> None:
     """W2 <- W2 - s c^2 (W2 W1) W1^T per pair, with c^2 = r / ||W1||_F^2 folded into the small product
     P = W2 W1 (o x i), so that W1 is never normalised into a copy; the second product is accumulated into
-    W2 in place (`addmm_`, alpha = -s), which is the products plus one read and one write of W2."""
+    W2 in place (`addmm_`, alpha = -s), which is the products plus one read and one write of W2. With `norms`
+    the delta is made for its norm alone (one more product) and the update still committed by `addmm_`: a
+    separate delta added rounds differently, and the weights would depend on `norms_every`, a metric setting."""
     idx = sorted(set(idx2) | set(idx1))
     w1s = [_working(pairs[i].w1().detach()) for i in idx]
     r = w1s[0].shape[0]
@@ -395,10 +406,12 @@ def _functional(pairs, idx2, idx1, steps, up_steps, gate, role, deferred, norms,
             d1 = _product(work2.t(), p, precision).mul_(f1[k].to(p.dtype)).to(work2.dtype).mul_(alphas1[k])
         if i in idx2:
             p.mul_(f2[k].to(p.dtype))
-            if norms or deferred or precision == "bf16":
+            if deferred or precision == "bf16":
                 delta = _product(p, w1.t(), precision).to(work2.dtype).mul_(alphas2[k])
                 add(role, target2, delta, deferred)
             else:
+                if norms:  # freed before the addmm_: the peak is that of the delta, as when it was added
+                    record(role, _product(p, w1.t(), precision).mul_(alphas2[k]))
                 _commit(target2, work2.addmm_(p, w1.t(), alpha=alphas2[k]))
         if i in idx1:
             add(f"{role}_upstream", pairs[i].w1(), d1, deferred)

@@ -227,6 +227,23 @@ def test_update_norms_are_optional_and_do_not_change_the_update(targets):
         assert "fc2_upstream" in results[1] and "qkv" not in results[1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("targets", ["A+B", "C"])
+def test_weights_are_bitwise_the_same_whatever_norms_every(targets, dtype):
+    """norms_every only says when `metrics()` gets the update norms: the weights after several updates with the
+    norms on every update are those without them (norms_every past the run) to the bit, in fp32, where a delta
+    made and then added rounds otherwise than the fused in-place update, and in bf16 storage (updated in fp32)."""
+    runs = []
+    for norms_every in (1, 10 ** 9):
+        model = tiny_vit(seed=3).to(dtype)
+        decay = ColinearityDecay(model, lam=0.5, targets=targets, norms_every=norms_every)
+        for step in range(4):
+            decay.apply(lr=[0.02, 0.05, 0.01, 0.04][step])
+        assert ("cd/update_norm/fc2" in decay.metrics()) == (norms_every == 1)
+        runs.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    assert [n for n in runs[0] if not torch.equal(runs[0][n], runs[1][n])] == []
+
+
 def test_gate_and_tensor_steps_stay_on_the_device_and_match_float_steps():
     """A 0-dim tensor step (capturable optimizers) and the fused-optimizer gate fold into the update on
     the device; gate 0 leaves every weight bit-identical."""
