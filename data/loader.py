@@ -84,14 +84,14 @@ def split_location(cfg: DataConfig, split: str) -> Optional[str]:
 
 
 def _check_other_split(cfg: DataConfig, split: str, classes: list) -> None:
-    """The other split of a folder data set, if there is one, must have the classes `classes` of `split`."""
+    """The other split of a folder data set, if there is one (a folder or a .tar), must have the classes `classes`
+    of `split`."""
     try:
         path = find_split(cfg.root, cfg.val_split if split == "train" else cfg.train_split)
     except DataError:
         return  # e.g. a val folder evaluated alone
-    if os.path.isdir(path):
-        other = class_folders(path)
-        check_same_classes(*((classes, other) if split == "train" else (other, classes)), cfg.root)
+    other = class_folders(path)  # a .tar's too: else each split's count is advised in turn, neither fitting both
+    check_same_classes(*((classes, other) if split == "train" else (other, classes)), cfg.root)
 
 
 def build_mixup(cfg: DataConfig, num_classes: int) -> Optional[Mixup]:

@@ -3,8 +3,10 @@ fingerprints of values only, and files that survive concurrent writers, user fil
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 
 import numpy as np
 import pytest
@@ -105,8 +107,16 @@ def test_harmless_extras_are_accepted(tmp_path):
     assert loaders(tmp_path).classes == ["a", "b"]
 
 
-def test_the_num_classes_advice_is_the_same_from_either_split(tmp_path):
+@pytest.mark.parametrize("tars", [(), ("train", "val"), ("val",)])
+def test_the_num_classes_advice_is_the_same_from_either_split(tmp_path, tars):
+    """A folder or a .tar per split (`tars`, packed as `tar cf val.tar -C val .` would): with .tar splits each
+    split's class count was advised in turn (train 2, val 3), neither fitting both."""
     make_folder(tmp_path, two_classes("train") + two_classes("val") + ["val/c/0.png"])
+    for split in tars:
+        with tarfile.open(tmp_path / f"{split}.tar", "w") as tar:
+            for name in sorted(os.listdir(tmp_path / split)):
+                tar.add(tmp_path / split / name, arcname=name)
+        shutil.rmtree(tmp_path / split)
     for num_classes in (2, 3):  # the train split (2 classes) or the val split (3) disagrees first
         with pytest.raises(DataError, match=r"different class folders \(val has classes train lacks: "
                                             r"\['c'\]"):
