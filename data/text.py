@@ -229,9 +229,9 @@ def other_layout_error(ids: np.ndarray, path: str, vocab_size: int, largest: int
     """The refusal of a token file (uint16 `ids`, LAYOUT_JUDGE_IDS or more) whose ids (up to `largest`) do not
     fit `vocab_size` but would if the file were of another layout, or None: big-endian uint16 ids (every value
     byte-swapped fits), or uint8 ids (every byte fits a vocabulary of at most 256 ids; of a larger one every byte
-    fits whatever the file). Read as little-endian uint16 they are ids up to 65535 (big-endian) or pairs of bytes (uint8), so that
-    model.num_classes widened to fit would train on the wrong numbers. Big-endian is judged first: the bytes of
-    big-endian ids below 256 fit as uint8 too, but every other one is 0."""
+    fits whatever the file). Read as little-endian uint16 they are ids up to 65535 (big-endian) or pairs of bytes
+    (uint8), so that model.num_classes widened to fit would train on the wrong numbers. Big-endian is judged
+    first: the bytes of big-endian ids below 256 fit as uint8 too, but every other one is 0."""
     if ids.dtype != np.uint16 or len(ids) < LAYOUT_JUDGE_IDS:
         return None
     chunk = 1 << 26
