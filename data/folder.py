@@ -187,7 +187,8 @@ def unreadable_replacer(dataset: ImageDataset):
     marked unreadable (`unreadable_target`) is replaced by a readable sample of the same batch (taken in
     turn), as timm replaces one by the next file, but named (absolute paths) for the caller to log and
     count. A batch without a single readable image is a DataError: that is a lost mount or a folder
-    without read permission, not a bad file."""
+    without read permission, not a bad file, unless it holds a few files several times (repeated augmentation),
+    which the error names once each, as bad files to remove or repair."""
     def replace(images, targets):
         bad = targets < 0
         if not bad.any():
@@ -195,8 +196,15 @@ def unreadable_replacer(dataset: ImageDataset):
         names = [dataset.filename(-1 - int(t), absolute=True) for t in targets[bad]]
         good, replaced = (~bad).nonzero().flatten(), bad.nonzero().flatten()
         if len(good) == 0:
-            raise DataError(f"none of the {len(targets)} images of a training batch could be read (e.g. "
-                            f"{', '.join(names[:3])}): check that the files are there and readable")
+            distinct = list(dict.fromkeys(names))  # repeated augmentation puts an image's repeats side by side
+            shown = ", ".join(distinct[:3]) + (", ..." if len(distinct) > 3 else "")
+            if len(distinct) < len(names):  # a few bad files read again and again, not a lost mount
+                raise DataError(f"none of the {len(names)} images of a training batch could be read: they are "
+                                f"{len(distinct)} distinct file(s), read {len(names)} times in all by repeated "
+                                f"augmentation (data.repeated_aug): {shown}; remove or repair "
+                                f"{'it' if len(distinct) == 1 else 'them'}")
+            raise DataError(f"none of the {len(names)} images of a training batch could be read (e.g. {shown}): "
+                            "check that the files are there and readable")
         source = good[torch.arange(len(replaced), device=good.device) % len(good)]
         images, targets = images.clone(), targets.clone()
         images[replaced], targets[replaced] = images[source], targets[source]

@@ -235,6 +235,30 @@ def test_unreadable_samples_of_a_batch_are_replaced_by_the_readable_ones_in_turn
     assert images.flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]  # the caller's batch is left as it was
 
 
+@pytest.mark.parametrize("indices", [[0, 0, 0], [3, 3, 5, 5], [0, 1, 2, 3]])
+def test_a_training_batch_without_a_readable_image_names_each_file_once(indices):
+    """Repeated augmentation puts an image's repeats side by side: a batch of one bad file read 3 times named it 3
+    times and blamed the mount. Each distinct file is named once, their number said, and a batch of few files
+    repeated is advised as bad files; a batch of as many files as images keeps the mount advice."""
+    from data.folder import unreadable_replacer, unreadable_target
+
+    class Files:
+        def filename(self, index, absolute=False):
+            return f"/d/{index}.png"
+
+    targets = torch.tensor([unreadable_target(i) for i in indices])
+    with pytest.raises(DataError, match=rf"^none of the {len(indices)} images of a training batch") as refused:
+        unreadable_replacer(Files())(torch.zeros(len(indices), 1), targets)
+    message = str(refused.value)
+    distinct = sorted(set(indices))
+    assert all(message.count(f"/d/{i}.png") == 1 for i in distinct[:3]), message
+    if len(distinct) < len(indices):
+        assert f"they are {len(distinct)} distinct file(s)" in message and "remove or repair" in message
+        assert "check that the files are there" not in message
+    else:
+        assert message.endswith("check that the files are there and readable")
+
+
 def test_splits_of_the_same_classes_in_another_order_are_refused():
     from data.folder import check_same_classes
 
