@@ -83,6 +83,7 @@ from engine.console import console_print
 from engine.runinfo import exit_with_error, log_environment, setup_logging
 from models import ModelError, build_model, input_size, model_label
 from models.factory import check_recorded_architecture
+from models.hub import hub_data_mismatch
 from models.modules import nonfinite_tensors
 from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
@@ -127,6 +128,8 @@ def main(args: argparse.Namespace) -> dict:
             model.to(device).eval()
         # which weights of which file: raw and EMA weights, best.pt and checkpoint.pt give lines and rows alike
         log.info("scoring %s", scored_weights(args, cfg))
+        if not payload and (line := hub_data_mismatch(cfg)):  # hub weights scored on other inputs
+            log.warning(line)
         if dist.distributed:  # each rank read the weights from its own node's copy of the file
             check_same_weights_on_every_rank(model, args.checkpoint or cfg.model.pretrained, device, dist.rank)
         task = task_for(cfg.data.dataset)

@@ -76,6 +76,7 @@ from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from engine.training_checks import check_schedule_on_resume, check_training_settings
 from models import ModelError, build_model, describe, input_size, model_label
 from models.factory import MODEL_DROP_SITES, check_recorded_architecture, own_img_size, without_dropout_rates
+from models.hub import hub_data_mismatch
 from models.kwargs_change import check_kwargs_kept
 from models.gpt import GPT_SIZES
 from quant.plan import (RECORDED_FOR_EVALUATION, check_model_converts, check_quant_plan, evaluation_pipelines,
@@ -356,6 +357,8 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
     if cfg.log.act_max:  # measured at every validation: refused now, not by the first one after the training
         check_has_blocks(model, cfg.model.name, "set log.act_max=false to train it without the activation maxima")
     log.info("model %s: %s", model_label(cfg.model), describe(model))
+    if not resumed and (line := hub_data_mismatch(cfg)):  # hub weights fed other inputs: said once
+        log.warning(line)
     with failure_on_every_rank(device, "reading the data under data.root"):
         loaders = build_data(cfg, model, dist, task)
     check_same_data_on_every_rank(cfg.data, loaders.fingerprint, device, dist.rank)  # a node's copy may differ

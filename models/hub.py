@@ -14,15 +14,20 @@ and what fine-tuning changed of them is logged with a local file's words:
     record, lines = hub_resampled(model, arch)    # once timm has loaded them: patch embedding, tables
     line = hub_new_sinks(model, arch)             # once the attention-sink variant has taken them over
     hub_load_failure(arch, kwargs, error)         # the error line when timm's fetching or loading failed
+    line = hub_data_mismatch(cfg)                 # train.py / evaluate.py: other preprocessing than the weights'
 """
 from __future__ import annotations
 
+import json
+import math
 import traceback
 
 import timm
 import torch
 import torch.nn as nn
 
+from configs import Config
+from configs.loader import unread_by_rules
 from configs.schema import ModelConfig
 
 from .pretrained import NEW_CLASSIFIER, ModelError, check_patch_size, conversion_failed, relative_table_resize
@@ -181,3 +186,55 @@ def _fetch_error(error: Exception) -> bool:
     modules = [frame.f_globals.get("__name__", "") for frame, _ in traceback.walk_tb(error.__traceback__)]
     return (any(name == m or name.startswith(m + ".") for name in modules for m in FETCH_MODULES)
             or modules[-1:] == ["timm.models._builder"])
+
+
+# the data keys of the input pipeline that timm records for hub weights (their pretrained_cfg), as timm's
+# resolve_data_config reads them: the normalization, eval crop and resize the weights were trained and scored with
+HUB_DATA_KEYS = ("mean", "std", "crop_pct", "interpolation")
+
+
+def hub_data_mismatch(cfg: Config) -> str:
+    """The line to log where model.pretrained=hub weights (model.name's, timm's default tag for an untagged name) get
+    another input pipeline than timm records for them (their pretrained_cfg, read offline: no download): each of
+    HUB_DATA_KEYS that `cfg`'s data set reads (synthetic images and token windows get no transform) and sets
+    otherwise, with both values and the overrides that match the weights; '' where all match (or for no hub weights).
+    Not refused: fine-tuning with other values is a recipe's choice (DeiT's is), but a model fed other inputs than it
+    learnt from starts off worse, and the config alone does not show it."""
+    model, data = cfg.model, cfg.data
+    if model.pretrained != "hub" or model.name in VARIANTS or not timm.is_model(model.name.partition(".")[0]):
+        return ""
+    try:
+        hub = timm.models.get_pretrained_cfg(model.name)
+    except RuntimeError:  # an unknown tag: refused where the model is built (check_pretrained_tag)
+        return ""
+    if hub is None:
+        return ""
+    unread = {key for key, *_ in unread_by_rules(cfg, [f"data.{key}" for key in HUB_DATA_KEYS])}
+    differ = [(key, getattr(data, key), getattr(hub, key)) for key in HUB_DATA_KEYS
+              if f"data.{key}" not in unread and getattr(hub, key, None) is not None
+              and not _same(getattr(data, key), getattr(hub, key))]
+    if not differ:
+        return ""
+    given = "; ".join(f"data.{key}={_shown(ours)} (the weights': {_shown(theirs)})" for key, ours, theirs in differ)
+    fix = " ".join(f"data.{key}={_override(theirs)}" for key, _, theirs in differ)
+    return (f"model.pretrained=hub ({model.name}): the data are prepared otherwise than these weights were trained "
+            f"and scored with (timm's pretrained_cfg of {hub.architecture}.{hub.tag}): {given}; to match them, set "
+            f"{fix} (other values are a recipe's choice, e.g. DeiT's, not a fault)")
+
+
+def _same(ours, theirs) -> bool:
+    """Whether a data setting (a number, a string or a per-channel tuple) equals the weights' own."""
+    if isinstance(theirs, str) or isinstance(ours, str):
+        return ours == theirs
+    ours, theirs = (tuple(v) if isinstance(v, (tuple, list)) else (v,) for v in (ours, theirs))
+    return len(ours) == len(theirs) and all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(ours, theirs))
+
+
+def _shown(value) -> str:
+    """A data setting as the log shows it: [0.485, 0.456, 0.406], 0.875, bicubic."""
+    return json.dumps(list(value)) if isinstance(value, (tuple, list)) else str(value)
+
+
+def _override(value) -> str:
+    """A data setting as a command-line override takes it, without spaces: [0.5,0.5,0.5], 0.9, bicubic."""
+    return json.dumps(list(value), separators=(",", ":")) if isinstance(value, (tuple, list)) else str(value)
