@@ -59,11 +59,13 @@ def finite(value: float) -> bool:
 @dataclass(frozen=True)
 class Numbers:
     """A list of `length` finite numbers, each in `each`, in increasing order when `ordered` (a (min, max)
-    range such as RandomResizedCrop's scale)."""
+    range such as RandomResizedCrop's scale); `why` says what the range stands for, where a value outside it is a
+    known mistake (data.mean on the 0..255 scale)."""
 
     length: int
     each: Optional[Range] = None
     ordered: bool = False
+    why: str = ""
 
     def violation(self, value: Any) -> Optional[str]:
         numbers = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool) and finite(v)]
@@ -74,7 +76,8 @@ class Numbers:
 
     def describe(self) -> str:
         text = f"{self.length} finite numbers" + (f", each {self.each.describe()}" if self.each else "")
-        return text + (", the smaller first (min, max)" if self.ordered else "")
+        text += ", the smaller first (min, max)" if self.ordered else ""
+        return text + (f" ({self.why})" if self.why else "")
 
 
 # A locale without UTF-8 (LC_ALL=C with PYTHONUTF8=0, a Latin-1 one) gives Python a file-system encoding in which
@@ -112,6 +115,12 @@ class UserPath:
 
 
 Positive = Range(0, low_open=True)
+# data.mean / data.std normalize the input tensors, whose pixels timm's ToTensor puts on the 0..1 scale: values on
+# the 0..255 scale (MMDetection's and Caffe's mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375]) would
+# train on near-constant inputs. A mean outside [0, 1] or a std above 1 is no normalization of such pixels
+UNIT_SCALE = "the model's input tensors are on the 0..1 scale: divide values on the 0..255 scale by 255"
+PixelMean = Numbers(3, Range(0, 1), why=UNIT_SCALE)
+PixelStd = Numbers(3, Range(0, 1, low_open=True), why=UNIT_SCALE)
 NonNegative = Range(0)
 AtLeastOne = Range(1)
 Probability = Range(0, 1)  # also fractions in [0, 1]

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Optional
 
-from .constraints import (AtLeastOne, BelowOne, NonNegative, Numbers, Positive, Probability, Range, Seed, UserPath,
-                          WaitHours)
+from .constraints import (AtLeastOne, BelowOne, NonNegative, Numbers, PixelMean, PixelStd, Positive, Probability, Range,
+                          Seed, UserPath, WaitHours)
 from .quant import (APHQOptions, GPLQOptions, GPTQOptions, PercentileOptions, RepQOptions, RTNOptions,
                     SmoothQuantOptions, SmoothQuantStrictOptions)
 
@@ -62,8 +62,8 @@ class DataConfig:
     val_windows: Annotated[int, NonNegative] = 0
     kjv_val_fraction: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.1  # tail of the text
     # input pipeline (model-independent so that a recipe is explicit; DeiT values)
-    mean: Annotated[tuple, Numbers(3)] = (0.485, 0.456, 0.406)  # per-channel normalization mean (RGB)
-    std: Annotated[tuple, Numbers(3, Positive)] = (0.229, 0.224, 0.225)  # per-channel normalization std
+    mean: Annotated[tuple, PixelMean] = (0.485, 0.456, 0.406)  # per-channel normalization mean (RGB)
+    std: Annotated[tuple, PixelStd] = (0.229, 0.224, 0.225)  # per-channel normalization std
     # resize interpolation (train and eval; timm's PIL modes). box, hamming and lanczos only with a data.auto_augment
     # policy without rotate, shear or translate ops (3a, rand-t3a): PIL's affine transforms take no other filter
     interpolation: Literal["bicubic", "bilinear", "nearest", "box", "hamming", "lanczos"] = "bicubic"

@@ -88,8 +88,37 @@ def test_the_command_line_ends_in_one_error_line_and_makes_no_folder(tmp_path, c
     code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={tmp_path / 'r'}",
                                           "data.std=[0.5,0,0.5]"], capsys)
     assert code == 1 and err.strip().splitlines() == [
-        "error: command line: 'data.std' must be 3 finite numbers, each > 0; got (0.5, 0, 0.5)"]
+        "error: command line: 'data.std' must be 3 finite numbers, each > 0 and <= 1 (the model's input tensors are "
+        "on the 0..1 scale: divide values on the 0..255 scale by 255); got (0.5, 0, 0.5)"]
     assert not (tmp_path / "r").exists()
+
+
+UNIT_SCALE = "the model's input tensors are on the 0..1 scale: divide values on the 0..255 scale by 255"
+
+
+@pytest.mark.parametrize("key, value", [("mean", "[123.675,116.28,103.53]"), ("std", "[58.395,57.12,57.375]")])
+def test_a_mean_or_std_on_the_0_255_scale_is_refused_in_one_line(tmp_path, capsys, key, value):
+    """MMDetection's and Caffe's normalization (pixels on the 0..255 scale) given to the 0..1 tensors timm's
+    transforms make trained on near-constant inputs; it is refused at load, saying the scale."""
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={tmp_path / 'r'}",
+                                          "data.dataset=digits", f"data.{key}={value}"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(f"error: command line: 'data.{key}' must be "), lines
+    assert f"({UNIT_SCALE})" in lines[0]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("mean", [0, 1, 0.5, -0.01, 1.01, 123.675])
+@pytest.mark.parametrize("std", [1, 0.229, 1e-3, 0, 1.01, 58.395])
+def test_mean_and_std_are_refused_exactly_off_the_0_1_scale(mean, std):
+    """The reference: a mean in [0, 1] and a std in (0, 1] normalize pixels on the 0..1 scale; anything else is
+    refused (a std of 0 divides by zero)."""
+    overrides = ["data.dataset=digits", f"data.mean=[0.5,{mean},0.5]", f"data.std=[0.5,0.5,{std}]"]
+    if 0 <= mean <= 1 and 0 < std <= 1:
+        assert load_config([DEBUG_CONFIG], overrides).data.mean[1] == mean
+    else:
+        with pytest.raises(ConfigError, match=rf"'data\.{'mean' if not 0 <= mean <= 1 else 'std'}' must be "):
+            load_config([DEBUG_CONFIG], overrides)
 
 
 def test_an_auto_augment_policy_timm_cannot_read_is_a_config_error_and_the_fixed_command_runs(tmp_path):
@@ -99,3 +128,16 @@ def test_an_auto_augment_policy_timm_cannot_read_is_a_config_error_and_the_fixed
         train.main(load_config([DEMO_CONFIG], common + ["data.auto_augment=rand-x9"]))
     result = train.main(load_config([DEMO_CONFIG], common + ["data.auto_augment=rand-m9-mstd0.5"]))
     assert result.state.step == 1 and os.listdir(tmp_path / "r" / "archive")
+
+
+def test_every_normalization_timm_records_for_pretrained_weights_loads():
+    """The weights' own data.mean / data.std (README: hub weights) stay settable: every pretrained_cfg's."""
+    import timm
+    from timm.models import get_pretrained_cfg
+
+    pairs = {(tuple(c.mean), tuple(c.std)) for name in timm.list_pretrained()
+             if (c := get_pretrained_cfg(name)) is not None and c.mean is not None and len(c.mean) == 3}
+    assert len(pairs) > 3  # ImageNet's, Inception's, CLIP's, DPN's, ...
+    for mean, std in pairs:
+        cfg = load_config([DEBUG_CONFIG], ["data.dataset=digits", f"data.mean={list(mean)}", f"data.std={list(std)}"])
+        assert (cfg.data.mean, cfg.data.std) == (mean, std)
