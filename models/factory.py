@@ -12,6 +12,7 @@ import difflib
 import json
 import logging
 import math
+from typing import Callable
 
 import timm
 import torch
@@ -159,8 +160,8 @@ def check_patch_grid(model: nn.Module, cfg: ModelConfig) -> None:
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Create the model of `cfg` (a ModelConfig), with its attention variant, and load its pretrained
     weights, if any."""
-    if cfg.name in GPT_SIZES:
-        return _build_language_model(cfg)
+    if cfg.name in OWN_MODELS:
+        return OWN_MODELS[cfg.name](cfg)
     hub = cfg.pretrained == "hub"
     if hub:  # before the variant resolves to its timm architecture, whose hub weights timm would fetch
         check_hub_variant(cfg.name)
@@ -221,6 +222,12 @@ def _build_language_model(cfg: ModelConfig) -> GPT:
     if cfg.pretrained:
         load_pretrained(model, cfg.pretrained, strict=True)  # the LM head is the tied embedding
     return model
+
+
+# model.name -> the builder of a model class of the repository's own (not timm's), from the ModelConfig: GPT-2's
+# sizes. build_model builds these, and what checks a name before anything is built (scripts/sweep.py's pre-check
+# of every run) accepts them; a fork's own class goes here too (docs/extending.md, "A model family").
+OWN_MODELS: dict[str, Callable[[ModelConfig], nn.Module]] = {size: _build_language_model for size in GPT_SIZES}
 
 
 def attention_heads(model: nn.Module) -> dict[str, int]:

@@ -228,12 +228,12 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
 
 def check_model(model_cfg) -> None:
     """What train.py's build_model refuses first, before anything is built: model.name resolved (a timm name, a
-    variant, a GPT size) and model.kwargs checked (models.factory.model_kwargs), so that an unknown name in the
-    last run is refused before the first one trains. Raises ConfigError (imports timm and torch)."""
-    from models.factory import ModelError, model_kwargs
-    from models.gpt import GPT_SIZES
+    variant, a model class of the repository's own: models.factory.OWN_MODELS) and model.kwargs checked
+    (models.factory.model_kwargs), so that an unknown name in the last run is refused before the first one trains.
+    Raises ConfigError (imports timm and torch)."""
+    from models.factory import OWN_MODELS, ModelError, model_kwargs
 
-    if model_cfg.name in GPT_SIZES:  # build_model's language models: no timm name to resolve
+    if model_cfg.name in OWN_MODELS:  # build_model's own classes (GPT-2's sizes): no timm name to resolve
         return
     try:
         model_kwargs(model_cfg)

@@ -116,6 +116,29 @@ def test_an_unknown_model_in_a_later_run_is_refused_before_the_first_run_trains(
                                             [])] == ["a", "b"]  # a timm name, and the config's variant
 
 
+def test_a_model_class_of_ones_own_in_own_models_passes_the_sweeps_check_and_builds(tmp_path, monkeypatch):
+    """docs/extending.md: a model class of one's own is an entry of models.factory.OWN_MODELS. The sweep's check of
+    every run's model.name refused such a name (it knew timm names, variants and GPT sizes only) although
+    build_model built it."""
+    import torch.nn as nn
+
+    from configs.schema import ModelConfig
+    from models import factory
+
+    class Mine(nn.Module):
+        def __init__(self, cfg):
+            super().__init__()
+            self.head = nn.Linear(4, cfg.num_classes)
+
+    with pytest.raises(ConfigError, match=r"sweep run 'b': unknown model 'my_net'"):
+        sweep.expand(sweep_file(tmp_path, "  a: []\n  b: [model.name=my_net]\n"), [])
+    monkeypatch.setitem(factory.OWN_MODELS, "my_net", Mine)
+    runs = sweep.expand(sweep_file(tmp_path, "  a: []\n  b: [model.name=my_net]\n"), [])
+    assert [r["name"] for r in runs] == ["a", "b"]
+    built = factory.build_model(ModelConfig(name="my_net", num_classes=3))
+    assert isinstance(built, Mine) and built.head.out_features == 3
+
+
 @pytest.mark.parametrize("name", ["lam=0.01", "-x"])
 def test_a_name_that_only_cannot_select_is_refused(tmp_path, name):
     """--only reads a word with '=' as an override and one starting with '-' as an option: such a run could
