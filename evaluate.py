@@ -70,6 +70,7 @@ from engine.eval_results import EvalResults, ResultsError, checkpoint_kind
 from engine.snapshots import check_same_weights_on_every_rank
 from engine.train_seeds import SEED_FIELD
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
+from engine.start_weights import recipe_entries
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, fail_on_every_rank_at_start,
                                 failure_on_every_rank, process_group, raise_on_every_rank, run_on_main)
 from engine.rank_agreement import SAME_SETTINGS_FIX, check_same_settings_on_every_rank
@@ -237,11 +238,14 @@ def main(args: argparse.Namespace) -> dict:
                 else ("top1", "top5", "loss", "count", "excluded"))
         # the recipe as trained (the checkpoint's config through the schema, none for a weights file), not as
         # evaluated: evaluation overrides (an APHQ data.scale) are no training setting; and its seed apart from it,
-        # so that the readers that average seeds refuse one seed trained twice (engine/train_seeds.py)
+        # so that the readers that average seeds refuse one seed trained twice (engine/train_seeds.py); with the
+        # weights the run started from, which its model.pretrained path (no recipe setting) does not tell
+        # (engine/start_weights.py: runs fine-tuned from other weights, or from none, are no seeds of one recipe)
         trained = {}
         if payload:
             as_trained = config_from_dict(payload["config"])
-            trained = {"recipe": recipe(config_to_dict(as_trained)), SEED_FIELD: as_trained.train.seed}
+            trained = {"recipe": recipe(config_to_dict(as_trained)) | recipe_entries(payload),
+                       SEED_FIELD: as_trained.train.seed}
         results.update(method=method_name(cfg), **trained,
                        fp={k: fp[k] for k in kept if k in fp} |
                        {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths)

@@ -71,6 +71,7 @@ from engine.snapshots import (check_same_start_on_every_rank, check_same_weights
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, is_inside, save_config_history,
                             start_only_changes, validation_changes)
 from engine.running_stats import average_running_stats
+from engine.start_weights import START_WEIGHTS, start_record
 from engine.runinfo import exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from engine.training_checks import check_schedule_on_resume, check_training_settings
@@ -168,7 +169,9 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         check_resumable(payload["config"], cfg, resume_path)
     # the schedule check, which check_before_start leaves to here where a checkpoint may be continued (may_resume)
     check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)
-    run = build_run(cfg, dist, resumed=resume_path is not None)
+    # the weights the run started from: a resumed run's are its checkpoint's (None for one written before the record)
+    run = build_run(cfg, dist, resumed=resume_path is not None,
+                    start_weights=payload.get(START_WEIGHTS) if resume_path is not None else None)
     if resume_path is not None:
         resume_run(run, resume_path, payload)
         other_validation = validation_changes(payload["config"], config_to_dict(cfg))
@@ -251,6 +254,7 @@ class Run:
     position: dict  # what engine.resume.epoch_position needs besides the batches consumed
     state: TrainState = dataclasses.field(default_factory=TrainState)
     started_from: Optional[str] = None  # the train.resume file this run descends from (checkpoints record it)
+    start_weights: Optional[dict] = None  # engine/start_weights.py's record; None: a checkpoint written before it
     resumed_elsewhere: bool = False  # from another file than out_dir/checkpoint.pt (train.resume=PATH)
     wandb_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:16])  # kept by a resume in out_dir
     logger: Optional[MetricLogger] = None
@@ -263,9 +267,13 @@ class Run:
     def save_on_main(self, payload_fn, path: str) -> None:
         save_on_main_rank(payload_fn, path, self.dist.is_main, self.dist.device)
 
+    def start_entry(self) -> dict:
+        """The checkpoints' record of the weights the run started from ({} where unknown: an older checkpoint's)."""
+        return {START_WEIGHTS: self.start_weights} if self.start_weights is not None else {}
+
     def save_checkpoint(self) -> None:
         model, optimizer, state = self.model, self.optimizer, self.state
-        extra = {"classes": self.loaders.classes, "data_fingerprint": self.loaders.fingerprint,
+        extra = {**self.start_entry(), "classes": self.loaders.classes, "data_fingerprint": self.loaders.fingerprint,
                  "optimizer_param_names": optimizer_param_names(model, optimizer),
                  "epoch_position": epoch_position(epoch_batches=state.epoch_batches, **self.position),
                  "resumed_from": self.started_from, "wandb_id": self.wandb_id, "model_drop_sites": MODEL_DROP_SITES,
@@ -335,9 +343,11 @@ def check_cadences_fit(cfg: Config, total_steps: int, updates_per_epoch: int) ->
                               f"the run")
 
 
-def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
+def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optional[dict] = None) -> Run:
     """Model (the same initial weights on every rank), data, optimizer, schedule, precision, EMA and the
-    regularizers. A resumed run takes its weights from the checkpoint: pretrained weights are not loaded."""
+    regularizers. A resumed run takes its weights from the checkpoint: pretrained weights are not loaded, and
+    `start_weights` is the record of the weights its run started from (the checkpoint's, None where it has none).
+    A fresh run records the weights it loads (engine/start_weights.py)."""
     device, per_gpu = dist.device, cfg.train.batch_size_per_gpu
     accum_steps = accumulation_steps(cfg, dist.world_size)
     task = task_for(cfg.data.dataset)
@@ -353,6 +363,8 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
                                          else "model.pretrained", device, dist.rank)
     if recorded is not None:
         note_attention_change(cfg.model, recorded)
+    if not resumed:  # before any update: what model.pretrained (a path, left out of the recipe) gave the model
+        start_weights = start_record(cfg.model.pretrained, model)
     check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
     if cfg.log.act_max:  # measured at every validation: refused now, not by the first one after the training
         check_has_blocks(model, cfg.model.name, "set log.act_max=false to train it without the activation maxima")
@@ -409,10 +421,11 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool) -> Run:
               updates_per_epoch=updates_per_epoch, epochs=epochs, total_steps=total_steps,
               per_step_schedule=per_step, optimizer=optimizer, scheduler=scheduler,
               scaler=grad_scaler(cfg.train.amp, device), ema=ema, decay=decay, tweo=tweo,
-              pair_energies=pair_energies, position=position)
+              pair_energies=pair_energies, position=position, start_weights=start_weights)
     run.best = BestCheckpoint(os.path.join(cfg.out_dir, "best.pt"), model=model, ema=ema,
                               config=config_to_dict(cfg), classes=loaders.classes, save=run.save_on_main,
-                              key=task.score_key, higher_is_better=task.higher_is_better)
+                              key=task.score_key, higher_is_better=task.higher_is_better,
+                              extra=run.start_entry())
     return run
 
 

@@ -4,7 +4,8 @@ The score is the task's (engine/tasks.py): the highest val top-1 of a classifier
 language model. The best score lives in `TrainState.best_value`, which checkpoint.pt carries, so a resumed run only
 overwrites best.pt when it beats every validation of the run before it. The payload is what evaluate.py
 reads: the (unwrapped) model, its EMA if any, the run's config, the training state, the metrics of that
-validation and the class names of the data set. train.py offers no validation of weights that the divergence guard
+validation and the class names of the data set, and the caller's `extra` entries (train.py: the weights the run
+started from, engine/start_weights.py). train.py offers no validation of weights that the divergence guard
 refuses to save as checkpoint.pt (Run.best_held_back: inside a streak of high losses, but at the schedule's end).
 
 On resume the checkpoint's best score must describe the best.pt in out_dir (`match_file`). Which write of best.pt
@@ -59,9 +60,10 @@ class BestCheckpoint:
 
     def __init__(self, path: str, *, model: nn.Module, ema: Optional[nn.Module], config: dict,
                  classes: Optional[list], save: Callable[[Callable[[], dict], str], None],
-                 key: str = "val/top1", higher_is_better: bool = True):
+                 key: str = "val/top1", higher_is_better: bool = True, extra: Optional[dict] = None):
         self.path, self.model, self.ema, self.config, self.classes, self.save = \
             path, model, ema, config, classes, save
+        self.extra = extra or {}
         self.key, self.higher_is_better = key, higher_is_better
 
     def match_file(self, state: TrainState, is_main: bool, device: torch.device,
@@ -118,7 +120,7 @@ class BestCheckpoint:
         # which write this is, by its weights: deterministic, so an exact resume keeps the same state
         state.best_fingerprint = weights_fingerprint(self.model.state_dict())
         self.save(lambda: {"model": self.model.state_dict(), "config": self.config,
-                           "state": state.state_dict(), "metrics": metrics, "classes": self.classes,
+                           "state": state.state_dict(), "metrics": metrics, "classes": self.classes, **self.extra,
                            **({"model_ema": self.ema.module.state_dict()} if self.ema is not None else {})},
                   self.path)
         return True

@@ -124,7 +124,9 @@ def config_changes(saved: dict, current: dict) -> list[str]:
 
 def recipe(config: dict) -> dict:
     """The settings of a run that change what it computes, but its seed: what the seeds of one experiment share
-    (a flat dict; `config_changes` leaves out the same environment keys)."""
+    (a flat dict; `config_changes` leaves out the same environment keys). model.pretrained is a path, left out; the
+    weights a run loaded from it are recorded in its checkpoints, and evaluate.py adds them to the recipe it writes
+    (engine/start_weights.py recipe_entries)."""
     return {k: v for k, v in _flat(config).items() if not _is_environment(k) and k != "train.seed"}
 
 

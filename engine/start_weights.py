@@ -1,0 +1,84 @@
+"""Which weights a training run started from, recorded in its checkpoints so that runs of other starts are told apart.
+
+`model.pretrained` is a path, a setting of the machine (the same file lies elsewhere on another one), so the recipe
+leaves it out (engine/run_dir.py ENVIRONMENT_KEYS); but what a run computes depends on the weights it loaded from
+there, or on whether it loaded any. train.py records them in checkpoint.pt and best.pt under `START_WEIGHTS`:
+
+    {"pretrained": "file" | "hub" | None,     # a model.pretrained file, timm's hub weights, or a random init
+     "fingerprint": "<16 hex digits>" | None} # `start_fingerprint` of the model as loaded; None for a random init
+
+A resumed run carries its start's record over (it loads no pretrained weights itself). evaluate.py adds the record
+to the recipe it writes (`recipe_entries`: `start.pretrained`, `start.fingerprint`), which the readers that average
+seeds compare (engine/eval_results.py recipe_difference): runs fine-tuned from other weights, or one trained from
+scratch beside fine-tuned ones, are no seeds of one experiment. A checkpoint written before the record has none,
+and its result no such recipe keys: it is not compared on them, as any setting an older result could not record.
+scripts/dose_report.py rebuilds its "start" model from the runs' model.pretrained file and refuses a file whose
+weights are no longer those the runs started from (`check_start_file`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn as nn
+
+from .checkpoint import weights_fingerprint
+
+START_WEIGHTS = "start_weights"  # the entry of checkpoint.pt and best.pt
+
+
+def classifier_keys(model: nn.Module) -> set[str]:
+    """The state-dict keys of the model's classifier (timm's `get_classifier`: 'head.' of a ViT, 'head.fc.' of a
+    Swin); none for a model without one (models/gpt.py: its LM head is its token embedding, loaded from the file)."""
+    get = getattr(model, "get_classifier", None)
+    head = get() if callable(get) else None
+    if not isinstance(head, nn.Module):
+        return set()
+    prefix = next((name for name, module in model.named_modules() if module is head), None)
+    if not prefix:  # an Identity shared elsewhere, or the model itself: no classifier keys of its own
+        return set()
+    return {key for key in head.state_dict(prefix=prefix + ".")}
+
+
+def start_fingerprint(model: nn.Module) -> str:
+    """engine.checkpoint.weights_fingerprint of `model`'s weights less its classifier: a fine-tune to other classes
+    starts from a new, random classifier (drawn with train.seed, so each seed's is another), and the backbone is
+    what it starts from. A classifier kept from the file belongs to the data set's classes (models/pretrained.py
+    replaces one of other classes), which the run's data settings record."""
+    leave_out = classifier_keys(model)
+    return weights_fingerprint({k: v for k, v in model.state_dict().items() if k not in leave_out})
+
+
+def start_record(pretrained: str, model: nn.Module) -> dict:
+    """The `START_WEIGHTS` record of a fresh run whose model was built with model.pretrained=`pretrained` ('' for
+    a random init, 'hub', or a file) and holds those weights now, before its first update."""
+    if not pretrained:
+        return {"pretrained": None, "fingerprint": None}
+    return {"pretrained": "hub" if pretrained == "hub" else "file", "fingerprint": start_fingerprint(model)}
+
+
+def recipe_entries(payload: Optional[dict]) -> dict:
+    """The recipe keys (`start.pretrained`, `start.fingerprint`) of a checkpoint's record; {} for a checkpoint
+    written before it (nothing known: left out of the comparison, not guessed) or for a weights file."""
+    record = (payload or {}).get(START_WEIGHTS)
+    if not isinstance(record, dict):
+        return {}
+    return {"start.pretrained": record.get("pretrained"), "start.fingerprint": record.get("fingerprint")}
+
+
+def check_start_file(payload: dict, checkpoint: str, pretrained: str, model: nn.Module) -> Optional[str]:
+    """Why `model`, built now from model.pretrained=`pretrained` of the run whose best.pt is `checkpoint` (its
+    `payload`), is not the start that run recorded: the file holds other weights now (overwritten, another copy
+    under its name); None when it is, and when the checkpoint records no start (written before the record)."""
+    record = payload.get(START_WEIGHTS)
+    if not isinstance(record, dict) or record.get("fingerprint") is None:
+        return None
+    now = start_fingerprint(model)
+    if now == record["fingerprint"]:
+        return None
+    if pretrained == "hub":
+        return (f"model.pretrained=hub: timm's weights of model.name are not those the run of {checkpoint} started "
+                f"from (fingerprint {now} now, {record['fingerprint']} recorded): another timm version or hub cache; "
+                f"use the one the runs trained with")
+    return (f"model.pretrained={pretrained} is not the weights the run of {checkpoint} started from (fingerprint {now} "
+            f"now, {record['fingerprint']} recorded: the file was replaced since); put the file the runs started from "
+            f"back at that path")
