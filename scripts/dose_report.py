@@ -26,7 +26,8 @@ each run, and what is written:
                          module type (norm1, attn.qkv, ..., ls2, block output), one bar per point
   best.pt                the FC1-FC2 alignment peak max_ij alpha_ij (App. A.1, Eq. (13)) at the end (of the
                          weights eval_best.json scored: a best.pt saved after the evaluation is refused); the
-                         start is the pretrained backbone (`model.pretrained` of the runs' config)
+                         start is the pretrained backbone (`model.pretrained` of the runs' config; a file that
+                         holds other weights than the runs started from, as best.pt records them, is refused)
   -> dose_report.md      the tables, and each point's training settings beside the first point's
                          (the recipe in eval_best.json); printed as well
 Files are never overwritten: an existing output is refused unless --overwrite is given.
@@ -58,6 +59,7 @@ from engine.result_table import (dagger_note, entries_nondefault, evaluated_othe
                                  method_difference, model_kwargs_unlike, settings_note)
 from engine.outputs import save_figure, write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from engine.start_weights import check_start_file  # noqa: E402
 from engine.train_seeds import recorded_seed, repeated_seed, unrecorded_seed_note  # noqa: E402
 from models import ModelError, build_model  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
@@ -438,9 +440,19 @@ def run_config(run: Run) -> Config:
 
 def pretrained_model(run: Run) -> Optional[torch.nn.Module]:
     """The backbone the runs started from (`model.pretrained` of their config); None when they started from a
-    random initialisation, which is no backbone to report."""
-    cfg = run_config(run).model
-    return build_model(cfg).eval() if cfg.pretrained else None
+    random initialisation, which is no backbone to report. The path is read now: a file that no longer holds the
+    weights the run started from (overwritten since: the fingerprint its best.pt records, engine/start_weights.py)
+    is refused, not reported as the start. A best.pt written before that record is not checked."""
+    checkpoint = os.path.join(run.folder, "best.pt")
+    payload = load_checkpoint(checkpoint)
+    cfg = config_from_dict(payload["config"]).model
+    if not cfg.pretrained:
+        return None
+    model = build_model(cfg).eval()
+    problem = check_start_file(payload, checkpoint, cfg.pretrained, model)
+    if problem:
+        raise ReportError(problem)
+    return model
 
 
 def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_peak: Optional[dict]) -> str:
