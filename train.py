@@ -71,7 +71,7 @@ from engine.snapshots import (check_same_start_on_every_rank, check_same_weights
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, is_inside, save_config_history,
                             start_only_changes, validation_changes)
 from engine.running_stats import average_running_stats
-from engine.start_weights import START_WEIGHTS, start_record
+from engine.start_weights import START_WEIGHTS, classifier_keys, start_record
 from engine.runinfo import exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from engine.training_checks import check_schedule_on_resume, check_training_settings
@@ -79,6 +79,7 @@ from models import ModelError, build_model, describe, input_size, model_label
 from models.factory import MODEL_DROP_SITES, check_recorded_architecture, own_img_size, without_dropout_rates
 from models.hub import hub_data_mismatch
 from models.kwargs_change import check_kwargs_kept
+from models.pretrained import NEW_CLASSIFIER, mapped_payload
 from models.gpt import GPT_SIZES
 from quant.plan import (RECORDED_FOR_EVALUATION, check_model_converts, check_quant_plan, evaluation_pipelines,
                         reads_calibration_batch, too_few_for_a_batch, too_many_train_images, train_image_demands)
@@ -373,6 +374,8 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
         log.warning(line)
     with failure_on_every_rank(device, "reading the data under data.root"):
         loaders = build_data(cfg, model, dist, task)
+    if recorded is not None and not task.language:  # before the EMA and the optimizer take the classifier
+        check_pretrained_classes(cfg, model, loaders.classes)
     check_same_data_on_every_rank(cfg.data, loaders.fingerprint, device, dist.rank)  # a node's copy may differ
     # what the run's evaluation can draw from the training split: its images, or a language model's windows
     check_evaluation_fits(cfg, model, task, calibration_window_count(cfg.data, input_size(model)) if task.language
@@ -490,6 +493,36 @@ def check_pretrained_architecture(model_cfg, model: nn.Module, config: dict) -> 
         return
     check_recorded_architecture(recorded, model, f"model.pretrained={model_cfg.pretrained}")
     check_kwargs_kept(recorded, model_cfg, f"model.pretrained={model_cfg.pretrained}")
+
+
+def check_pretrained_classes(cfg: Config, model: nn.Module, classes: Optional[list]) -> None:
+    """A checkpoint of this code base given as model.pretrained records the class names it was trained on. One of
+    other classes, as many as the data set's (digits '0'..'9' for Fashion-MNIST's ten), has a classifier that fits
+    the model's shape and was loaded: its outputs would keep naming the file's classes. Fine-tuning replaces it by a
+    new classifier, as one of another shape is (the one the model was built with: drawn again with train.seed, the
+    draw a file without a fitting classifier leaves), with a log line; model.pretrained_strict=true, which loads the
+    weights as they are or not at all, refuses it. A file that records no classes (another file, synthetic data)
+    is not compared, nor one whose classifier, of another size, was replaced or refused when loading."""
+    path = cfg.model.pretrained
+    payload = mapped_payload(path)
+    trained = payload.get("classes") if isinstance(payload, dict) else None
+    head = sorted(classifier_keys(model))
+    if not head or not isinstance(trained, list) or len(trained) != cfg.model.num_classes:
+        return
+    different = class_differences(trained, classes)
+    if different is None:
+        return
+    if cfg.model.pretrained_strict:
+        raise ModelError(f"model.pretrained={path} was trained on other classes than data.root={cfg.data.root} "
+                         f"holds (then vs now: {different}): its classifier would name its own classes; "
+                         f"{NEW_CLASSIFIER}, or point data.root at the data set it was trained on")
+    # the run's own draws (data order, augmentation) go on as without this; manual_seed seeds the GPUs' too
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        torch.manual_seed(cfg.train.seed)
+        fresh = build_model(dataclasses.replace(cfg.model, pretrained="")).state_dict()
+    model.load_state_dict({k: fresh[k] for k in head}, strict=False)
+    log.info("%s was trained on other classes than data.root=%s holds (then vs now: %s): new classifier: %s",
+             path, cfg.data.root, different, ", ".join(head))
 
 
 def note_attention_change(model_cfg, config: dict) -> None:

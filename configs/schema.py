@@ -35,7 +35,8 @@ class ModelConfig:
     # "" | local .pth/.pt/.safetensors path | "hub" (timm hub weights, needs internet); a file's raw weights, never
     # an EMA copy beside them (model_ema / state_dict_ema, which the log names as not used)
     pretrained: Annotated[str, UserPath()] = ""
-    pretrained_strict: bool = False  # False: drop a head whose shape differs (fine-tuning to new classes)
+    # False: replace a head whose shape or recorded classes differ (fine-tuning to new classes); True: refuse it
+    pretrained_strict: bool = False
     kwargs: dict = field(default_factory=dict)  # extra timm constructor arguments (depth=..., embed_dim=...)
     # attention-sink variant of every ViT/DeiT/Swin attention (paper App. "Attention-Sink Variants";
     # models/attention_sinks.py): softmax (timm's), softmax1 (+1 in the softmax denominator), kv_bias (a
