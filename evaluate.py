@@ -245,7 +245,11 @@ def main(args: argparse.Namespace) -> dict:
         if payload:
             as_trained = config_from_dict(payload["config"])
             trained = {"recipe": recipe(config_to_dict(as_trained)) | recipe_entries(payload),
-                       SEED_FIELD: as_trained.train.seed}
+                       SEED_FIELD: as_trained.train.seed,
+                       # data.root is a path (the recipe leaves it out: it may move): the files the run read under it,
+                       # whose val split tables compare with the one scored (result_table.data_root_changed)
+                       "trained_data": {"root": as_trained.data.root,
+                                        "fingerprint": payload.get("data_fingerprint")}}
         results.update(method=method_name(cfg), **trained,
                        fp={k: fp[k] for k in kept if k in fp} |
                        {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths)
@@ -312,7 +316,7 @@ def build_val_loader(cfg: Config, args: argparse.Namespace, img_size: int, dist,
                         f"{weights} was trained on {cfg.model.num_classes}: point data.root at the data set "
                         f"it was trained on, or fine-tune it first (train.py model.pretrained={weights})"
                         ) from None
-    check_classes(payload, dataset_classes(cfg.data, loader.dataset), args.checkpoint)
+    check_classes(payload, dataset_classes(cfg.data, loader.dataset), args.checkpoint, cfg.data.dataset)
     return loader
 
 
@@ -412,9 +416,17 @@ def check_vocabulary_kind(payload: Optional[dict], val_vocab: Optional[list], we
                         f"id i would mean another symbol. Evaluate it on the kind of text it was trained on{record}")
 
 
-def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoint: Optional[str]) -> None:
-    """The val folder must name the classes the checkpoint was trained on, in the same order."""
-    different = class_differences((payload or {}).get("classes"), val_classes)
+def check_classes(payload: Optional[dict], val_classes: Optional[list], checkpoint: Optional[str],
+                  dataset: str = "") -> None:
+    """The val folder must name the classes the checkpoint was trained on, in the same order; a checkpoint that
+    records its classes is not scored on a val set without any (synthetic images: noise with random labels, whose
+    top-1 is chance whatever the weights learned)."""
+    trained = (payload or {}).get("classes")
+    if trained and val_classes is None:
+        raise DataError(f"{checkpoint} was trained on {len(trained)} classes ({', '.join(map(str, trained[:3]))}"
+                        f"{', ...' if len(trained) > 3 else ''}), data.dataset={dataset} has none (random images "
+                        f"and labels): its score would be chance. Evaluate it on the data set it was trained on")
+    different = class_differences(trained, val_classes)
     if different:
         raise DataError(f"the val split's classes differ from those {checkpoint} was trained on "
                         f"({different}): label i would name another class. Point data.root at the data set it "

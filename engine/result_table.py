@@ -3,7 +3,8 @@ one column per pipeline), with the marks that say where a number is not of the p
 quantized cell of non-default settings, `†` on a model evaluated otherwise than it trained, `‡` on a module
 maximum that also counts modules outside the blocks; and the checks that results averaged as seeds are alike.
 A model marked † has a note below the table that says how it was evaluated: other model.kwargs, another input
-size, another split, an autocast, or its EMA weights (evaluate.py --ema).
+size, other data or another eval transform than its run's (data.dataset, data.root's val files, data.crop_pct and
+the like), another split, an autocast, or its EMA weights (evaluate.py --ema).
 
     print(markdown_table([json.load(open(path)) for path in paths], over_seeds=True))
 
@@ -71,8 +72,9 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     column per pipeline (and bit-width, when several were run); '-' where a result lacks a column. For
     language models (Table 8): perplexities, FP32 and BF16 first. A quantized cell of non-default settings is
     marked * (`nondefault_settings`), the model of a row evaluated otherwise than trained or than the paper
-    evaluates (other model.kwargs, another split, an autocast, the EMA weights) † (`evaluated_otherwise`), a module
-    maximum also over quant.act_max_extra_modules ‡, each with a note below the table.
+    evaluates (other model.kwargs, other data or eval transform, another split, an autocast, the EMA weights) †
+    (`evaluated_otherwise`), a module maximum also over quant.act_max_extra_modules ‡, each with a note below the
+    table.
 
     over_seeds: one row per (model, method) with mean +- sample std over its results (e.g. the seeds of a
     sweep) and their count, instead of one row per result; a row averaging results that record no train.seed
@@ -292,16 +294,18 @@ def model_kwargs_changed(result: dict) -> Optional[str]:
 
 def evaluated_otherwise(result: dict) -> Optional[str]:
     """How a result was evaluated otherwise than the paper's protocol (the weights as trained, on the validation
-    split, in fp32), or None: `model_kwargs_changed`, an input size other than the one trained at, a `data.val_split`
-    other than 'val' (scoring the training images gives a number that reads as a validation accuracy), an `--amp`
-    autocast and the EMA weights (`--ema`: an average of the trained weights, whose row would otherwise read as the
-    raw weights'), joined by '; '. Tables mark such results † with a `dagger_note`; results that do not record
+    split, in fp32), or None: `model_kwargs_changed`, an input size other than the one trained at, other data or
+    another eval transform than the run's (`data_changed`), a `data.val_split` other than 'val' (scoring the
+    training images gives a number that reads as a validation accuracy), an `--amp` autocast and the EMA weights
+    (`--ema`: an average of the trained weights, whose row would otherwise read as the raw weights'), joined by
+    '; '. Tables mark such results † with a `dagger_note`; results that do not record
     a setting (older files) are not marked for it.
     A language model's FP32 and BF16 PPL are computed in fp32 and bf16 whatever --amp is, its quantized ones under
     --amp: its row is marked for those."""
     found = [changed] if (changed := model_kwargs_changed(result)) else []
     if result.get("img_size_changed"):  # model.img_size given at evaluation: the weights at another input size
         found.append(f"model.img_size={result['img_size_changed']}")
+    found += data_changed(result)
     data = result.get("data") or {}
     split, root = data.get("val_split", "val"), str(data.get("root") or "")
     # find_split joins the split onto data.root: 'val/', './val' and data.root's own val folder by its full path
@@ -313,6 +317,61 @@ def evaluated_otherwise(result: dict) -> Optional[str]:
     if result.get("weights") == "ema":
         found.append("--ema (the EMA weights)")
     return "; ".join(found) or None
+
+
+def data_changed(result: dict) -> list[str]:
+    """'data.<key>=<value> (trained with <value>)' for each data setting a result was scored with that differs from
+    its run's recipe: another data.dataset (digits weights scored on synthetic noise), or, on the data set it trained
+    on, another setting of the eval transform (data.crop_pct, crop_mode, interpolation, mean, std,
+    digits_img_size) or of the val text (data.val_windows), and data.root where it holds other val data than the
+    run validated on (`data_root_changed`). Results without a recipe (a weights file, an older file) are not
+    compared; the input size is `img_size_changed`'s, the split `evaluated_otherwise`'s."""
+    recipe, data = result.get("recipe"), result.get("data")
+    if not isinstance(recipe, dict) or not isinstance(data, dict):
+        return []
+    trained_on = recipe.get("data.dataset")
+    if trained_on is not None and data.get("dataset", trained_on) != trained_on:
+        # the transform's settings of another data set compare with nothing the run read
+        return [f"data.dataset={data['dataset']} (trained on {trained_on})"]
+    scored = {k: v for k, v in data.items() if k not in ("dataset", "root", "val_split", "val_file", "eval_transform")}
+    scored.update({k: v for k, v in (data.get("eval_transform") or {}).items() if k != "img_size"})
+    text = lambda value: value if isinstance(value, str) else json.dumps(value)
+    plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples as lists, as in the file
+    found = [f"data.{key}={text(value)} (trained with {text(recipe[f'data.{key}'])})" for key, value in scored.items()
+             if f"data.{key}" in recipe and plain(value) != plain(recipe[f"data.{key}"])]
+    root = data_root_changed(result)
+    return found + ([root] if root else [])
+
+
+def data_root_changed(result: dict) -> Optional[str]:
+    """'data.root=<root> (...)' when the val split a result scored under data.root holds other data than the split of
+    that name the run validated on: the images' names and count (a folder data set: `val_names`) or the token file's
+    size and head (`data.val_file`) against the fingerprint its checkpoint recorded (`trained_data`, train.py's
+    data_fingerprint), else None. data.root is a path that may move between machines: the same files under another
+    root are the same data. Results without the record (a checkpoint that holds none, an older file) are not
+    compared."""
+    trained, data = result.get("trained_data"), result.get("data") or {}
+    fingerprint = trained.get("fingerprint") if isinstance(trained, dict) else None
+    if not isinstance(fingerprint, dict):
+        return None
+    split = str(data.get("val_split", "val"))
+    if data.get("dataset") == "folder":
+        then, names = fingerprint.get(split), result.get("val_names")
+        if not isinstance(then, dict) or names is None or then.get("names_sha256") == names:
+            return None
+        now, before = result.get("images"), then.get("images")
+        how = (f"its {split} split: {now} images of other names than the {before}" if now == before else
+               f"its {split} split: {now} images, not the {before}")
+    elif data.get("dataset") == "tokens":
+        then, file = fingerprint.get(f"{split}.bin"), data.get("val_file")
+        if not isinstance(then, dict) or not isinstance(file, dict) or then == file:
+            return None
+        now, before = file.get("bytes"), then.get("bytes")
+        how = (f"its {split}.bin: other tokens than the file of as many bytes" if now == before else
+               f"its {split}.bin: {now} bytes, not the file of {before}")
+    else:  # the embedded data sets read no data.root
+        return None
+    return f"data.root={data.get('root')} ({how} the run validated on under {trained.get('root') or '?'})"
 
 
 def dagger_note(label: str, changes) -> str:

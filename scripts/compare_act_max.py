@@ -105,7 +105,7 @@ def result_beside(path: str) -> dict:
 def evaluated_alike(groups: dict[str, list[str]]) -> dict[str, list[str]]:
     """{method: notes} after refusing (ValueError) a method whose files are not distinct runs evaluated alike
     (`check_seed_group` on their result files); the notes say how a method's model was evaluated otherwise than
-    trained or than the paper evaluates (`evaluated_otherwise`: model.kwargs, split, autocast, EMA weights), empty
+    trained or than the paper evaluates (`evaluated_otherwise`: model.kwargs, data, split, autocast, EMA weights), empty
     when alike.
     Methods measured with other FLOAT_KEYS settings are refused too (the first run of each: a method's runs are
     alike by then)."""

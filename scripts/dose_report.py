@@ -272,7 +272,7 @@ def check_finished(runs: Sequence[Run]) -> None:
 
 def evaluated_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[str]]:
     """Each point's label in the tables of evaluated numbers, with † when its runs were evaluated otherwise
-    than trained or than the paper evaluates (engine.result_table.evaluated_otherwise: model.kwargs, split,
+    than trained or than the paper evaluates (engine.result_table.evaluated_otherwise: model.kwargs, data, split,
     autocast, EMA weights; its seeds alike, read_sweep), and the notes naming how, for below the first such table."""
     labels, notes = {}, []
     for point, runs in groups.items():
