@@ -172,7 +172,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)
     # the weights the run started from: a resumed run's are its checkpoint's (None for one written before the record)
     run = build_run(cfg, dist, resumed=resume_path is not None,
-                    start_weights=payload.get(START_WEIGHTS) if resume_path is not None else None)
+                    start_weights=payload.get(START_WEIGHTS) if resume_path is not None else None,
+                    checkpoint=(resume_path, payload) if resume_path is not None else None)
     if resume_path is not None:
         resume_run(run, resume_path, payload)
         other_validation = validation_changes(payload["config"], config_to_dict(cfg))
@@ -344,11 +345,58 @@ def check_cadences_fit(cfg: Config, total_steps: int, updates_per_epoch: int) ->
                               f"the run")
 
 
-def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optional[dict] = None) -> Run:
+def check_resume_point(cfg: Config, payload: dict, checkpoint: str, total_steps: int, updates_per_epoch: int) -> None:
+    """What a resume from `checkpoint` (its `payload`) needs of this run's length, refused before the cadences are
+    weighed against it (their fix would otherwise be told first, and a second refusal follow it): the schedule
+    reaches the checkpoint's update (engine/resume.py check_schedule_holds), and train.max_steps is not below it
+    (nothing would train, while config.yaml recorded it and the summary said the run stopped there; at it, a
+    re-run of a run stopped at train.max_steps, is allowed: it validates again)."""
+    step = payload["state"]["step"]
+    schedule = (f"sched.steps={cfg.sched.steps}" if cfg.sched.steps is not None
+                else f"sched.epochs={cfg.sched.epochs}, {updates_per_epoch} updates each")
+    check_schedule_holds(step, total_steps, schedule, checkpoint)
+    if cfg.train.max_steps and cfg.train.max_steps < step:
+        raise ConfigError(f"train.max_steps={cfg.train.max_steps} is below the update {step} of {checkpoint}: "
+                          f"nothing to train; give a larger value or none")
+
+
+def check_cadences_left(cfg: Config, payload: dict, checkpoint: str, total_steps: int,
+                        updates_per_epoch: int) -> None:
+    """At a resume, refuse a train.eval_every_steps, train.ckpt_every_steps or train.keep_every_epochs that the
+    resume command changes (from the checkpoint's config) and that cannot act in what is left of the run: its next
+    multiple after the checkpoint's update (epoch) lies past the schedule's end, so it would never act, while
+    config.yaml recorded it (check_cadences_fit / check_snapshots_fit weigh the whole run only). A value the resume
+    leaves as the checkpoint has it is not refused: it acted before, and a run requeued past its last multiple
+    near its end must resume. One line names each setting that cannot act."""
+    saved, defaults = payload["config"].get("train", {}), Config().train
+    step, epoch = payload["state"]["step"], payload["state"]["epoch"]  # epoch: the epochs completed
+    ended_epochs = total_steps // updates_per_epoch  # sched.steps: a last part-epoch never ends
+    late = []
+    for key, every, done, end, unit, what in (
+            ("eval_every_steps", cfg.train.eval_every_steps, step, total_steps, "update", "validate"),
+            ("ckpt_every_steps", cfg.train.ckpt_every_steps, step, total_steps, "update", "write checkpoint.pt"),
+            ("keep_every_epochs", cfg.train.keep_every_epochs, epoch, ended_epochs, "epoch", "keep a snapshot")):
+        was = saved.get(key, getattr(defaults, key))
+        if every and every != was and (done // every + 1) * every > end:
+            acts = (f"e.g. {end - done} or fewer, " if end > done else "") + f"or {was} as the checkpoint has it"
+            late.append(f"train.{key}={every} would next {what} at {unit} {(done // every + 1) * every}, past the "
+                        f"run's last {unit} {end} ({acts})")
+    if late:
+        schedule = (f"sched.steps={cfg.sched.steps}" if cfg.sched.steps is not None
+                    else f"sched.epochs={cfg.sched.epochs} x {updates_per_epoch} updates")
+        raise ConfigError(f"{checkpoint} is at update {step} (epoch {epoch}) of the run's {total_steps} ({schedule}), "
+                          f"so these new settings could not act in what is left: {'; '.join(late)}; give values "
+                          f"that act, or lengthen the run")
+
+
+def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optional[dict] = None,
+              checkpoint: Optional[tuple[str, dict]] = None) -> Run:
     """Model (the same initial weights on every rank), data, optimizer, schedule, precision, EMA and the
     regularizers. A resumed run takes its weights from the checkpoint: pretrained weights are not loaded, and
     `start_weights` is the record of the weights its run started from (the checkpoint's, None where it has none).
-    A fresh run records the weights it loads (engine/start_weights.py)."""
+    A fresh run records the weights it loads (engine/start_weights.py). `checkpoint`: (path, payload) of the
+    resume, whose update and settings this run's length and cadences are checked against before anything else is
+    built from them."""
     device, per_gpu = dist.device, cfg.train.batch_size_per_gpu
     accum_steps = accumulation_steps(cfg, dist.world_size)
     task = task_for(cfg.data.dataset)
@@ -385,8 +433,12 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
         raise ConfigError(f"an epoch has {len(loaders.train)} batches per process, fewer than the "
                           f"{accum_steps} accumulation steps of one update: lower train.batch_size")
     epochs, total_steps, per_step = schedule_length(cfg.sched, updates_per_epoch)
+    if checkpoint is not None:  # first: a schedule too short for the checkpoint is the fix to tell
+        check_resume_point(cfg, checkpoint[1], checkpoint[0], total_steps, updates_per_epoch)
     check_snapshots_fit(cfg, total_steps // updates_per_epoch)  # sched.steps: a last part-epoch never ends
     check_cadences_fit(cfg, total_steps, updates_per_epoch)
+    if checkpoint is not None:
+        check_cadences_left(cfg, checkpoint[1], checkpoint[0], total_steps, updates_per_epoch)
 
     # Optimizer, schedule, precision, EMA. With CD, the paper's budget rule moves lam from wd to CD.
     lr = peak_lr(cfg.optim, cfg.train.batch_size)
@@ -564,7 +616,7 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     checkpoint gives the state, this config every setting (engine/resume.py): optimizer moments by
     parameter name under the new groups' lr / weight decay / betas, the fresh schedule (the loop sets the lr
     of the current update), the position within the epoch in samples of any process count."""
-    cfg, state = run.cfg, run.state  # check_resumable(payload["config"], cfg, ...) passed before the run was built
+    cfg, state = run.cfg, run.state  # check_resumable and check_resume_point passed before the run was built
     check_model_drop_sites(payload, cfg, resume_path)
     different = class_differences(payload.get("classes"), run.loaders.classes)
     if different:  # another image data set: each label would name another class
@@ -591,9 +643,6 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
         raise CheckpointError(f"{resume_path}: its weights do not fit the model of its own config "
                               f"({' '.join(str(e).split())[:300]}): not a checkpoint train.py wrote for "
                               f"this model; give another one") from None
-    schedule = (f"sched.steps={cfg.sched.steps}" if cfg.sched.steps is not None
-                else f"sched.epochs={cfg.sched.epochs}, {run.updates_per_epoch} updates each")
-    check_schedule_holds(state.step, run.total_steps, schedule, resume_path)
     restore_optimizer(run.optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
                       optimizer_param_names(run.model, run.optimizer))
     state.epoch_batches = resume_position(
