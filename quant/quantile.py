@@ -3,18 +3,26 @@
 The reference implementations this package reproduces call `torch.quantile` for every calibration
 quantile (RepQ-ViT's `UniformQuantizer` / `LogSqrt2Quantizer`, APHQ-ViT's candidate grids), so its
 arithmetic is the one to follow: the level is rounded to the input's dtype, the rank `level * (n - 1)` is
-taken in float64, the interpolation weight (the rank's fractional part) is rounded to the input's dtype,
-and the two neighbouring order statistics are combined by `torch.lerp` (a fused multiply-add where the
-device has one). numpy's linear method keeps the level in float64 and interpolates in two separately rounded
-steps, which moves a 0.99999 quantile of 98,304 normal values by 4e-5 relative.
+taken, the interpolation weight (the rank's fractional part) is rounded to the input's dtype, and the two
+neighbouring order statistics are combined by `torch.lerp` (a fused multiply-add where the device has one).
+The rank's dtype depends on the torch release (`ranks_in_float64`): torch 2.11 takes a float32 input's rank
+in float32 (`q * (n - 1)` rounded to float32), torch 2.14 in float64 (pytorch/pytorch#187574, which lifted
+the 2^24 size cap; MPS, which has no float64, keeps float32 ranks there). The two differ in the tail levels
+(up to 1.7e-4 at 0.99999 of 98,304 normal values), so which rule the running torch uses is found once by a
+tiny CPU probe of torch.quantile and followed on every call; a float64 input's rank is float64 under both.
+numpy's linear method keeps the level in float64 and interpolates in two separately rounded steps, which
+moves a 0.99999 quantile of 98,304 normal values by 4e-5 relative.
 
-torch releases that refuse a reduced dimension above 2^24 elements ("quantile() input tensor is too large";
-older ones, and CUDA builds by public reports) send the RepQ-ViT code to its `np.percentile` fallback for such
-tensors (a ViT-B fc2 input of 32 calibration images has 19.4 M elements). torch 2.14.1 on CPU accepts any size
-with the same arithmetic (tests/test_quant_quantile.py at 2^24 + 1 elements), so the official code never falls
-back there, and `quantile` follows torch.quantile at every size: where the running torch refuses (not checked on
-torch 2.11 or on CUDA), the official code's quantiles of tensors above 2^24 elements follow numpy's arithmetic
-and ours do not, a difference in the last bits of those levels.
+torch releases that refuse a reduced dimension above 2^24 elements ("quantile() input tensor is too large":
+torch 2.11 on CPU and CUDA, and older ones) send the RepQ-ViT code to its `np.percentile` fallback for such
+tensors (a ViT-B fc2 input of 32 calibration images has 19.4 M elements), APHQ-ViT's to its average over
+chunks. torch 2.14.1 on CPU accepts any size with its float64 ranks (tests/test_quant_quantile.py at
+2^24 + 1 elements), so the official code never falls back there, and `quantile` follows torch.quantile at
+every size. Where the running torch refuses (torch 2.11), `quantile` still computes that torch's arithmetic
+without its size check: float32 ranks, which above 2^24 fall on float32's spacing (2 at 2^24 .. 2^25, so a
+weight of 0 and a rank up to one element off the exact one; clamped to the last element); the official
+code's quantiles of those tensors follow numpy's arithmetic (or the chunk average) and ours do not, a
+difference in the last bits of those levels.
 
 Calibration only ever needs quantiles in the tails (p = 0.999 ... 0.99999 and 1 - p), so we read the
 two neighbouring order statistics of each requested quantile from one `topk` per tail instead of a full
@@ -29,6 +37,7 @@ last is not defined, and neither is our result then.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -44,14 +53,53 @@ def level_in(q: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(q, dtype=dtype, device="cpu"))  # a host number: on the CPU, whatever the default device
 
 
+def rank_plan(levels: Sequence[float], n: int, dtype: torch.dtype, float64_ranks: bool) -> list:
+    """`(i, j, w)` per level: the order statistics (0-based) torch.quantile lerps and the weight, as a `dtype` input
+    of `n` elements along the reduced dimension gives them, with the rank `level * (n - 1)` in float64 or in
+    float32 (`float64_ranks`; see the module docstring). i <= j <= n - 1; w is exact in `dtype`."""
+    plan = []
+    for q in levels:
+        if float64_ranks:
+            rank = level_in(q, dtype) * (n - 1)  # float64, exact level of the dtype times an exact integer
+        else:
+            # torch 2.11's `q * last_index`: a float32 tensor times an integer scalar, computed by torch itself (the
+            # scalar is cast to float32 first, which is exact below 2^24, the only sizes that torch accepts)
+            rank = float(torch.tensor(q, dtype=torch.float32, device="cpu") * (n - 1))
+        i = min(int(math.floor(rank)), n - 1)  # above 2^24 a float32 rank can round past the last element
+        j = min(int(math.ceil(rank)), n - 1)
+        plan.append((i, j, rank - i if j > i else 0.0))  # exact: the rank minus its own floor
+    return plan
+
+
+@functools.lru_cache(maxsize=None)
+def ranks_in_float64() -> bool:
+    """Whether the running torch.quantile takes a float32 input's rank in float64 (torch 2.14) or in float32
+    (torch 2.11), found once from a probe on the CPU where the two rules differ: 1001 values whose order
+    statistics 999 and 1000 are 0 and 1, so the 0.999 quantile is the weight itself, 0 under float32 ranks
+    (0.999f * 1000 rounds to 999) and 1.3e-5 under float64 ones. A torch that matches neither is refused: its
+    quantiles would not be torch.quantile's."""
+    x = torch.arange(1001, dtype=torch.float32, device="cpu") - 999  # ascending: order statistic k is x[k]
+    got = torch.quantile(x, 0.999)
+    rules = []
+    for float64_ranks in (True, False):
+        ((i, j, w),) = rank_plan([0.999], x.numel(), torch.float32, float64_ranks)
+        if torch.equal(torch.lerp(x[i], x[j], torch.tensor(w, dtype=torch.float32)), got):
+            rules.append(float64_ranks)
+    if len(rules) != 1:
+        raise RuntimeError(f"torch {torch.__version__}: torch.quantile's 0.999 quantile of the probe is "
+                           f"{got.item()!r}, which neither a float32 nor a float64 rank gives; quant/quantile.py does "
+                           f"not know this torch's arithmetic")
+    return rules[0]
+
+
 def quantile(x: torch.Tensor, qs: Sequence[float], dim: Optional[int] = None) -> torch.Tensor:
     """`torch.stack([torch.quantile(x, q, dim=dim) for q in qs])`, bit for bit (but for the sign of a zero
     result: see the module docstring), from two `topk` tails.
 
-    For each level q (see the module docstring): `rank = float64(dtype(q)) * (n - 1)`, `i = floor(rank)`,
-    `j = ceil(rank)`, `w = dtype(rank - i)` and the value is `torch.lerp(x_(i), x_(j), w)` where x_(k) is
-    the k-th smallest value (0-based) along `dim`. A row holding NaN gives NaN, as torch.quantile: the row's
-    first NaN lerped with itself at weight 0.
+    For each level q (see the module docstring): `rank = dtype(q) * (n - 1)` in float64 (torch 2.14) or float32
+    (torch 2.11 on a float32 input: `ranks_in_float64`), `i = floor(rank)`, `j = ceil(rank)`, `w = dtype(rank - i)`
+    and the value is `torch.lerp(x_(i), x_(j), w)` where x_(k) is the k-th smallest value (0-based) along `dim`.
+    A row holding NaN gives NaN, as torch.quantile: the row's first NaN lerped with itself at weight 0.
 
     Args:
         x: floating tensor, any number of elements (a 0-d tensor is one, as torch.quantile takes it);
@@ -84,12 +132,10 @@ def quantile(x: torch.Tensor, qs: Sequence[float], dim: Optional[int] = None) ->
             raise ValueError(f"quantile level {q} is outside [0, 1]")
     dtype = x.dtype if x.dtype in QUANTILE_DTYPES else torch.float32
 
-    # Ranks (0-based, ascending) and weights of each level, in torch.quantile's arithmetic.
-    plan = []
-    for q in qs:
-        rank = level_in(q, dtype) * (n - 1)  # float64, exact level of the dtype times an exact integer
-        i = int(math.floor(rank))
-        plan.append((i, int(math.ceil(rank)), rank - i))
+    # Ranks (0-based, ascending) and weights of each level, in the running torch.quantile's arithmetic: a float64
+    # input's rank is float64 on every torch; a float32 one's as the probe found, but float32 on MPS (no float64)
+    float64_ranks = dtype == torch.float64 or (x.device.type != "mps" and ranks_in_float64())
+    plan = rank_plan(qs, n, dtype, float64_ranks)
     ranks = sorted({r for i, j, _ in plan for r in (i, j)})
     lower = [r for r in ranks if r < n // 2]
     upper = [r for r in ranks if r >= n // 2]
