@@ -208,3 +208,35 @@ def test_stages_run_in_the_documented_order_whatever_the_order_of_stages(tmp_pat
     report = gpu_check.main(["--smoke", "--out", str(tmp_path / "gc.json"), "--stages", "aphq_unit", "quant",
                              "pytest"])
     assert order.read_text().split() == ["pytest", "quant", "aphq_unit"] == list(report["stages"])
+
+
+def test_every_test_file_with_a_gpu_mark_is_in_the_pytest_stage():
+    # The stage names its files instead of collecting all of tests/ (one module that cannot import there ended it with
+    # 0 tests run): a new file with a gpu-marked test that is not listed would be silently left out of the GPU check
+    import ast
+
+    def has_gpu_mark(path):  # `pytest.mark.gpu` in the code (a decorator, a param's marks, pytestmark), not in a string
+        tree = ast.parse(open(path).read())
+        return any(isinstance(node, ast.Attribute) and node.attr == "gpu" and isinstance(node.value, ast.Attribute)
+                   and node.value.attr == "mark" for node in ast.walk(tree))
+
+    marked = sorted(f"tests/{name}" for name in os.listdir(os.path.join(ROOT, "tests"))
+                    if name.endswith(".py") and has_gpu_mark(os.path.join(ROOT, "tests", name)))
+    gpu_check = load_script("gpu_check")
+    assert sorted(gpu_check.GPU_TEST_FILES) == marked
+    assert gpu_check.PYTEST[-len(marked):] == gpu_check.GPU_TEST_FILES and "tests" not in gpu_check.PYTEST
+
+
+def test_a_test_file_that_cannot_import_is_an_error_and_the_other_files_run(tmp_path):
+    # transformers 5.17 on the GPU image against a module-level import: that file's error, the other files' tests
+    (tmp_path / "test_gc_unimportable.py").write_text("import not_a_module_anywhere_gc\n\n\ndef test_x():\n    pass\n")
+    (tmp_path / "test_gc_fine.py").write_text("import pytest\n\n\n@pytest.mark.gpu\ndef test_on_gpu():\n    pass\n\n\n"
+                                              "def test_not_gpu():\n    pass\n")
+    gpu_check = load_script("gpu_check")
+    out = gpu_check.Partial(str(tmp_path / "figures.json"))
+    files = [str(tmp_path / "test_gc_unimportable.py"), str(tmp_path / "test_gc_fine.py")]
+    assert gpu_check.run_pytest([*gpu_check.PYTEST_OPTIONS, *files], 60, out) == 1
+    figures = json.loads((tmp_path / "figures.json").read_text())
+    assert figures["counts"] == {"error": 1, "passed": 1}, figures
+    (error,) = [t for name, t in figures["tests"].items() if "unimportable" in name]
+    assert "not_a_module_anywhere_gc" in error["message"]
