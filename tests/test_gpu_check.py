@@ -216,7 +216,8 @@ def test_every_test_file_with_a_gpu_mark_is_in_the_pytest_stage():
     import ast
 
     def has_gpu_mark(path):  # `pytest.mark.gpu` in the code (a decorator, a param's marks, pytestmark), not in a string
-        tree = ast.parse(open(path).read())
+        with open(path) as f:
+            tree = ast.parse(f.read())
         return any(isinstance(node, ast.Attribute) and node.attr == "gpu" and isinstance(node.value, ast.Attribute)
                    and node.value.attr == "mark" for node in ast.walk(tree))
 
