@@ -4,7 +4,8 @@ Two protocols.
 
 `--protocol step` (default): two sweeps, all in one process: (a) per-GPU batch size on ViT-B/16 (32, 64, 128,
 256) and (b) hidden size at batch 256 (ViT with embed dim 384 / 768 / 1024, depth 12, head dim 64). Each
-step is an AMP forward + backward + AdamW step on synthetic data:
+step is an AMP forward + backward + AdamW step on synthetic data, the AdamW built as train.py builds it
+(engine.optim: fused on CUDA, `fused` in every row):
     baseline    plain step
     cd          + ColinearityDecay(lam=0.005) attached as an optimizer step pre-hook (targets A+B), its update
                 norms on every --norms-every-th update only, as in training (default train.py's,
@@ -55,7 +56,8 @@ from engine.figures import new_figure  # noqa: E402
 from engine.outputs import save_figure, write_json  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, first_line  # noqa: E402
-from configs.schema import TrainConfig  # noqa: E402
+from configs.schema import OptimConfig, TrainConfig  # noqa: E402
+from engine.optim import build_optimizer, use_fused  # noqa: E402
 from engine.runinfo import cpu_name  # noqa: E402
 
 METHODS = ("baseline", "cd", "tweo", "tweo_plain")
@@ -86,14 +88,23 @@ def build_vit(embed_dim: int, depth: int, img_size: int, patch_size: int, num_cl
     return model.to(device)
 
 
+def train_optimizer(model: torch.nn.Module, device: str) -> tuple[torch.optim.Optimizer, bool]:
+    """AdamW (lr 1e-3, weight decay 0.05) built as train.py builds it (engine.optim: timm's parameter groups, the
+    fused kernel on CUDA), and whether it is fused. A plain torch AdamW runs the foreach kernels on CUDA, where fp16's
+    GradScaler then waits for the overflow verdict on the host every step: a path train.py does not run on GPUs."""
+    cfg = OptimConfig()
+    dev = torch.device(device)
+    return build_optimizer(model, cfg, lr=1e-3, weight_decay=0.05, device=dev), use_fused(cfg, dev)
+
+
 class Runner:
-    """One method on one configuration: model, AdamW, AMP scaler, synthetic batch and the regularizer."""
+    """One method on one configuration: model, train.py's AdamW, AMP scaler, synthetic batch and the regularizer."""
 
     def __init__(self, method: str, model_kw: dict, batch: int, args, device: str) -> None:
         torch.manual_seed(0)
         self.method, self.device, self.model_kw, self.batch = method, device, model_kw, batch
         self.model = build_vit(device=device, **model_kw).train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.05)
+        self.opt, self.fused = train_optimizer(self.model, device)
         self.amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "none": None}[args.amp]
         self.scaler = torch.amp.GradScaler(device, enabled=(args.amp == "fp16"))
         self.decay = self.tweo = None
@@ -186,8 +197,8 @@ def measure_config(model_kw: dict, batch: int, args, device: str,
     """
     rows = []
 
-    def finish(method: str, times: list[float], peak: Optional[float]) -> None:
-        row = {"method": method, "batch": batch, "embed_dim": model_kw["embed_dim"],
+    def finish(method: str, times: list[float], peak: Optional[float], fused: bool) -> None:
+        row = {"method": method, "batch": batch, "embed_dim": model_kw["embed_dim"], "fused": fused,
                "step_ms": statistics.median(times), "step_ms_all": times, "peak_mib": peak}
         if method == "cd":
             row.update(measure_apply(model_kw, args, device))
@@ -204,8 +215,9 @@ def measure_config(model_kw: dict, batch: int, args, device: str,
             torch.cuda.reset_peak_memory_stats()
             times = [r.timed(r.step) for _ in range(args.steps)]
             peak = torch.cuda.max_memory_allocated() / 2 ** 20
+            fused = r.fused
             r.close()
-            finish(method, times, peak)
+            finish(method, times, peak, fused)
     else:
         runners = [Runner(m, model_kw, batch, args, device) for m in METHODS]
         for r in runners:
@@ -215,10 +227,11 @@ def measure_config(model_kw: dict, batch: int, args, device: str,
         for _ in range(args.steps):
             for r in runners:
                 interleaved[r.method].append(r.timed(r.step))
+        fused = {r.method: r.fused for r in runners}
         for r in runners:
             r.close()
         for method in METHODS:  # no peak memory on a CPU (the module docstring)
-            finish(method, interleaved[method], None)
+            finish(method, interleaved[method], None, fused[method])
     return rows
 
 
@@ -228,14 +241,16 @@ def run_sweep(name: str, configs: list[tuple[dict, int]], args, device: str) -> 
         try:
             new = measure_config(model_kw, batch, args, device)
         except torch.cuda.OutOfMemoryError:
-            new = [{"method": m, "batch": batch, "embed_dim": model_kw["embed_dim"], "step_ms": None,
+            new = [{"method": m, "batch": batch, "embed_dim": model_kw["embed_dim"],
+                    "fused": use_fused(OptimConfig(), torch.device(device)), "step_ms": None,
                     "peak_mib": None, "oom": True} for m in METHODS]
             gc.collect()
             torch.cuda.empty_cache()
         for r in new:
             r["sweep"] = name
             print(f"  {name}: dim {r['embed_dim']:5d} batch {batch:4d} {r['method']:8s} "
-                  f"{_fmt(r['step_ms'], '.1f')} ms  peak {_fmt(r['peak_mib'], '.0f')} MiB", flush=True)
+                  f"{'fused' if r['fused'] else 'foreach'} AdamW {_fmt(r['step_ms'], '.1f')} ms  "
+                  f"peak {_fmt(r['peak_mib'], '.0f')} MiB", flush=True)
         rows += new
     return rows
 

@@ -19,8 +19,9 @@ either way):
                --test-timeout seconds; the outcome, duration and skip reason or failure of every test
     precision  fp16 against bf16 on ViT-B/16 at batch 256, fused AdamW and not, through the project's
                build_optimizer and TrainLoop: step time, images/s, peak memory (the loop's epoch costs)
-    overhead   CD's and TWEO's step time against the baseline on ViT-B/16 at batch 256, and CD's `apply`
-               against its bare-product floor at TF32 (scripts/bench_overhead.py, measure_config)
+    overhead   CD's and TWEO's step time against the baseline on ViT-B/16 at batch 256, with train.py's
+               AdamW (fused), and CD's `apply` against its bare-product floor at TF32
+               (scripts/bench_overhead.py, measure_config)
     quant      quantized forward time over float on ViT-B/16 at 224 px, batch 256, for percentile,
                repq, gplq and aphq (scripts/bench_quant.py)
     aphq_unit  one APHQ unit's reconstruction iteration and Hessian batch, extrapolated to the official

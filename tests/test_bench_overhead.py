@@ -360,3 +360,26 @@ def test_bench_overhead_refuses_a_thread_count_below_one(tmp_path, capsys, threa
     assert refused.value.code == 2 and len(lines) == 1 and f"argument --threads: {threads}: must be at least 1" \
         in lines[0], lines
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("device, fused", [("cuda", True), ("cpu", False)])
+def test_the_steps_are_timed_with_the_optimizer_train_py_builds(device, fused):
+    # train.py's AdamW is fused on CUDA (GradScaler then needs no host sync per step) and leaves 1-D parameters
+    # undecayed; a plain torch AdamW over model.parameters() is neither, so the figures described another path
+    bench = _bench()
+    model = bench.build_vit(embed_dim=64, depth=1, img_size=32, patch_size=8, num_classes=10, device="cpu")
+    optimizer, is_fused = bench.train_optimizer(model, device)  # a CPU model: torch's fused AdamW runs there too
+    assert is_fused is fused and bool(optimizer.defaults.get("fused")) is fused
+    undecayed = {id(p) for g in optimizer.param_groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert {id(p) for p in model.parameters() if p.ndim <= 1} <= undecayed
+    assert any(g["weight_decay"] == 0.05 for g in optimizer.param_groups)
+    assert all(g["lr"] == 1e-3 for g in optimizer.param_groups)
+
+
+def test_every_row_says_whether_its_optimizer_was_fused(tmp_path, capsys):
+    bench = _bench()
+    report = bench.main(["--device", "cpu", "--small", "--batches", "2", "--widths", "64", "--width-batch", "2",
+                         "--warmup", "0", "--steps", "1", "--out", str(tmp_path)])
+    assert [r["fused"] for r in report["rows"]] == [False] * len(report["rows"])
+    assert json.loads((tmp_path / "overhead.json").read_text())["rows"][0]["fused"] is False
+    assert capsys.readouterr().out.count("foreach AdamW") == len(report["rows"])
