@@ -323,9 +323,9 @@ class ColinearityDecay:
             'tf32' with the decayed matrices off CUDA (which has no TF32: fp32 products) is refused at the first
             update, so that a model moved to a GPU after CD is built takes it (the integrations refuse it when
             they bind the framework's optimizers, the model on its device by then).
-        norms_every: compute the update norms (`metrics`) on every n-th update only; they cost a
-            materialised delta per pair (and one more product per functional pair), so the trainer passes its
-            log interval. The weights are the same (bitwise) whatever it is.
+        norms_every: compute the update norms (`metrics`) on every n-th update only (lr-0 ones counted); they
+            cost a materialised delta per pair (and one more product per functional pair), so the trainer passes
+            its log interval. The weights are the same (bitwise) whatever it is.
         example_input: a tensor of the model's input shape (a tuple of positional inputs, a dict of keyword
             inputs) for checking the pairs against a forward pass (see `find_pairs`); timm models need none.
         verify: check the pairs against that forward pass (`find_pairs`); False trusts the structure alone,
@@ -413,6 +413,11 @@ class ColinearityDecay:
         # optimizer's that GradScaler skipped, a tensor lr of 0), which metrics()['cd/updates'] and state_dict()
         # subtract
         self.num_updates = 0
+        # optimizer updates this object was called for, one with lr 0 (a warmup from 0) or without a gradient to a
+        # decayed matrix too: the update number that `norms_every` counts, so that the norms fall on the caller's
+        # log steps (counted among the updates CD ran, a warmup's lr-0 first step put them one update late)
+        self._steps = 0
+        self._round_live = False  # whether a part of the update begun last (`_begin_update`) has run
         # steps skipped on the device (a fused step's gate, a tensor lr of 0), counted lazily
         self._gated_skips: Optional[Tensor] = None
         self._round_skip: Optional[Tensor] = None  # whether the last counted update was skipped so far
@@ -489,6 +494,7 @@ class ColinearityDecay:
                                "too would decay twice per step. Use one of them (handle.remove() detaches)")
         self._refuse_matrices_decayed_by_a_step()
         self._check_parameters_current()
+        self._begin_update()
         lr2 = [lr if p.downstream.requires_grad else 0.0 for p in self.pairs]
         lr1 = [lr if p.upstream.requires_grad else 0.0 for p in self.pairs]
         self._apply(lr2, lr1, gate=None)
@@ -519,16 +525,17 @@ class ColinearityDecay:
         moved to a GPU after CD is built gets tf32 there."""
         return resolve_precision(self._precision_setting, self.pairs[0].downstream.device)
 
-    def _apply(self, lr2: list, lr1: list, gate: Optional[Tensor], reads: Optional[Mapping[int, Tensor]] = None,
-               count: bool = True) -> bool:
-        """The update with these per-pair lrs; returns whether it ran (not when every step is a Python zero).
-        `reads`: id(matrix) -> the value to read it as (a matrix another optimizer stepped since this update's
-        weights; this update writes none of them). `count`: a new update (False: another optimizer's part of the
-        last one, whose update norms it joins)."""
+    def _apply(self, lr2: list, lr1: list, gate: Optional[Tensor],
+               reads: Optional[Mapping[int, Tensor]] = None) -> bool:
+        """The update with these per-pair lrs, within the update begun last (`_begin_update`); returns whether it
+        ran (not when every step is a Python zero). `reads`: id(matrix) -> the value to read it as (a matrix another
+        optimizer stepped since this update's weights; this update writes none of them). The first part that runs
+        is counted in cd/updates; a later one (another optimizer's) joins its update norms."""
         lrs, lams = lr2 + lr1, self._lams + self._up_lams
         live = [lr for lr, lam in zip(lrs, lams) if lam != 0 and not known_zero(lr)]
         if not live:  # apply(0), a warmup from lr 0: no update, not counted, the last update's norms stand
             return False
+        count = not self._round_live
         if self._tf32_to_check:
             self._refuse_tf32_off_cuda()
         # here, where every update runs (apply, a step): the weights' dtype may change after attach (model.half())
@@ -542,7 +549,7 @@ class ColinearityDecay:
         if reads:
             pairs = [dataclasses.replace(p, upstream=reads.get(id(p.upstream), p.upstream),
                                          downstream=reads.get(id(p.downstream), p.downstream)) for p in pairs]
-        norms = (self.num_updates + int(count)) % self.norms_every == 0
+        norms = self._steps % self.norms_every == 0  # the optimizer's update number, lr-0 updates included
         precision = self.matmul_precision  # 'auto' from where the matrices are at this update
         if self._sharded:
             result = sharded_colinearity_decay_(pairs, steps, up_steps, self._block_plans, gate=gate,
@@ -562,7 +569,14 @@ class ColinearityDecay:
                                                   for k, v in result.items()}}
         self.num_updates += int(count)
         self._count_gated(ran, count)
+        self._round_live = True
         return True
+
+    def _begin_update(self) -> None:
+        """A new optimizer update (`apply`, a step of the attached optimizer, the first part of a `cd.integrations`
+        update over several optimizers), whatever its lr: the number the update norms' `norms_every` counts."""
+        self._steps += 1
+        self._round_live = False
 
     def _refuse_tf32_off_cuda(self) -> None:
         """Refuse an explicit matmul_precision='tf32' at the first update when a decayed matrix is not on CUDA: its
@@ -700,7 +714,8 @@ class ColinearityDecay:
         optimizer's `found_inf`. Call it once per real update, right before `optimizer` reads the weights.
         Several optimizers over the decayed matrices make one update together: `reads` gives the matrices that
         another of them stepped already (id -> their value before), and `count=False` says that this is
-        another optimizer's part of the update counted already (see `_apply`).
+        another optimizer's part of the update begun already, by an earlier call whether it ran or not (see
+        `_apply`; an update is counted toward `norms_every` once, and in cd/updates once if a part ran).
 
         Returns:
             whether the update ran (not when no decayed matrix has a gradient, or every lr is a Python 0).
@@ -771,6 +786,8 @@ class ColinearityDecay:
                                "custom AMP contract); CD cannot tell whether this step will be skipped")
         self._check_parameters_current()
         index = self._group_index(optimizer)
+        if count:  # an update of the optimizer's, with a gradient to a decayed matrix or not (`norms_every`)
+            self._begin_update()
         # the optimizer leaves them all alone: so does CD (a decayed matrix it does not hold, e.g. another
         # optimizer's that accumulates, does not make this step an update)
         if all(t.grad is None or id(t) not in index for t in self._decayed()):
@@ -787,7 +804,7 @@ class ColinearityDecay:
         found_inf = getattr(optimizer, "found_inf", None)
         gate = (found_inf == 0) if isinstance(found_inf, Tensor) else None
         with torch.no_grad():  # step pre-hooks run outside the optimizer's own no_grad
-            return self._apply(lr2, lr1, gate, reads, count)
+            return self._apply(lr2, lr1, gate, reads)
 
     def _count_gated(self, ran: Optional[Tensor], count: bool) -> None:
         """Keep `cd/updates` to the updates that ran: a counted part that the device skipped (`_ran_on_device`) is
@@ -839,7 +856,10 @@ class ColinearityDecay:
             W_gate and W_up) as their stacked matrix [W_Q; W_K; W_V] (the sum of their pairs' energies).
         cd/update_norm/<role>: Frobenius norm of the role's update, all blocks together (also
             <role>_upstream for target C), from the last update whose number is a multiple of
-            `norms_every`; absent before that.
+            `norms_every`; absent before that. The number counts every update CD is called for (`apply`, the
+            attached optimizer's steps), one with lr 0 too (a warmup from 0), so that norms_every = the caller's
+            log interval gives the norm of the update at each log step; an optimizer step that GradScaler skips
+            without calling step() (non-fused) is not seen.
         cd/penalty: loss mode, the last unweighted-by-coef penalty. cd/updates: CD updates applied so far
             (a step with lr 0 or skipped by GradScaler is none).
 
@@ -869,13 +889,16 @@ class ColinearityDecay:
         return config
 
     def state_dict(self) -> dict:
-        """CD has no state that affects the update (it is fixed by the config); this holds the update
-        counter for logging and the config (the settings and the names of the decayed matrices), checked on load."""
-        return {"num_updates": self._updates_done(), "config": self._config()}
+        """CD has no state that affects the update (it is fixed by the config); this holds the counters for
+        logging (`num_updates`: cd/updates; `steps`: the updates `norms_every` counts, lr-0 ones too) and the config
+        (the settings and the names of the decayed matrices), checked on load."""
+        return {"num_updates": self._updates_done(), "steps": self._steps, "config": self._config()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the counter; warn if the saved config differs from this object's."""
+        """Restore the counters; warn if the saved config differs from this object's. `steps` (the updates
+        `norms_every` counts, lr-0 ones too) is that of a state saved before it was kept: `num_updates`."""
         self.num_updates = int(state.get("num_updates", 0))
+        self._steps = int(state.get("steps", self.num_updates))
         self._gated_skips = self._round_skip = None
         saved = state.get("config")
         change = config_change(saved, self._config()) if saved is not None else None

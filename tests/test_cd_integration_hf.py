@@ -170,7 +170,8 @@ def warmup(step: int) -> float:
 def test_a_resumed_run_after_a_warmup_from_lr_0_counts_and_computes_norms_as_an_uninterrupted_one(tmp_path):
     """Step 0 of the warmup has lr 0, which is no CD update: 4 steps make 3 (the steps of lr > 0), and a run resumed
     from the checkpoint of step 2 (1 update so far, not its global_step 2) counts 3 too. The update norms, computed
-    on every 2nd update, then come from the same update (the one of step 2) as in the uninterrupted run."""
+    on every 2nd update (lr-0 ones counted: the Trainer's global steps), then come from the same update (the one of
+    step 4) as in the uninterrupted run."""
     steps, every = 4, 2
     nonzero = sum(warmup(s) > 0 for s in range(steps))  # the updates CD makes: 3
     full_trainer, initial, _ = train(tmp_path / "full", steps=steps, schedule=warmup, cd_kwargs={"norms_every": every})

@@ -274,6 +274,50 @@ def test_update_norms_are_computed_every_norms_every_updates():
         ColinearityDecay(model, matmul_precision="fp8")
 
 
+def _fc2_change(model: torch.nn.Module, before: dict) -> float:
+    """Frobenius norm of the change of every fc2 weight since `before`, all blocks together (measured)."""
+    return math.sqrt(sum(float((b.mlp.fc2.weight - before[i]).double().square().sum())
+                         for i, b in enumerate(model.blocks)))
+
+
+def test_norms_every_counts_lr_0_updates_so_the_norm_is_that_of_the_update_at_each_multiple():
+    """A warmup from lr 0 (every LM recipe's first update) is an update of the caller's, counted toward
+    norms_every: with norms_every=2, after updates 2 and 4 the norm is that of update 2 and 4, measured from the
+    weights (it was none after update 2, and update 3's after update 4: only the updates CD ran were counted)."""
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.1, norms_every=2)
+    for number, lr in enumerate((0.0, 0.5, 0.3, 0.2), start=1):
+        before = [b.mlp.fc2.weight.detach().clone() for b in model.blocks]
+        decay.apply(lr=lr)
+        if number % 2 == 0:
+            assert decay.metrics()["cd/update_norm/fc2"] == pytest.approx(_fc2_change(model, before), rel=1e-9)
+    assert decay.metrics()["cd/updates"] == 3
+
+
+def test_an_attached_optimizers_lr_0_step_is_counted_toward_norms_every_and_kept_over_a_resume():
+    """The same through `attach` (train.py's way), with a state_dict/load_state_dict after update 2: the resumed
+    object computes the norm of update 4, as the uninterrupted one."""
+    model = tiny_vit().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    decay = ColinearityDecay(model, lam=0.1, norms_every=2)
+    handle = decay.attach(opt)
+    for number, lr in enumerate((0.0, 0.5, 0.3, 0.2), start=1):
+        if number == 3:  # a resume: a new object from the saved state
+            handle.remove()
+            saved, decay = decay.state_dict(), ColinearityDecay(model, lam=0.1, norms_every=2)
+            decay.load_state_dict(saved)
+            handle = decay.attach(opt)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)  # the SGD step itself changes nothing: CD's change alone
+        before = [b.mlp.fc2.weight.detach().clone() for b in model.blocks]
+        opt.step()
+        if number % 2 == 0:
+            assert decay.metrics()["cd/update_norm/fc2"] == pytest.approx(_fc2_change(model, before), rel=1e-9)
+    assert decay.metrics()["cd/updates"] == 3
+
+
 def _gated_vit(mlp: str) -> torch.nn.Module:
     """Tiny ViT with SwiGLU MLPs: timm `SwiGLU` (fc1_g, fc1_x, hidden 64) or `GluMlp` packed (fc1 = 2 x 64)."""
     import timm

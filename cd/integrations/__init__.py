@@ -311,8 +311,9 @@ class SharedUpdate:
     def apply_for(self, optimizer: torch.optim.Optimizer, kwargs: dict) -> None:
         """`optimizer`'s part of the update (in its step), on the weights of before the update's steps."""
         reads = {i: t for i, t in self._kept.items() if self._holder[i] is not optimizer}
-        if self.decay.apply_for(optimizer, kwargs, reads, count=not self._counted):
-            self._counted = True
+        # the first part begins the update, whether or not it runs (an lr of 0): `norms_every` counts updates
+        self.decay.apply_for(optimizer, kwargs, reads, count=not self._counted)
+        self._counted = True
 
     def new_round(self) -> None:
         """The update is over: the next step of any optimizer belongs to the next one."""

@@ -135,7 +135,9 @@ class ColinearityDecayCallback(TrainerCallback):
     def _restore_counter(self, state) -> None:
         """The counter of a resumed run: the saved one, when it was saved at the step the Trainer restored;
         else (a checkpoint without it) the restored global_step, where CD updates at all (lam=0 counts none).
-        A saved config that differs from this decay's is warned about (`ColinearityDecay.load_state_dict`)."""
+        The updates that `norms_every` counts are the restored global_step (the Trainer's update number, which
+        its logging_steps count too). A saved config that differs from this decay's is warned about
+        (`ColinearityDecay.load_state_dict`)."""
         saved = (state.stateful_callbacks or {}).get(COUNTER_KEY)
         saved = saved if isinstance(saved, dict) else {}
         if saved.get("global_step") == state.global_step and "num_updates" in saved:
@@ -146,7 +148,7 @@ class ColinearityDecayCallback(TrainerCallback):
         if isinstance(config, dict):  # trainer_state.json sorts its keys: the decay's order, so that the warning
             own = self.decay.state_dict()["config"]  # reads as Lightning's and MMEngine's (dicts compare equal anyway)
             config = {**{k: config[k] for k in own if k in config}, **config}
-        self.decay.load_state_dict({"num_updates": count, "config": config})
+        self.decay.load_state_dict({"num_updates": count, "steps": state.global_step, "config": config})
 
     def _unbind(self) -> None:
         if self._binding is not None:
