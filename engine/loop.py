@@ -156,6 +156,10 @@ class TrainLoop:
         # on the optimizer as the device tensor `found_inf` for the duration of step(): counted on the device,
         # so that the fp16 step never waits for the GPU, and read at log steps and checkpoints.
         self._real_steps = 0
+        # the epoch/* costs of the epoch in progress, summed over the run_epoch calls that its mid-epoch validations
+        # (eval_every) split it into: (epoch, micro-batches done, seconds, peak MiB), or None when the epoch in
+        # progress did not start in this process (a resume mid-way: not run in one go)
+        self._epoch_costs_so_far: Optional[Tuple[int, int, float, float]] = None
         self._skipped_on_device: Optional[torch.Tensor] = None
         self._first_loss: Optional[torch.Tensor] = None  # the first update's loss, read at the next log step
         self._first_update_done = False  # whether _first_loss holds all the first update's micro-batches
@@ -212,8 +216,15 @@ class TrainLoop:
             else:
                 self.scheduler.step(state.epoch)
         self.model.train()
-        whole_epoch = state.epoch_batches == 0  # epoch/* timings only for epochs run in one go
-        if whole_epoch and self.device.type == "cuda":
+        # epoch/* costs only for epochs run in one go: begun here, or continued after this loop's own validation
+        # (the time between the parts, validating, is left out)
+        so_far = self._epoch_costs_so_far
+        if state.epoch_batches == 0:
+            so_far = (state.epoch, 0, 0.0, 0.0)
+        elif so_far is not None and so_far[:2] != (state.epoch, state.epoch_batches):
+            so_far = None
+        self._epoch_costs_so_far = None  # until this part ends: an error or a stop inside it ends the sums
+        if so_far is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         epoch_t0 = time.perf_counter()
         bar = _progress_bar(total, state.epoch_batches // self.accum_steps, state.epoch, self.progress)
@@ -298,9 +309,14 @@ class TrainLoop:
             self._log(state, window, None, total)
         window.check_finite(state.step, self.saved_step)  # a host sync: the epoch's kernels have finished
         self._settle_skipped_steps(state)  # the caller may checkpoint `state` now
-        if (state.epoch_batches >= total * self.accum_steps and whole_epoch and self.log_epoch_costs
-                and self.log is not None):
-            self.log(state.step, self._epoch_costs(epoch_t0))
+        if so_far is not None:
+            so_far = self._epoch_costs(so_far, epoch_t0, state)
+        if state.epoch_batches >= total * self.accum_steps and so_far is not None and self.log_epoch_costs \
+                and self.log is not None:
+            self.log(state.step, {"epoch/train_seconds": so_far[2],
+                                  **({"epoch/max_mem_mib": so_far[3]} if self.device.type == "cuda" else {})})
+        if reason == "validate":  # continued by the next call, after the validation
+            self._epoch_costs_so_far = so_far
         if state.epoch_batches >= total * self.accum_steps:  # the epoch is complete, also when a stop came
             state.epoch += 1  # at its last update: a resumed run starts the next epoch, not an empty one
             state.epoch_batches = 0
@@ -419,15 +435,15 @@ class TrainLoop:
                   "and re-run the same command to resume from there", type(error).__name__, state.step + 1,
                   state.step)
 
-    def _epoch_costs(self, t0: float) -> dict:
-        """epoch/train_seconds: wall time of the epoch's updates (no validation, no checkpoint; rank 0's
-        clock, the ranks having just synchronised); epoch/max_mem_mib: this rank's peak
+    def _epoch_costs(self, so_far: Tuple[int, int, float, float], t0: float,
+                     state: TrainState) -> Tuple[int, int, float, float]:
+        """`so_far` with the part of the epoch run since `t0` added. epoch/train_seconds: wall time of the epoch's
+        updates (no validation, no checkpoint; rank 0's clock, the ranks having just synchronised), summed over
+        the parts that mid-epoch validations split it into; epoch/max_mem_mib: this rank's peak
         torch.cuda.max_memory_allocated during them (CUDA only). The paper's efficiency protocol (Sec. 4.3)
         reads these, scripts/bench_overhead.py --protocol epochs."""
-        costs = {"epoch/train_seconds": time.perf_counter() - t0}
-        if self.device.type == "cuda":
-            costs["epoch/max_mem_mib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 20
-        return costs
+        peak = torch.cuda.max_memory_allocated(self.device) / 2 ** 20 if self.device.type == "cuda" else 0.0
+        return state.epoch, state.epoch_batches, so_far[2] + time.perf_counter() - t0, max(so_far[3], peak)
 
     def _optimizer_step(self) -> Optional[torch.Tensor]:
         grad_norm = None

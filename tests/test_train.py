@@ -1638,6 +1638,35 @@ def test_epoch_costs_are_logged_only_for_an_epoch_run_in_one_go():
         assert state.epoch == 1 and sum("epoch/train_seconds" in m for m in logged) == want, start
 
 
+def test_an_epoch_split_by_validations_logs_the_time_of_its_updates_once():
+    """eval_every=2 over an epoch of 5 updates: run_epoch returns for a validation after updates 2 and 4 (the
+    caller validates, here a 0.3 s sleep) and the epoch is still run in one go: epoch/train_seconds is logged once,
+    at its end, the time of its 5 updates (0.05 s each, a sleep in the loss) without the validations'."""
+    import time as _time
+
+    from engine.loop import TrainBatches
+
+    def slow_loss(m, x, y):
+        _time.sleep(0.05)
+        return F_ce(m(x), y)
+
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(5)]
+    logged = []
+    model = torch.nn.Linear(3, 2)
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=slow_loss,
+                     device=torch.device("cpu"), eval_every=2, log_every=100, log_epoch_costs=True,
+                     log=lambda step, metrics: logged.append((step, metrics)))
+    state, reasons = TrainState(), []
+    while state.epoch == 0 and len(reasons) < 5:
+        reasons.append(loop.run_epoch(TrainBatches(batches[state.epoch_batches:], _FixedOrder()), state, 2))
+        if reasons[-1] == "validate":
+            _time.sleep(0.3)
+    assert reasons == ["validate", "validate", "epoch_end"]
+    seconds = [(step, m["epoch/train_seconds"]) for step, m in logged if "epoch/train_seconds" in m]
+    assert len(seconds) == 1 and seconds[0][0] == 5, seconds
+    assert 5 * 0.05 <= seconds[0][1] < 5 * 0.05 + 0.3, seconds
+
+
 def test_resuming_from_out_dirs_own_checkpoint_keeps_no_copy_of_it(tmp_path):
     """keep_abandoned_checkpoint keeps checkpoint.pt only when the run goes on from another file: the same
     command resumed from checkpoint.pt itself leaves no checkpoint.until_step<N>.pt beside it."""
