@@ -60,7 +60,7 @@ from engine.divergence import (DivergenceError, DivergenceGuard, best_withheld_l
 from engine.ema import build_ema
 from engine.rank_agreement import check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
-from engine.metrics import MetricLogger, duration, progress_line
+from engine.metrics import METRICS_FINGERPRINT, MetricLogger, duration, progress_line
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, schedule_length, use_fused
 from engine.precision import describe_precision, grad_scaler
 from engine.preemption import EXIT_PREEMPTED, Preemption, preempted_line
@@ -177,6 +177,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     if resume_path is not None:
         resume_run(run, resume_path, payload)
         other_validation = validation_changes(payload["config"], config_to_dict(cfg))
+        # of out_dir's metrics.jsonl only: another folder's checkpoint describes that folder's records
+        metrics_fingerprint = payload.get(METRICS_FINGERPRINT) if is_inside(resume_path, cfg.out_dir) else None
         del payload
         if kept := keep_abandoned_checkpoint(cfg.out_dir, resume_path, run.state.step, dist.is_main, dist.device):
             log.warning("checkpoint.pt of the branch this run leaves kept as %s", kept)
@@ -196,7 +198,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     run.logger = MetricLogger(cfg.out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb,
                               cfg.log.wandb_project, cfg.log.wandb_mode, config_to_dict(cfg),
                               resume_step=run.state.step if resume_path is not None else None,
-                              wandb_id=run.wandb_id)
+                              wandb_id=run.wandb_id,
+                              resume_fingerprint=metrics_fingerprint if resume_path is not None else None)
     start_step = run.state.step
     loop = build_loop(run, preemption)
     loop.saved_step = start_step if resume_path is not None else None  # what a withheld checkpoint keeps
@@ -279,6 +282,8 @@ class Run:
                  "optimizer_param_names": optimizer_param_names(model, optimizer),
                  "epoch_position": epoch_position(epoch_batches=state.epoch_batches, **self.position),
                  "resumed_from": self.started_from, "wandb_id": self.wandb_id, "model_drop_sites": MODEL_DROP_SITES,
+                 # which history of metrics.jsonl leads here: a return to this branch takes its records back
+                 METRICS_FINGERPRINT: self.logger.fingerprint(state.step) if self.logger is not None else None,
                  **({"cd": self.decay.state_dict()} if self.decay is not None else {})}
         self.save_on_main(lambda: training_payload(model=model, optimizer=optimizer, state=state,
                                                    config=config_to_dict(self.cfg), ema=self.ema,

@@ -2,10 +2,16 @@
 
 Keys are namespaced (`train/loss`, `train/lr`, `val/top1`, `cd/pair_energy/fc2`, `act/max_block`).
 Only the main rank writes. On resume, records past the resumed step are dropped from metrics.jsonl and
-TensorBoard purges them too, so a resumed run's logs read as one uninterrupted run.
+TensorBoard purges them too, so a resumed run's logs read as one uninterrupted run. A checkpoint records a
+fingerprint of metrics.jsonl's records before its update (`MetricLogger.fingerprint`): a resume whose
+metrics.jsonl holds other records there (a return to a branch one left, whose records a later resume moved into a
+kept metrics.until_step<N>.jsonl) takes this branch's records back from the kept file that holds them, as best.pt
+takes back its own (engine/best.py), the file it replaces kept under a new name.
 """
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import logging
 import math
@@ -16,18 +22,29 @@ from .run_dir import keep_as_until_step, partial_path
 
 log = logging.getLogger(__name__)
 
+METRICS_FINGERPRINT = "metrics_fingerprint"  # a checkpoint's entry: MetricLogger.fingerprint at its update
+
 
 class MetricLogger:
     def __init__(self, out_dir: str, enabled: bool, tensorboard: bool = True, wandb: bool = False,
                  wandb_project: str = "", wandb_mode: str = "offline", config: Optional[dict] = None,
-                 resume_step: Optional[int] = None, wandb_id: str = ""):
+                 resume_step: Optional[int] = None, wandb_id: str = "", resume_fingerprint: Optional[str] = None):
+        """`resume_fingerprint`: the resumed checkpoint's record of the records before `resume_step` (None: an
+        older checkpoint, or one of another out_dir, whose records are not this folder's)."""
         self.enabled = enabled
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.tb = self.wandb = None
+        # the fingerprint of the records of the steps before _step, and _step's own lines (the loop logs in order)
+        self._before, self._step, self._pending = hashlib.sha256(), None, []
         if not enabled:
             return
         if resume_step is not None and os.path.exists(self.path):
+            if resume_fingerprint is not None:
+                _take_back_branch(self.path, resume_step, resume_fingerprint)
             _truncate_after(self.path, resume_step)
+        if os.path.exists(self.path):  # appended to: the checkpoints' fingerprints count its records
+            for line in _record_lines(self.path)[0]:
+                self._count(json.loads(line).get("step", 0), line)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -45,13 +62,33 @@ class MetricLogger:
         if not self.enabled or not metrics:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        line = json.dumps(record) + "\n"
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(line)
+        self._count(step, line)
         for key, value in record.items():
             if key != "step" and self.tb is not None and isinstance(value, (int, float)):
                 self.tb.add_scalar(key, value, step)
         if self.wandb is not None:
             self.wandb.log(record, step=step)
+
+    def _count(self, step: int, line: str) -> None:
+        if self._step is None or step > self._step:
+            for pending in self._pending:
+                self._before.update(pending.encode())
+            self._step, self._pending = step, []
+        self._pending.append(line)
+
+    def fingerprint(self, step: int) -> Optional[str]:
+        """`records_fingerprint` of metrics.jsonl's records before `step` (a checkpoint's update; those of `step`
+        itself may follow its write), kept as they are logged; None on the other ranks, which write none."""
+        if not self.enabled or (self._step is not None and step < self._step):
+            return None
+        digest = self._before.copy()
+        if self._step is None or step > self._step:
+            for pending in self._pending:
+                digest.update(pending.encode())
+        return digest.hexdigest()
 
     def close(self) -> None:
         if self.tb is not None:
@@ -100,12 +137,10 @@ def _plain(value):
     return value
 
 
-def _truncate_after(path: str, step: int) -> None:
-    """Keep the records up to `step`; drop lines that are not JSON (a partial last line, as a full disk or
-    a kill mid-write leaves), saying how many. Rewritten through a temporary file and a rename. Records after
-    `step` (a roll-back to an earlier snapshot, or updates since the last checkpoint before a crash) are
-    not lost: the file as it was is kept as metrics.until_step<step>.jsonl."""
-    kept, broken, later = [], 0, 0
+def _record_lines(path: str) -> tuple[list[str], int]:
+    """metrics.jsonl's record lines (each ending in a newline) and how many lines were not records (an
+    interrupted write)."""
+    lines, broken = [], 0
     with open(path) as f:
         for line in f:
             if not line.strip():
@@ -117,10 +152,64 @@ def _truncate_after(path: str, step: int) -> None:
             if not isinstance(record, dict):  # not one of this logger's records
                 broken += 1
                 continue
-            if record.get("step", 0) <= step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-            else:
-                later += 1
+            lines.append(line if line.endswith("\n") else line + "\n")
+    return lines, broken
+
+
+def records_fingerprint(lines: list[str], step: int) -> str:
+    """sha256 of the record lines of the steps before `step`, in order: which run's history a file holds up to a
+    checkpoint's update (the lines carry each run's own losses and timings)."""
+    digest = hashlib.sha256()
+    for line in lines:
+        if json.loads(line).get("step", 0) < step:
+            digest.update(line.encode())
+    return digest.hexdigest()
+
+
+def _take_back_branch(path: str, step: int, fingerprint: str) -> None:
+    """A resume at `step` whose checkpoint recorded `fingerprint` for the records before it: where metrics.jsonl
+    holds others (another branch of the run continued since, or fewer: a roll-back truncated it), the newest kept
+    metrics.until_step<N>.jsonl that holds them replaces it, up to `step` (metrics.jsonl kept as
+    metrics.until_step<step>.jsonl first; nothing is deleted or overwritten), with a warning. Where none does, a
+    warning says so and the run goes on with metrics.jsonl as it is. A file with no record before `step` (a run
+    started from another folder's checkpoint) has nothing to compare."""
+    lines = _record_lines(path)[0]
+    if not any(json.loads(line).get("step", 0) < step for line in lines) or \
+            records_fingerprint(lines, step) == fingerprint:
+        return
+    folder, name = os.path.split(path)
+    stem, ext = os.path.splitext(name)
+    kept_files = sorted(glob.glob(os.path.join(glob.escape(folder), f"{stem}.until_step*{ext}")),
+                        key=os.path.getmtime, reverse=True)
+    source = next((kept for kept in kept_files
+                   if records_fingerprint(_record_lines(kept)[0], step) == fingerprint), None)
+    if source is None:
+        log.warning("%s: its records before update %d are not those of the run the checkpoint continues (another "
+                    "branch of it), and no kept %s.until_step*%s holds those: the records from update %d on follow "
+                    "other ones", path, step, stem, ext, step)
+        return
+    branch = [line for line in _record_lines(source)[0] if json.loads(line).get("step", 0) <= step]
+    kept = keep_as_until_step(path, step)
+    tmp = partial_path(path)
+    with open(tmp, "w") as f:
+        f.writelines(branch)
+    os.replace(tmp, path)
+    log.warning("%s held another branch's records before update %d: kept as %s; this run's records up to update "
+                "%d taken back from %s", path, step, os.path.basename(kept), step, os.path.basename(source))
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Keep the records up to `step`; drop lines that are not JSON (a partial last line, as a full disk or
+    a kill mid-write leaves), saying how many. Rewritten through a temporary file and a rename. Records after
+    `step` (a roll-back to an earlier snapshot, or updates since the last checkpoint before a crash) are
+    not lost: the file as it was is kept as metrics.until_step<step>.jsonl."""
+    kept, later = [], 0
+    lines, broken = _record_lines(path)
+    for line in lines:
+        if json.loads(line).get("step", 0) <= step:
+            kept.append(line)
+        else:
+            later += 1
     if broken:
         log.warning("%s: dropped %d unreadable line(s) (an interrupted write)", path, broken)
     if later:
