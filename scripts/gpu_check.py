@@ -6,6 +6,13 @@ On a machine with one CUDA GPU, from the repository root, in under 10 minutes (t
 
     PYTHONUNBUFFERED=1 python scripts/gpu_check.py --out gpu_check/gpu_check.json
 
+On a machine lent for one command of at most 10 minutes whose $OUT folder comes back (docs/mini_reproduction.md,
+"On a GPU"; tests/test_gpu_check_docs.py checks that its flags are this script's and its budgets fit):
+
+    nvidia-smi -L; python3 -c "import torch,timm;print(torch.__version__,timm.__version__)" && \
+        PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT/gpu_check.json --total-budget 560 \
+        --budget pytest=320 --budget precision=50 --budget overhead=50 --budget quant=90 --budget aphq_unit=40
+
     python scripts/gpu_check.py --stages precision overhead --out figures.json   # some stages only
     python scripts/gpu_check.py --smoke --out /tmp/gpu_check.json                # CPU, under a minute
 

@@ -1,23 +1,59 @@
 """What docs/mini_reproduction.md ("On a GPU") and configs/sweeps/fashion_mnist_gpu.yaml tell a GPU machine to run
-works as written: the stated shortest `sched.epochs` is accepted by the GPU study's configs while the next shorter
-one is refused."""
+works as written: the one-call gpu_check command (in scripts/gpu_check.py's docstring too) names only flags the
+script takes, with budgets that fit a 10-minute command, and the stated shortest `sched.epochs` is accepted by the
+GPU study's configs while the next shorter one is refused."""
 import os
 import re
+import shlex
 
 import pytest
+import torch
 
 from configs import ConfigError, load_config
-from tests.conftest import ROOT
+from tests.conftest import ROOT, load_script
 
 DOC = os.path.join(ROOT, "docs", "mini_reproduction.md")
 SWEEP = os.path.join(ROOT, "configs", "sweeps", "fashion_mnist_gpu.yaml")
 GPU_CONFIGS = [os.path.join(ROOT, "configs", "finetune", f) for f in
                ("fashion_mnist_dinov2_s14.yaml", "fashion_mnist_dinov2_s14_gpu.yaml")]
+COMMAND_LIMIT_S = 600  # one command on the lent GPU machine
 
 
 def read(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         return f.read()
+
+
+def one_call(text: str) -> list[str]:
+    """The words of the documented one-call command: from `nvidia-smi` to the end of its continued lines."""
+    start = text.index("nvidia-smi -L;")
+    lines = []
+    for line in text[start:].splitlines():
+        lines.append(line.rstrip().removesuffix("\\"))
+        if not line.rstrip().endswith("\\"):
+            break
+    return shlex.split(" ".join(lines), posix=True)
+
+
+@pytest.mark.parametrize("where", ["docs/mini_reproduction.md", "scripts/gpu_check.py"])
+def test_the_one_call_gpu_check_takes_its_flags_and_fits_the_command_limit(where, monkeypatch, capsys):
+    gpu_check = load_script("gpu_check")
+    words = one_call(read(DOC) if where.endswith(".md") else gpu_check.__doc__)  # the docstring as printed
+    assert words[:2] == ["nvidia-smi", "-L;"] and "python3" in words and "python" not in words
+    argv = words[words.index("scripts/gpu_check.py") + 1:]
+    out = argv[argv.index("--out") + 1]
+    assert out.startswith("$OUT/"), out  # written where the machine's files come back, not into the repository
+    total = float(argv[argv.index("--total-budget") + 1])
+    budgets = [float(argv[i + 1].split("=")[1]) for i, w in enumerate(argv) if w == "--budget"]
+    assert sum(budgets) <= total <= COMMAND_LIMIT_S - 30, (budgets, total)  # 30 s: start-up, nvidia-smi, imports
+    # the script's own parser and budget checks accept the flags: it stops only where it finds no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(argv)
+    assert stop.value.code == 2 and "no CUDA device visible" in capsys.readouterr().err
+    prose = " ".join(read(DOC).split())
+    stated = re.search(r"at most\s+(\d+) s of stages \(the budgets below add up to (\d+) s\)", prose)
+    assert stated and (float(stated[1]), float(stated[2])) == (total, sum(budgets)), stated
 
 
 def test_the_stated_shortest_schedule_is_accepted_and_a_shorter_one_refused():
