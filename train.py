@@ -712,7 +712,7 @@ def build_loop(run: Run, preemption: Preemption) -> TrainLoop:
         metric_sources=metric_sources, should_stop=preemption.should_stop, request_stop=preemption.request_stop,
         divergence=(DivergenceGuard(cfg.train.divergence_factor, cfg.train.divergence_windows)
                     if cfg.train.divergence_factor else None),
-        progress=cfg.log.progress and dist.is_main, log_epoch_costs=True,
+        progress=cfg.log.progress and dist.is_main, epochs=run.epochs, log_epoch_costs=True,
         sample_tokens=input_size(run.model) if run.task.language else 0)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from typing import Optional, TextIO
 
 
@@ -51,14 +52,26 @@ def _show(text: str, stream: Optional[TextIO]) -> tuple[bool, Optional[str]]:
     if stream is None:  # started with stdout closed (`>&-`): there is no console to show it on
         return False, "no console"
     try:
-        _write(stream, text + "\n")
-        stream.flush()
+        with _above_progress_bars(stream):
+            _write(stream, text + "\n")
+            stream.flush()
     except BlockingIOError:
         return False, None
     except OSError as e:
         _silence(stream)
         return False, e.strerror or type(e).__name__
     return True, None
+
+
+def _above_progress_bars(stream: TextIO) -> AbstractContextManager:
+    """While a tqdm progress bar is open (the training loop's, an evaluation's; on stderr, a terminal), tqdm's
+    external_write_mode: the bars are cleared for the text and drawn again below it, as tqdm.write does, instead of
+    the text being appended to the bar's line. Nothing otherwise (tqdm not imported: no bar to keep clear of)."""
+    tqdm = sys.modules.get("tqdm")
+    bars = getattr(getattr(tqdm, "tqdm", None), "_instances", None)
+    if not bars:
+        return nullcontext()
+    return tqdm.tqdm.external_write_mode(file=stream)
 
 
 class ConsoleHandler(logging.StreamHandler):

@@ -147,6 +147,7 @@ class TrainLoop:
     # what a divergence stop or a withheld write names as kept; None while there is none
     saved_step: Optional[int] = None
     progress: bool = False  # a tqdm bar per epoch (on a terminal only)
+    epochs: int = 0  # the run's length in epochs, for the bar's label "epoch N/epochs" as the log lines (0: "epoch N")
     sample_tokens: int = 0  # tokens per sample (a language model's context): also log train/tok_per_s
     log_epoch_costs: bool = False  # also log epoch/train_seconds and epoch/max_mem_mib per whole epoch
 
@@ -227,7 +228,7 @@ class TrainLoop:
         if so_far is not None and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         epoch_t0 = time.perf_counter()
-        bar = _progress_bar(total, state.epoch_batches // self.accum_steps, state.epoch, self.progress)
+        bar = _progress_bar(total, state.epoch_batches // self.accum_steps, state.epoch, self.epochs, self.progress)
         window = _Window(self.device)
         images_per_update = batch_size_per_gpu * self.accum_steps * self.world_size
         reason = "epoch_end"
@@ -798,9 +799,12 @@ def _peak_mem_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 10  # KiB on Linux
 
 
-def _progress_bar(total: int, initial: int, epoch: int, enabled: bool):
+def _progress_bar(total: int, initial: int, epoch: int, epochs: int, enabled: bool):
+    """The epoch's bar on a terminal, labelled as the log lines count epochs (from 1, "epoch 1/2"); the console's
+    log lines are written above it (engine/console.py)."""
     if not (enabled and sys.stderr.isatty()):  # no bar in log files and CI output
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc=f"epoch {epoch}", leave=False, dynamic_ncols=True)
+    label = f"epoch {epoch + 1}/{epochs}" if epochs else f"epoch {epoch + 1}"
+    return tqdm(total=total, initial=initial, desc=label, leave=False, dynamic_ncols=True)

@@ -204,3 +204,70 @@ def test_a_momentarily_full_non_blocking_console_misses_text_but_is_not_given_up
         with contextlib.suppress(OSError):
             stream.close()
         os.close(read_fd)
+
+
+class _Terminal:
+    """stdout and stderr of one terminal: what each writes goes to one screen, where a carriage return moves back
+    to the line's start and later characters overwrite the line (what a progress bar's redraw relies on)."""
+
+    def __init__(self):
+        self.written = []
+
+    def stream(self):
+        terminal = self
+
+        class Stream(io.StringIO):
+            def write(self, text):
+                terminal.written.append(text)
+                return len(text)
+
+            def isatty(self):
+                return True
+
+        return Stream()
+
+    def lines(self) -> list:
+        shown = []
+        for raw in "".join(self.written).split("\n"):
+            line = ""
+            for part in raw.split("\r"):
+                line = part + line[len(part):]  # written from column 0 over what was there
+            shown.append(line.rstrip())
+        return shown
+
+
+def test_log_lines_written_while_the_epoch_bar_is_open_get_lines_of_their_own_and_the_bar_counts_epochs_from_1(
+        monkeypatch):
+    """On a terminal, the training loop's bar (stderr) and the console's log lines (stdout) share the screen: each
+    log line is shown on a line of its own, not appended to the bar's, and the bar labels the epoch as the log
+    lines count it ("epoch 1/2", not "epoch 0")."""
+    import torch
+    from engine.console import ConsoleHandler
+    from engine.loop import TrainBatches, TrainLoop, TrainState
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal.stream())
+    monkeypatch.setattr(sys, "stderr", terminal.stream())
+    log = logging.getLogger("test_console.bar")
+    handler = ConsoleHandler(sys.stdout)
+    log.addHandler(handler)
+    monkeypatch.setattr(log, "propagate", False)
+
+    class Order:
+        def set_epoch(self, epoch, start=0):
+            pass
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=lambda m, x, y: torch.nn.functional.cross_entropy(m(x), y),
+                     device=torch.device("cpu"), log_every=1, progress=True, epochs=2,
+                     log=lambda step, metrics: log.warning("logged update %d", step))
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(3)]
+    try:
+        loop.run_epoch(TrainBatches(batches, Order()), TrainState(), batch_size_per_gpu=2)
+    finally:
+        log.removeHandler(handler)
+    lines = terminal.lines()
+    assert [f"logged update {n}" for n in (1, 2, 3)] == [line for line in lines if "logged" in line], lines
+    assert "epoch 1/2" in "".join(terminal.written) and "epoch 0" not in "".join(terminal.written)
