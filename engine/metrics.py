@@ -48,9 +48,12 @@ class MetricLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge events after the resumed step (metrics.jsonl keeps step <= resume_step likewise)
+            # purge events after the resumed step (metrics.jsonl keeps step <= resume_step likewise). A fresh run
+            # writes a purge step too (0): TensorBoard's readers take a folder's first SessionLog.START for the
+            # run's start and only a later one for a restart (tensorboard PR #4763), so without it the first
+            # resume's START purged nothing and both branches stayed
             self.tb = SummaryWriter(os.path.join(out_dir, "tb"),
-                                    purge_step=None if resume_step is None else resume_step + 1)
+                                    purge_step=0 if resume_step is None else resume_step + 1)
         if wandb:
             import wandb as wandb_lib  # optional dependency, imported only when enabled
 

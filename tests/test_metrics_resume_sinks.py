@@ -1,0 +1,47 @@
+"""A resume's branch replaces the records after its update in every sink, not in metrics.jsonl alone.
+
+TensorBoard: each SummaryWriter marks its start with a SessionLog.START at its purge step, and TensorBoard's readers
+(the Python EventAccumulator and the plugin accumulator that `tensorboard --load_fast=false` serves from) purge the
+events at or past that step, except for the first START of a folder, which they take for the run's start. A fresh
+run's writer wrote none, so the first resume's START was that first one: both branches stayed. Read back here with
+both readers, against the values logged."""
+from tensorboard.backend.event_processing import event_accumulator, plugin_event_accumulator
+from tensorboard.util import tensor_util
+
+from engine.metrics import MetricLogger
+
+
+def _log(out_dir: str, steps: range, value: float, resume_step=None) -> None:
+    logger = MetricLogger(out_dir, True, tensorboard=True, resume_step=resume_step)
+    for step in steps:
+        logger.log(step, {"train/loss": value + step})
+    logger.close()
+
+
+def _scalars(tb_dir: str) -> tuple[list, list]:
+    """train/loss as (step, value) pairs, by the Python EventAccumulator and by the plugin accumulator."""
+    plain = event_accumulator.EventAccumulator(tb_dir, size_guidance={"scalars": 0})
+    plain.Reload()
+    plugin = plugin_event_accumulator.EventAccumulator(tb_dir, size_guidance={"tensors": 0})
+    plugin.Reload()
+    return ([(e.step, round(e.value, 4)) for e in plain.Scalars("train/loss")],
+            [(e.step, round(float(tensor_util.make_ndarray(e.tensor_proto)), 4)) for e in plugin.Tensors("train/loss")])
+
+
+def test_a_roll_back_leaves_tensorboard_with_the_new_branch_only(tmp_path):
+    out = str(tmp_path)
+    _log(out, range(1, 9), 100.0)  # a fresh run to update 8
+    _log(out, range(5, 9), 200.0, resume_step=4)  # a roll-back to update 4, trained again with other values
+    expected = [(step, 100.0 + step) for step in range(1, 5)] + [(step, 200.0 + step) for step in range(5, 9)]
+    plain, plugin = _scalars(str(tmp_path / "tb"))
+    assert plain == expected
+    assert plugin == expected  # was: steps 5-8 twice, the dropped branch's first
+
+
+def test_a_second_roll_back_purges_too(tmp_path):
+    out = str(tmp_path)
+    _log(out, range(1, 9), 100.0)
+    _log(out, range(7, 9), 200.0, resume_step=6)
+    _log(out, range(3, 9), 300.0, resume_step=2)
+    expected = [(step, 100.0 + step) for step in range(1, 3)] + [(step, 300.0 + step) for step in range(3, 9)]
+    assert _scalars(str(tmp_path / "tb")) == (expected, expected)
