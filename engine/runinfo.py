@@ -18,7 +18,10 @@ from engine.distributed import launched_world_size
 
 
 def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> None:
-    """INFO to stdout and out_dir/<filename> on the main rank; warnings only on the others."""
+    """INFO to stdout and out_dir/<filename> on the main rank; warnings only on the others. Python warnings
+    (warnings.warn: e.g. cd's "no cd/pair_energy metrics are logged for this model") are log records too
+    (logger py.warnings), so that the log file keeps them; Python's default filters still hide the deprecation
+    warnings of other packages."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         if getattr(handler, "_cd_run", False):
@@ -36,6 +39,7 @@ def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> N
         handler._cd_run = True
         root.addHandler(handler)
     root.setLevel(logging.INFO if is_main else logging.WARNING)
+    logging.captureWarnings(True)  # they went to stderr alone: not into train.log / eval.log
 
 
 def exit_with_error(message: str, code=None):

@@ -145,6 +145,7 @@ def end_run_logging():
     for handler in [h for h in root.handlers if getattr(h, "_cd_run", False)]:
         root.removeHandler(handler)
         handler.close()
+    logging.captureWarnings(False)  # setup_logging's routing of Python warnings into the log ends with it too
 
 
 @pytest.fixture

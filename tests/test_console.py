@@ -271,3 +271,16 @@ def test_log_lines_written_while_the_epoch_bar_is_open_get_lines_of_their_own_an
     lines = terminal.lines()
     assert [f"logged update {n}" for n in (1, 2, 3)] == [line for line in lines if "logged" in line], lines
     assert "epoch 1/2" in "".join(terminal.written) and "epoch 0" not in "".join(terminal.written)
+
+
+def test_a_python_warning_of_the_run_is_kept_in_train_log(tmp_path, capsys):
+    """cd's warning for a model it finds no pair in (warnings.warn, as a library warns) is a line of train.log, as
+    the run's own warnings are, not stderr's alone."""
+    run = tmp_path / "run"
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={run}", "train.max_steps=1",
+                                          "model.name=resnet10t", "model.drop_path=0.0", "log.tensorboard=false",
+                                          "quant.pipelines=[]"], capsys)
+    assert code == 0, err
+    lines = [line for line in (run / "train.log").read_text().splitlines() if "no matrix pair found in ResNet" in line]
+    assert len(lines) == 1 and " WARNING " in lines[0] and lines[0].endswith(
+        "no cd/pair_energy metrics are logged for this model"), lines
