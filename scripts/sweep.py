@@ -232,10 +232,13 @@ def check_model(model_cfg) -> None:
     (models.factory.model_kwargs), so that an unknown name in the last run is refused before the first one trains.
     Raises ConfigError (imports timm and torch)."""
     from models.factory import OWN_MODELS, ModelError, model_kwargs
+    from models.hub import check_hub_variant
 
     if model_cfg.name in OWN_MODELS:  # build_model's own classes (GPT-2's sizes): no timm name to resolve
         return
     try:
+        if model_cfg.pretrained == "hub":  # build_model's first refusal: a small variant has no hub weights
+            check_hub_variant(model_cfg.name)
         model_kwargs(model_cfg)
     except ModelError as e:
         raise ConfigError(str(e)) from None

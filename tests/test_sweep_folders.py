@@ -114,6 +114,9 @@ def test_an_unknown_model_in_a_later_run_is_refused_before_the_first_run_trains(
                      [])
     assert [r["name"] for r in sweep.expand(sweep_file(tmp_path, "  a: []\n  b: [model.name=vit_tiny_patch16_224]\n"),
                                             [])] == ["a", "b"]  # a timm name, and the config's variant
+    # build_model's first refusal: hub weights for a small variant of models/variants.py (it has none)
+    with pytest.raises(ConfigError, match=r"sweep run 'b': model.pretrained=hub: model.name=vit_nano is one of"):
+        sweep.expand(sweep_file(tmp_path, "  a: []\n  b: [model.name=vit_nano, model.pretrained=hub]\n"), [])
 
 
 def test_a_model_class_of_ones_own_in_own_models_passes_the_sweeps_check_and_builds(tmp_path, monkeypatch):
