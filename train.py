@@ -200,6 +200,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
                               resume_step=run.state.step if resume_path is not None else None,
                               wandb_id=run.wandb_id,
                               resume_fingerprint=metrics_fingerprint if resume_path is not None else None)
+    run.wandb_id = run.logger.wandb_id  # another after a roll-back (engine/metrics.py), which checkpoints record
     start_step = run.state.step
     loop = build_loop(run, preemption)
     loop.saved_step = start_step if resume_path is not None else None  # what a withheld checkpoint keeps
@@ -656,8 +657,9 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     if run.decay is not None and "cd" in payload:
         run.decay.load_state_dict(payload["cd"])
     own = os.path.abspath(resume_path) == os.path.abspath(run.ckpt_path)
-    # the wandb run goes on where the run does (its checkpoint.pt, or a roll-back to one of its snapshots); another
-    # run's checkpoint (train.resume into a new out_dir) starts a new one: its id would log into that run, renamed
+    # the wandb run goes on where the run does (its checkpoint.pt, or one of its snapshots: MetricLogger derives a
+    # new id from it for a roll-back); another run's checkpoint (train.resume into a new out_dir) starts a new one:
+    # its id would log into that run, renamed
     if is_inside(resume_path, run.cfg.out_dir):
         run.wandb_id = payload.get("wandb_id") or run.wandb_id
     run.started_from = payload.get("resumed_from") if own else os.path.abspath(resume_path)

@@ -2,7 +2,11 @@
 
 Keys are namespaced (`train/loss`, `train/lr`, `val/top1`, `cd/pair_energy/fc2`, `act/max_block`).
 Only the main rank writes. On resume, records past the resumed step are dropped from metrics.jsonl and
-TensorBoard purges them too, so a resumed run's logs read as one uninterrupted run. A checkpoint records a
+TensorBoard purges them too, so a resumed run's logs read as one uninterrupted run. wandb logs no step below
+the one its run reached: a resume from before the records' last step (a roll-back, or a crash after the last
+checkpoint) logs into a new wandb run, `<id>-r<N>` (`wandb_id`, which the checkpoints then record; one line names
+it), whose records start after update N, those up to it staying in the run it leaves; a plain resume (a
+preemption's requeue) continues the same wandb run. A checkpoint records a
 fingerprint of metrics.jsonl's records before its update (`MetricLogger.fingerprint`): a resume whose
 metrics.jsonl holds other records there (a return to a branch one left, whose records a later resume moved into a
 kept metrics.until_step<N>.jsonl) takes this branch's records back from the kept file that holds them, as best.pt
@@ -30,18 +34,21 @@ class MetricLogger:
                  wandb_project: str = "", wandb_mode: str = "offline", config: Optional[dict] = None,
                  resume_step: Optional[int] = None, wandb_id: str = "", resume_fingerprint: Optional[str] = None):
         """`resume_fingerprint`: the resumed checkpoint's record of the records before `resume_step` (None: an
-        older checkpoint, or one of another out_dir, whose records are not this folder's)."""
-        self.enabled = enabled
+        older checkpoint, or one of another out_dir, whose records are not this folder's). `wandb_id`: the wandb
+        run the resumed checkpoint logged into; `self.wandb_id` is the one this run logs into."""
+        self.enabled, self.wandb_id = enabled, wandb_id
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.tb = self.wandb = None
         # the fingerprint of the records of the steps before _step, and _step's own lines (the loop logs in order)
         self._before, self._step, self._pending = hashlib.sha256(), None, []
         if not enabled:
             return
+        kept = reached = None  # where the records as they stood were kept; the last step they reached
         if resume_step is not None and os.path.exists(self.path):
+            reached = max((json.loads(line).get("step", 0) for line in _record_lines(self.path)[0]), default=None)
             if resume_fingerprint is not None:
-                _take_back_branch(self.path, resume_step, resume_fingerprint)
-            _truncate_after(self.path, resume_step)
+                kept = _take_back_branch(self.path, resume_step, resume_fingerprint)
+            kept = _truncate_after(self.path, resume_step) or kept
         if os.path.exists(self.path):  # appended to: the checkpoints' fingerprints count its records
             for line in _record_lines(self.path)[0]:
                 self._count(json.loads(line).get("step", 0), line)
@@ -57,9 +64,20 @@ class MetricLogger:
         if wandb:
             import wandb as wandb_lib  # optional dependency, imported only when enabled
 
+            if wandb_id and reached is not None and reached > resume_step:
+                # the wandb run reached `reached` too and would drop this branch's steps up to it: a run of its own,
+                # named after the file that keeps the records left (unique in out_dir: a second roll-back to the
+                # same update is metrics.until_step<N>.2.jsonl)
+                tag = os.path.basename(kept).split(".until_step", 1)[1].rsplit(".", 1)[0].replace(".", "-")
+                self.wandb_id = f"{wandb_id.split('-r', 1)[0]}-r{tag}"
+                log.warning("wandb: the records of wandb run %s reached update %d, past update %d this run goes on "
+                            "from, which wandb would not log again: this run logs into wandb run %s from update %d "
+                            "on (its records up to update %d stay in %s)", wandb_id, reached, resume_step,
+                            self.wandb_id, resume_step + 1, resume_step, wandb_id)
+
             self.wandb = wandb_lib.init(project=wandb_project, dir=out_dir, mode=wandb_mode, config=config,
                                         name=os.path.basename(os.path.normpath(out_dir)), resume="allow",
-                                        id=wandb_id or None)
+                                        id=self.wandb_id or None)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled or not metrics:
@@ -169,17 +187,18 @@ def records_fingerprint(lines: list[str], step: int) -> str:
     return digest.hexdigest()
 
 
-def _take_back_branch(path: str, step: int, fingerprint: str) -> None:
+def _take_back_branch(path: str, step: int, fingerprint: str) -> Optional[str]:
     """A resume at `step` whose checkpoint recorded `fingerprint` for the records before it: where metrics.jsonl
     holds others (another branch of the run continued since, or fewer: a roll-back truncated it), the newest kept
     metrics.until_step<N>.jsonl that holds them replaces it, up to `step` (metrics.jsonl kept as
     metrics.until_step<step>.jsonl first; nothing is deleted or overwritten), with a warning. Where none does, a
     warning says so and the run goes on with metrics.jsonl as it is. A file with no record before `step` (a run
-    started from another folder's checkpoint) has nothing to compare."""
+    started from another folder's checkpoint) has nothing to compare. Returns where metrics.jsonl was kept, if
+    it was."""
     lines = _record_lines(path)[0]
     if not any(json.loads(line).get("step", 0) < step for line in lines) or \
             records_fingerprint(lines, step) == fingerprint:
-        return
+        return None
     folder, name = os.path.split(path)
     stem, ext = os.path.splitext(name)
     kept_files = sorted(glob.glob(os.path.join(glob.escape(folder), f"{stem}.until_step*{ext}")),
@@ -190,7 +209,7 @@ def _take_back_branch(path: str, step: int, fingerprint: str) -> None:
         log.warning("%s: its records before update %d are not those of the run the checkpoint continues (another "
                     "branch of it), and no kept %s.until_step*%s holds those: the records from update %d on follow "
                     "other ones", path, step, stem, ext, step)
-        return
+        return None
     branch = [line for line in _record_lines(source)[0] if json.loads(line).get("step", 0) <= step]
     kept = keep_as_until_step(path, step)
     tmp = partial_path(path)
@@ -199,14 +218,16 @@ def _take_back_branch(path: str, step: int, fingerprint: str) -> None:
     os.replace(tmp, path)
     log.warning("%s held another branch's records before update %d: kept as %s; this run's records up to update "
                 "%d taken back from %s", path, step, os.path.basename(kept), step, os.path.basename(source))
+    return kept
 
 
-def _truncate_after(path: str, step: int) -> None:
+def _truncate_after(path: str, step: int) -> Optional[str]:
     """Keep the records up to `step`; drop lines that are not JSON (a partial last line, as a full disk or
     a kill mid-write leaves), saying how many. Rewritten through a temporary file and a rename. Records after
     `step` (a roll-back to an earlier snapshot, or updates since the last checkpoint before a crash) are
-    not lost: the file as it was is kept as metrics.until_step<step>.jsonl."""
-    kept, later = [], 0
+    not lost: the file as it was is kept as metrics.until_step<step>.jsonl, whose path is returned (None: no
+    record after `step`)."""
+    kept, later, kept_as = [], 0, None
     lines, broken = _record_lines(path)
     for line in lines:
         if json.loads(line).get("step", 0) <= step:
@@ -216,9 +237,11 @@ def _truncate_after(path: str, step: int) -> None:
     if broken:
         log.warning("%s: dropped %d unreadable line(s) (an interrupted write)", path, broken)
     if later:
+        kept_as = keep_as_until_step(path, step)
         log.warning("%s: %d record(s) after update %d, from which this run goes on: the file as it was is "
-                    "kept as %s", path, later, step, keep_as_until_step(path, step))
+                    "kept as %s", path, later, step, kept_as)
     tmp = partial_path(path)
     with open(tmp, "w") as f:
         f.writelines(kept)
     os.replace(tmp, path)
+    return kept_as

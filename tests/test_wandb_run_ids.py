@@ -1,7 +1,9 @@
 """Which wandb run a training run logs into: its own, kept in its checkpoints, whatever file it resumes from.
 
-A resume from the run's own checkpoint.pt, or a roll-back to one of its own snapshots, continues its wandb run. A
-new run started from another run's checkpoint (train.resume=PATH into another out_dir) gets a wandb run of its own:
+A resume from the run's own checkpoint.pt continues its wandb run. A roll-back to one of its own snapshots (a
+resume below the update the run's records reached) logs into a wandb run of its own, <id>-r<N>: wandb logs no step
+below the one its run reached, so in the same run the new branch's updates up to there were dropped and the branch
+left kept. A new run started from another run's checkpoint (train.resume=PATH into another out_dir) gets a wandb run of its own:
 with the id copied from that checkpoint, wandb.init(id=..., resume="allow") would log the new run into the old one
 and rename it. wandb itself is replaced by a stand-in that records the keywords of wandb.init."""
 import os
@@ -43,11 +45,32 @@ def test_a_run_started_from_another_runs_checkpoint_gets_its_own_wandb_run(debug
     assert inits[0]["dir"] == first.out_dir and inits[1]["dir"] == second.out_dir
 
 
-def test_a_roll_back_to_one_of_the_runs_own_snapshots_keeps_its_wandb_run(debug_config, monkeypatch):
+def test_a_roll_back_to_one_of_the_runs_own_snapshots_logs_into_a_wandb_run_of_its_own(debug_config, monkeypatch,
+                                                                                     caplog):
     inits = fake_wandb(monkeypatch)
     cfg = debug_config(*RUN, "train.keep_every_epochs=1", name="x")
-    train.main(cfg)
+    train.main(cfg)  # 2 epochs of 4 updates: records up to update 8
     snapshot = os.path.join(cfg.out_dir, "snapshots", "epoch0001.pt")
-    assert os.path.isfile(snapshot)
-    train.main(debug_config(*RUN, "train.keep_every_epochs=1", f"train.resume={snapshot}", name="x"))
+    assert torch.load(snapshot, weights_only=True)["state"]["step"] == 4
+    back = debug_config(*RUN, "train.keep_every_epochs=1", f"train.resume={snapshot}", name="x")
+    train.main(back)
+    x_id = inits[0]["id"]
+    assert inits[1]["id"] == f"{x_id}-r4", inits  # was: x_id, whose wandb run had reached update 8
+    assert f"this run logs into wandb run {x_id}-r4 from update 5 on" in caplog.text
+    assert saved_id(cfg.out_dir) == f"{x_id}-r4"  # its checkpoints record the run it logs into
+    train.main(back)  # the same command again (a requeue): it goes on in its own checkpoint.pt's wandb run
+    assert inits[2]["id"] == f"{x_id}-r4", inits
+    os.remove(os.path.join(cfg.out_dir, "checkpoint.pt"))  # a second roll-back to the same update
+    train.main(back)
+    assert inits[3]["id"] not in (x_id, f"{x_id}-r4"), inits  # not the first roll-back's run, which reached 8
+    assert len({kw["id"] for kw in inits}) == 3
+
+
+def test_a_resume_where_the_records_end_keeps_its_wandb_run(debug_config, monkeypatch):
+    """A stop (train.max_steps here; a preemption alike) and its requeue: the wandb run goes on."""
+    inits = fake_wandb(monkeypatch)
+    train.main(debug_config(*RUN, "train.max_steps=4", name="x"))
+    cfg = debug_config(*RUN, name="x")
+    train.main(cfg)
     assert len(inits) == 2 and inits[0]["id"] == inits[1]["id"], inits
+    assert saved_id(cfg.out_dir) == inits[0]["id"]
