@@ -291,9 +291,9 @@ class Run:
                                                    scaler=self.scaler, scheduler=self.scheduler, extra=extra),
                           self.ckpt_path)
 
-    def validate(self, should_stop, keep_best: bool = True) -> Optional[dict]:
-        """Validate (a line says so as it starts); with `keep_best`, log the result and update best.pt. None (no
-        result logged, nothing written) when a stop request ended it."""
+    def validate(self, should_stop, keep_best: bool = True, log_result: bool = True) -> Optional[dict]:
+        """Validate (a line says so as it starts); with `keep_best`, log the result (unless not `log_result`) and
+        update best.pt. None (no result logged, nothing written) when a stop request ended it."""
         # a large validation set takes long with nothing else logged: say what the pause in the log is
         log.info("validation at update %d: %d %s", self.state.step, len(self.loaders.val.dataset),
                  "windows" if self.task.language else "images")
@@ -305,7 +305,8 @@ class Run:
             metrics = validate(self.task, self.model, self.ema, self.loaders.val, self.dist.device,
                                self.cfg.train.amp, self.cfg.log.act_max, should_stop=should_stop)
         if metrics is not None and keep_best:
-            self.logger.log(self.state.step, metrics)
+            if log_result:
+                self.logger.log(self.state.step, metrics)
             if (held := self.best_held_back()) is not None:
                 log.warning("%s", held)
             else:
@@ -798,7 +799,9 @@ def finish(run: Run, preemption: Preemption, reason: str, val: dict, start_step:
     elif not val:  # a finished run re-run; one whose best.pt is elsewhere or was moved aside (resumed into a new
         # out_dir, a roll-back: best score cleared) writes best.pt from it, as any resumed run's first validation
         cleared = run.state.best_value is None
-        val = run.validate(preemption.should_stop, keep_best=cleared) or {}
+        # logged once: the update's validation the run logged before (metrics.jsonl's last step) is not logged again
+        val = run.validate(preemption.should_stop, keep_best=cleared,
+                           log_result=not run.logger.has_record(state.step, "val/")) or {}
         if val and (cleared or run.resumed_elsewhere):  # out_dir's checkpoint.pt: this run's point (not another
             run.save_checkpoint()  # branch's, not missing), with the best score that best.pt now holds
         reason = reason if val else "preempted"

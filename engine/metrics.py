@@ -93,6 +93,12 @@ class MetricLogger:
         if self.wandb is not None:
             self.wandb.log(record, step=step)
 
+    def has_record(self, step: int, prefix: str) -> bool:
+        """Whether metrics.jsonl holds a key starting with `prefix` at `step`, the last step logged (e.g. the
+        validation a finished run logged, which its re-run validates again); False on the other ranks."""
+        return self._step == step and any(key.startswith(prefix) for line in self._pending
+                                          for key in json.loads(line))
+
     def _count(self, step: int, line: str) -> None:
         if self._step is None or step > self._step:
             for pending in self._pending:

@@ -4,10 +4,16 @@ TensorBoard: each SummaryWriter marks its start with a SessionLog.START at its p
 (the Python EventAccumulator and the plugin accumulator that `tensorboard --load_fast=false` serves from) purge the
 events at or past that step, except for the first START of a folder, which they take for the run's start. A fresh
 run's writer wrote none, so the first resume's START was that first one: both branches stayed. Read back here with
-both readers, against the values logged."""
+both readers, against the values logged. A finished run's re-run that validates its last update again (to write a
+best.pt moved aside) does not log that validation a second time."""
+import json
+import os
+
+import torch
 from tensorboard.backend.event_processing import event_accumulator, plugin_event_accumulator
 from tensorboard.util import tensor_util
 
+import train
 from engine.metrics import MetricLogger
 
 
@@ -18,14 +24,14 @@ def _log(out_dir: str, steps: range, value: float, resume_step=None) -> None:
     logger.close()
 
 
-def _scalars(tb_dir: str) -> tuple[list, list]:
-    """train/loss as (step, value) pairs, by the Python EventAccumulator and by the plugin accumulator."""
+def _scalars(tb_dir: str, tag: str = "train/loss") -> tuple[list, list]:
+    """`tag` as (step, value) pairs, by the Python EventAccumulator and by the plugin accumulator."""
     plain = event_accumulator.EventAccumulator(tb_dir, size_guidance={"scalars": 0})
     plain.Reload()
     plugin = plugin_event_accumulator.EventAccumulator(tb_dir, size_guidance={"tensors": 0})
     plugin.Reload()
-    return ([(e.step, round(e.value, 4)) for e in plain.Scalars("train/loss")],
-            [(e.step, round(float(tensor_util.make_ndarray(e.tensor_proto)), 4)) for e in plugin.Tensors("train/loss")])
+    return ([(e.step, round(e.value, 4)) for e in plain.Scalars(tag)],
+            [(e.step, round(float(tensor_util.make_ndarray(e.tensor_proto)), 4)) for e in plugin.Tensors(tag)])
 
 
 def test_a_roll_back_leaves_tensorboard_with_the_new_branch_only(tmp_path):
@@ -45,3 +51,18 @@ def test_a_second_roll_back_purges_too(tmp_path):
     _log(out, range(3, 9), 300.0, resume_step=2)
     expected = [(step, 100.0 + step) for step in range(1, 3)] + [(step, 300.0 + step) for step in range(3, 9)]
     assert _scalars(str(tmp_path / "tb")) == (expected, expected)
+
+
+def test_a_finished_run_re_run_without_its_best_pt_writes_it_and_logs_its_validation_once(debug_config, tmp_path):
+    """The re-run validates the last update again to write best.pt; that update's validation is in the logs
+    already (was: a second {"step": 8, "val/top1": ...} record, in TensorBoard too)."""
+    cfg = debug_config(name="x")
+    train.main(cfg)
+    os.rename(os.path.join(cfg.out_dir, "best.pt"), tmp_path / "best_moved.pt")
+    train.main(cfg)
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records if "val/top1" in r] == [4, 8]
+    assert [step for step, _ in _scalars(os.path.join(cfg.out_dir, "tb"), "val/top1")[1]] == [4, 8]
+    best = torch.load(os.path.join(cfg.out_dir, "best.pt"), map_location="cpu", weights_only=False)
+    assert best["state"]["step"] == 8 and best["metrics"]["val/top1"] == records[-1]["val/top1"]
