@@ -21,22 +21,22 @@ from typing import Optional
 
 import torch.nn as nn
 
+from models.pretrained import classifier_prefixes
+
 from .checkpoint import weights_fingerprint
 
 START_WEIGHTS = "start_weights"  # the entry of checkpoint.pt and best.pt
 
 
 def classifier_keys(model: nn.Module) -> set[str]:
-    """The state-dict keys of the model's classifier (timm's `get_classifier`: 'head.' of a ViT, 'head.fc.' of a
-    Swin); none for a model without one (models/gpt.py: its LM head is its token embedding, loaded from the file)."""
-    get = getattr(model, "get_classifier", None)
-    head = get() if callable(get) else None
-    if not isinstance(head, nn.Module):
+    """The state-dict keys of the model's classifier, under the names timm records for it (models/pretrained.py
+    `classifier_prefixes`, which loading a file drops a classifier of another shape by: 'head.' of a ViT, 'head.fc.'
+    of a Swin, 'head.' and 'head_dist.' of a distilled DeiT, whose `get_classifier` gives both heads as a tuple);
+    none for a model without a classifier (models/gpt.py: its LM head is its token embedding, loaded from the file)."""
+    if not callable(getattr(model, "get_classifier", None)):
         return set()
-    prefix = next((name for name, module in model.named_modules() if module is head), None)
-    if not prefix:  # an Identity shared elsewhere, or the model itself: no classifier keys of its own
-        return set()
-    return {key for key in head.state_dict(prefix=prefix + ".")}
+    prefixes = classifier_prefixes(model)
+    return {key for key in model.state_dict() if key.startswith(prefixes)}
 
 
 def start_fingerprint(model: nn.Module) -> str:

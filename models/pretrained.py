@@ -98,7 +98,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     # lines to log once the file has loaded: tables resampled, tensors timm's conversion left out
     notes = [line for line in (check_patch_size(state, own, path, strict), *(line for _, line in tables)) if line]
     filter_fn = getattr(family, "checkpoint_filter_fn", None)
-    head_prefixes = _classifier_prefixes(model)
+    head_prefixes = classifier_prefixes(model)
     if filter_fn is not None:
         # DeiT III's official files name their layer scales blocks.N.gamma_1; timm's DeiT entry points
         # rename them with this flag, which touches no other key
@@ -543,8 +543,9 @@ def _few(keys: list) -> str:
     return str(keys[:5]) + ("..." if len(keys) > 5 else "")
 
 
-def _classifier_prefixes(model: nn.Module) -> tuple[str, ...]:
-    """Parameter-name prefixes of the classifier ('head.' for ViT, 'head.fc.' for Swin)."""
+def classifier_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Parameter-name prefixes of the classifier, as timm records it ('head.' for ViT, 'head.fc.' for Swin, 'head.' and
+    'head_dist.' for a distilled DeiT's two heads); engine/start_weights.py's `classifier_keys` reads it too."""
     names = getattr(model, "pretrained_cfg", {}).get("classifier", "head")
     names = names if isinstance(names, (list, tuple)) else [names]
     return tuple(n + "." for n in names)

@@ -8,6 +8,7 @@ import train
 from configs import load_config
 from engine.checkpoint import weights_fingerprint
 from engine.eval_results import recipe_difference
+from engine.start_weights import classifier_keys
 from models import build_model
 from tests.conftest import DEBUG_CONFIG
 
@@ -65,3 +66,30 @@ def test_a_checkpoint_without_the_record_is_not_compared_on_it(tmp_path):
     new = evaluate.main(evaluate.parse_args(["--checkpoint", str(out / "best.pt"), "--quant"]))
     assert not any(key.startswith("start.") for key in old["recipe"]) and new["recipe"]["start.pretrained"] == "file"
     assert recipe_difference([("old", old), ("new", new)]) is None
+
+
+DISTILLED = ["model.name=deit_tiny_distilled_patch16_224", "model.img_size=32", "model.kwargs.patch_size=8",
+             "model.kwargs.depth=2", "model.kwargs.embed_dim=32", "model.kwargs.num_heads=2"]
+
+
+def test_a_distilled_deit_s_two_heads_are_its_classifier_and_its_seeds_share_a_start(tmp_path):
+    """timm's distilled DeiT has two classifiers, `get_classifier` gives them as a tuple (head, head_dist): both are
+    drawn anew for other classes, so both are left out of the start's fingerprint; seeds of one file share it."""
+    torch.manual_seed(1)
+    model = build_model(load_config([DEBUG_CONFIG], DISTILLED).model)
+    heads = model.get_classifier()
+    assert isinstance(heads, tuple) and len(heads) == 2
+    own = {module: name for name, module in model.named_modules()}
+    reference = {f"{own[head]}.{key}" for head in heads for key in head.state_dict()}
+    assert classifier_keys(model) == reference == {"head.weight", "head.bias", "head_dist.weight",
+                                                         "head_dist.bias"}
+    torch.save(model.state_dict(), tmp_path / "deit.pth")
+    state = torch.load(tmp_path / "deit.pth")
+    fingerprint = weights_fingerprint({k: v for k, v in state.items() if not k.startswith(("head.", "head_dist."))})
+    for seed in (0, 1):  # 6 classes, the file's 4: both heads are new, drawn with train.seed
+        out = tmp_path / f"s{seed}"
+        train.main(load_config([DEBUG_CONFIG], DISTILLED + [
+            f"out_dir={out}", f"model.pretrained={tmp_path / 'deit.pth'}", f"train.seed={seed}", "model.num_classes=6",
+            "train.max_steps=1", "log.tensorboard=false"]))
+        assert torch.load(out / "best.pt", weights_only=False)["start_weights"] == {"pretrained": "file",
+                                                                                   "fingerprint": fingerprint}
