@@ -21,7 +21,7 @@ overwritten without --overwrite:
                            kurtosis per module type (eval_best_act_max.csv), and each point's
                            training settings beside the first point's; printed as well
   lm_study_energy.png      pair energy against update (metrics.jsonl); both curve figures are titled with what
-                           the runs trained, from the recipe their eval_best.json record (scripts/training_title.py)
+                           the runs trained, from the config their best.pt record (scripts/training_title.py)
   lm_study_outliers.png    act/max_block and act/kurtosis_block at every validation, against update
   lm_study_act_max_types.png   the largest max |activation| per module type, one bar per point
 """
@@ -33,7 +33,8 @@ import sys
 from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
-from configs import Config, config_from_dict  # noqa: E402
+from configs import config_from_dict  # noqa: E402
+from engine.checkpoint import run_checkpoint_config  # noqa: E402
 from engine.train_seeds import unrecorded_seed_note  # noqa: E402
 from scripts.dose_report import (ERRORS, ROLES, ReportError, Run, check_finished, check_numbers,  # noqa: E402
                                  evaluated_marks, final_energy, fmt, metric_number, metrics_records, module_marks,
@@ -156,21 +157,15 @@ def activation_bit_gaps(groups: dict[str, list[Run]], labels: dict[str, str]) ->
     return lines + ([""] + notes if notes else [])
 
 
-# the recipe keys a figure's title reads (scripts/training_title.py); the others stay unread, so a recipe of another
-# evaluate.py version (a setting added or renamed since) still titles its figures
-TITLE_KEYS = ("model.name", "model.attn", "model.pretrained", "model.img_size", "data.dataset", "data.root")
-
-
 def figure_title(subject: str, groups: dict[str, list[Run]]) -> str:
-    """`subject` during what the runs trained (scripts/training_title.py), read from the recipe each eval_best.json
-    records (every training setting but the seed): the model and the data set, KJV or a token folder. Where some run
-    records none (a file written before evaluate.py recorded it), the title says so rather than guess."""
-    recipes = [r.result.get("recipe") for runs in groups.values() for r in runs]
-    if not all(isinstance(recipe, dict) for recipe in recipes):
-        return f"{subject} during training (the runs' settings are not recorded in their eval_best.json)"
-    configs: list[Config] = [config_from_dict({k: v for k, v in recipe.items() if k in TITLE_KEYS})
-                             for recipe in recipes]
-    return training_title(subject, configs)
+    """`subject` during what the runs trained (scripts/training_title.py), read from the config each run's best.pt
+    records, as dose_report.py titles its figure: the model, training from scratch or fine-tuning
+    (model.pretrained), and the data set (KJV, or a token folder by its name). Where a run's best.pt is not beside
+    its result (a copied result file), the title says so rather than guess."""
+    saved = [run_checkpoint_config(os.path.join(r.folder, "best.pt")) for runs in groups.values() for r in runs]
+    if any(config is None for config in saved):
+        return f"{subject} during training (the runs' settings: no best.pt beside some of their results)"
+    return training_title(subject, [config_from_dict(config) for config in saved])
 
 
 def plot_outliers(groups: dict[str, list[Run]], path: str, overwrite: bool, title: str) -> None:
@@ -214,7 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
                 raise ReportError(f"{os.path.join(run.folder, 'metrics.jsonl')} has no record of {key}, which "
                                   f"{OUTPUTS[2]} draws at every validation: {fix}")
     check_finished([r for runs in groups.values() for r in runs])
-    # the runs' own recipes name what they trained; read before any output is written
+    # the runs' own configs name what they trained; read before any output is written
     titles = {subject: figure_title(subject, groups) for subject in ("Pair energy", "Outliers")}
     os.makedirs(args.out, exist_ok=True)
     report = tables(groups)
@@ -229,5 +224,5 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
 if __name__ == "__main__":
     try:
         main()
-    except ERRORS as e:  # the sweep reports' user errors, one line each (a recipe this version cannot read included)
+    except ERRORS as e:  # the sweep reports' user errors, one line each (a saved config it cannot read included)
         sys.exit(f"error: {e}")

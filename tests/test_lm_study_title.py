@@ -1,26 +1,34 @@
-"""scripts/lm_study.py's figures are titled with what the runs trained, from the recipe each eval_best.json records
+"""scripts/lm_study.py's figures are titled with what the runs trained, from the config each run's best.pt records
 (scripts/training_title.py), and its tables name the seeds whose train.seed no file records. Both figures carried
 "char-level GPT, King James Bible" whatever data the sweep trained on (a token folder included), and two results of
-one seed without a recorded train.seed were averaged as two seeds with no note."""
+one seed without a recorded train.seed were averaged as two seeds with no note. The configs are made by the loader
+from the runs' settings, as train.py saves them."""
 import json
+import os
 import sys
 
 import pytest
+import torch
 
+from configs import config_to_dict, load_config
+from tests.conftest import ROOT
 from test_lm_study import write_run
 
 import gap_test
 import lm_study
 
+NAMES = ("baseline_s0", "baseline_s1", "cd10x_s0", "cd10x_s1")
 
-def sweep_with_recipes(root, recipe):
-    for name in ("baseline_s0", "baseline_s1", "cd10x_s0", "cd10x_s1"):
+
+def write_sweep(root, overrides=None):
+    """Four runs of lm_study's test layout; with `overrides`, each with a best.pt whose config is kjv_nano.yaml's
+    with them (no weights: the title reads the config alone)."""
+    root.mkdir()
+    for name in NAMES:
         write_run(root, name, ppl=4.0, rtn=5.0, block_max=9.0, kurtosis=5.0, fc2_final=50.0)
-        path = root / name / "eval_best.json"
-        result = json.loads(path.read_text())
-        if recipe is not None:
-            result["recipe"] = recipe
-        path.write_text(json.dumps(result))
+        if overrides is not None:
+            cfg = load_config([os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")], overrides)
+            torch.save({"config": config_to_dict(cfg), "model": {}}, root / name / "best.pt")
     return root
 
 
@@ -38,32 +46,30 @@ def drawn_titles(monkeypatch, root, out) -> dict:
     return titles
 
 
-@pytest.mark.parametrize("recipe, named", [
-    ({"model.name": "gpt2_nano", "data.dataset": "tokens", "data.root": "/data/owt_small/"}, "gpt2_nano, owt_small"),
-    ({"model.name": "gpt2_nano", "data.dataset": "kjv"}, "gpt2_nano, kjv"),
+@pytest.mark.parametrize("overrides, phase, named", [
+    (["data.dataset=tokens", "data.root=/data/owt_small/"], "training from scratch", "gpt2_nano, owt_small"),
+    ([], "training from scratch", "gpt2_nano, kjv"),
+    (["model.pretrained=/weights/gpt2_nano_kjv.pt"], "fine-tuning", "gpt2_nano, kjv"),
 ])
-def test_figures_are_titled_with_the_recorded_model_and_data(tmp_path, monkeypatch, recipe, named):
-    (tmp_path / "s").mkdir()
-    titles = drawn_titles(monkeypatch, sweep_with_recipes(tmp_path / "s", recipe), tmp_path / "o")
-    assert titles["lm_study_energy.png"] == f"Pair energy during training from scratch ({named})"
-    assert titles["lm_study_outliers.png"] == f"Outliers during training from scratch ({named})"
+def test_figures_are_titled_with_the_model_data_and_phase_best_pt_records(tmp_path, monkeypatch, overrides, phase,
+                                                                         named):
+    titles = drawn_titles(monkeypatch, write_sweep(tmp_path / "s", overrides), tmp_path / "o")
+    assert titles["lm_study_energy.png"] == f"Pair energy during {phase} ({named})"
+    assert titles["lm_study_outliers.png"] == f"Outliers during {phase} ({named})"
     assert not any("King James" in t for t in titles.values())
 
 
-def test_runs_without_a_recorded_recipe_get_a_title_that_says_so(tmp_path, monkeypatch):
-    (tmp_path / "s").mkdir()
-    titles = drawn_titles(monkeypatch, sweep_with_recipes(tmp_path / "s", None), tmp_path / "o")
+def test_runs_without_a_best_pt_get_a_title_that_says_so(tmp_path, monkeypatch):
+    titles = drawn_titles(monkeypatch, write_sweep(tmp_path / "s"), tmp_path / "o")
     assert titles["lm_study_outliers.png"] == \
-        "Outliers during training (the runs' settings are not recorded in their eval_best.json)"
+        "Outliers during training (the runs' settings: no best.pt beside some of their results)"
 
 
 @pytest.mark.parametrize("recorded", [True, False])
 def test_seeds_without_a_recorded_train_seed_are_named_below_the_tables(tmp_path, recorded):
-    root = tmp_path / "s"
-    root.mkdir()
-    sweep_with_recipes(root, {"model.name": "gpt2_nano"})
+    root = write_sweep(tmp_path / "s")
     if recorded:
-        for name in ("baseline_s0", "baseline_s1", "cd10x_s0", "cd10x_s1"):
+        for name in NAMES:
             path = root / name / "eval_best.json"
             path.write_text(json.dumps({**json.loads(path.read_text()), "train_seed": int(name[-1])}))
     report = lm_study.main([str(root), "--out", str(tmp_path / "o")])
