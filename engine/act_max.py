@@ -12,7 +12,15 @@ Definitions (measured over a data set, e.g. the validation set):
   between blocks, not inside one, and is not counted unless `extra_modules` names it
   (e.g. `("layers.*.downsample.norm", "layers.*.downsample.reduction")`).
 A module whose forward never ran (timm Swin's `attn.softmax` under fused attention, TIMM_FUSED_ATTN=2, whose
-kernel replaces it) has no output to measure: it has no record (no row of 0.0 in the CSV).
+kernel replaces it) has no output to measure: it has no record (no row of 0.0 in the CSV). Its maximum, a
+probability (<= 1), leaves the module maximum the same either way unless no other output exceeds 1.
+
+With `moments`, the kurtosis (Pearson: E[(x - mu)^4] / var^2, 3 for a Gaussian) of every output, over all its
+elements in the data set; act/kurtosis_module and act/kurtosis_block are the largest over the modules' and the
+blocks' outputs. Softmax modules (`nn.Softmax`: attention probabilities) are left out of it (their kurtosis is
+NaN, no value, in `per_layer` and the CSV): their outputs are probabilities, not activations, whose kurtosis
+(Swin's is the largest module kurtosis there) would be counted only where the attention is not fused, so that
+act/kurtosis_module would change with TIMM_FUSED_ATTN.
 
 Running maxima stay on the device (no host sync per batch); `result()` syncs once. For distributed
 evaluation pass `reduce_fn` (e.g. an all_reduce with MAX) or reduce `maxima()` and `seen()` yourself; nothing
@@ -32,6 +40,8 @@ from configs import ConfigError
 from models.modules import BLOCK_PATTERNS, fqn_matches
 
 PASS_THROUGH: Tuple[Type[nn.Module], ...] = (nn.Identity, nn.Dropout, DropPath)
+# modules whose output is a probability distribution (attention's softmax): no kurtosis (module docstring)
+PROBABILITIES: Tuple[Type[nn.Module], ...] = (nn.Softmax, nn.Softmax2d)
 
 
 def repeats_its_input(module: nn.Module) -> bool:
@@ -80,7 +90,7 @@ class ActivationProbe:
                  extra_modules: Sequence[str] = (),
                  skip: Callable[[nn.Module], bool] = repeats_its_input, moments: bool = False) -> None:
         self.model = model
-        self.moments = moments  # also the kurtosis of every output (four raw moments, float64)
+        self.moments = moments  # also the kurtosis of every output but a softmax's (four raw moments, float64)
         # (name, kind, block index, module type relative to its block, module)
         self.targets: List[Tuple[str, str, int, str, nn.Module]] = []
         block_names = names_of_blocks(model, blocks)
@@ -96,6 +106,8 @@ class ActivationProbe:
         for name, sub in model.named_modules():
             if fqn_matches(name, extra_modules) and not skip(sub):
                 self.targets.append((name, "module", -1, re.sub(r"\.\d+\.", ".N.", name), sub))
+        # the targets whose outputs are probabilities: measured for the maxima, not for the kurtosis
+        self._probabilities = {i for i, target in enumerate(self.targets) if isinstance(target[4], PROBABILITIES)}
         self._handles: list = []
         self._max: Optional[torch.Tensor] = None
         self._seen: Optional[torch.Tensor] = None  # [K]: 1.0 where the hook measured an output, else 0.0
@@ -115,7 +127,7 @@ class ActivationProbe:
                 self._max[index].clamp_(min=value)  # in place on the device, no sync
                 # a max of 0.0 may be measured (an all-zero output): only the flag tells it from "never ran"
                 self._seen[index].fill_(1.0)
-                if self.moments:
+                if self.moments and index not in self._probabilities:
                     x = t.detach().double().flatten()
                     if self._sums is None:
                         self._sums = torch.zeros(len(self.targets), 5, device=x.device, dtype=torch.float64)
@@ -182,6 +194,8 @@ class ActivationProbe:
                     else torch.zeros(len(self.targets), 5, device=device, dtype=torch.float64))
             if sum_fn is not None:
                 sums = sum_fn(sums.clone())
+            # a softmax's has no moments summed: NaN, no value (as an output too near a constant), left out of the
+            # largest kurtosis (`metrics`) and of scripts/dose_report.py's
             for record, kurtosis in zip(records, kurtosis_from_sums(sums).tolist()):
                 record["kurtosis"] = kurtosis
         records = [r for r, flag in zip(records, seen) if flag > 0]

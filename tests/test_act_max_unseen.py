@@ -9,6 +9,7 @@ that ran on one rank only is recorded on all of them, with that rank's maximum.
 import csv
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -99,7 +100,47 @@ def test_swin_softmax_under_fused_attention_has_no_record():
         assert all((n in records) == (not fused) for n in softmax)
         assert records.keys() == {n for n in probe.names() if n in ran}
         for name, record in records.items():
-            assert record["max"] == ran[name] and record["kurtosis"] == record["kurtosis"], name  # not NaN
+            assert record["max"] == ran[name], name
+            # a softmax (probabilities) has no kurtosis, NaN (test_swin_kurtosis_...), every other output one
+            assert (record["kurtosis"] == record["kurtosis"]) == (name not in softmax), name
+
+
+def test_swin_kurtosis_leaves_out_the_attention_probabilities_and_is_the_same_fused_or_not():
+    """act/kurtosis_module is the largest Pearson kurtosis (E[(x - mu)^4] / var^2, computed here from the outputs
+    the tests' own hooks keep) of the block modules' outputs but the softmax's probabilities, whose kurtosis was the
+    largest where the attention is not fused and absent where it is: the metrics are the same either way."""
+    metrics = []
+    for fused in (False, True):
+        model = tiny_swin()
+        for module in model.modules():
+            if hasattr(module, "fused_attn"):
+                module.fused_attn = fused
+        outputs, handles = {}, []
+        with torch.no_grad(), ActivationProbe(model, moments=True) as probe:
+            def keep(name):
+                def hook(module, inputs, output):  # returns None: the output goes on unchanged
+                    outputs[name] = output.detach().double().flatten()
+                return hook
+
+            for name in probe.names():
+                handles.append(model.get_submodule(name).register_forward_hook(keep(name)))
+            model(images(2))
+        for handle in handles:
+            handle.remove()
+        result = probe.result()
+        kinds = {r["name"]: r["kind"] for r in result.per_layer}
+
+        def kurtosis(x):
+            centred = x - x.mean()
+            return float(centred.pow(4).mean() / centred.square().mean() ** 2)
+
+        want = max(kurtosis(x) for name, x in outputs.items()
+                   if kinds[name] == "module" and not name.endswith("attn.softmax"))
+        got = result.metrics()
+        assert got["act/kurtosis_module"] == pytest.approx(want, rel=1e-9), fused
+        metrics.append(got)
+    assert metrics[0].keys() == metrics[1].keys()
+    assert all(metrics[0][k] == pytest.approx(metrics[1][k], rel=1e-5) for k in metrics[0]), metrics
 
 
 def _rank(rank: int, world: int, port: int, out: str) -> None:
