@@ -487,7 +487,8 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
     run.best = BestCheckpoint(os.path.join(cfg.out_dir, "best.pt"), model=model, ema=ema,
                               config=config_to_dict(cfg), classes=loaders.classes, save=run.save_on_main,
                               key=task.score_key, higher_is_better=task.higher_is_better,
-                              extra=run.start_entry())
+                              # the data it trained on, as checkpoint.pt: evaluate.py compares a data.root's files
+                              extra={**run.start_entry(), "data_fingerprint": loaders.fingerprint})
     return run
 
 

@@ -5,8 +5,10 @@ language model. The best score lives in `TrainState.best_value`, which checkpoin
 overwrites best.pt when it beats every validation of the run before it. The payload is what evaluate.py
 reads: the (unwrapped) model, its EMA if any, the run's config, the training state, the metrics of that
 validation and the class names of the data set, and the caller's `extra` entries (train.py: the weights the run
-started from, engine/start_weights.py). train.py offers no validation of weights that the divergence guard
-refuses to save as checkpoint.pt (Run.best_held_back: inside a streak of high losses, but at the schedule's end).
+started from, engine/start_weights.py, and the fingerprint of the data it trained on, `data_fingerprint`, which
+evaluate.py compares with the data.root it scores under). train.py offers no validation of weights that the
+divergence guard refuses to save as checkpoint.pt (Run.best_held_back: inside a streak of high losses, but at the
+schedule's end).
 
 On resume the checkpoint's best score must describe the best.pt in out_dir (`match_file`). Which write of best.pt
 a score describes is told by the fingerprint of its weights (`TrainState.best_fingerprint`, recorded in the

@@ -48,16 +48,17 @@ def test_a_checkpoint_that_records_its_classes_is_refused_on_synthetic_images(ch
     assert not out.exists()
 
 
-def test_a_val_folder_of_other_images_is_marked_and_the_same_folder_moved_is_not(tmp_path):
+@pytest.mark.parametrize("name", ["checkpoint.pt", "best.pt"])
+def test_a_val_folder_of_other_images_is_marked_and_the_same_folder_moved_is_not(tmp_path, name):
     """data.root may move between machines: the same val images under another root are the run's data; a root
-    whose val split holds other images (as many, other names) is other data. checkpoint.pt records the run's
-    data fingerprint."""
+    whose val split holds other images (as many, other names) is other data. checkpoint.pt and best.pt record the
+    run's data fingerprint (was: best.pt none, so its results were not compared)."""
     make_folder(tmp_path / "data", {"train": {"a": 8, "b": 8}, "val": {"a": 3, "b": 3}})
     train.main(load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / 'run'}", "model.num_classes=2",
                                             "data.dataset=folder", f"data.root={tmp_path / 'data'}",
                                             "train.max_steps=1", "sched.epochs=1", "sched.warmup_epochs=0",
                                             "log.tensorboard=false"]))
-    checkpoint = str(tmp_path / "run" / "checkpoint.pt")
+    checkpoint = str(tmp_path / "run" / name)
     shutil.copytree(tmp_path / "data", tmp_path / "moved")
     _, lines = _evaluate(checkpoint, tmp_path / "moved.json", f"data.root={tmp_path / 'moved'}")
     assert len(lines) == 1 and lines[0].startswith("| vit_nano | Baseline |"), lines
