@@ -3,9 +3,9 @@
 A resume from the run's own checkpoint.pt continues its wandb run. A roll-back to one of its own snapshots (a
 resume below the update the run's records reached) logs into a wandb run of its own, <id>-r<N>: wandb logs no step
 below the one its run reached, so in the same run the new branch's updates up to there were dropped and the branch
-left kept. A new run started from another run's checkpoint (train.resume=PATH into another out_dir) gets a wandb run of its own:
-with the id copied from that checkpoint, wandb.init(id=..., resume="allow") would log the new run into the old one
-and rename it. wandb itself is replaced by a stand-in that records the keywords of wandb.init."""
+left kept. A new run started from another run's checkpoint (train.resume=PATH into another out_dir) gets a wandb
+run of its own: with the id copied from that checkpoint, wandb.init(id=..., resume="allow") would log the new run
+into the old one and rename it. wandb itself is replaced by a stand-in that records the keywords of wandb.init."""
 import os
 import sys
 import types
