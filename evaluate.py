@@ -55,7 +55,8 @@ import torch
 
 from configs import Config, ConfigError, config_from_dict, config_to_dict, layer_config, load_config
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, parse_known, print_config
-from configs.loader import device_of_overrides, dotted_settings, get_key, override_keys, read_yaml_file
+from configs.loader import (RefusedValueError, device_of_overrides, dotted_settings, get_key, override_keys,
+                            read_yaml_file)
 from configs.schema import (TRAIN_MODE_MODEL_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, DataConfig, ModelConfig,
                             unread_training_settings)
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
@@ -684,9 +685,16 @@ def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
 def checkpoint_config(payload: dict, checkpoint: str) -> Config:
     """The config `checkpoint` records, through this version's schema. A key the schema does not know (a setting a
     newer version of the code added) or a value it refuses is an error naming the file: the schema's own error
-    names only a 'saved config', which the user cannot find."""
+    names only a 'saved config', which the user cannot find. A refused value (e.g. a data.mean on the 0..255 scale,
+    which versions before the check accepted) is no sign of a newer version, and --config files and overrides are
+    applied to the recorded config once it has passed: one of that key cannot replace the recorded value."""
     try:
         return config_from_dict(payload["config"])
+    except RefusedValueError as e:
+        raise CheckpointError(f"{checkpoint}: its recorded {e.key} is refused by this version's checks ({e}); "
+                              f"--config files and overrides, of {e.key} too, apply only to a recorded config that "
+                              f"passes them, so none can replace the recorded value: evaluate the checkpoint with the "
+                              f"version of the code that trained it") from None
     except ConfigError as e:
         raise CheckpointError(f"{checkpoint}: its recorded config does not fit this version of the code ({e}); "
                               f"written by a newer version of the code? Evaluate it with the version that "

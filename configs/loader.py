@@ -319,6 +319,16 @@ def override_settings(key: str, value: Any, cfg: Config) -> list[tuple[str, ...]
     return settings
 
 
+class RefusedValueError(ConfigError):
+    """A value of a known key that the schema refuses (its type, or a range of configs/constraints.py); `key` is its
+    dotted key. evaluate.py tells a checkpoint's recorded value that this version's checks refuse (one an earlier
+    version accepted) from a key this version does not know."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
+
+
 class IgnoredOverrideError(ConfigError):
     """An override, or a value of a config file, of a key that the config, as resolved, never reads (e.g.
     data.root for digits)."""
@@ -858,7 +868,7 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
                    f" ({type(value).__name__}){reason}")
         if isinstance(value, (int, float, datetime.date)) and takes_text(annotation):  # bool is an int
             raise TextReadAsValue(refusal, key, _show(value))
-        raise ConfigError(refusal)
+        raise RefusedValueError(refusal, key)
 
     if isinstance(value, AmbiguousNumber):  # text where text is taken; a number field cannot know which is meant
         try:
@@ -876,7 +886,7 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
                 continue  # a path of the machine and locale the run was saved on: read, not used, here
             problem = allowed.violation(value)
             if problem:
-                raise ConfigError(f"{source}: '{key}' must be {problem}; got {value!r}")
+                raise RefusedValueError(f"{source}: '{key}' must be {problem}; got {value!r}", key)
         return value
     if origin in (Union, types.UnionType):
         args = typing.get_args(annotation)
