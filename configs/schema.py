@@ -256,7 +256,13 @@ class LogConfig:
     wandb_project: str = "colinearity-decay"  # wandb project name
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline works without network
     progress: bool = True  # tqdm progress bar on the main rank (when stderr is a terminal)
-    act_max: bool = False  # record activation maxima (act/max_module, act/max_block) at validation
+    # record activation statistics at every validation (engine/act_max.py): act/max_module and act/max_block, the
+    # largest |value| of any output of a module inside the Transformer blocks / of a block; and
+    # act/kurtosis_module and act/kurtosis_block, the largest kurtosis of one such output (Pearson, 3 for a
+    # Gaussian, over all elements of that output in the validation set; softmax probabilities left out). The
+    # kurtosis is a float64 pass over every output: on the demo's vit_micro over its 360 digits validation images
+    # (one CPU thread, 2-core VM) the validation forward took 1.4 s alone, 2.1 s with the maxima, 9.6 s with both
+    act_max: bool = False
 
 
 @dataclass

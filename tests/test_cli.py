@@ -82,6 +82,19 @@ def test_help_config_of_one_section_or_key(capsys):
     assert code == 0 and out.startswith("  data.root = ''  (str, a path (~ is the home folder))\n      data set folder")
 
 
+def test_help_config_of_log_act_max_names_every_key_it_logs_and_the_kurtosis_definition(capsys):
+    """log.act_max logs four keys (train.py's validation: `ActMaxResult.metrics` of a probe with moments); its help
+    names them all, and what the kurtosis is, not the maxima alone."""
+    from engine.act_max import ActMaxResult
+
+    record = {"kind": "module", "kurtosis": 3.0}
+    keys = ActMaxResult(1.0, 1.0, [record, {**record, "kind": "block"}]).metrics()
+    code, out = run(train, ["--help-config", "log.act_max"], capsys)
+    text = " ".join(out.split())
+    assert code == 0 and len(keys) == 4 and all(key in text for key in keys), (keys, text)
+    assert "Pearson, 3 for a Gaussian" in text and "softmax probabilities left out" in text
+
+
 def test_help_config_names_a_wrong_section(capsys):
     with pytest.raises(SystemExit) as done:
         train.parse_args(["--help-config", "shed"])
