@@ -83,7 +83,7 @@ def ranks_in_float64() -> bool:
     rules = []
     for float64_ranks in (True, False):
         ((i, j, w),) = rank_plan([0.999], x.numel(), torch.float32, float64_ranks)
-        if torch.equal(torch.lerp(x[i], x[j], torch.tensor(w, dtype=torch.float32)), got):
+        if torch.equal(torch.lerp(x[i], x[j], torch.tensor(w, dtype=torch.float32, device=x.device)), got):
             rules.append(float64_ranks)
     if len(rules) != 1:
         raise RuntimeError(f"torch {torch.__version__}: torch.quantile's 0.999 quantile of the probe is "

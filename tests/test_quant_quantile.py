@@ -234,3 +234,16 @@ def test_a_zero_quantile_has_torch_quantiles_value_whatever_the_sign_of_the_zero
     x = torch.tensor([[-0.0, 0.0, 1.0], [0.0, -0.0, -1.0], [-0.0, -0.0, 0.0]])
     got, want = quantile(x, LEVELS, dim=1), torch_reference(x, LEVELS, dim=1)
     assert torch.equal(got, want)  # -0.0 == 0.0
+
+
+def test_the_rank_rule_probe_creates_no_tensor_on_the_default_device():
+    """The probe (ranks_in_float64, cached) runs at a process's first quantile: a tensor of it made without a device
+    landed on the default one ('meta' here, 'cuda' in a user's process), and the first quantile failed there or
+    passed depending on which test had probed first."""
+    ranks_in_float64.cache_clear()
+    try:
+        with torch.device("meta"):
+            got = quantile(torch.arange(11, dtype=torch.float32, device="cpu"), [0.5])
+    finally:
+        ranks_in_float64.cache_clear()
+    assert got.device.type == "cpu" and got.item() == 5.0
