@@ -183,6 +183,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         if kept := keep_abandoned_checkpoint(cfg.out_dir, resume_path, run.state.step, dist.is_main, dist.device):
             log.warning("checkpoint.pt of the branch this run leaves kept as %s", kept)
         # a best score measured on another validation set compares with no new score: best.pt starts afresh
+        run.validation_changed = bool(other_validation)
         best = run.best.match_file(run.state, dist.is_main, dist.device, other_validation=bool(other_validation))
         if other_validation:
             log.warning("resuming with another validation set (%s): best.pt's score does not carry over%s; the "
@@ -262,6 +263,7 @@ class Run:
     started_from: Optional[str] = None  # the train.resume file this run descends from (checkpoints record it)
     start_weights: Optional[dict] = None  # engine/start_weights.py's record; None: a checkpoint written before it
     resumed_elsewhere: bool = False  # from another file than out_dir/checkpoint.pt (train.resume=PATH)
+    validation_changed: bool = False  # resumed with other validation settings than its checkpoint's run validated with
     wandb_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:16])  # kept by a resume in out_dir
     logger: Optional[MetricLogger] = None
     best: Optional[BestCheckpoint] = None
@@ -800,9 +802,10 @@ def finish(run: Run, preemption: Preemption, reason: str, val: dict, start_step:
     elif not val:  # a finished run re-run; one whose best.pt is elsewhere or was moved aside (resumed into a new
         # out_dir, a roll-back: best score cleared) writes best.pt from it, as any resumed run's first validation
         cleared = run.state.best_value is None
-        # logged once: the update's validation the run logged before (metrics.jsonl's last step) is not logged again
-        val = run.validate(preemption.should_stop, keep_best=cleared,
-                           log_result=not run.logger.has_record(state.step, "val/")) or {}
+        # logged once: the update's validation the run logged before (metrics.jsonl's last step) is not logged again,
+        # unless the resume changed what validation measures (data.crop_pct, ...): then it is a new number
+        logged = run.logger.has_record(state.step, "val/") and not run.validation_changed
+        val = run.validate(preemption.should_stop, keep_best=cleared, log_result=not logged) or {}
         if val and (cleared or run.resumed_elsewhere):  # out_dir's checkpoint.pt: this run's point (not another
             run.save_checkpoint()  # branch's, not missing), with the best score that best.pt now holds
         reason = reason if val else "preempted"

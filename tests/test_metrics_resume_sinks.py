@@ -66,3 +66,23 @@ def test_a_finished_run_re_run_without_its_best_pt_writes_it_and_logs_its_valida
     assert [step for step, _ in _scalars(os.path.join(cfg.out_dir, "tb"), "val/top1")[1]] == [4, 8]
     best = torch.load(os.path.join(cfg.out_dir, "best.pt"), map_location="cpu", weights_only=False)
     assert best["state"]["step"] == 8 and best["metrics"]["val/top1"] == records[-1]["val/top1"]
+
+
+def test_a_re_run_with_other_validation_settings_logs_its_new_validation(debug_config, tmp_path):
+    """A finished run re-run with another eval transform validates its last update again and writes best.pt from
+    that new number; the new number is logged too (was: left out, since the update had a val record, so
+    metrics.jsonl kept only the old setting's score while best.pt and the summary held the new one)."""
+    cfg = debug_config("data.dataset=digits", "model.num_classes=10", name="x")
+    train.main(cfg)
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
+        before = [json.loads(line) for line in f]
+    changed = debug_config("data.dataset=digits", "model.num_classes=10", "data.crop_pct=0.5",
+                           "train.allow_changed_config=true", name="x")
+    train.main(changed)
+    with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert records[:len(before)] == before  # the old setting's records are kept
+    (new,) = [r for r in records[len(before):] if "val/top1" in r]
+    best = torch.load(os.path.join(cfg.out_dir, "best.pt"), map_location="cpu", weights_only=False)
+    last = before[-1]["step"]  # the finished run's last update
+    assert new["step"] == last and best["state"]["step"] == last and best["metrics"]["val/top1"] == new["val/top1"]
