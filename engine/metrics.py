@@ -49,6 +49,11 @@ class MetricLogger:
             if resume_fingerprint is not None:
                 kept = _take_back_branch(self.path, resume_step, resume_fingerprint)
             kept = _truncate_after(self.path, resume_step) or kept
+            # a roll-back re-run after it failed before its first record: the records of the branch it leaves are
+            # in the file the first try kept at this update (metrics.jsonl was cut already), and reached past it
+            earlier, left = _kept_at(out_dir, resume_step)
+            if earlier is not None and (reached is None or earlier > reached):
+                reached, kept = earlier, kept or left
         if os.path.exists(self.path):  # appended to: the checkpoints' fingerprints count its records
             for line in _record_lines(self.path)[0]:
                 self._count(json.loads(line).get("step", 0), line)
@@ -122,6 +127,18 @@ class MetricLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _kept_at(out_dir: str, step: int) -> tuple[Optional[int], Optional[str]]:
+    """(the last step, the file) of the newest metrics.until_step<step>[.N].jsonl in `out_dir`: the records a resume to
+    `step` cut from metrics.jsonl; (None, None) without one."""
+    kept = glob.glob(os.path.join(glob.escape(out_dir), f"metrics.until_step{step}.jsonl")) + \
+        glob.glob(os.path.join(glob.escape(out_dir), f"metrics.until_step{step}.*.jsonl"))
+    if not kept:
+        return None, None
+    newest = max(kept, key=os.path.getmtime)
+    last = max((json.loads(line).get("step", 0) for line in _record_lines(newest)[0]), default=None)
+    return last, newest
 
 
 def progress_line(step: int, metrics: dict, *, total_steps: int, epochs: int, updates_per_epoch: int,

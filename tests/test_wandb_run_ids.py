@@ -10,6 +10,7 @@ import os
 import sys
 import types
 
+import pytest
 import torch
 
 import train
@@ -64,6 +65,29 @@ def test_a_roll_back_to_one_of_the_runs_own_snapshots_logs_into_a_wandb_run_of_i
     train.main(back)
     assert inits[3]["id"] not in (x_id, f"{x_id}-r4"), inits  # not the first roll-back's run, which reached 8
     assert len({kw["id"] for kw in inits}) == 3
+
+
+def test_a_roll_back_re_run_after_failing_before_its_first_record_still_gets_a_wandb_run_of_its_own(
+        debug_config, monkeypatch):
+    """The first try cut metrics.jsonl back to update 4 (keeping the rest) and failed before logging; the same
+    command again found the records ending at 4 and logged into the snapshot's wandb run, which had reached 8 and
+    drops updates 5 to 8 (was: the id of run x)."""
+    inits = fake_wandb(monkeypatch)
+    cfg = debug_config(*RUN, "train.keep_every_epochs=1", name="x")
+    train.main(cfg)
+    back = debug_config(*RUN, "train.keep_every_epochs=1",
+                        f"train.resume={os.path.join(cfg.out_dir, 'snapshots', 'epoch0001.pt')}", name="x")
+    real = train.build_loop
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("failed before the first update")
+    monkeypatch.setattr(train, "build_loop", fail)
+    with pytest.raises(RuntimeError, match="failed before the first update"):
+        train.main(back)
+    monkeypatch.setattr(train, "build_loop", real)
+    train.main(back)
+    x_id = inits[0]["id"]
+    assert [kw["id"] for kw in inits[1:]] == [f"{x_id}-r4", f"{x_id}-r4"], inits
 
 
 def test_a_resume_where_the_records_end_keeps_its_wandb_run(debug_config, monkeypatch):
