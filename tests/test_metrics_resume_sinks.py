@@ -8,6 +8,7 @@ both readers, against the values logged. A finished run's re-run that validates 
 best.pt moved aside) does not log that validation a second time."""
 import json
 import os
+import time
 
 import torch
 from tensorboard.backend.event_processing import event_accumulator, plugin_event_accumulator
@@ -18,6 +19,12 @@ from engine.metrics import MetricLogger
 
 
 def _log(out_dir: str, steps: range, value: float, resume_step=None) -> None:
+    # each writer in a second of its own: an event file is named by its second, then a per-process counter, and the
+    # readers take the files in name order, so writers of one second whose counters pass 9 -> 10 (other tests' in
+    # this worker) would be read out of order (a train.py process opens one writer)
+    second = int(time.time())
+    while int(time.time()) == second:
+        time.sleep(0.02)
     logger = MetricLogger(out_dir, True, tensorboard=True, resume_step=resume_step)
     for step in steps:
         logger.log(step, {"train/loss": value + step})
