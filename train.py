@@ -354,6 +354,12 @@ def check_cadences_fit(cfg: Config, total_steps: int, updates_per_epoch: int) ->
                               f"the run")
 
 
+def schedule_text(cfg: Config, updates_per_epoch: int) -> str:
+    """The run's schedule as a resume refusal names it, e.g. "sched.epochs=2, 4 updates each"."""
+    return (f"sched.steps={cfg.sched.steps}" if cfg.sched.steps is not None
+            else f"sched.epochs={cfg.sched.epochs}, {updates_per_epoch} updates each")
+
+
 def check_resume_point(cfg: Config, payload: dict, checkpoint: str, total_steps: int, updates_per_epoch: int) -> None:
     """What a resume from `checkpoint` (its `payload`) needs of this run's length, refused before the cadences are
     weighed against it (their fix would otherwise be told first, and a second refusal follow it): the schedule
@@ -361,9 +367,7 @@ def check_resume_point(cfg: Config, payload: dict, checkpoint: str, total_steps:
     (nothing would train, while config.yaml recorded it and the summary said the run stopped there; at it, a
     re-run of a run stopped at train.max_steps, is allowed: it validates again)."""
     step = payload["state"]["step"]
-    schedule = (f"sched.steps={cfg.sched.steps}" if cfg.sched.steps is not None
-                else f"sched.epochs={cfg.sched.epochs}, {updates_per_epoch} updates each")
-    check_schedule_holds(step, total_steps, schedule, checkpoint)
+    check_schedule_holds(step, total_steps, schedule_text(cfg, updates_per_epoch), checkpoint)
     if cfg.train.max_steps and cfg.train.max_steps < step:
         raise ConfigError(f"train.max_steps={cfg.train.max_steps} is below the update {step} of {checkpoint}: "
                           f"nothing to train; give a larger value or none")
@@ -391,9 +395,8 @@ def check_cadences_left(cfg: Config, payload: dict, checkpoint: str, total_steps
             late.append(f"train.{key}={every} would next {what} at {unit} {(done // every + 1) * every}, past the "
                         f"run's last {unit} {end} ({acts})")
     if late:
-        schedule = (f"sched.steps={cfg.sched.steps}" if cfg.sched.steps is not None
-                    else f"sched.epochs={cfg.sched.epochs} x {updates_per_epoch} updates")
-        raise ConfigError(f"{checkpoint} is at update {step} (epoch {epoch}) of the run's {total_steps} ({schedule}), "
+        raise ConfigError(f"{checkpoint} is at update {step} (epoch {epoch}) of the run's {total_steps} "
+                          f"({schedule_text(cfg, updates_per_epoch)}), "
                           f"so these new settings could not act in what is left: {'; '.join(late)}; give values "
                           f"that act, or lengthen the run")
 
