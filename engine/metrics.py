@@ -10,7 +10,7 @@ preemption's requeue) continues the same wandb run. A checkpoint records a
 fingerprint of metrics.jsonl's records before its update (`MetricLogger.fingerprint`): a resume whose
 metrics.jsonl holds other records there (a return to a branch one left, whose records a later resume moved into a
 kept metrics.until_step<N>.jsonl) takes this branch's records back from the kept file that holds them, as best.pt
-takes back its own (engine/best.py), the file it replaces kept under a new name.
+takes back its own (engine/best_checkpoint.py), the file it replaces kept under a new name.
 """
 from __future__ import annotations
 
