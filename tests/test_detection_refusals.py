@@ -59,3 +59,24 @@ def test_a_test_metric_that_dumps_its_predictions_to_a_prefix_is_refused_before_
     assert "tools/test.py" in message
     assert kept.read_text() == "[]" and sorted(p.name for p in prefix.parent.iterdir()) == ["preds.bbox.json"]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("script", ["scripts/train_detection.py", "evaluate_detection.py"])
+@pytest.mark.parametrize("override", ["train_cfg.max_epochs=[1,(2]", "model.test_cfg.rcnn.max_per_img=(1,2",
+                                      "model.backbone.init_cfg=dict(type='Pretrained',checkpoint='/x.pt')"])
+def test_an_override_value_mmengine_cannot_parse_is_one_error_line(tmp_path, script, override):
+    """MMEngine's DictAction asserts on unbalanced brackets and recurses without end on dict(...): the entry points
+    printed a traceback (about 1000 lines for the recursion) instead of their one `error:` line, exit code 2."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    work = tmp_path / "work"
+    args = (["--work-dir", str(work)] if script.startswith("scripts/") else
+            ["--checkpoint", str(tmp_path / "none.pth"), "--out", str(tmp_path / "x.json"), "--quant", "repq"])
+    done = subprocess.run([sys.executable, os.path.join(root, script), "--config", os.path.join(root, SAMPLE_CONFIG),
+                           *args, override], capture_output=True, text=True, cwd=root, timeout=300)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert lines[0].startswith(f"error: {override!r}: the value cannot be parsed") and "key.sub=value" in lines[0]
+    assert not work.exists() and not (tmp_path / "x.json").exists()

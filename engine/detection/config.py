@@ -202,7 +202,16 @@ def parse_overrides(items):
         key, value = item.split("=", 1)
         if given.setdefault(key, value) != value:
             raise DetectionError(f"{key} is given twice ({key}={given[key]} and {key}={value}): give it once")
-    DictAction(option_strings=[], dest="options")(None, namespace, items)
+    for item in items:
+        # DictAction asserts on unbalanced brackets and recurses without end on a call such as dict(...): parsed
+        # one item at a time (DictAction adds to what the namespace holds) so the entry points print one error
+        # line naming the item, not a traceback
+        try:
+            DictAction(option_strings=[], dest="options")(None, namespace, [item])
+        except (AssertionError, RecursionError):
+            raise DetectionError(f"{item!r}: the value cannot be parsed: give MMEngine's override syntax: a dict key by "
+                                 "key (key.sub=value items), a number, True/False/None, a string, or a list/tuple "
+                                 "literal with balanced brackets such as key=[1,2] or key=\"(1,2)\"") from None
     return getattr(namespace, "options", {})
 
 
