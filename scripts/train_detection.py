@@ -253,10 +253,13 @@ def check_resume(work_dir: str, settings: dict, overrides: dict) -> None:
                              "or start a new --work-dir")
     done = re.fullmatch(r"epoch_(\d+)\.pth", os.path.basename(target))  # MMEngine's name: the epochs trained
     max_epochs = settings.get("train_cfg.max_epochs", "None")
-    if done and max_epochs.isdigit() and int(max_epochs) < int(done.group(1)):  # MMEngine trained none, exit 0
-        raise DetectionError(f"--resume: train_cfg.max_epochs={max_epochs}, but the run in {work_dir} has trained "
-                             f"{done.group(1)} epochs ({os.path.basename(target)}): give train_cfg.max_epochs of at "
-                             f"least {done.group(1)} (more to extend the run)")
+    # at or below the epochs trained MMEngine trains none and exits 0: a finished run resumed (a requeue of a run
+    # that ended) or one asked to be shorter than it is; an unfinished run (fewer epochs trained) resumes
+    if done and max_epochs.isdigit() and int(max_epochs) <= int(done.group(1)):
+        raise DetectionError(f"--resume: train_cfg.max_epochs={max_epochs}, but the run in {work_dir} has already "
+                             f"trained {done.group(1)} epochs ({os.path.basename(target)}), so nothing is left to "
+                             f"train: give a larger train_cfg.max_epochs (at least {int(done.group(1)) + 1}) to "
+                             "extend the run")
 
 
 def check_config_dump(work_dir: str, cfg) -> None:

@@ -817,14 +817,16 @@ def test_resume_continues_only_the_same_run_from_its_own_checkpoint(sample, tmp_
     assert (run / "epoch_2.pth").is_file()
 
 
-def test_a_resume_with_fewer_epochs_than_the_run_has_trained_is_refused(sample, trained, capsys):
-    """MMEngine resumes the 3-epoch run at epoch 3, trains nothing for train_cfg.max_epochs=2 and exits 0: the
-    run asked for is not the one that exists. Refused, the work dir left as it was."""
+@pytest.mark.parametrize("epochs", [2, 3])
+def test_a_resume_with_no_more_epochs_than_the_run_has_trained_is_refused(sample, trained, capsys, epochs):
+    """MMEngine resumes the 3-epoch run at epoch 3, trains nothing for train_cfg.max_epochs=2, or 3 (the finished
+    run's own command requeued), and exits 0 without a word. Refused, the work dir left as it was."""
     work = os.path.dirname(trained)
     before = sorted(os.listdir(work))
     line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", work, "--resume",
-                               "randomness.seed=0", "train_cfg.val_interval=100", "train_cfg.max_epochs=2"])
-    assert "train_cfg.max_epochs=2, but the run in" in line and "has trained 3 epochs (epoch_3.pth)" in line, line
+                               "randomness.seed=0", "train_cfg.val_interval=100", f"train_cfg.max_epochs={epochs}"])
+    assert f"train_cfg.max_epochs={epochs}, but the run in" in line, line
+    assert "has already trained 3 epochs (epoch_3.pth)" in line and "larger train_cfg.max_epochs" in line, line
     assert sorted(os.listdir(work)) == before
 
 
