@@ -17,7 +17,9 @@ A work dir that already holds checkpoints is refused unless --resume continues t
 MMEngine writes there (the first --config's name); so is a second command while a run holds the work dir
 (`<work-dir>/.run.lock`, as train.py's out_dir), before it writes anything there. A new run records its merged
 settings, once its runner is built, in `<work-dir>/train_detection_config.json` (a start that fails before its first
-checkpoint removes that file and the config dump again, so the corrected command may use the same work dir); --resume
+checkpoint, by an exception or Ctrl-C, removes that file and the config dump again, so the corrected command may use
+the same work dir; a SIGTERM, or any signal that ends the process without an exception, leaves both: move them away,
+or give a new work dir, to start it with other settings); --resume
 refuses other settings than those (only train_cfg.max_epochs may change, to extend the schedule), `load_from` (it
 resumes the work dir's own last checkpoint), and a last_checkpoint that points outside the work dir or to a missing
 file. Checkpoints keep the random-number state (engine.detection.RngStateHook), so a resumed run in one process
@@ -185,9 +187,9 @@ def check_settings(work_dir: str, settings: dict) -> None:
 
 
 def record_settings(work_dir: str, settings: dict) -> None:
-    """Write a new run's settings into `work_dir` once its runner has been built (a start that fails before its
-    first checkpoint removes it again, removing_failed_start_files, so the corrected command may use the same
-    folder), never over an existing file: one with the
+    """Write a new run's settings into `work_dir` once its runner has been built (a start that fails by an exception
+    before its first checkpoint removes it again, removing_failed_start_files, so the corrected command may use the
+    same folder; a SIGTERM leaves it), never over an existing file: one with the
     same settings (the same run started again before its first checkpoint, or another rank of it) is kept,
     another is refused."""
     path = os.path.join(work_dir, SETTINGS_FILE)
@@ -275,12 +277,15 @@ def check_config_dump(work_dir: str, cfg) -> None:
 @contextlib.contextmanager
 def removing_failed_start_files(work_dir: str, cfg, new_run: bool, launcher: str):
     """A new run that fails before its first checkpoint (while its Runner and loops are built, or inside
-    runner.train(): out of memory, a setting that fails in the first iterations) removes the files of the work
-    dir that this command wrote and that would refuse the corrected command there: MMEngine's config dump (written
-    when the Runner is built; check_config_dump) and the settings file (record_settings; check_settings refuses
-    other settings). A file that existed when the command started was not written by it and stays, and so does
-    everything once a checkpoint exists: --resume continues that run and reads its settings file. The Runner's
-    timestamped log folder stays: it holds the failed start's log and blocks nothing. Rank 0 looks before the
+    runner.train(): out of memory, a setting that fails in the first iterations; an exception, KeyboardInterrupt
+    included, but not a SIGTERM or another signal whose default action ends the process without unwinding this
+    block: those leave both files, and the corrected command with other settings is refused until they are moved
+    away) removes the files of the work dir that this command wrote and that would refuse the corrected command
+    there: MMEngine's config dump (written when the Runner is built; check_config_dump) and the settings file
+    (record_settings; check_settings refuses other settings). A file that existed when the command started was not
+    written by it and stays, and so does everything once a checkpoint exists: --resume continues that run and reads
+    its settings file. The Runner's timestamped log folder stays: it holds the failed start's log and blocks nothing
+    (nor does .run.lock: its lock ends with the process). Rank 0 looks before the
     Runner is built (its constructor waits for rank 0 to broadcast the log folder's timestamp, so no rank has
     written either file yet) and removes them."""
     paths = [os.path.join(work_dir, os.path.basename(cfg.filename)), os.path.join(work_dir, SETTINGS_FILE)]
