@@ -26,6 +26,20 @@ def summary(out: str) -> list[str]:
     return out.split("sweep summary:\n")[1].splitlines()
 
 
+def sweep_in_process(tmp_path, monkeypatch, capfd, runs: str, raised_after: int, pipelines: str) -> tuple[int, str]:
+    """(exit code, stdout) of `sweep.py --run --evaluate` over tiny.yaml with the run items `runs` (the YAML lines
+    under `runs:`), train.py and evaluate.py run in this process, the training loss raised by hand after
+    `raised_after` micro-batches (tests/test_divergence_checkpoints.py) and quant.pipelines=`pipelines`."""
+    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(raised_after))
+    monkeypatch.setattr(sweep.ForwardedSignals, "run", lambda self, cmd: run_main(cmd[1], cmd[2:]))
+    monkeypatch.chdir(ROOT)  # where the sweep starts its commands
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n{runs}")
+    code = sweep.main([str(spec), "--run", "--evaluate", *TINY, "log.tensorboard=false",
+                       f"quant.pipelines={pipelines}"])
+    return code, capfd.readouterr().out
+
+
 def test_a_run_that_exits_0_without_a_checkpoint_is_failed_and_not_evaluated(tmp_path, monkeypatch, capsys):
     launcher, calls = tmp_path / "launcher", tmp_path / "calls"
     launcher.write_text(STAND_IN)
@@ -47,14 +61,7 @@ def test_a_real_run_stopped_at_max_steps_inside_its_first_divergence_streak_fail
     """The reviewer's case in miniature, train.py and evaluate.py run in this process: the first log window is high
     (the loss raised by hand after the first update) and train.max_steps stops the run there. The sweep exits 1 with
     the run failed, nothing evaluated; before, it evaluated a best.pt of the diverged weights and exited 0."""
-    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(2))
-    monkeypatch.setattr(sweep.ForwardedSignals, "run", lambda self, cmd: run_main(cmd[1], cmd[2:]))
-    monkeypatch.chdir(ROOT)  # where the sweep starts its commands
-    spec = tmp_path / "s.yaml"
-    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\n"
-                    f"runs:\n  a: [train.max_steps=2]\n")
-    code = sweep.main([str(spec), "--run", "--evaluate", *TINY, "log.tensorboard=false", "quant.pipelines=[repq]"])
-    out = capfd.readouterr().out
+    code, out = sweep_in_process(tmp_path, monkeypatch, capfd, "  a: [train.max_steps=2]\n", 2, "[repq]")
     assert code == 1, out[-3000:]
     assert f"  a: {UNSAVED}" in summary(out)[0]
     folder = tmp_path / "runs" / "a"

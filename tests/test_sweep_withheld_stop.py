@@ -13,17 +13,13 @@ import torch
 
 from configs import config_to_dict, load_config
 from engine.checkpoint import load_checkpoint
-from engine.tasks import ClassificationTask
-from tests.conftest import DEBUG_CONFIG, ROOT, run_main
-from tests.test_divergence_checkpoints import MICRO_PER_EPOCH, TINY, loss_raised_after
+from tests.conftest import DEBUG_CONFIG
+from tests.test_divergence_checkpoints import MICRO_PER_EPOCH
+from tests.test_sweep_unsaved_run import summary, sweep_in_process
 
 import sweep  # noqa: E402  (scripts/, on the path of the tests)
 
 WITHHELD = "failed during training: stopped at train.max_steps at update 8 with its checkpoint withheld (divergence guard"
-
-
-def summary(out: str) -> list[str]:
-    return out.split("sweep summary:\n")[1].splitlines()
 
 
 def test_a_real_run_whose_writes_the_guard_withheld_up_to_max_steps_fails_the_sweep(tmp_path, monkeypatch, capfd):
@@ -31,14 +27,8 @@ def test_a_real_run_whose_writes_the_guard_withheld_up_to_max_steps_fails_the_sw
     losses of epoch 2 are raised by hand (windows 6 and 8 high: a streak of 2, below the guard's 3), and
     train.max_steps=8 ends the run there with exit 0, update 8's write withheld. The sweep reported it as stopped
     at train.max_steps 'at update 4', evaluated the best.pt of update 4, went on to run b and exited 0."""
-    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(MICRO_PER_EPOCH))
-    monkeypatch.setattr(sweep.ForwardedSignals, "run", lambda self, cmd: run_main(cmd[1], cmd[2:]))
-    monkeypatch.chdir(ROOT)  # where the sweep starts its commands
-    spec = tmp_path / "s.yaml"
-    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\n"
-                    f"runs:\n  a: [train.max_steps=8]\n  b: []\n")
-    code = sweep.main([str(spec), "--run", "--evaluate", *TINY, "log.tensorboard=false", "quant.pipelines=[]"])
-    out = capfd.readouterr().out
+    code, out = sweep_in_process(tmp_path, monkeypatch, capfd, "  a: [train.max_steps=8]\n  b: []\n", MICRO_PER_EPOCH,
+                                 "[]")
     assert code == 1, out[-3000:]
     lines = summary(out)
     assert lines[0].startswith(f"  a: {WITHHELD}") and lines[1:] == ["  b: not started"], lines
