@@ -28,13 +28,21 @@ def write_sweep(root, **overrides):
     return root
 
 
-def drawn_titles(monkeypatch, root, out) -> dict:
-    """The suptitle of each figure dose_report.main draws, by file name, read from the matplotlib Figure it saves."""
+def saved_titles(monkeypatch, *modules) -> dict:
+    """file name -> the suptitle of each matplotlib Figure that `modules`' save_figure is given from now on (None
+    for a figure without one); nothing is written."""
     titles = {}
 
     def keep(fig, path, overwrite, **options):
         titles[path.rsplit("/", 1)[-1]] = fig._suptitle.get_text() if fig._suptitle is not None else None
-    monkeypatch.setattr(dose_report, "save_figure", keep)
+    for module in modules:
+        monkeypatch.setattr(module, "save_figure", keep)
+    return titles
+
+
+def drawn_titles(monkeypatch, root, out) -> dict:
+    """The suptitle of each figure dose_report.main draws, by file name, read from the matplotlib Figure it saves."""
+    titles = saved_titles(monkeypatch, dose_report)
     dose_report.main([str(root), "--out", str(out)])
     return titles
 

@@ -13,6 +13,7 @@ import torch
 from configs import config_to_dict, load_config
 from tests.conftest import ROOT
 from test_lm_study import write_run
+from tests.test_dose_report_title import saved_titles
 
 import gap_test
 import lm_study
@@ -34,13 +35,8 @@ def write_sweep(root, overrides=None):
 
 def drawn_titles(monkeypatch, root, out) -> dict:
     """The suptitle of each figure lm_study.main saves, by file name (read from the matplotlib Figure itself)."""
-    titles = {}
-
-    def keep(fig, path, overwrite, **options):
-        titles[path.rsplit("/", 1)[-1]] = fig._suptitle.get_text() if fig._suptitle is not None else None
-    monkeypatch.setattr(lm_study, "save_figure", keep)
     # plot_energies, which lm_study imports from scripts.dose_report (a module apart from the `dose_report` of tests)
-    monkeypatch.setattr(sys.modules[lm_study.plot_energies.__module__], "save_figure", keep)
+    titles = saved_titles(monkeypatch, lm_study, sys.modules[lm_study.plot_energies.__module__])
     monkeypatch.setattr(lm_study, "plot_type_maxima", lambda *a, **k: None)
     lm_study.main([str(root), "--out", str(out)])
     return titles
