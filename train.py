@@ -48,7 +48,7 @@ from configs.cli import OneLineParser, add_config_arguments, parse_known, print_
 from configs.loader import IgnoredOverrideError, device_of_overrides, get_key
 from data import (DataError, build_loaders, build_token_loaders, calibration_window_count,
                   check_same_data_on_every_rank)
-from data.loader import split_location
+from data.loader import same_split_data, split_location, split_reading
 from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks
 from engine.best_checkpoint import BestCheckpoint, BestMatch
 from engine.checkpoint import (CheckpointError, class_differences, record_quant_settings, restore_training,
@@ -134,12 +134,14 @@ def check_before_start(cfg: Config) -> None:
                               ) from None
     check_quant_plan(cfg)
     check_training_settings(cfg)  # CD's settings and optim.name, before the model, the data and the optimizer
-    # a val split that reads the training file or folder (by name, path or link) would score, and pick best.pt
-    # on, the data the model trains on: evaluate.py refuses such a score, so training on it is refused here
-    trained_on = split_location(cfg.data, "train")  # None for the embedded data sets and a missing split
-    if trained_on is not None and trained_on == split_location(cfg.data, "val"):
-        raise ConfigError(f"data.train_split={cfg.data.train_split} and data.val_split={cfg.data.val_split} both "
-                          f"read {trained_on}, so validation (and best.pt) would score the "
+    # a val split that reads the training file or folder (by name, path, symbolic or hard link) or a copy of the
+    # training token file would score, and pick best.pt on, the data the model trains on: evaluate.py refuses such
+    # a score, so training on it is refused here
+    how = same_split_data(cfg.data, "val", cfg.data, "train")  # None for the embedded data sets and a missing split
+    if how is not None:
+        trained_on, val_at = split_location(cfg.data, "train"), split_location(cfg.data, "val")
+        raise ConfigError(f"data.train_split={cfg.data.train_split} and data.val_split={cfg.data.val_split} "
+                          f"{split_reading(how, trained_on, val_at)}, so validation (and best.pt) would score the "
                           f"{'text' if cfg.data.dataset == 'tokens' else 'images'} the model trains on; give "
                           f"data.val_split a split held out from training")
 

@@ -83,6 +83,37 @@ def split_location(cfg: DataConfig, split: str) -> Optional[str]:
     return os.path.realpath(path)
 
 
+def same_split_data(cfg: DataConfig, split: str, other: DataConfig, other_split: str) -> Optional[str]:
+    """How `split` ('train' or 'val') of `cfg` reads the data of `other_split` of `other` (folder or token data
+    sets), or None: "same" when both reach one folder or file, whatever its names (a path, a symbolic or hard link,
+    a bind mount: os.path.samefile, where `split_location`'s resolved paths tell a hard link apart), "copy" for two
+    token files of one size and first MiB (`token_file_fingerprint`, what a resumed run takes for its file). None for
+    the embedded data sets and a split that is not there. Image folders are compared as folders only: a copy of the
+    training images under another folder passes, since telling it apart means reading every image (ImageNet's 140
+    GB) or, by the names `folder_fingerprint` hashes, walking the training folder before the run (minutes for 1.28 M
+    files), and equal names are no proof of equal images."""
+    here, there = split_location(cfg, split), split_location(other, other_split)
+    if here is None or there is None:
+        return None
+    if os.path.samefile(here, there):
+        return "same"
+    # sizes first: the heads are hashed only for files of one size (a held-out split seldom has the train's size)
+    if (cfg.dataset == other.dataset == "tokens" and os.path.getsize(here) == os.path.getsize(there)
+            and token_file_fingerprint(cfg, split) == token_file_fingerprint(other, other_split)):
+        return "copy"
+    return None
+
+
+def split_reading(how: str, first: str, second: str) -> str:
+    """What two splits read, for a refusal: `how` as `same_split_data` says, `first` and `second` their
+    `split_location`s."""
+    if first == second:
+        return f"both read {first}"
+    if how == "same":
+        return f"read {first} and {second}, one {'folder' if os.path.isdir(first) else 'file'} under two names"
+    return f"read {first} and {second}, copies of one token file (the same size and first MiB)"
+
+
 def _check_other_split(cfg: DataConfig, split: str, classes: list) -> None:
     """The other split of a folder data set, if there is one (a folder or a .tar), must have the classes `classes`
     of `split`."""

@@ -1,8 +1,10 @@
 """train.py validates on data held out from its training: a data.val_split that reads the train split's token file
-or image folder (by its name, the other key's name or a link) is refused before any folder is made, naming both
-keys; splits that are different files are trained on."""
+or image folder (by its name, the other key's name, a symbolic or hard link), or a copy of the training token file,
+is refused before any folder is made, naming both keys; splits that are different files are trained on."""
+import filecmp
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -39,6 +41,36 @@ def test_a_val_token_file_that_is_the_training_file_is_refused_before_the_run(tm
                                           rf"on; give data.val_split a split held out from training$"):
         train.main(cfg)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("made, how", [(os.link, "one file under two names"),
+                                       (shutil.copyfile, r"copies of one token file \(the same size and first MiB\)")])
+def test_a_val_token_file_that_is_a_hard_link_or_a_copy_of_the_training_file_is_refused(tmp_path, made, how):
+    """A hard link to train.bin resolves to its own path (os.path.realpath) and a byte copy is another file: both
+    hold the training text (filecmp), so both are refused, naming the two paths, before out_dir is made."""
+    root = _token_root(tmp_path)
+    made(root / "train.bin", root / "same.bin")
+    assert filecmp.cmp(root / "train.bin", root / "same.bin", shallow=False)
+    out = tmp_path / "run"
+    cfg = load_config([NANO], [f"out_dir={out}", "data.dataset=tokens", f"data.root={root}", "data.val_split=same"])
+    with pytest.raises(ConfigError, match=rf"^data.train_split=train and data.val_split=same read "
+                                          rf"{re.escape(os.path.realpath(root / 'train.bin'))} and "
+                                          rf"{re.escape(os.path.realpath(root / 'same.bin'))}, {how}, .*the text the "
+                                          rf"model trains on; give data.val_split a split held out from training$"):
+        train.main(cfg)
+    assert not out.exists()
+
+
+def test_a_val_token_file_of_the_training_file_s_size_with_other_ids_passes(tmp_path):
+    """A file of train.bin's size with another last id is other text (the file is under a MiB: all of it is in the
+    fingerprint): held out, it passes."""
+    root = _token_root(tmp_path)
+    ids = np.fromfile(root / "train.bin", dtype=np.uint16)
+    ids[-1] = (ids[-1] + 1) % 65
+    ids.tofile(root / "other.bin")
+    cfg = load_config([NANO], [f"out_dir={tmp_path / 'run'}", "data.dataset=tokens", f"data.root={root}",
+                               "data.val_split=other"])
+    train.check_before_start(cfg)
 
 
 def test_distinct_token_files_pass_the_check(tmp_path):
