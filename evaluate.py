@@ -63,7 +63,7 @@ from data import (DataError, build_dataset, build_eval_loader, build_token_eval_
                   calibration_images, calibration_windows, check_same_data_on_every_rank, dataset_classes,
                   val_fingerprint)
 from data.folder import ClassCountError, check_same_classes
-from data.loader import split_location
+from data.loader import same_split_data, split_location
 from data.text import ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
@@ -709,7 +709,7 @@ def resolve_config(args: argparse.Namespace):
         # --config: e.g. a data preset for another machine
         saved = checkpoint_config(payload, args.checkpoint)  # parsed once: cfg is built on a copy
         cfg = layer_config(copy.deepcopy(saved), args.config or (), args.overrides)
-        check_checkpoint_settings(payload["config"], cfg, args.checkpoint)
+        check_checkpoint_settings(payload["config"], cfg, args.checkpoint, payload.get("data_fingerprint"))
         # what --config files and overrides changed ('key: old -> new'): its method is the checkpoint's own
         changed = [change.split(": ", 1)[0] for change in config_changes(config_to_dict(saved), config_to_dict(cfg))]
     else:
@@ -796,12 +796,15 @@ def resolve_config(args: argparse.Namespace):
             raise ConfigError(f"data.{name}={value} would be ignored: no pipeline of this evaluation reads the "
                               f"training split (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; rtn reads no "
                               f"data); drop it")
-    train_split = split_location(cfg.data, "train")
-    if drawing and train_split is not None and train_split == split_location(cfg.data, "val"):
+    # the scored val split as the training split: by any name or link, or a copy of its token file (same_split_data)
+    how = same_split_data(cfg.data, "train", cfg.data, "val") if drawing else None
+    if how is not None:
         seen = "text" if task.language else "images"
-        raise ConfigError(f"data.train_split={cfg.data.train_split}: {train_split} is the val split that is scored "
-                          f"(data.val_split={cfg.data.val_split}), so {', '.join(drawing)} would calibrate (or train) "
-                          f"on the {seen} that are scored; give data.train_split the training split")
+        copied = "" if how == "same" else "a copy (the same size and first MiB) of "
+        raise ConfigError(f"data.train_split={cfg.data.train_split}: {split_location(cfg.data, 'train')} is {copied}"
+                          f"the val split that is scored (data.val_split={cfg.data.val_split}), so "
+                          f"{', '.join(drawing)} would calibrate (or train) on the {seen} that are scored; give "
+                          f"data.train_split the training split")
     augmentation = train_transform_overrides_unread(args.overrides, cfg)
     if augmentation:
         raise ConfigError(f"{augmentation[0]} would be ignored: no pipeline of this evaluation sees training-transform "
@@ -915,16 +918,17 @@ def _quant_value(cfg: Config, key: str) -> Optional[str]:
         return None
 
 
-def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str) -> None:
+def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str, fingerprint: Optional[dict] = None) -> None:
     """Settings that --config / overrides may not change for a checkpoint: the weights are the checkpoint's
     (another model.pretrained would be ignored), and the val split must be held out from its training: not the
-    folder or token file of its training split (`check_not_trained_on`), and for the embedded data sets not
+    folder or token file of its training split, nor a copy of that file (`check_not_trained_on`; `fingerprint`: the
+    checkpoint's data_fingerprint), and for the embedded data sets not
     another data.kjv_val_fraction or data.digits_val_fraction (it would score on text or images it was trained on:
     the digits split is a seeded stratified split of one set)."""
     if cfg.model.pretrained != saved.get("model", {}).get("pretrained", cfg.model.pretrained):
         raise ConfigError(f"model.pretrained={cfg.model.pretrained}: --checkpoint {checkpoint} gives the weights; "
                           f"evaluate other weights with model.pretrained and --config, without --checkpoint")
-    check_not_trained_on(config_from_dict(saved).data, cfg.data, checkpoint)
+    check_not_trained_on(config_from_dict(saved).data, cfg.data, checkpoint, fingerprint)
     trained = saved.get("data", {})
     if (cfg.data.dataset == "kjv" and trained.get("dataset") == "kjv"
             and trained.get("kjv_val_fraction", cfg.data.kjv_val_fraction) != cfg.data.kjv_val_fraction):
@@ -938,29 +942,51 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str) -> None
                           f"split would score it on images it was trained on; drop the override")
 
 
-def check_not_trained_on(trained: DataConfig, data: DataConfig, checkpoint: str) -> None:
+def check_not_trained_on(trained: DataConfig, data: DataConfig, checkpoint: str,
+                         fingerprint: Optional[dict] = None) -> None:
     """Refuse a val split (of `data`) that reads the training split of the checkpoint's data set (`trained`, its
-    recorded settings): the folder or token file it recorded, links resolved, or the split of that name under
-    another data.root (a copy of the data set on this machine). Any other val split is taken: a held-out folder
-    beside the recorded val one, or another data.root's own."""
+    recorded settings): the folder or token file it recorded, by any name or link (os.path.samefile), or the split
+    of that name under another data.root (a copy of the data set on this machine), or a token file that is a copy of
+    the training file: of its size and first MiB, as that file is now or as the checkpoint recorded it
+    (`fingerprint`, its data_fingerprint; None for an older checkpoint). Any other val split is taken: a held-out
+    folder beside the recorded val one, or another data.root's own."""
     val = split_location(data, "val")
     if val is None or trained.dataset != data.dataset:
         return
     here = dataclasses.replace(trained, root=data.root)
-    if val in (split_location(trained, "train"), split_location(here, "train")):
+    how = same_split_data(data, "val", trained, "train") or same_split_data(data, "val", here, "train")
+    recorded = recorded_train_file(trained, fingerprint)  # the train file may be elsewhere now, or gone
+    # sizes first: the val file's head is hashed only when its size is the recorded one
+    if (how is None and recorded is not None and recorded.get("bytes") == os.path.getsize(val)
+            and recorded == token_file_fingerprint(data, "val")):
+        how = "copy"
+    if how is not None:
         seen = "text" if data.dataset == "tokens" else "images"
-        raise ConfigError(f"data.val_split={data.val_split}: {val} is the {trained.train_split} split {checkpoint} "
-                          f"was trained on (data.root={trained.root}), so its scores would be of {seen} it was "
-                          f"trained on; {held_out_advice(trained, here)}")
+        copied = "" if how == "same" else "a copy (the same size and first MiB) of "
+        raise ConfigError(f"data.val_split={data.val_split}: {val} is {copied}the {trained.train_split} split "
+                          f"{checkpoint} was trained on (data.root={trained.root}), so its scores would be of {seen} "
+                          f"it was trained on; {held_out_advice(trained, here, fingerprint)}")
 
 
-def held_out_advice(trained: DataConfig, here: DataConfig) -> str:
+def recorded_train_file(trained: DataConfig, fingerprint: Optional[dict]) -> Optional[dict]:
+    """The size and first MiB's SHA-256 of the token file the checkpoint was trained on, as it recorded them
+    (`fingerprint`: its data_fingerprint), or None: a folder data set, or a checkpoint without the record."""
+    if trained.dataset != "tokens" or not fingerprint:
+        return None
+    return fingerprint.get(f"{trained.train_split}.bin")
+
+
+def held_out_advice(trained: DataConfig, here: DataConfig, fingerprint: Optional[dict] = None) -> str:
     """What check_not_trained_on advises: the checkpoint's recorded val split, unless that reads its training split
-    too (a run validated on its train file or folder, by name or link, under the recorded root or `here`'s), whose
-    name would only be refused again."""
-    train_at = {split_location(trained, "train"), split_location(here, "train")} - {None}
-    val_at = {split_location(trained, "val"), split_location(here, "val")} - {None}
-    if trained.val_split != trained.train_split and not train_at & val_at:
+    too (a run validated on its train file or folder, by name or link, or on a copy of its train file, under the
+    recorded root or `here`'s, or as the checkpoint's `fingerprint` recorded both files), whose name would only be
+    refused again."""
+    recorded = recorded_train_file(trained, fingerprint)
+    validated_on_train = (trained.val_split == trained.train_split
+                          or any(same_split_data(val_at, "val", train_at, "train")
+                                 for val_at in (trained, here) for train_at in (trained, here))
+                          or (recorded is not None and recorded == fingerprint.get(f"{trained.val_split}.bin")))
+    if not validated_on_train:
         return f"score its held-out split (data.val_split={trained.val_split})"
     return (f"it was validated on that split too (data.val_split={trained.val_split}): give data.val_split a "
             f"split held out from its training")
@@ -1026,9 +1052,9 @@ if __name__ == "__main__":
     try:
         main(parse_args(sys.argv[1:]))
     except USER_ERRORS as e:
-        exit_with_error(str(e))  # stderr and eval.log
+        exit_with_error(str(e), error=e)  # stderr (once under torchrun: said_by_rank_0) and eval.log
     except OtherRankError as e:  # rank 0 prints the error itself (a traceback if it is not the user's)
-        exit_with_error(str(e))
+        exit_with_error(str(e), error=e)
     except Preempted:  # GPLQ stage 1 logged where it stopped; its checkpoint is written, the same command resumes
         sys.exit(EXIT_PREEMPTED)
     except KeyboardInterrupt:  # Ctrl-C: the JSON holds every result finished so far (written as they come)

@@ -1,8 +1,11 @@
 """evaluate.py scores a folder checkpoint on images held out from its training only: neither a val split that is
 its training folder nor a calibration drawn from the folder it scores."""
 import dataclasses
+import filecmp
+import hashlib
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -71,13 +74,84 @@ def test_the_training_split_of_a_copy_of_its_data_set_is_refused_and_a_held_out_
 def test_a_token_checkpoint_is_not_scored_on_its_training_token_file(tmp_path):
     """The same rule for token files: <root>/train.bin as the val split is the text the model was trained on; another
     file beside it is scored."""
-    for name in ("train", "val", "test"):
-        np.arange(64, dtype=np.uint16).tofile(tmp_path / f"{name}.bin")
+    for offset, name in enumerate(("train", "val", "test")):  # three texts: a copy of train.bin is refused too
+        np.arange(offset, 64 + offset, dtype=np.uint16).tofile(tmp_path / f"{name}.bin")
     trained = dataclasses.replace(DataConfig(), dataset="tokens", root=str(tmp_path))
     with pytest.raises(ConfigError, match=rf"^data.val_split=train: {re.escape(os.path.realpath(tmp_path / 'train.bin'))} is "
                                           r"the train split run.pt was trained on .*of text it was trained on"):
         evaluate.check_not_trained_on(trained, dataclasses.replace(trained, val_split="train"), "run.pt")
     evaluate.check_not_trained_on(trained, dataclasses.replace(trained, val_split="test"), "run.pt")
+
+
+@pytest.mark.parametrize("made, how", [(os.link, "is the"),
+                                       (shutil.copyfile, r"is a copy \(the same size and first MiB\) of the")])
+def test_a_hard_link_or_a_copy_of_the_training_token_file_is_refused_as_the_val_split(tmp_path, made, how):
+    """A hard link to train.bin (its own resolved path) and a byte copy of it (another file) hold the text the model
+    was trained on (filecmp): refused like train.bin itself; val.bin, other text of the same size, is scored."""
+    for name, seed in (("train", 0), ("val", 1)):
+        np.random.default_rng(seed).integers(0, 65, 64).astype(np.uint16).tofile(tmp_path / f"{name}.bin")
+    made(tmp_path / "train.bin", tmp_path / "same.bin")
+    assert filecmp.cmp(tmp_path / "train.bin", tmp_path / "same.bin", shallow=False)
+    trained = dataclasses.replace(DataConfig(), dataset="tokens", root=str(tmp_path))
+    same = re.escape(os.path.realpath(tmp_path / "same.bin"))
+    with pytest.raises(ConfigError, match=rf"^data.val_split=same: {same} {how} train split run.pt was trained on "
+                                          r".*of text it was trained on; score its held-out split "
+                                          r"\(data.val_split=val\)$"):
+        evaluate.check_not_trained_on(trained, dataclasses.replace(trained, val_split="same"), "run.pt")
+    evaluate.check_not_trained_on(trained, trained, "run.pt")
+
+
+def test_a_copy_of_the_training_token_file_is_refused_by_the_checkpoint_s_record_when_the_file_is_gone(tmp_path):
+    """The checkpoint trained on <there>/train.bin, gone from this machine; <here>/copy.bin holds its text: the
+    record of the file in the checkpoint (data_fingerprint: its size and the SHA-256 of its first MiB, computed
+    here with hashlib) tells it, through evaluate.py's command line; <here>/val.bin, other text, is scored."""
+    there, here = tmp_path / "there", tmp_path / "here"
+    here.mkdir()
+    rng = np.random.default_rng(0)
+    ids = {"train": rng.integers(0, 65, 20_000).astype(np.uint16), "val": rng.integers(0, 65, 4_000).astype(np.uint16)}
+    ids["train"].tofile(here / "copy.bin")
+    ids["val"].tofile(here / "val.bin")
+    trained = dataclasses.replace(DataConfig(), dataset="tokens", root=str(there))
+    blob = ids["train"].tobytes()
+    recorded = {"train.bin": {"bytes": len(blob), "head_sha256": hashlib.sha256(blob[:1 << 20]).hexdigest()}}
+    data = dataclasses.replace(trained, root=str(here), val_split="copy")
+    with pytest.raises(ConfigError, match=r"^data.val_split=copy: .*copy.bin is a copy \(the same size and first MiB\) "
+                                          r"of the train split run.pt was trained on"):
+        evaluate.check_not_trained_on(trained, data, "run.pt", recorded)
+    evaluate.check_not_trained_on(trained, data, "run.pt")  # without the record nothing tells it: scored
+    evaluate.check_not_trained_on(trained, dataclasses.replace(data, val_split="val"), "run.pt", recorded)
+    # the same through evaluate.py: a run trained on there/, whose train.bin is then deleted
+    there.mkdir()
+    ids["train"].tofile(there / "train.bin")
+    ids["val"].tofile(there / "val.bin")
+    train.main(load_config(["configs/lm/kjv_nano.yaml"], [f"out_dir={tmp_path / 'run'}", "data.dataset=tokens",
+                                                          f"data.root={there}", "train.max_steps=1"]))
+    (there / "train.bin").unlink()
+    out = tmp_path / "e.json"
+    with pytest.raises(ConfigError, match=r"^data.val_split=copy: .*copy.bin is a copy \(the same size and first MiB\) "
+                                          r"of the train split .*best.pt was trained on"):
+        evaluate.main(evaluate.parse_args(["--checkpoint", str(tmp_path / "run" / "best.pt"), "--quant", "rtn",
+                                           f"data.root={here}", "data.val_split=copy", "--out", str(out)]))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("made", [os.link, shutil.copyfile])
+def test_a_training_token_file_that_is_a_hard_link_or_a_copy_of_the_scored_one_is_refused(tmp_path, made):
+    """data.train_split naming a hard link to, or a byte copy of, the scored val.bin drew GPTQ's calibration windows
+    from the scored text: refused before any pass."""
+    root = tmp_path / "tokens"
+    root.mkdir()
+    for name, n in (("train", 20_000), ("val", 4_000)):
+        np.random.default_rng(n).integers(0, 65, n).astype(np.uint16).tofile(root / f"{name}.bin")
+    train.main(load_config(["configs/lm/kjv_nano.yaml"], [f"out_dir={tmp_path / 'run'}", "data.dataset=tokens",
+                                                          f"data.root={root}", "train.max_steps=1"]))
+    made(root / "val.bin", root / "calib.bin")
+    out = tmp_path / "e.json"
+    with pytest.raises(ConfigError, match=r"^data.train_split=calib: .*calib.bin is (a copy .* of )?the val split that "
+                                          r"is scored \(data.val_split=val\), so gptq would calibrate"):
+        evaluate.main(evaluate.parse_args(["--checkpoint", str(tmp_path / "run" / "best.pt"), "--quant", "gptq",
+                                           "data.train_split=calib", "quant.calib_images=4", "--out", str(out)]))
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("pipelines, split", [(["percentile"], "val"), (["repq", "gplq"], "{root}/val/"),

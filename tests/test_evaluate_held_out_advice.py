@@ -1,9 +1,12 @@
 """evaluate.py's refusal of a val split that is the checkpoint's training split advises the checkpoint's recorded
-val split only where that split is held out: a run validated on its train file (by name or a link to it) gets no
-advice to score that file again."""
+val split only where that split is held out: a run validated on its train file (by name, a link to it or a copy of
+it) gets no advice to score that file again."""
 import dataclasses
+import filecmp
+import hashlib
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -15,16 +18,20 @@ from configs.schema import DataConfig
 
 @pytest.fixture
 def tokens(tmp_path):
-    """DataConfig of token files train.bin, val.bin and copy.bin (a link to train.bin) under tmp_path."""
-    for name in ("train", "val"):
-        np.arange(64, dtype=np.uint16).tofile(tmp_path / f"{name}.bin")
+    """DataConfig of token files train.bin, val.bin, copy.bin (a link to train.bin), hard.bin (a hard link to it)
+    and dup.bin (a byte copy of it) under tmp_path."""
+    for offset, name in enumerate(("train", "val")):  # two texts: a copy of train.bin is refused too
+        np.arange(offset, 64 + offset, dtype=np.uint16).tofile(tmp_path / f"{name}.bin")
     os.symlink(tmp_path / "train.bin", tmp_path / "copy.bin")
+    os.link(tmp_path / "train.bin", tmp_path / "hard.bin")
+    shutil.copyfile(tmp_path / "train.bin", tmp_path / "dup.bin")
     return DataConfig(dataset="tokens", root=str(tmp_path))
 
 
-def refusal(trained: DataConfig, val_split: str) -> str:
+def refusal(trained: DataConfig, val_split: str, fingerprint=None) -> str:
     with pytest.raises(ConfigError) as e:
-        evaluate.check_not_trained_on(trained, dataclasses.replace(trained, val_split=val_split), "run.pt")
+        evaluate.check_not_trained_on(trained, dataclasses.replace(trained, val_split=val_split), "run.pt",
+                                      fingerprint)
     return str(e.value)
 
 
@@ -32,14 +39,31 @@ def test_a_held_out_recorded_val_split_is_advised(tokens):
     assert refusal(tokens, "train").endswith("; score its held-out split (data.val_split=val)")
 
 
-@pytest.mark.parametrize("recorded", ["train", "copy"])
+@pytest.mark.parametrize("recorded", ["train", "copy", "hard", "dup"])
 def test_a_recorded_val_split_that_is_the_train_file_is_not_advised(tokens, recorded):
-    """A run trained on train.bin and validated on train.bin (or copy.bin, the same file): scoring either is refused,
-    and the advice names no split that reads train.bin."""
+    """A run trained on train.bin and validated on train.bin (or copy.bin, hard.bin: the same file, or dup.bin: its
+    text): scoring any of them is refused, and the advice names no split that holds train.bin's text."""
     trained = dataclasses.replace(tokens, val_split=recorded)
-    assert os.path.samefile(os.path.join(tokens.root, f"{recorded}.bin"), os.path.join(tokens.root, "train.bin"))
-    for asked in ("train", "copy"):
+    assert filecmp.cmp(os.path.join(tokens.root, f"{recorded}.bin"), os.path.join(tokens.root, "train.bin"),
+                       shallow=False)
+    for asked in ("train", "copy", "hard", "dup"):
         line = refusal(trained, asked)
         assert re.search(rf"; it was validated on that split too \(data.val_split={recorded}\): give data.val_split "
                          r"a split held out from its training$", line), line
         assert "held-out split (data.val_split=" not in line  # the advice of a held-out recorded split
+
+
+def test_a_recorded_val_file_of_the_train_file_s_recorded_text_is_not_advised(tokens, tmp_path):
+    """The run's files are gone from this machine (another data.root is scored): the checkpoint's record of them
+    (data_fingerprint; here computed with hashlib) says its val file held its train file's text, so that split is not
+    advised; a record of two texts advises it."""
+    trained = dataclasses.replace(tokens, root=str(tmp_path / "gone"))
+
+    def record(ids):
+        blob = np.asarray(ids, dtype=np.uint16).tobytes()
+        return {"bytes": len(blob), "head_sha256": hashlib.sha256(blob[:1 << 20]).hexdigest()}
+    here = dataclasses.replace(trained, root=tokens.root)
+    same = {"train.bin": record(range(64)), "val.bin": record(range(64))}
+    assert "held-out split" not in evaluate.held_out_advice(trained, here, same)
+    other = {"train.bin": record(range(64)), "val.bin": record(range(1, 65))}
+    assert evaluate.held_out_advice(trained, here, other) == "score its held-out split (data.val_split=val)"
