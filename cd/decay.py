@@ -216,6 +216,19 @@ def _kept_unless(ran: Tensor, new: Tensor, old: Tensor) -> Tensor:
     return new * r + old * (1 - r)
 
 
+def _seen_flags(ran: Optional[Tensor], result: Mapping[str, Tensor], last: Mapping[str, Tensor],
+                seen: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The flags of the norms that `result`, a part of an update that ran only where the 0-dim `ran` says (None: it
+    ran), gives beside `last` (flagged in `seen`): key -> 0-dim 1 once an update that ran gave the key's norm, 0 while
+    only skipped ones did (a norm of zero deltas, no update's, which `metrics` leaves out). A norm known to be an
+    update's needs no flag; a key new here takes `ran`, a flagged one keeps its 1 or takes `ran`. Arithmetic
+    (`_kept_unless`) on the norm's device: no copy of a CPU verdict to it and no wait for the device."""
+    if ran is None:
+        return {}
+    return {k: _kept_unless(ran, torch.ones_like(v), seen[k] if k in last else torch.zeros_like(v))
+            for k, v in result.items() if k not in last or k in seen}
+
+
 def budget_weight_decay(weight_decay: float, lam: float) -> float:
     """The paper's regularization-budget rule: wd -> wd - lam_cd
     (App. A.2 ("Normalized CD and regularization budget")).
@@ -422,6 +435,9 @@ class ColinearityDecay:
         self._gated_skips: Optional[Tensor] = None
         self._round_skip: Optional[Tensor] = None  # whether the last counted update was skipped so far
         self._last_update_norms: dict[str, Tensor] = {}
+        # key -> 0-dim flag of a norm in `_last_update_norms` that only the device knows to be of an update that ran
+        # (a skipped fused step's, a tensor lr of 0's, and none ran before: 0), read by `metrics` (`_seen_flags`)
+        self._norms_seen: dict[str, Tensor] = {}
         self._last_penalty: Optional[Tensor] = None
         # id(optimizer) -> (param-group signature, id(param) -> group index): one entry per optimizer, since several
         # (cd.integrations' bindings) step the same object in turn
@@ -557,16 +573,21 @@ class ColinearityDecay:
         else:
             result = colinearity_decay_(pairs, steps, up_steps, gate=gate, plan=self._plan, precision=precision,
                                         norms=norms)
+        if norms:
+            # a norm of an update the device skipped is no update's: before any that ran, it stays out of
+            # `metrics` by its flag (`_seen_flags`) rather than showing as 0.0, without a sync here
+            last, seen = self._last_update_norms, self._norms_seen
+            flags = _seen_flags(ran, result, last, seen)
         if norms and count:
-            last = self._last_update_norms
             if ran is not None:  # an update the device skipped keeps the last one's norms (`_kept_unless`)
                 result = {k: _kept_unless(ran, v, last[k]) if k in last else v for k, v in result.items()}
             self._last_update_norms = result
+            self._norms_seen = flags
         elif norms:  # one role's update over several optimizers: the root of the summed squares (a part the
             # device skipped adds a zero norm, which keeps `last`)
-            last = self._last_update_norms
             self._last_update_norms = {**last, **{k: v if k not in last else torch.hypot(last[k], v)
                                                   for k, v in result.items()}}
+            self._norms_seen = {**{k: f for k, f in seen.items() if k not in result}, **flags}
         self.num_updates += int(count)
         self._count_gated(ran, count)
         self._round_live = True
@@ -856,7 +877,8 @@ class ColinearityDecay:
             W_gate and W_up) as their stacked matrix [W_Q; W_K; W_V] (the sum of their pairs' energies).
         cd/update_norm/<role>: Frobenius norm of the role's update, all blocks together (also
             <role>_upstream for target C), from the last update whose number is a multiple of
-            `norms_every`; absent before that. The number counts every update CD is called for (`apply`, the
+            `norms_every`; absent before that, and while only updates the device skipped (a fused step that
+            GradScaler skips, a tensor lr of 0) gave it. The number counts every update CD is called for (`apply`, the
             attached optimizer's steps), one with lr 0 too (a warmup from 0), so that norms_every = the caller's
             log interval gives the norm of the update at each log step; an optimizer step that GradScaler skips
             without calling step() (non-fused) is not seen.
@@ -867,8 +889,9 @@ class ColinearityDecay:
         call it on every rank at the same steps, and log the result from one.
         """
         out = energy_metrics(self.all_pairs, self._all_plan, self._all_block_plans)
-        norms = self._last_update_norms
-        out.update({f"cd/update_norm/{key}": float(norms[key]) for key in sorted(norms, key=_role_order)})
+        norms, seen = self._last_update_norms, self._norms_seen
+        out.update({f"cd/update_norm/{key}": float(norms[key]) for key in sorted(norms, key=_role_order)
+                    if key not in seen or bool(seen[key])})
         if self._last_penalty is not None:
             out["cd/penalty"] = float(self._last_penalty)
         out["cd/updates"] = float(self._updates_done())

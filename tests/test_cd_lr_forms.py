@@ -165,6 +165,96 @@ def test_a_fused_step_that_gradscaler_skips_keeps_the_last_update_norms():
         {k: v for k, v in before.items() if "update_norm" in k} != {}
 
 
+# the matrices each update norm measures the change of (target C's upstream updates write qkv's V rows and fc1)
+_NORM_LAYERS = {"qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2",
+                "proj_upstream": "attn.qkv", "fc2_upstream": "mlp.fc1"}
+
+
+def _change_norms(model, before: dict, roles) -> dict:
+    """cd/update_norm/<role> measured from the weights: the root of the summed squared changes over the blocks."""
+    now = dict(model.named_parameters())
+    return {f"cd/update_norm/{role}": sum(float((now[n] - before[n]).square().sum())
+                                          for n in (f"blocks.{i}.{_NORM_LAYERS[role]}.weight"
+                                                    for i in range(VIT_DEPTH))) ** 0.5 for role in roles}
+
+
+@pytest.mark.parametrize("targets,roles", [("A+B", ROLES), ("C", ("proj", "fc2", "proj_upstream", "fc2_upstream"))])
+@pytest.mark.parametrize("norms_every", [1, 2])
+def test_update_norms_stay_absent_until_an_update_that_ran_gives_them(targets, roles, norms_every):
+    # a tensor lr of 0 runs the update with zero deltas (its value is not read on the host): before any update that
+    # moved the weights, no norm is an update's, so none is logged (not 0.0), also across a state_dict round trip
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=LAM, targets=targets, norms_every=norms_every)
+    zero, lr = torch.tensor(0.0, dtype=torch.float64), torch.tensor(LR, dtype=torch.float64)
+    for _ in range(norms_every):  # the last one is a norm update
+        decay.apply(zero)
+    assert _norm_keys(decay) == set() and decay.metrics()["cd/updates"] == 0
+    again = ColinearityDecay(model, lam=LAM, targets=targets, norms_every=norms_every)
+    again.load_state_dict(decay.state_dict())
+    for _ in range(norms_every):
+        again.apply(zero)
+    assert _norm_keys(again) == set() and again.state_dict()["steps"] == 2 * norms_every
+    for _ in range(norms_every):  # the last one is a norm update
+        P = snapshot(model)
+        again.apply(lr)
+    got = {k: v for k, v in again.metrics().items() if k.startswith("cd/update_norm/")}
+    assert got == pytest.approx(_change_norms(model, P, roles), rel=1e-9)
+    assert again.metrics()["cd/updates"] == norms_every
+
+
+def test_a_first_fused_step_that_gradscaler_skips_logs_no_update_norm():
+    # the non-fused optimizer's skipped step never calls step(): no norm until the good step; the fused one's
+    # update runs gated on the device and must log the same
+    metrics = {}
+    for fused in (False, True):
+        model = tiny_vit()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0, fused=fused)
+        decay = ColinearityDecay(model, lam=LAM, matmul_precision="fp32")
+        decay.attach(opt)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        scaler.scale(torch.ones(()))  # initialise the scale
+        _zero_grads(model)
+        model.blocks[1].attn.proj.weight.grad[0, 0] = float("inf")
+        P = snapshot(model)
+        scaler.step(opt)
+        scaler.update()
+        assert changed(model, P) == [] and _norm_keys(decay) == set() and decay.metrics()["cd/updates"] == 0
+        _zero_grads(model)
+        scaler.step(opt)
+        scaler.update()
+        metrics[fused] = {k: v for k, v in decay.metrics().items() if k.startswith("cd/update_norm/")}
+    assert set(metrics[True]) == {f"cd/update_norm/{r}" for r in ROLES}
+    assert metrics[True] == pytest.approx(metrics[False], rel=1e-5)
+
+
+def test_an_update_over_two_optimizers_logs_only_the_norms_of_the_parts_that_ran():
+    # cd.integrations' update over several optimizers (apply_for, count=False for the later parts), each gated by
+    # its own GradScaler verdict (`found_inf`, as GradScaler sets it on a fused optimizer for its step)
+    model = tiny_vit().double()
+    params = dict(model.named_parameters())
+    composable = [params[f"blocks.{i}.{layer}.weight"] for i in range(VIT_DEPTH) for layer in ("attn.qkv", "mlp.fc1")]
+    rest = [p for p in model.parameters() if all(p is not q for q in composable)]
+    first, second = torch.optim.SGD(composable, lr=LR), torch.optim.SGD(rest, lr=LR)
+    decay = ColinearityDecay(model, lam=LAM)
+    _zero_grads(model)
+
+    def update(skip_first: bool, skip_second: bool) -> None:
+        first.found_inf = torch.tensor(float(skip_first), dtype=torch.float64)
+        second.found_inf = torch.tensor(float(skip_second), dtype=torch.float64)
+        decay.apply_for(first)
+        decay.apply_for(second, count=False)
+
+    P = snapshot(model)
+    update(True, True)
+    assert changed(model, P) == [] and _norm_keys(decay) == set() and decay.metrics()["cd/updates"] == 0
+    update(True, False)  # the functional pairs' W2 (proj, fc2) move; qkv and fc1 do not
+    assert set(changed(model, P)) == {f"blocks.{i}.{layer}.weight" for i in range(VIT_DEPTH)
+                                      for layer in ("attn.proj", "mlp.fc2")}
+    got = {k: v for k, v in decay.metrics().items() if k.startswith("cd/update_norm/")}
+    assert got == pytest.approx(_change_norms(model, P, ("proj", "fc2")), rel=1e-9)
+    assert decay.metrics()["cd/updates"] == 1
+
+
 @pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), float("-inf")])
 def test_a_cpu_tensor_lr_that_is_negative_or_not_finite_is_refused_as_a_number_is(bad):
     # a CPU tensor's value costs nothing to read: a negative lr would raise the pair energy, a NaN one would make every
