@@ -1,7 +1,8 @@
 """The tables of evaluate.py's result files in the paper's layout (Model | Method | FP Top-1 | Max. Act. |
 one column per pipeline), with the marks that say where a number is not of the paper's protocol: `*` on a
 quantized cell of non-default settings, `†` on a model evaluated otherwise than it trained, `‡` on a module
-maximum that also counts modules outside the blocks; and the checks that results averaged as seeds are alike.
+maximum that also counts modules outside the blocks, `§` on the method of a run stopped before the end of its
+schedule; and the checks that results averaged as seeds are alike.
 A model marked † has a note below the table that says how it was evaluated: other model.kwargs, another input
 size, other data or another eval transform than its run's (data.dataset, data.root's val files, data.crop_pct and
 the like), another split, an autocast, or its EMA weights (evaluate.py --ema).
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 from configs import Config
 from quant import PIPELINES, bits_order
@@ -67,18 +68,26 @@ def _named(name: str, notes: list[str]) -> str:
     return f"{name} ({', '.join(notes)})" if notes else name
 
 
-def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
+def markdown_table(results: list[dict], over_seeds: bool = False, runs: Optional[Sequence[str]] = None,
+                   stopped: Optional[Sequence[Optional[str]]] = None) -> str:
     """Results as a table in the paper's layout: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one
     column per pipeline (and bit-width, when several were run); '-' where a result lacks a column. For
     language models (Table 8): perplexities, FP32 and BF16 first. A quantized cell of non-default settings is
     marked * (`nondefault_settings`), the model of a row evaluated otherwise than trained or than the paper
     evaluates (other model.kwargs, other data or eval transform, another split, an autocast, the EMA weights) †
-    (`evaluated_otherwise`), a module maximum also over quant.act_max_extra_modules ‡, each with a note below the
-    table.
+    (`evaluated_otherwise`), a module maximum also over quant.act_max_extra_modules ‡, the method of a row whose
+    run stopped before the end of its schedule § (`stopped`), each with a note below the table.
 
     over_seeds: one row per (model, method) with mean +- sample std over its results (e.g. the seeds of a
     sweep) and their count, instead of one row per result; a row averaging results that record no train.seed
     (older files: `check_seed_group` cannot tell one seed twice among them) has a note naming them.
+    runs: the name of each result's run (scripts/paper_table.py: its run folder). One row per result, two rows of
+    one model and method (seeds, or runs of other schedules, of one recipe) would read as one run twice: such a
+    table has a Run column after Method, and its notes name the row's run too. A table whose rows differ in model
+    or method is printed as without `runs`.
+    stopped: for each result, how far its run got where it stopped before the end of its schedule
+    (engine.eval_results.run_end, e.g. at a train.max_steps of its own), else None: the numbers of a model trained
+    less than its recipe says, marked § with a note.
     """
     language = all("ppl" in r["fp"] for r in results)
     if not language and any("ppl" in r["fp"] for r in results):
@@ -92,15 +101,18 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     columns = sorted(seen, key=lambda pb: (order.index(pb[0]), bits_order(pb[1])))
     # a header without bits reads as the paper's W4A4: any other bit-width is named, even alone
     many_bits = language or {b for _, b in columns} - {"w4a4"}
-    header = ["Model", "Method", *(title for _, title in fp_columns), "Max. Act. (mod./blk.)"] + [
-        PAPER_NAMES.get(p, p) + (f" {b.upper()}" if many_bits else "") for p, b in columns]
-    groups: dict = {}
-    for r in results:
-        key = (r["model"], r["method"]) if over_seeds else len(groups)
-        groups.setdefault(key, []).append(r)
+    # one row per result, two of one model and method tell themselves apart by nothing else: name each row's run
+    labels = [(r["model"], r["method"]) for r in results]
+    named = runs is not None and not over_seeds and len(set(labels)) < len(labels)
+    header = ["Model", "Method", *(["Run"] if named else []), *(title for _, title in fp_columns),
+              "Max. Act. (mod./blk.)"] + [PAPER_NAMES.get(p, p) + (f" {b.upper()}" if many_bits else "")
+                                          for p, b in columns]
+    groups: dict = {}  # the row's key -> the indices of its results
+    for i, r in enumerate(results):
+        groups.setdefault((r["model"], r["method"]) if over_seeds else i, []).append(i)
     if over_seeds:
         for (model, method), group in groups.items():
-            check_seed_group(model, method, group)
+            check_seed_group(model, method, [results[i] for i in group])
 
     def fmt(values: list, spec: str, of: int = 0, ppl: bool = False) -> str:
         """One value, or mean ± sample std; of: the row's result count, named when fewer values make the cell
@@ -121,39 +133,46 @@ def markdown_table(results: list[dict], over_seeds: bool = False) -> str:
     spec = ".2f" if over_seeds or language else ".3f"
     rows, notes = [], []
 
-    def quantized(group: list, p: str, b: str) -> str:
+    def quantized(group: list, label: str, p: str, b: str) -> str:
         """The cell of pipeline p at bits b; '*' and a note when a result has non-default settings."""
         entries = [r["quant"][p][b] for r in group if b in r["quant"].get(p, {})]
         cell = fmt([e[score] for e in entries], spec, of=len(group), ppl=language)
         unusual = entries_nondefault(p, entries)
         if unusual:
             cell += "*"
-            notes.append(settings_note(f"{group[0]['model']} {group[0]['method']}", p, b, unusual))
+            notes.append(settings_note(label, p, b, unusual))
         return cell
 
-    for group in groups.values():
+    for indices in groups.values():
+        group = [results[i] for i in indices]
         first = group[0]
-        method = first["method"] + (f" (n={len(group)})" if over_seeds else "")
+        # how the notes name the row: by its run too where the Run column tells rows of one model and method apart
+        label = f"{first['model']} {first['method']}" + (f" ({runs[indices[0]]})" if named else "")
+        # a run stopped before the end of its schedule (its own train.max_steps): the numbers of a shorter training
+        short = sorted({how for i in indices if stopped and (how := stopped[i])})
+        if short:
+            notes.append(stopped_note(label, short))
+        method = first["method"] + (f" (n={len(group)})" if over_seeds else "") + ("§" if short else "")
         # a model evaluated otherwise than it trained (a model.kwargs override): the row is of another forward
         changed = sorted({c for r in group if (c := evaluated_otherwise(r))})
         if changed:
-            notes.append(dagger_note(f"{first['model']} {first['method']}", changed))
+            notes.append(dagger_note(label, changed))
         model = first["model"] + ("†" if changed else "")
         # seeds averaged without the train.seed of each: one may be a run trained again with another's seed
-        if over_seeds and (unknown := unrecorded_seed_note(f"{first['model']} {first['method']}",
-                                                           seed_labels(group))):
+        if over_seeds and (unknown := unrecorded_seed_note(label, seed_labels(group))):
             notes.append(unknown)
         # a module maximum also over quant.act_max_extra_modules is not the paper's (inside blocks only): marked ‡
         # (a group's results are alike in them: check_seed_group)
         extra = sorted({m for r in group for m in extra_modules(r)})
         if extra:
-            notes.append(extra_modules_note(f"{first['model']} {first['method']}", extra))
-        rows.append([model, method, *(fmt([r["fp"][k] for r in group if k in r["fp"]], spec, len(group),
+            notes.append(extra_modules_note(label, extra))
+        rows.append([model, method, *([runs[indices[0]]] if named else []),
+                     *(fmt([r["fp"][k] for r in group if k in r["fp"]], spec, len(group),
                                           ppl=language)
                                       for k, _ in fp_columns),
                      fmt([r["max_act"]["module"] for r in group], ".2f") + ("‡" if extra else "") + " / "
                      + fmt([r["max_act"]["block"] for r in group], ".2f")]
-                    + [quantized(group, p, b) for p, b in columns])
+                    + [quantized(group, label, p, b) for p, b in columns])
     line = lambda cells: "| " + " | ".join(cells) + " |"
     return "\n".join([line(header), line(["---"] * len(header))] + [line(r) for r in rows]
                      + ([""] + notes if notes else []))
@@ -378,6 +397,12 @@ def dagger_note(label: str, changes) -> str:
     """The note below a table for an entry marked † (`label`, e.g. 'vit_t CD'): how it was evaluated otherwise
     than trained, one `model_kwargs_changed` text or several (a group's, joined)."""
     return f"† {label}: evaluated with {changes if isinstance(changes, str) else '; '.join(changes)}"
+
+
+def stopped_note(label: str, how: Sequence[str]) -> str:
+    """The note below a table for a row marked § (`label`, e.g. 'vit_t CD'): its run (a seed of it) stopped before
+    the end of its schedule, and how far it got (engine.eval_results.run_end, one text or several)."""
+    return f"§ {label}: stopped before the end of its schedule: {'; '.join(how)}"
 
 
 def extra_modules_note(label: str, patterns: list) -> str:

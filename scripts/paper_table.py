@@ -27,7 +27,12 @@ refused, naming the command that refreshes it (engine/eval_results.refuse_stale)
 
 Layouts:
     rows      one row per result: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one column per
-              pipeline (and bit-width) (engine.result_table.markdown_table, the row evaluate.py prints)
+              pipeline (and bit-width) (engine.result_table.markdown_table, the row evaluate.py prints).
+              Where two rows would read alike (one model and method: seeds of a sweep, or one recipe
+              trained for other lengths), a Run column after Method names each row's run folder, by its
+              last path parts. A row whose run stopped at a train.max_steps of its own before the end of
+              its schedule (its metrics.jsonl tells) is marked § after its method, with a note saying how
+              far it got; with --over-seeds, a row of seeds that all stopped there alike.
     finetune  Table 3: one row per data set, one column per method, each entry "FP / quantized / drop"
               (drop = quantized - FP), an Average row over the data sets (the paper's simple average over
               all nine) and the maximum activations of the ImageNet-1K run; one table per pipeline and
@@ -47,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from configs.cli import OneLineParser  # noqa: E402
 from engine.console import console_print  # noqa: E402
 from engine.eval_results import (ResultsError, extra_modules, first_difference, missing_number,  # noqa: E402
-                                 read_result_files, refuse_unfinished, run_folder)
+                                 read_result_files, refuse_unfinished, run_end, run_folder)
 from engine.outputs import write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import (FP_COLUMNS, PAPER_NAMES, dagger_note, evaluated_otherwise,  # noqa: E402
@@ -189,6 +194,38 @@ def refuse_unfinished_runs(paths: list[str], results: list[dict], over_seeds: bo
         sys.exit(f"error: {e}")
 
 
+def stopped_short(paths: list[str], results: list[dict]) -> list:
+    """For each result, how far its run got where it stopped before the end of its schedule and was not refused
+    (`refuse_unfinished_runs`: at a train.max_steps of its own, e.g. 3 of 22 updates), else None; the rows layout
+    marks such a row § (engine.result_table.markdown_table)."""
+    found = []
+    for path, result in zip(paths, results):
+        folder = run_folder(path, result)
+        try:
+            end = run_end(folder, result) if folder is not None else None
+        except ResultsError as e:  # a damaged metrics.jsonl (refuse_unfinished_runs has read it already)
+            sys.exit(f"error: {e}")
+        # one stopped short elsewhere than at its own train.max_steps is refused above (refuse_unfinished)
+        found.append(f"{end[0]}, where its train.max_steps stopped it" if end is not None and end[0] else None)
+    return found
+
+
+def run_names(paths: list[str], results: list[dict]) -> list[str]:
+    """The name of each result's run for the rows layout's Run column: its run folder (`run_folder`; the file's own
+    folder for a result of no run's end, e.g. of a snapshot) cut to the fewest last path parts that tell the folders
+    apart (sweep/baseline_s0 and sweep/baseline_s1: baseline_s0 and baseline_s1), with the result file's name where
+    two results are of one run (its eval_best.json and an evaluate.py --out file of its best.pt): 's0 (x.json)'."""
+    folders = [os.path.realpath(run_folder(path, result) or os.path.dirname(os.path.realpath(path)))
+               for path, result in zip(paths, results)]
+    parts = {folder: folder.strip(os.sep).split(os.sep) for folder in folders}
+    for last in range(1, max(map(len, parts.values())) + 1):
+        short = {folder: "/".join(p[-last:]) for folder, p in parts.items()}
+        if len(set(short.values())) == len(short):
+            break
+    return [short[folder] + (f" ({os.path.basename(path)})" if folders.count(folder) > 1 else "")
+            for path, folder in zip(paths, folders)]
+
+
 def main(argv=None) -> str:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="JSON files written by evaluate.py")
@@ -224,8 +261,10 @@ def main(argv=None) -> str:
         sys.exit("error: --over-seeds is for the rows layout (the fine-tuning layout takes one result per cell)")
     refuse_unfinished_runs(args.results, results, args.over_seeds)
     try:
+        # rows of one model and method are told apart by their runs, and a run stopped short is marked §
         table = (finetune_table(results) if args.layout == "finetune"
-                 else markdown_table(results, over_seeds=args.over_seeds))
+                 else markdown_table(results, over_seeds=args.over_seeds, runs=run_names(args.results, results),
+                                     stopped=stopped_short(args.results, results)))
     except ValueError as e:
         sys.exit(f"error: {e}")
     console_print(table)  # its † and ± on an ASCII console, or a closed pipe
