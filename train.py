@@ -72,7 +72,7 @@ from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, is_
                             start_only_changes, validation_changes)
 from engine.running_stats import average_running_stats
 from engine.start_weights import START_WEIGHTS, classifier_keys, start_record
-from engine.runinfo import exit_with_error, log_environment, setup_logging
+from engine.runinfo import SAME_ON_EVERY_RANK, exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from engine.training_checks import check_schedule_on_resume, check_training_settings
 from models import ModelError, build_model, describe, input_size, model_label
@@ -956,7 +956,7 @@ def check_resumable(saved: dict, current: Config, source: str) -> None:
                               f"({'; '.join(changed)}): re-run with those settings, use another out_dir, or "
                               f"pass train.allow_changed_config=true to continue with the new ones")
     if changed:
-        log.warning("resuming with changed settings: %s", "; ".join(changed))
+        log.warning("resuming with changed settings: %s", "; ".join(changed), extra=SAME_ON_EVERY_RANK)
 
 
 def warn_if_at_chance(top1: float, num_classes: int, dataset: str) -> None:
@@ -1008,6 +1008,6 @@ if __name__ == "__main__":
             sys.exit(EXIT_PREEMPTED)  # checkpoint written; the same command resumes (engine/preemption.py)
     except (ConfigError, CheckpointError, DataError, ModelError, RunDirError, NonFiniteLossError,
             NothingScoredError, DivergenceError) as e:
-        exit_with_error(str(e))  # stderr and train.log
+        exit_with_error(str(e), error=e)  # stderr (once under torchrun: said_by_rank_0) and train.log
     except OtherRankError as e:  # the rank that failed prints its own error (a traceback if it is not the user's)
-        exit_with_error(str(e))
+        exit_with_error(str(e), error=e)

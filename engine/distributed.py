@@ -16,8 +16,11 @@ import datetime
 import io
 import logging
 import os
+import select
 import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NoReturn, Optional, TypeVar
 
@@ -61,7 +64,14 @@ _main_rank_wait = MainRankWait()
 # how long a rank that failed before the process group formed waits for the others to join it (they learn of its
 # failure in their first collective): long enough for nodes that start minutes apart
 START_FAILURE_WAIT = datetime.timedelta(minutes=5)
+# how long it waits before it says so (`tell_the_others_at_start`): ranks that all failed alike meet within moments
+# and print their error once, with no such line
+START_FAILURE_QUIET = datetime.timedelta(seconds=10)
+# how long a rank that failed in `process_group` waits for rank 0's error (the others) or for the others to read it
+# (rank 0), so that an error every rank met is printed once (`said_by_rank_0`)
+SAME_ERROR_WAIT = datetime.timedelta(seconds=10)
 _wait_group = None  # the gloo group of run_on_main, made on its first use (every rank calls it in step)
+_groups_entered = 0  # process_group bodies entered with other ranks: names each one's error keys in the store
 
 
 class OtherRankError(RuntimeError):
@@ -146,10 +156,15 @@ def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] =
 
     With several ranks, its first collective asks whether a rank failed before the group formed
     (`failed_at_start`, given by `fail_on_every_rank_at_start`): that rank raises its error, the others an
-    OtherRankError, instead of waiting in the next collective for a rank that is gone."""
+    OtherRankError, instead of waiting in the next collective for a rank that is gone.
+
+    An error that ends the body on several ranks is compared with rank 0's first (`said_by_rank_0`), so that
+    the entry points print it once, not once per rank."""
+    global _groups_entered
     info = init_distributed(device, main_rank_wait, START_FAILURE_WAIT if failed_at_start is not None else None)
     try:
         if info.distributed:
+            _groups_entered += 1
             raise_on_every_rank(failed_at_start, info.device, lambda: OtherRankError(
                 f"rank {info.rank}: another rank failed before the ranks met (reading its node's --config files, "
                 f"--checkpoint or data, or checking its settings); its output says why"))
@@ -159,10 +174,76 @@ def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] =
     except Preempted:  # every rank stopped at the same agreed update: they all arrive, as after a finished run
         cleanup_distributed()
         raise
-    except BaseException:
+    except BaseException as e:
+        if info.distributed and isinstance(e, Exception) and dist.is_initialized():
+            _compare_with_rank_0(e, info.rank, info.world_size)
         cleanup_distributed(wait_for_all=False)
         raise
     cleanup_distributed()
+
+
+def said_by_rank_0(error: BaseException) -> bool:
+    """Whether rank 0 prints `error` for this rank: rank 0 failed with the same error (its type and text), or
+    `error` only says that another rank failed (an `OtherRankError` of `raise_where_failed` or `run_on_main`) and
+    rank 0 failed too, saying so or saying why. Under torchrun an error that every rank met (a user error in the
+    settings all of them read) is then one line, not one per rank, and a rank's own other error still its own."""
+    return getattr(error, "said_by_rank_0", False)
+
+
+def say_once(error: BaseException, say: Callable[[], None]) -> None:
+    """`say()` (an entry point's `error:` line of `error`) unless rank 0 says it for this rank (`said_by_rank_0`), in
+    step with the ranks that compared `error` with rank 0's in process_group: none goes on (to its exit) before
+    rank 0 and they have said theirs, each waiting at most SAME_ERROR_WAIT. torchrun ends the other ranks as soon
+    as one has exited: a rank that left first would otherwise cut the line of a rank still about to print it."""
+    if not said_by_rank_0(error):
+        say()
+    exchange = getattr(error, "_compared_with_rank_0", None)
+    if exchange is None:
+        return
+    store, key, rank, readers = exchange
+    try:
+        if rank == 0:
+            store.set(f"{key}/said/0", "1")
+            store.wait([f"{key}/said/{other}" for other in readers], SAME_ERROR_WAIT)
+        else:
+            store.set(f"{key}/said/{rank}", "1")
+            store.wait([f"{key}/said/0"], SAME_ERROR_WAIT)
+    except Exception:  # noqa: BLE001 - a rank that never said (a traceback) or a store that is gone: exit now
+        pass
+
+
+def _compare_with_rank_0(error: Exception, rank: int, world: int) -> None:
+    """`said_by_rank_0`'s record, made in process_group before it leaves the group, through the group's store
+    (a key-value server of torchrun's agent, or of rank 0's process outside torchrun), kept for `say_once`: rank 0
+    leaves its error's text there and waits until the others have read it (its process may hold the store), at
+    most SAME_ERROR_WAIT; another rank waits at most that long for it. A rank that cannot compare (rank 0 failed
+    later or not at all, or is gone) marks nothing: it prints its own line, as every rank did before."""
+    text = f"{type(error).__name__}: {error}"
+    key = f"engine.distributed/{_groups_entered}/error"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        if rank == 0:
+            store.set(key, text)
+            read = [f"{key}/read/{other}" for other in range(1, world)]
+            with contextlib.suppress(Exception):  # a rank that did not fail (in time) reads nothing
+                store.wait(read, SAME_ERROR_WAIT)
+            error._compared_with_rank_0 = (store, key, 0, [other for other, name in enumerate(read, 1)
+                                                            if store.check([name])])
+            return
+        store.wait([key], SAME_ERROR_WAIT)
+        said = store.get(key).decode("utf-8", "replace")
+        store.set(f"{key}/read/{rank}", "1")
+    except Exception:  # noqa: BLE001 - no comparison (a timeout, a store that is gone): this rank's line stands
+        return
+    error._compared_with_rank_0 = (store, key, rank, [])
+    if said == text or getattr(error, "elsewhere", False):
+        error.said_by_rank_0 = True
+
+
+def _elsewhere(error: BaseException) -> BaseException:
+    """`error`, marked as the news that another rank failed, which that rank reports itself (`said_by_rank_0`)."""
+    error.elsewhere = True
+    return error
 
 
 def launched_world_size(variable: str = "WORLD_SIZE") -> int:
@@ -194,31 +275,86 @@ def tell_the_others_at_start(error: BaseException, join_and_tell: Callable[[], N
     joined their group and told them in their first collective (engine/distributed.py's process group, or
     MMEngine's in scripts/train_detection.py).
 
-    The error is printed first (a line on stderr that says so), since this rank has nothing to save: a SIGTERM
-    while it waits ends it at once (not kept as a stop request by train.py's start-up recorder; torch's wait runs no
-    Python handler), and one received before skips the wait. It waits for the others to join at most
-    START_FAILURE_WAIT (a rank that failed before joining, or a node of another code version, never comes; torch's
-    store client may retry once more, up to about twice that); then, or when it cannot join at all, it raises its
-    own error, and the others wait for their own timeout."""
+    Ranks that all failed alike meet within moments and print their error once (process_group's
+    `said_by_rank_0`). Where the others are slow to come, this rank says that it waits (a line on stderr that gives
+    its error) after START_FAILURE_QUIET; a SIGTERM while it waits ends it at once, with that line first where it
+    was not said yet (not kept as a stop request by train.py's start-up recorder; torch's wait runs no Python
+    handler: `_said_while_waiting`), and one received before skips the wait. It waits for the others to join at
+    most START_FAILURE_WAIT (a rank that failed before joining, or a node of another code version, never comes;
+    torch's store client may retry once more, up to about twice that); then, or when it cannot join at all, it
+    raises its own error, and the others wait for their own timeout."""
     if world > 1:
-        handler = signal.getsignal(signal.SIGTERM)
-        recorded = startup_signals.is_recorder(handler)
-        if recorded and startup_signals.RECEIVED:  # asked to stop already (the job ends): nobody to wait for
-            raise error
-        # said now: a SIGTERM while this rank waits (a cancelled job) would end it before it could print its error
-        console_print(f"rank {rank} failed before the ranks met; telling the others (waiting at most "
-                      f"{START_FAILURE_WAIT.total_seconds():g} s for them to join): {error}", sys.stderr)
-        if recorded:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        try:
+        if startup_signals.is_recorder(signal.getsignal(signal.SIGTERM)) and startup_signals.RECEIVED:
+            raise error  # asked to stop already (the job ends): nobody to wait for
+        line = (f"rank {rank} failed before the ranks met; telling the others (waiting at most "
+                f"{START_FAILURE_WAIT.total_seconds():g} s for them to join): {error}")
+        with _said_while_waiting(line, error):
             # `error` raised there once the others know; suppressed too: this rank's cause, not the rendezvous's
             # complaint where it cannot join
             with contextlib.suppress(Exception):
                 join_and_tell()
-        finally:
-            if recorded:
-                signal.signal(signal.SIGTERM, handler)
     raise error
+
+
+@contextlib.contextmanager
+def _said_while_waiting(line: str, error: BaseException) -> Iterator[None]:
+    """While the body waits for the other ranks: `line` on stderr once it has waited START_FAILURE_QUIET, and a
+    SIGTERM ends the process at once (exit status 143, as the signal's default action reports), `line` first
+    unless it was said or rank 0 says `error` (`said_by_rank_0`). torch's waits (the rendezvous, a collective) run no
+    Python handler until they return, but let other threads run: a thread watches the pipe that Python's C-level
+    handler writes each signal's number to (signal.set_wakeup_fd) while a handler of this function's is set. That
+    is done where SIGTERM would end the process (its default action, or train.py's start-up recorder, which would
+    keep it as a stop request for a run that never starts), from the main thread (the only one that may set
+    handlers); another handler is left as it is."""
+    previous = signal.getsignal(signal.SIGTERM)
+    watch_sigterm = (threading.current_thread() is threading.main_thread()
+                     and (previous == signal.SIG_DFL or startup_signals.is_recorder(previous)))
+    lock, said = threading.Lock(), []
+
+    def say() -> None:
+        with lock:
+            if not said and not said_by_rank_0(error):
+                console_print(line, sys.stderr)
+            said.append(True)
+
+    def end(signum: int = signal.SIGTERM, frame: object = None) -> NoReturn:
+        say()
+        sys.stderr.flush()
+        os._exit(128 + signal.SIGTERM)
+
+    done_read, done_write = os.pipe()
+    signals_read = signals_write = previous_fd = None
+    if watch_sigterm:
+        signals_read, signals_write = os.pipe()
+        os.set_blocking(signals_write, False)  # set_wakeup_fd's requirement: a full pipe must not block a handler
+        previous_fd = signal.set_wakeup_fd(signals_write, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, end)  # runs itself only where the wait returned before the watcher saw it
+
+    def watch() -> None:
+        readable = [done_read] + ([signals_read] if watch_sigterm else [])
+        quiet_until = time.monotonic() + START_FAILURE_QUIET.total_seconds()
+        while True:
+            ready = select.select(readable, [], [], None if said else max(0.0, quiet_until - time.monotonic()))[0]
+            if done_read in ready:
+                return
+            if not ready:
+                say()
+            elif int(signal.SIGTERM) in os.read(signals_read, 64):  # other signals (SIGINT) keep their handlers
+                end()
+
+    watcher = threading.Thread(target=watch, name="tell_the_others_at_start", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        os.write(done_write, b"x")
+        watcher.join()
+        if watch_sigterm:
+            signal.signal(signal.SIGTERM, previous)
+            signal.set_wakeup_fd(previous_fd)
+        for fd in (done_read, done_write, signals_read, signals_write):
+            if fd is not None:
+                os.close(fd)
 
 
 def cleanup_distributed(wait_for_all: bool = True) -> None:
@@ -299,7 +435,7 @@ def raise_where_failed(error: Optional[BaseException], failed_anywhere: bool,
     if error is not None:
         raise error
     if failed_anywhere:
-        raise elsewhere()
+        raise _elsewhere(elsewhere())
 
 
 def run_on_main(fn: Callable[[], T], what: str, device: torch.device) -> T:
@@ -362,7 +498,7 @@ def run_on_main(fn: Callable[[], T], what: str, device: torch.device) -> T:
         raise OtherRankError(f"rank {rank} waited for rank 0 to finish {what}, but rank 0 sent the result of "
                              f"{sent_for}: the ranks disagree on the work (each must take the same steps)")
     if status == "error":
-        raise OtherRankError(f"rank 0 failed {what}: {value}")
+        raise _elsewhere(OtherRankError(f"rank 0 failed {what}: {value}"))
     return value
 
 

@@ -14,11 +14,17 @@ import timm
 import torch
 
 from engine.console import ConsoleHandler
-from engine.distributed import launched_world_size
+from engine.distributed import launched_world_size, say_once
+
+
+# `extra` of a warning that every rank logs alike (a resume's changed settings, read from the settings every rank
+# checked are the same): the other ranks leave it to the main rank, so that it is one line under torchrun
+SAME_ON_EVERY_RANK = {"same_on_every_rank": True}
 
 
 def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> None:
-    """INFO to stdout and out_dir/<filename> on the main rank; warnings only on the others. Python warnings
+    """INFO to stdout and out_dir/<filename> on the main rank; warnings only on the others, but those logged with
+    `extra=SAME_ON_EVERY_RANK`, which the main rank says for all. Python warnings
     (warnings.warn: e.g. cd's "no cd/pair_energy metrics are logged for this model") are log records too
     (logger py.warnings), so that the log file keeps them; Python's default filters still hide the deprecation
     warnings of other packages."""
@@ -37,15 +43,18 @@ def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> N
     for handler in handlers:
         handler.setFormatter(fmt)
         handler._cd_run = True
+        if not is_main:  # the main rank's line stands for the others' (SAME_ON_EVERY_RANK)
+            handler.addFilter(lambda record: not getattr(record, "same_on_every_rank", False))
         root.addHandler(handler)
     root.setLevel(logging.INFO if is_main else logging.WARNING)
     logging.captureWarnings(True)  # they went to stderr alone: not into train.log / eval.log
 
 
-def exit_with_error(message: str, code=None):
+def exit_with_error(message: str, code=None, error: Optional[BaseException] = None):
     """End the process with `message` as its one `error:` line on stderr, and write it into the run's log file
     too (train.log / eval.log, when setup_logging has opened one), so that a job read through its log says why
-    it stopped. `code`: the exit status (default 1)."""
+    it stopped. `code`: the exit status (default 1). `error`: the exception `message` tells of; where rank 0 prints
+    it for this rank (engine/distributed.py say_once: every rank met it), no line on stderr: one per job."""
     line = f"error: {message}"
     for handler in logging.getLogger().handlers:
         if getattr(handler, "_cd_run", False) and isinstance(handler, logging.FileHandler):
@@ -54,8 +63,13 @@ def exit_with_error(message: str, code=None):
             handler.flush()
     # One write of line and newline: sys.exit(line) and print() each write the text and its newline apart, so
     # under torchrun two ranks' lines on the shared stderr could run together into one (seen in a test).
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    def say() -> None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    if error is None:
+        say()
+    else:
+        say_once(error, say)
     sys.exit(1 if code is None else code)
 
 
