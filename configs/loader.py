@@ -141,9 +141,21 @@ def _checkout_hint(path: str) -> str:
             f"{os.path.join(CHECKOUT, path)}: give that path")
 
 
+def _yaml_file_example(folder: str) -> str:
+    """', e.g. <folder>/<first .yaml file under it>' (in sorted order), or ' (it holds no .yaml file)'."""
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        found = sorted(f for f in files if f.endswith((".yaml", ".yml")))
+        if found:
+            return f", e.g. {os.path.join(root, found[0])}"
+    return " (it holds no .yaml file)"
+
+
 def read_yaml_file(path: str) -> dict:
     """The top-level mapping of the YAML file at `path` (a config or a sweep file); a missing file, invalid
     YAML, a key given twice or a non-mapping is a ConfigError naming the file (and the line)."""
+    if os.path.isdir(path):  # "not found" would send the user looking for a path that is there
+        raise ConfigError(f"{path} is a folder, not a YAML file: give a file in it{_yaml_file_example(path)}")
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}{_checkout_hint(path)}")
     try:
@@ -178,19 +190,28 @@ def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) ->
     decided: list[dict] = []  # per file: the deciding keys' values once that file was applied
     for index, path in enumerate(paths):
         data = read_yaml_file(path)
+        if "runs" in data and not set(data) & {f.name for f in dataclasses.fields(Config)}:
+            # a sweep file (scripts/sweep.py: configs, out_root, runs) given as a config: its first key is no
+            # config key, which says nothing of what the file is
+            raise ConfigError(f"{path} is a sweep file (configs, out_root, runs), not a config: run it with "
+                              f"python scripts/sweep.py {path} (it prints each run's train.py command; --run runs "
+                              f"them)")
         _merge(cfg, data, path="", source=path)
-        spelt: dict[tuple, str] = {}  # what the file set (override_settings) -> its top-level key that set it
+        # what the file set (override_settings) -> the mapping keys, as written, down to where it was set
+        spelt: dict[tuple, tuple] = {}
         for key, value in data.items():
             # `optim.lr: 0.1` beside `optim: {lr: 0.2}`: the YAML check of repeated keys sees two keys, and the later
             # spelling would replace the earlier without a word. A dict field counts by entry, as for overrides:
             # `model: {kwargs: {depth: 3}}` beside `model.kwargs.embed_dim: 64` sets two entries
-            for setting in override_settings(str(key), value, cfg):
-                twice = next((earlier for earlier in spelt if setting[:len(earlier)] == earlier[:len(setting)]
-                              and not (".".join(earlier) in dict_fields() and len(setting) > len(earlier))), None)
-                if twice is not None:
-                    raise ConfigError(f"{path}: {'.'.join(min(twice, setting, key=len))} is set twice, under "
-                                      f"'{spelt[twice]}' and under '{key}'; keep one")
-                spelt[setting] = str(key)
+            for written, dotted, inner in _written_settings((str(key),), value, cfg):
+                for setting in override_settings(dotted, inner, cfg):
+                    twice = next((earlier for earlier in spelt if setting[:len(earlier)] == earlier[:len(setting)]
+                                  and not (".".join(earlier) in dict_fields() and len(setting) > len(earlier))), None)
+                    if twice is not None:
+                        first, second = _spellings_apart(spelt[twice], written)
+                        raise ConfigError(f"{path}: {'.'.join(min(twice, setting, key=len))} is set twice, under "
+                                          f"'{first}' and under '{second}'; keep one")
+                    spelt[setting] = written
             for dotted, inner in dotted_settings(str(key), value, cfg).items():
                 layer[dotted], values[dotted] = index, inner
                 set_in.setdefault(dotted, set()).add(index)
@@ -217,6 +238,22 @@ def layer_config(cfg: Config, paths: Sequence[str], overrides: Iterable[str]) ->
 
     check_keys_read(cfg, from_files, sources={key: paths[layer[key]] for key in from_files}, excused=excused)
     return cfg
+
+
+def _written_settings(written: tuple, value: Any, cfg: Config) -> list[tuple[tuple, str, Any]]:
+    """(the mapping keys as written, the dotted key, its value) of each setting of a file's entry, as
+    `dotted_settings` splits it: a section given as a mapping by its keys, each written key kept."""
+    dotted = ".".join(written)
+    if isinstance(value, dict) and dataclasses.is_dataclass(_section(cfg, dotted)):
+        return [s for name, sub in value.items() for s in _written_settings((*written, str(name)), sub, cfg)]
+    return [(written, dotted, value)]
+
+
+def _spellings_apart(first: tuple, second: tuple) -> tuple[str, str]:
+    """Two written key paths that set one key, each up to the first key where they part ('optim' and 'optim.lr';
+    'model.kwargs' and 'model.kwargs.depth' for `model: {kwargs: {depth: 2}, kwargs.depth: 3}`), joined by dots."""
+    part = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)) - 1)
+    return ".".join(first[:part + 1]), ".".join(second[:part + 1])
 
 
 def _changed(before: Config, after: Config, key: str) -> bool:
@@ -712,10 +749,17 @@ def overlapping_keys(item: str, keys) -> list[str]:
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
-    """'<problem> (line L, column C)' from a PyYAML error, without its multi-line context dump."""
+    """'<context>, <problem> (line L, column C)' from a PyYAML error, without its multi-line context dump. The
+    context is what the problem is read against: 'but found another document' alone says nothing of the rule
+    ('expected a single document in the stream') it breaks; a context 'while parsing' something begun on an
+    earlier line names that line (an unclosed bracket's)."""
     mark = getattr(e, "problem_mark", None)
     if mark is not None:
-        return f"{getattr(e, 'problem', None) or e} (line {mark.line + 1}, column {mark.column + 1})"
+        problem = getattr(e, "problem", None) or str(e)
+        context, begun = getattr(e, "context", None), getattr(e, "context_mark", None)
+        if context and context.startswith("while") and begun is not None and begun.line != mark.line:
+            context = f"{context} started at line {begun.line + 1}"
+        return f"{context + ', ' if context else ''}{problem} (line {mark.line + 1}, column {mark.column + 1})"
     if isinstance(e, yaml.reader.ReaderError):  # a control character: PyYAML gives an offset, no line
         return f"unacceptable character #x{e.character:04x} at character {e.position + 1}"
     return str(e).splitlines()[0]
@@ -865,7 +909,7 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
 
     def fail(reason: str = ""):
         refusal = (f"{source}: '{key}' expects {describe_type(annotation)}, got {value!r}"
-                   f" ({type(value).__name__}){reason}")
+                   f" ({type(value).__name__}){reason}{_one_item_list_fix(value, annotation, key, source)}")
         if isinstance(value, (int, float, datetime.date)) and takes_text(annotation):  # bool is an int
             raise TextReadAsValue(refusal, key, _show(value))
         raise RefusedValueError(refusal, key)
@@ -951,6 +995,31 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
             refuse_ambiguous_numbers(item, f"{key}.{entry}", source)
         return dict(value)
     raise ConfigError(f"{source}: '{key}' has an unsupported annotation {annotation!r}")
+
+
+def _list_annotation(annotation: Any) -> Any:
+    """The list (or variable-length tuple) type that `annotation` takes, through Annotated and Optional; or None."""
+    origin = _origin(annotation)
+    if origin is Annotated:
+        return _list_annotation(typing.get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return next(filter(None, map(_list_annotation, typing.get_args(annotation))), None)
+    args = typing.get_args(annotation)
+    if origin is list or (origin is tuple and args[1:] == (Ellipsis,)):
+        return annotation
+    return None
+
+
+def _one_item_list_fix(value: Any, annotation: Any, key: str, source: str) -> str:
+    """'; give a list: quant.pipelines=[repq]' where a list field is given one value that it takes as a list's
+    only item (the override's form on the command line, the YAML value in a file); '' otherwise."""
+    if _list_annotation(annotation) is None or value is None or isinstance(value, (list, tuple, dict)):
+        return ""
+    try:  # the whole field's check (its ranges too): the list advised is one it takes
+        coerce_value([value], annotation, key, source)
+    except ConfigError:
+        return ""  # not an item the list takes either: the type named is the whole answer
+    return f"; give a list: {key + '=' if source == 'command line' else ''}{_show([value])}"
 
 
 class TextReadAsValue(ConfigError):
