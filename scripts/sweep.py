@@ -109,7 +109,7 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
                           f"itself ({', '.join(sorted(run_keys))}); drop it from the command line (the sweep file's "
                           f"comments say where each run reads its data)")
     eval_overrides = [str(o) for o in sweep.get("evaluate") or []]
-    out_root = os.path.expanduser(str(sweep.get("out_root", "runs/sweep")))  # ~: as the config loader reads out_dir
+    out_root = os.path.expanduser(sweep["out_root"])  # ~: as the config loader reads out_dir
     base = [str(c) for c in sweep.get("configs") or []]
     split = {}  # run name -> (its config files, its key=value items)
     for name, items in sweep["runs"].items():
@@ -302,7 +302,7 @@ def check_field_types(sweep: dict, sweep_path: str) -> None:
     """'configs', 'evaluate' and 'run_keys' are lists of strings, run_keys of config keys, and 'out_root' a folder: a
     string in place of a list would be read letter by letter (run_keys: data.root would guard the keys 'd', 'a', ...
     and so nothing), a nested list or a mapping as its Python text (configs: [[a.yaml]] as the file "['a.yaml']"), an
-    empty out_root would become the folder 'None'."""
+    empty out_root would become the folder 'None'. out_root is required."""
     for key, (what, default) in LIST_ITEMS.items():
         if sweep.get(key) is not None and not isinstance(sweep[key], list):  # empty (None): none
             raise ConfigError(f"{sweep_path}: '{key}' must be a list, e.g. {key}: [{sweep[key]}], not "
@@ -317,7 +317,13 @@ def check_field_types(sweep: dict, sweep_path: str) -> None:
         close = close_keys(str(unknown[0]))
         raise ConfigError(f"{sweep_path}: run_keys: {unknown[0]!r} is not a config key"
                           + (f"; did you mean {', '.join(map(repr, close))}?" if close else ""))
-    if "out_root" in sweep and not (isinstance(sweep["out_root"], str) and sweep["out_root"].strip()):
+    # no default folder: one (runs/sweep) would be shared by every sweep file without out_root, whose runs of one
+    # name would then resume each other's checkpoints
+    if "out_root" not in sweep:
+        raise ConfigError(f"{sweep_path}: no 'out_root': a sweep names the folder its runs write to (run <name> to "
+                          f"out_root/<name>); add e.g. out_root: runs/sweeps/"
+                          f"{os.path.splitext(os.path.basename(sweep_path))[0]}")
+    if not (isinstance(sweep["out_root"], str) and sweep["out_root"].strip()):
         raise ConfigError(f"{sweep_path}: 'out_root' must be a folder, e.g. out_root: runs/sweeps/mine, not "
                           f"{sweep['out_root']!r}")
 

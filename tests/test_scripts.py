@@ -57,7 +57,7 @@ def test_the_gpu_study_takes_the_offline_copies_for_every_run_and_runs_each_meth
 
 def test_a_bad_key_in_a_sweep_names_the_run(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("configs: [configs/debug/tiny.yaml]\nruns:\n  first: [optim.lr=1e-3]\n"
+    bad.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}\nruns:\n  first: [optim.lr=1e-3]\n"
                    "  second: [optim.lrr=1]\n")
     with pytest.raises(ConfigError, match="sweep run 'second'.*'optim.lr'"):
         sweep.expand(str(bad), [])
@@ -65,7 +65,7 @@ def test_a_bad_key_in_a_sweep_names_the_run(tmp_path):
 
 def test_a_sweep_run_given_as_a_string_is_refused_as_such(tmp_path):
     bad = tmp_path / "string.yaml"
-    bad.write_text("configs: [configs/debug/tiny.yaml]\nruns:\n  a: train.seed=3\n")
+    bad.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}\nruns:\n  a: train.seed=3\n")
     with pytest.raises(ConfigError, match=r"run 'a' must list its config files and overrides, e.g. "
                                           r"a: \[train.seed=3\]"):
         sweep.expand(str(bad), [])
@@ -77,7 +77,7 @@ def test_a_sweep_run_item_that_is_a_mapping_or_a_list_is_refused_as_such(tmp_pat
     """`- optim.lr: 0.01` (a colon for '=') or a nested list was read as its Python text: "unknown config key
     '['optim.lr'"."""
     bad = tmp_path / "s.yaml"
-    bad.write_text(f"configs: [configs/debug/tiny.yaml]\nruns:\n  a: [{item}]\n")
+    bad.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}\nruns:\n  a: [{item}]\n")
     with pytest.raises(ConfigError, match=rf"run 'a' lists .*, a YAML (dict|list); its items are config files "
                                           rf"\(.yaml\) and key=value overrides, e.g. {example}"):
         sweep.expand(str(bad), [])

@@ -410,6 +410,21 @@ def test_a_sweep_without_a_mapping_of_runs_is_refused(tmp_path, runs):
         sweep.expand(sweep_file(tmp_path, runs), [])
 
 
+def test_a_sweep_without_out_root_is_refused_in_one_line(tmp_path, capsys):
+    """A missing out_root became runs/sweep, one folder for every sweep file that left it out: run 'baseline' of one
+    would resume the 'baseline' of another. Refused, before anything is printed or run (every shipped sweep names
+    its own: test_scripts.py expands each)."""
+    spec = tmp_path / "mine.yaml"
+    spec.write_text("configs: [configs/debug/tiny.yaml]\nruns:\n  a: []\n")
+    for run in ([], ["--run"]):
+        with pytest.raises(SystemExit) as stop:
+            sweep.main([str(spec), *run])
+        message = str(stop.value.code)
+        assert message.startswith(f"error: {spec}: no 'out_root'") and "\n" not in message
+        assert "out_root: runs/sweeps/mine" in message
+    assert capsys.readouterr().out == ""
+
+
 def _printed(capsys) -> list[list[str]]:
     """The commands a sweep printed, as words."""
     return [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
