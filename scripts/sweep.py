@@ -56,7 +56,11 @@ eval_best.<time>.json, so that evaluate.py writes a fresh one instead of refusin
 --eval-amp {none,fp16,bf16} gives every evaluate.py command `--amp X` (its autocast; default: none, fp32, as the
 paper's tables, and no --amp in the commands); tables mark results evaluated under an autocast. evaluate.py adds to
 a result file only under the autocast it was written with: with --run, a run whose eval_best.json (not older than
-its best.pt) was evaluated under another --amp is refused before anything starts.
+its best.pt) was evaluated under another --amp is refused before anything starts. So, with --run, is a run whose
+checkpoint.pt train.py would not continue with the sweep's settings (a setting edited in the sweep file since it
+trained: cd.lam), and with --evaluate one whose eval_best.json holds an entry the evaluate list now computes with
+other settings (quant.calib_images added): --recompute gives such a run's evaluate.py command --recompute (the old
+entries are kept in the file's history).
 """
 from __future__ import annotations
 
@@ -438,14 +442,16 @@ def launcher_prefix(launcher: str) -> list[str]:
 
 def commands(run: dict, launcher: str, evaluate: bool, eval_amp: Optional[str] = None) -> list[list[str]]:
     """The run's train.py command, then (with `evaluate`) its evaluate.py command, under --amp `eval_amp` when
-    one is given (none given: evaluate.py's default, and no --amp in the command)."""
+    one is given (none given: evaluate.py's default, and no --amp in the command), with --recompute where
+    plan_changed_evaluations marked the run."""
     prefix = launcher_prefix(launcher)
     config_args = [a for c in run["configs"] for a in ("--config", c)]
     cmds = [prefix + ["train.py", *config_args, *run["overrides"]]]
     if evaluate:
         checkpoint, result = evaluation_paths(run)
         amp = ["--amp", eval_amp] if eval_amp is not None else []
-        cmds.append(prefix + ["evaluate.py", "--checkpoint", checkpoint, "--out", result, *amp,
+        recompute = ["--recompute"] if run.get("recompute") else []  # plan_changed_evaluations
+        cmds.append(prefix + ["evaluate.py", "--checkpoint", checkpoint, "--out", result, *amp, *recompute,
                               *evaluation_overrides(run)])
     return cmds
 
@@ -476,12 +482,21 @@ def main(argv=None) -> int:
     # default None, not "none": an --eval-amp given without --evaluate is refused, whatever its value
     p.add_argument("--eval-amp", choices=EVAL_AMP_CHOICES,
                    help="autocast of every evaluate.py command (its --amp; default: none, fp32); needs --evaluate")
+    p.add_argument("--recompute", action="store_true",
+                   help="with --run --evaluate: give evaluate.py --recompute for each run whose result file holds "
+                        "entries computed with other settings than the sweep's (the old ones kept in its history); "
+                        "without it such a run is refused before anything starts")
     p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
     p.add_argument("--only", nargs="+", help="names of the runs to keep")
     args = p.parse_intermixed_args(argv)
     if args.eval_amp is not None and not args.evaluate:  # no evaluate.py command would take it
         sys.exit(f"error: --eval-amp {args.eval_amp} sets the autocast of the evaluate.py commands, which only "
                  "--evaluate adds: add --evaluate, or drop --eval-amp")
+    if args.recompute and not (args.run and args.evaluate):  # the result files are read where the commands run
+        sys.exit("error: --recompute is passed on to the evaluate.py commands of the runs whose result file holds "
+                 "entries of other settings, which the sweep reads with --run --evaluate only: add "
+                 f"{' '.join(f for f, given in (('--run', args.run), ('--evaluate', args.evaluate)) if not given)}, "
+                 "or drop --recompute (a printed evaluate.py command takes it as any)")
     if args.only:  # `--only a quant.x=1`: --only takes every item after it; key=value ones are overrides
         move_overrides(args, "only")
         if not args.only:
@@ -519,6 +534,11 @@ def main(argv=None) -> int:
     if args.run:  # (printed commands may be meant for another machine: checked only where they run)
         try:
             refuse_missing_input_files(runs)
+            # settings the sweep file changed since a run trained or was evaluated: train.py and evaluate.py would
+            # refuse them at that run's turn, after the runs before it
+            refuse_changed_training_settings(runs, args.sweep)
+            if args.evaluate:
+                plan_changed_evaluations(runs, args.recompute, world_size, args.sweep)
         except ConfigError as e:
             sys.exit(f"error: {e}")
     if not args.run:
@@ -778,6 +798,123 @@ def refuse_results_of_another_autocast(runs: list[dict], eval_amp: Optional[str]
                               f"and evaluate.py adds to a result file only under the --amp it was written with: "
                               f"{same} to continue it, or move it away (with {stem}_act_max.csv and .png) to "
                               f"evaluate the run under --eval-amp {amp}")
+
+
+def refuse_changed_training_settings(runs: list[dict], sweep_path: str) -> None:
+    """train.py continues the checkpoint.pt in a run's folder only with the settings it was written with (train.py's
+    check_resumable, which this runs: train.allow_changed_config=true aside): a run whose settings in the sweep file
+    were changed since (cd.lam of a finished run) was refused at its turn, after the runs before it had trained, or
+    validated and been evaluated again, and the later runs were not started. Refused before anything starts
+    (ConfigError), saying what to do in the sweep's terms (it names out_dir itself). Left to train.py's start, as
+    before: a run with train.resume (which checkpoint it continues depends on both files), and a checkpoint.pt
+    whose config cannot be read (train.py's error names what is wrong with the file)."""
+    import torch  # only with --run: printing the commands does not need it
+
+    from engine.checkpoint import CheckpointError
+    from engine.snapshots import CONFIG_SECTIONS
+    from train import check_resumable
+
+    for run in runs:
+        cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"])
+        # the commands run in the repository root: check_resumable tells the run's own checkpoint.pt by out_dir
+        cfg.out_dir = os.path.join(ROOT, cfg.out_dir)
+        checkpoint = os.path.join(cfg.out_dir, "checkpoint.pt")
+        if cfg.train.resume or not os.path.isfile(checkpoint):
+            continue
+        try:  # memory-mapped: the weights are not read
+            saved = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)["config"]
+        except Exception:  # noqa: BLE001 - not a checkpoint of train.py: its own refusal at the run's start
+            continue
+        if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in CONFIG_SECTIONS):
+            continue  # (engine/snapshots.read_training_checkpoint's test of what a resume compares)
+        try:
+            check_resumable(saved, cfg, checkpoint)
+        except CheckpointError as e:
+            raise ConfigError(f"sweep run '{run['name']}': train.py would refuse it at its start: {e} (in a sweep, "
+                              f"out_dir is out_root/{run['name']}: another out_root in {sweep_path} gives every run "
+                              f"a new folder, and a setting of this run goes in its items there)") from e
+
+
+def plan_changed_evaluations(runs: list[dict], recompute: bool, world_size: Optional[int], sweep_path: str) -> None:
+    """evaluate.py adds to a result file only what the sweep's settings compute alike (engine/eval_results.py): an
+    entry of a pipeline and bit-width it is to run, computed with other settings ('evaluate' edited since: another
+    quant.calib_images), or activation maxima over other quant.act_max_extra_modules, it refuses, advising --out
+    (the sweep's to name) or --recompute. That ended the run as 'failed during evaluation' after its training (or
+    validation) and evaluate.py's loading of the model, the later runs not started. With `recompute` (the sweep's
+    --recompute) such a run's evaluate.py command gets --recompute (run['recompute']: the old entries go to the
+    file's history; files that agree get none, so that a requeued sweep computes nothing twice); without it, refused
+    before anything starts (ConfigError). Not checked: a file older than the run's best.pt (moved aside,
+    move_stale_result), and one evaluate.py would refuse for other reasons (its own error names them). A run that
+    is to train further may yet write a newer best.pt, which would have the file moved aside: that is not known
+    before it trains, and the file is refused (as refuse_results_of_another_autocast)."""
+    for run in runs:
+        checkpoint, result = evaluation_paths(run)
+        path = os.path.join(ROOT, result)
+        if not os.path.isfile(path) or is_stale_result(path, os.path.join(ROOT, checkpoint)):
+            continue
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):  # not JSON: evaluate.py's error names what is wrong
+            continue
+        if not isinstance(data, dict) or not isinstance(data.get("quant"), dict):
+            continue
+        if not (data["quant"] or data.get("max_act")):
+            continue  # nothing that settings could disagree with
+        change = evaluation_change(run, data, world_size)
+        if change is None:
+            continue
+        if recompute:
+            run["recompute"] = True
+            continue
+        raise ConfigError(f"sweep run '{run['name']}': {result} holds {change}, and evaluate.py would refuse to add "
+                          f"to it: give the sweep --recompute to evaluate the run again with the sweep's settings "
+                          f"(evaluate.py keeps the old entries in the file's 'history'), or put the settings in "
+                          f"{sweep_path} back as they were")
+
+
+def evaluation_change(run: dict, data: dict, world_size: Optional[int]) -> Optional[str]:
+    """What of the result file `data` of `run` the run's evaluate.py command would refuse to add to, or None: an
+    entry it plans that was computed with other settings, or activation maxima over other modules. Its config is
+    resolved by evaluate.py's own resolve_config from the run's best.pt and the command's overrides, and compared as
+    evaluate.py compares (engine/eval_results.py settings_change, extra_modules); in the repository root, where the
+    commands run (relative data paths: a token file's train split is part of its settings). A data-parallel
+    pipeline's result depends on the number of processes (GPLQ): the launcher's, which a launcher that does not say
+    how many it starts leaves uncompared. None where evaluate.py would refuse the command itself: its error says
+    why."""
+    import evaluate
+    from engine.eval_results import extra_modules, settings_change
+    from engine.quant_settings import quant_settings
+    from quant.plan import planned
+
+    checkpoint, result = evaluation_paths(run)
+    args = evaluate.parse_args(["--checkpoint", os.path.join(ROOT, checkpoint), "--out", os.path.join(ROOT, result),
+                                *evaluation_overrides(run)])
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        cfg, _ = evaluate.resolve_config(args)
+        for name, bits in planned(cfg):
+            entries = data["quant"].get(name)
+            entry = entries.get(bits) if isinstance(entries, dict) else None
+            if not isinstance(entry, dict):
+                continue
+            asked = quant_settings(cfg, name)
+            if "world_size" in asked:  # quant_settings records this process's (1), not the launcher's
+                stored = entry.get("settings") if isinstance(entry.get("settings"), dict) else {}
+                asked["world_size"] = world_size if world_size is not None else stored.get("world_size")
+            change = settings_change(entry, asked, name)
+            if change:
+                return f"{name} {bits} computed with other settings ({change})"
+    except evaluate.USER_ERRORS:  # e.g. a token file that is not there: evaluate.py's refusal, in its own words
+        return None
+    finally:
+        os.chdir(here)
+    before, now = extra_modules(data), sorted(cfg.quant.act_max_extra_modules)
+    if data.get("max_act") and before != now:
+        return (f"activation maxima over quant.act_max_extra_modules={json.dumps(before)}, the sweep measures them "
+                f"over {json.dumps(now)}")
+    return None
 
 
 def is_stale_result(json_path: str, checkpoint: str) -> bool:

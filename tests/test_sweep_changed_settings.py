@@ -1,0 +1,136 @@
+"""A sweep file edited since its runs trained or were evaluated is refused with --run before anything starts.
+
+train.py continues a run's checkpoint.pt only with the settings it was written with, and evaluate.py adds to a result
+file only entries computed with the settings it holds: a changed cd.lam, or a quant.calib_images added to the sweep's
+'evaluate' list, was refused at that run's turn, after the runs before it had trained or validated and been evaluated
+again (and after evaluate.py had loaded the model), with advice (--out, out_dir) that a sweep does not take; the later
+runs were not started. The sweep refuses such a run up front in one line, in its own terms; --recompute passes
+evaluate.py's --recompute on to the runs whose result file disagrees. The reference for each refusal is train.py's
+and evaluate.py's own: what the sweep refuses, they refuse, and what it lets through, they take."""
+import pytest
+import torch
+
+import evaluate
+import train
+from configs import ConfigError, load_config
+from engine.checkpoint import CheckpointError
+from engine.eval_results import ResultsError
+from tests.conftest import DEBUG_CONFIG
+
+import sweep  # noqa: E402  (scripts/, on the path of the tests)
+
+ITEMS = ["sched.epochs=1", "sched.warmup_epochs=0", "log.tensorboard=false"]  # run 'a' as it trained
+EVALUATED = ["quant.pipelines=[rtn,percentile]", "quant.calib_images=8"]  # its evaluation as it is in the file
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """out_root with run 'a' trained (tiny.yaml, 4 updates) and evaluated (rtn and percentile, 8 calibration
+    images) into its eval_best.json, as a sweep of it leaves them."""
+    root = tmp_path_factory.mktemp("sweep")
+    folder = root / "runs" / "a"
+    train.main(load_config([DEBUG_CONFIG], [*ITEMS, f"out_dir={folder}"]))
+    evaluate.main(evaluate.parse_args(["--checkpoint", str(folder / "best.pt"), "--out",
+                                       str(folder / "eval_best.json"), *EVALUATED]))
+    return root
+
+
+def sweep_file(root, path, items=ITEMS, evaluated=EVALUATED, before=False) -> str:
+    """A sweep of run 'a' (with `items`, evaluated with `evaluated`) in root/runs; `before`: a run 'b' first."""
+    runs = (f"  b: [{', '.join(ITEMS)}]\n" if before else "") + f"  a: [{', '.join(items)}]\n"
+    path.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {root / 'runs'}\n"
+                    f"evaluate: [{', '.join(repr(e) for e in evaluated)}]\nruns:\n{runs}")
+    return str(path)
+
+
+def refused_at_start(path: str, *flags: str) -> str:
+    """The one error line of `sweep.py path --run --evaluate flags` (SystemExit before anything starts)."""
+    with pytest.raises(SystemExit) as stop:
+        sweep.main([path, "--run", "--evaluate", *flags])
+    message = str(stop.value.code)
+    assert message.startswith("error: sweep run 'a': ") and "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize("evaluated, says", [
+    (["quant.pipelines=[percentile]", "quant.calib_images=16"], "percentile w4a4 computed with other settings "
+                                                               "(calibration.images 8 -> 16)"),
+    (["quant.pipelines=[rtn]", "quant.rtn.symmetric=true"], "rtn w4a16 computed with other settings "
+                                                            "(options.symmetric False -> True)"),
+    ([*EVALUATED, "quant.act_max_extra_modules=[head]"], "activation maxima over quant.act_max_extra_modules=[]"),
+], ids=["calibration", "option", "maxima"])
+def test_an_evaluation_setting_changed_since_is_refused_before_anything_starts(trained, tmp_path, capsys,
+                                                                                evaluated, says):
+    folder = trained / "runs" / "a"
+    log = (folder / "train.log").stat()
+    message = refused_at_start(sweep_file(trained, tmp_path / "s.yaml", evaluated=evaluated, before=True))
+    assert f"{folder / 'eval_best.json'} holds {says}" in message
+    assert "give the sweep --recompute" in message and "--out" not in message
+    # nothing ran: run b not started, run a not validated again
+    assert not (trained / "runs" / "b").exists() and (folder / "train.log").stat() == log
+    assert capsys.readouterr().out == ""
+    with pytest.raises(ResultsError, match="--recompute"):  # evaluate.py's own refusal of that command
+        evaluate.main(evaluate.parse_args(["--checkpoint", str(folder / "best.pt"), "--out",
+                                           str(folder / "eval_best.json"), *evaluated]))
+
+
+@pytest.mark.parametrize("evaluated", [EVALUATED, ["quant.pipelines=[rtn]"],
+                                       ["quant.pipelines=[percentile]", "quant.calib_images=8", "quant.bits=[w8a8]"]],
+                         ids=["same", "fewer", "other bits"])
+def test_an_evaluation_that_adds_to_the_file_is_not_refused_and_gets_no_recompute(trained, tmp_path, evaluated):
+    """Settings alike, or entries the file does not hold yet (other bit-widths): evaluate.py adds to it."""
+    runs = sweep.expand(sweep_file(trained, tmp_path / "s.yaml", evaluated=evaluated), [])
+    sweep.plan_changed_evaluations(runs, recompute=False, world_size=1, sweep_path="s.yaml")
+    sweep.plan_changed_evaluations(runs, recompute=True, world_size=1, sweep_path="s.yaml")
+    (_, evaluation) = sweep.commands(runs[0], "", evaluate=True)
+    assert "--recompute" not in evaluation
+    folder = trained / "runs" / "a"
+    evaluate.main(evaluate.parse_args(evaluation[evaluation.index("evaluate.py") + 1:]))  # takes it
+    assert (folder / "eval_best.json").exists()
+
+
+def test_recompute_reaches_the_evaluate_command_of_a_run_whose_file_disagrees_only(trained, tmp_path):
+    path = sweep_file(trained, tmp_path / "s.yaml", evaluated=["quant.pipelines=[percentile]", "quant.calib_images=16"],
+                      before=True)
+    runs = sweep.expand(path, [])
+    with pytest.raises(ConfigError, match="sweep run 'a'"):
+        sweep.plan_changed_evaluations(runs, recompute=False, world_size=1, sweep_path=path)
+    sweep.plan_changed_evaluations(runs, recompute=True, world_size=1, sweep_path=path)
+    evaluations = {run["name"]: sweep.commands(run, "", evaluate=True)[1] for run in runs}
+    assert "--recompute" in evaluations["a"] and "--recompute" not in evaluations["b"]  # b: no result file
+
+
+@pytest.mark.parametrize("flags", [["--recompute"], ["--recompute", "--evaluate"], ["--recompute", "--run"]])
+def test_recompute_without_run_and_evaluate_is_refused(trained, tmp_path, capsys, flags):
+    """The files are read where the commands run: a printed command would carry it for no reason known."""
+    with pytest.raises(SystemExit) as stop:
+        sweep.main([sweep_file(trained, tmp_path / "s.yaml"), *flags])
+    message = str(stop.value.code)
+    assert message.startswith("error: --recompute ") and "\n" not in message
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("changed, says", [
+    ("optim.lr=0.01", "optim.lr: None -> 0.01"),
+    ("cd.enabled=true", "cd.enabled: False -> True"),
+])
+def test_a_training_setting_changed_since_is_refused_before_anything_starts(trained, tmp_path, capsys, changed, says):
+    folder = trained / "runs" / "a"
+    log = (folder / "train.log").stat()
+    message = refused_at_start(sweep_file(trained, tmp_path / "s.yaml", items=[*ITEMS, changed], before=True))
+    assert "train.py would refuse it at its start" in message and says in message
+    assert f"another out_root in {tmp_path / 's.yaml'}" in message
+    assert not (trained / "runs" / "b").exists() and (folder / "train.log").stat() == log
+    assert capsys.readouterr().out == ""
+    with pytest.raises(CheckpointError, match="written with other settings"):  # train.py's own refusal
+        train.main(load_config([DEBUG_CONFIG], [*ITEMS, changed, f"out_dir={folder}"]))
+
+
+@pytest.mark.parametrize("items", [ITEMS, [*ITEMS, "optim.lr=0.01", "train.allow_changed_config=true"],
+                                   [*ITEMS, "train.max_steps=100"]], ids=["same", "allowed", "environment"])
+def test_settings_train_py_continues_with_are_not_refused(trained, tmp_path, items):
+    runs = sweep.expand(sweep_file(trained, tmp_path / "s.yaml", items=items), [])
+    sweep.refuse_changed_training_settings(runs, "s.yaml")
+    checkpoint = trained / "runs" / "a" / "checkpoint.pt"
+    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["config"]
+    train.check_resumable(saved, load_config([DEBUG_CONFIG], runs[0]["overrides"]), str(checkpoint))  # continues
