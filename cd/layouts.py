@@ -44,9 +44,10 @@ class Layout:
 
     The pairs are the same in every layout (the table in `cd/pairs.py`); only the names differ. Whether a weight is
     stored (out, in) or (in, out) is a property of its layer, not of the layout (`cd.pairs._stored_in_out`):
-    nanoGPT's GPT-2 has transformers' GPT-2 names on `nn.Linear` layers. A module is a block of the first layout
-    whose top-level children (the first part of each of norm1, proj, norm2, fc2: `norm1`, `attn`, `norm2`, `mlp` for
-    timm) it has (`cd.pairs.layout_of`).
+    nanoGPT's GPT-2 has transformers' GPT-2 names on `nn.Linear` layers. A module is a block of the layouts whose
+    top-level children (the first part of each of norm1, proj, norm2, fc2: `norm1`, `attn`, `norm2`, `mlp` for
+    timm) it has, the innermost one where several modules do, and is paired by each of them whose norm1, norm2,
+    proj and fc2 are all there (one per branch of a parallel block; `cd.pairs.layouts_of`).
 
     Attributes:
         library: named in messages and the family table.
@@ -59,10 +60,12 @@ class Layout:
         gate, up: a gated MLP's W_gate and W_up (paired only with `gated_mlp`), both or neither. fc1 or both.
         transposed: the storage of a layer whose type and shape do not tell it (`cd.pairs._Block.storage`): True for
             (in, out). A built-in layout reads such a layer as its pair partner first (`cd.pairs._Block.functional`).
+            A layout given with True that no layer of its blocks reads (all nn.Linear) is refused when paired.
 
     Raises:
         ValueError: a field that cannot describe a block (an empty or non-str path, neither qkv nor q_k_v, neither
-            fc1 nor gate and up, one path given to two layers), naming the field.
+            fc1 nor gate and up, one path given to two layers; norm1 and norm2 may share one, GPT-J's parallel
+            block), naming the field.
     """
 
     library: str
@@ -115,6 +118,10 @@ class Layout:
             yield f"field 'transposed' must be a bool, got {self.transposed!r}"
         seen: dict[str, str] = {}
         for name, path in self.paths():
+            if name == "norm2" and path == self.norm1:
+                # one norm before both the attention and the MLP (a parallel block as GPT-J's): its scale is the W1
+                # of the qkv and the fc1 pairs alike, as norm1's is of each of q, k and v; only W2s are written
+                continue
             if path in seen:
                 yield f"fields {seen[path]!r} and {name!r} name the same path {path!r}; each layer has its own"
             seen.setdefault(path, name)
@@ -136,7 +143,7 @@ class Layout:
         return f"{self.library!r} (children {', '.join(self.children)})"
 
 
-# Order matters where two layouts share their top-level children (timm's and torchvision's Swin): `layout_of`.
+# Order matters where two layouts share their top-level children (timm's and torchvision's Swin): `layouts_of`.
 LAYOUTS: tuple[Layout, ...] = (
     Layout("timm", "norm1", "norm2", proj="attn.proj", fc2="mlp.fc2", qkv="attn.qkv",
            q_k_v=("attn.q", "attn.k", "attn.v"), fc1="mlp.fc1", gate="mlp.fc1_g", up="mlp.fc1_x"),
@@ -152,7 +159,7 @@ LAYOUTS: tuple[Layout, ...] = (
     # nn.MultiheadAttention holds its fused [Q; K; V] as its own Parameter `in_proj_weight`, not a Linear's weight
     Layout("torchvision ViT", "ln_1", "ln_2", proj="self_attention.out_proj", fc2="mlp.3",
            qkv="self_attention.in_proj_weight", fc1="mlp.0"),
-    # the children of timm's block (norm1, attn, norm2, mlp): told apart by the MLP's layers (`layout_of`)
+    # the children of timm's block (norm1, attn, norm2, mlp): told apart by the MLP's layers (`layouts_of`)
     Layout("torchvision Swin", "norm1", "norm2", proj="attn.proj", fc2="mlp.3", qkv="attn.qkv", fc1="mlp.0"),
 )
 

@@ -32,8 +32,8 @@ not matched wrongly; a fused qkv's V rows are checked by one real forward with t
 order in which proj reads V's channels by one more with some of them set to zero (`cd/values.py`), so that a qkv
 laid out per head or in another order, heads merged in another order, or channels mixed (XCiT's XCA) are
 refused. A block that does not fit (gated MLP unless `gated_mlp`, no affine norm, no qkv, grouped-query attention) is refused too:
-`UnsupportedModelError` names the block and its type; so does a block under names no layout has beside blocks
-that one has (`cd/unknown_blocks.py`), which would otherwise be left out.
+`UnsupportedModelError` names the block and its type; so does a block that no layout finds beside blocks that one
+does (told by its structure, `cd/unknown_blocks.py`), which would otherwise be left out.
 
 Print the pairs of any timm model (built on the `meta` device, no weights; a small CPU copy runs the checks on
 real numbers, `cd/__main__.py`):
@@ -46,14 +46,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from .adapters import adapter_parameters, refuse_adapters
 from .layouts import LAYOUTS, Layout, check_layouts
-from .unknown_blocks import unknown_blocks
+from .unknown_blocks import block_note, unknown_blocks
 from .values import check_channel_order
 from .verify import (ADAPTER_FIX, UnsupportedModelError, refuse_fsdp1, refuse_shared, refuse_split_devices,
                      verify_pairs)
@@ -170,35 +170,77 @@ def _scale_weight(module: Optional[nn.Module]) -> Optional[nn.Parameter]:
     return w if isinstance(w, nn.Parameter) and w.dim() == 1 else None
 
 
-def layout_of(module: nn.Module, layouts: tuple[Layout, ...] = LAYOUTS) -> Optional[Layout]:
-    """The layout of `layouts` whose block `module` is, or None: of the layouts whose top-level children it has, the
-    first whose MLP output layer (`fc2`) it has too (timm's `mlp.fc2`, torchvision's `mlp.3`), else the first (which
-    then names what is missing); with an nn.MultiheadAttention as its attention, that module's own qkv and output
+def _resolves(module: nn.Module, path: str) -> bool:
+    """Whether `path` names a submodule of `module`, or a Parameter a submodule holds itself (`in_proj_weight`)."""
+    if _module(module, path) is not None:
+        return True
+    parent, _, attr = path.rpartition(".")
+    owner = _module(module, parent) if parent else module
+    return owner is not None and isinstance(owner._parameters.get(attr), nn.Parameter)
+
+
+def _fitted(module: nn.Module, lay: Layout) -> Layout:
+    """`lay` as it reads `module`: with an nn.MultiheadAttention as its attention, that module's own qkv and output
     layer."""
-    fits = [lay for lay in layouts if all(_child(module, c) is not None for c in lay.children)]
-    lay = next((lay for lay in fits if _matrix_weight(_module(module, lay.fc2)) is not None), next(iter(fits), None))
-    attn = lay.proj.rpartition(".")[0] if lay is not None else ""
+    attn = lay.proj.rpartition(".")[0]
     if attn and isinstance(_module(module, attn), nn.MultiheadAttention):
         # an nn.MultiheadAttention where the layout has its attention (torchvision's ViT, or a block of one's own
         # under timm's names): its fused [Q; K; V] is its own Parameter `in_proj_weight`, its output layer `out_proj`
-        lay = dataclasses.replace(lay, qkv=f"{attn}.in_proj_weight", proj=f"{attn}.out_proj", q_k_v=None)
+        return dataclasses.replace(lay, qkv=f"{attn}.in_proj_weight", proj=f"{attn}.out_proj", q_k_v=None)
     return lay
+
+
+def _complete(module: nn.Module, lay: Layout) -> bool:
+    """Whether the layers every block of `lay` has (norm1, norm2, proj, fc2) are all there in `module`."""
+    return all(_resolves(module, path) for path in (lay.norm1, lay.norm2, lay.proj, lay.fc2))
+
+
+def layouts_of(module: nn.Module, layouts: tuple[Layout, ...] = LAYOUTS) -> list[Layout]:
+    """The layouts of `layouts` whose block `module` is, in their order (`_fitted`): of the layouts whose top-level
+    children it has, every one whose norm1, norm2, proj and fc2 are all there (several describe one parallel branch
+    or expert each: `_collect` pairs them all); when none is, the first of them whose MLP output layer (`fc2`) is
+    there (timm's `mlp.fc2`, torchvision's `mlp.3`), else the first (which then names what is missing); [] when no
+    layout's children are there."""
+    fits = [_fitted(module, lay) for lay in layouts if all(_child(module, c) is not None for c in lay.children)]
+    complete = [lay for lay in fits if _complete(module, lay)]
+    if complete:
+        return complete
+    lay = next((lay for lay in fits if _matrix_weight(_module(module, lay.fc2)) is not None), next(iter(fits), None))
+    return [] if lay is None else [lay]
+
+
+def layout_of(module: nn.Module, layouts: tuple[Layout, ...] = LAYOUTS) -> Optional[Layout]:
+    """The first of `layouts_of`, or None."""
+    return next(iter(layouts_of(module, layouts)), None)
 
 
 def _is_patch_merging(module: nn.Module) -> bool:
     return _child(module, "norm") is not None and _matrix_weight(_child(module, "reduction")) is not None
 
 
-def _outermost(root: nn.Module, is_match) -> Iterator[tuple[str, nn.Module]]:
-    """(name, module) of every module matching `is_match` that is not inside an earlier match,
-    in model order."""
-    inside: Optional[str] = None
-    for name, module in root.named_modules():
-        if inside is not None and (name == inside or name.startswith(inside + ".")):
+def _matches(root: nn.Module, layouts: tuple[Layout, ...], merging: bool) -> list[tuple[str, nn.Module]]:
+    """(name, module) of the blocks of `layouts` in `root` (and, with `merging`, its patch-merging layers), in model
+    order; nested matches inside one are not searched.
+
+    A module with a layout's top-level children but not all its layers (`_complete`) is a block only when no
+    module inside it has them all: otherwise it is a container whose children happen to carry the names (a
+    ModuleList of blocks [attention, MLP], for a layout '0.to_qkv', '1.net.0', ...), and its children are searched.
+    """
+    modules = list(root.named_modules())
+    complete = [name for name, module in modules if any(_complete(module, lay) for lay in layouts_of(module, layouts))]
+
+    def is_match(name: str, module: nn.Module) -> bool:
+        if not layouts_of(module, layouts):
+            return merging and _is_patch_merging(module)
+        return name in complete or not any(c.startswith(name + ".") or (not name and c) for c in complete)
+
+    out: list[tuple[str, nn.Module]] = []
+    for name, module in modules:
+        if out and (name == out[-1][0] or name.startswith(out[-1][0] + ".") or not out[-1][0]):
             continue
-        if is_match(module):
-            yield name, module
-            inside = name
+        if is_match(name, module):
+            out.append((name, module))
+    return out
 
 
 def find_blocks(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[tuple[str, nn.Module]]:
@@ -217,7 +259,7 @@ def find_blocks(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[t
     """
     layouts = check_layouts(layouts)
     root = unwrap_model(model)
-    blocks = list(_outermost(root, lambda m: layout_of(m, layouts) is not None))
+    blocks = _matches(root, layouts, merging=False)
     if blocks:  # a model with no known block is refused by the caller, naming what it looked for
         refuse_unknown_blocks(root, layouts)
     return blocks
@@ -301,6 +343,7 @@ class _Block:
 
     def __init__(self, name: str, module: nn.Module, layout: Layout) -> None:
         self.name, self.module, self.lay = name, module, layout
+        self.read_transposed = False  # whether a layer took its storage from the layout's `transposed`
 
     def matrix(self, path: Optional[str]) -> Optional[nn.Parameter]:
         """The 2-D weight at `path`: a Linear-like module's `weight`, or a matrix Parameter its parent module holds
@@ -348,6 +391,7 @@ class _Block:
     def transposed(self, path: str) -> bool:
         """Whether the layer at `path` stores its weight (in, out) (`storage`; the layout's default if untold)."""
         told = self.storage(path)
+        self.read_transposed = self.read_transposed or told is None
         return self.lay.transposed if told is None else told
 
     def width(self, path: str, dim: int) -> int:
@@ -395,9 +439,14 @@ class _Block:
     def refuse_inner_norm(self, layer: str, pair: str) -> None:
         """Refuse a norm between a functional pair's matrices (timm's `norm` child of the attention or MLP,
         set by scale_attn_norm / scale_mlp_norm): it rescales what W1 writes before W2 reads it, so the pair's
-        product no longer describes the path. An Identity `norm` (timm's default) is no norm."""
+        product no longer describes the path. An Identity `norm` (timm's default) is no norm, and the layout's own
+        norm1 or norm2 kept there (vit-pytorch's Attention holds the norm before its qkv as `norm`) is the block's
+        pre-norm, whose place the meta forward checks (`cd/verify.py`)."""
         part = self.part(layer)
-        if not isinstance(_child(part, "norm"), (nn.Identity, type(None))):
+        norm = _child(part, "norm")
+        if any(norm is _module(self.module, path) for path in (self.lay.norm1, self.lay.norm2)):
+            return
+        if not isinstance(norm, (nn.Identity, type(None))):
             raise self.refuse(f"{type(part).__name__} has a norm before {layer} (timm scale_attn_norm / "
                               f"scale_mlp_norm); the {pair} pair is defined for W2 reading W1's output directly")
 
@@ -421,6 +470,7 @@ class _Block:
             # names: transformers' Conv1D, nanoGPT's nn.Linear), so its `transposed` is a guess the partner beats.
             # A layout given as layouts= states its model's storage, and comes first.
             up, down = (down if up is None else up), (up if down is None else down)
+        self.read_transposed = self.read_transposed or up is None or down is None
         up = self.lay.transposed if up is None else up
         down = self.lay.transposed if down is None else down
         return Pair(self.weight_name(layer), role, "functional", self.name, self.weight_name(upstream),
@@ -528,19 +578,75 @@ def _gated_pairs(b: _Block) -> list[Pair]:
     return [b.composable(lay.norm2, lay.fc1, "fc1"), b.functional(lay.fc1, lay.fc2, "fc2", rows)]
 
 
+def _same_pair(p: Pair, q: Pair) -> bool:
+    return (p.role, p.kind, p.upstream_rows, p.transposed, p.upstream_transposed) == \
+        (q.role, q.kind, q.upstream_rows, q.transposed, q.upstream_transposed) and p.upstream is q.upstream
+
+
+def _block_pairs(name: str, module: nn.Module, lays: list[Layout], gated_mlp: bool,
+                 read: dict[Layout, bool]) -> tuple[list[Pair], bool]:
+    """The pairs of one block under each of its layouts `lays` (`layouts_of`), merged, and whether its MLP is gated.
+
+    Layouts that describe further layers (one per branch of a parallel block, one per expert of an MoE MLP) add
+    their pairs; a pair two of them give alike is kept once (the shared attention of two experts' layouts). A later
+    layout that reads a matrix an earlier one pairs otherwise (another norm, another role), or that fails on layers
+    an earlier one paired, is another reading of the same layers: the first in the order given wins (cd/README.md,
+    "Blocks with names of your own"). One that fails on layers of its own is refused. `read`: whether each layout's
+    `transposed` was read by a layer (`_Block.read_transposed`), for `_refuse_unread_transposed`."""
+    out: list[Pair] = []
+    by_w2: dict[int, Pair] = {}
+    gated = False
+    for k, lay in enumerate(lays):
+        block = _Block(name, module, lay)
+        try:
+            new = _attention_pairs(block) + _mlp_pairs(block, gated_mlp)
+        except UnsupportedModelError:
+            layers = {id(w) for w in map(block.matrix, _layer_paths(lay)) if w is not None}
+            if k and layers & (set(by_w2) | {id(p.upstream) for p in out}):
+                continue
+            raise
+        if any(id(p.downstream) in by_w2 and not _same_pair(p, by_w2[id(p.downstream)]) for p in new):
+            continue
+        for p in new:
+            if by_w2.setdefault(id(p.downstream), p) is p:
+                out.append(p)
+        gated = gated or _has_gated_mlp(block)
+        read[lay] = read.get(lay, False) or block.read_transposed
+    return out, gated
+
+
+def _layer_paths(lay: Layout) -> list[str]:
+    """The paths of the layout's matrix layers (not its norms)."""
+    return [path for field, path in lay.paths() if field not in ("norm1", "norm2")]
+
+
+def _refuse_unread_transposed(read: dict[Layout, bool]) -> None:
+    """Refuse a layout given as layouts= with transposed=True that no layer of its blocks read: every layer told its
+    storage by its type or shape (nn.Linear: (out, in)), so the field would be silently ignored. Raises ValueError
+    naming the layout and the field. The built-in GPT-2 layout's `transposed` is a guess for layers of other types
+    (transformers' Conv1D or nanoGPT's nn.Linear tell theirs), not a statement: not refused."""
+    for lay, was_read in read.items():
+        if lay.transposed and not was_read and lay.library not in _BUILT_IN:
+            raise ValueError(f"cd.Layout(library={lay.library!r}): field 'transposed' is True, but every layer of "
+                             "its blocks tells its storage by its type or shape (nn.Linear stores (out, in), "
+                             "transformers' Conv1D (in, out)), so no layer reads it; drop transposed=True (it is for "
+                             "a layer of another type whose square weight does not tell)")
+
+
 def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_mlp: bool,
              layouts: tuple[Layout, ...]) -> bool:
     """Append the pairs of every block (of a layout of `layouts`) and patch-merging layer of `root`, in model order
     (into `pairs`, so that the caller sees those found before a refusal); `types`: block name -> class name.
     Returns whether a block has a gated MLP."""
     gated = False
-    for name, module in _outermost(root, lambda m: layout_of(m, layouts) is not None or _is_patch_merging(m)):
+    read: dict[Layout, bool] = {}
+    for name, module in _matches(root, layouts, merging=True):
         types[name] = type(module).__name__
-        layout = layout_of(module, layouts)
-        if layout is not None:
-            block = _Block(name, module, layout)
-            pairs += _attention_pairs(block) + _mlp_pairs(block, gated_mlp)
-            gated = gated or _has_gated_mlp(block)
+        lays = layouts_of(module, layouts)
+        if lays:
+            found, has_gate = _block_pairs(name, module, lays, gated_mlp, read)
+            pairs += found
+            gated = gated or has_gate
         elif _scale_weight(module.norm) is not None and _scale_weight(module.norm).shape[0] == \
                 module.reduction.weight.shape[0] != module.reduction.weight.shape[1]:
             raise _refuse(name, module, "its norm follows the reduction (post-norm, as in Swin V2); CD pairs "
@@ -548,6 +654,7 @@ def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_ml
         else:
             # patch merging is found by its own names (norm, reduction) whatever the layouts
             pairs.append(_Block(name, module, LAYOUTS[0]).composable("norm", "reduction", "reduction"))
+    _refuse_unread_transposed(read)
     return gated
 
 
@@ -566,16 +673,34 @@ _WITHOUT_CD = ("Without CD (train.py: cd.enabled=false; a framework: no CD callb
                "usual.")
 
 
+def _names_advice(layouts: tuple[Layout, ...], what: str) -> str:
+    """How to have `what` (blocks under names of their own) paired, for each way CD is called: train.py and
+    `python -m cd` try the built-in `LAYOUTS` and take no layouts, the API takes them as layouts=."""
+    if layouts is not LAYOUTS:
+        return "Add a cd.Layout with its names to layouts="
+    return (f"To pair {what}: called directly, find_pairs, ColinearityDecay, TWEO and the integrations take the "
+            "names as layouts=[cd.Layout(...), *cd.LAYOUTS] (cd/README.md, \"Blocks with names of your own\"); "
+            "train.py and `python -m cd` take no layouts= and try the built-in cd.LAYOUTS, so a fork training such a "
+            "model with train.py adds a cd.Layout to LAYOUTS in cd/layouts.py (docs/extending.md)")
+
+
 def _no_pair_message(root: nn.Module, layouts: tuple[Layout, ...]) -> str:
-    """Why `root` has no pair: the layouts that were tried (the built-in ones, or those given)."""
+    """Why `root` has no pair: the layouts that were tried (the built-in ones, or those given), and the first module
+    that is a Transformer block by its structure (`cd.unknown_blocks`), with what a layout can do for it."""
+    block = next(unknown_blocks(root, ()), None)
+    seen, helps = "", True
+    if block is not None:
+        name, module, parts = block
+        note, helps = block_note(module)
+        seen = (f" Its module '{name}' ({type(module).__name__}) holds a Transformer block's parts ({parts})"
+                f"{': ' + note if note else ''}.")
     if layouts is LAYOUTS:
-        return (f"no matrix pair found in {type(root).__name__}. {_looked_for(layouts)}. A model whose blocks name "
-                "these layers otherwise gives its names as layouts=[cd.Layout(...)] (cd/README.md, \"Blocks with "
-                f"names of your own\"). {_WITHOUT_CD}")
+        advice = f" {_names_advice(layouts, 'blocks that name these layers otherwise')}." if helps else ""
+        return f"no matrix pair found in {type(root).__name__}. {_looked_for(layouts)}.{seen}{advice} {_WITHOUT_CD}"
     built_in = "" if set(LAYOUTS) <= set(layouts) else ", or add the built-in layouts, layouts=[..., *cd.LAYOUTS]"
     return (f"no matrix pair found in {type(root).__name__} with {_looked_for(layouts)}. No module "
             "of the model has all the top-level children of one of them, nor is a patch-merging layer (norm, "
-            f"reduction): check the paths against the model's module names (print(model)){built_in}.")
+            f"reduction): check the paths against the model's module names (print(model)){built_in}.{seen}")
 
 
 def refuse_unknown_blocks(root: nn.Module, layouts: tuple[Layout, ...]) -> None:
@@ -586,18 +711,19 @@ def refuse_unknown_blocks(root: nn.Module, layouts: tuple[Layout, ...]) -> None:
     Raises:
         UnsupportedModelError: naming the first such block, its type and parts, and the layouts= that adds it.
     """
-    found = list(unknown_blocks(root, lambda m: layout_of(m, layouts) is not None
-                                or layout_of(m) is not None or _is_patch_merging(m)))
+    known = [name for name, _ in _matches(root, layouts, merging=True)]
+    if layouts is not LAYOUTS:
+        known += [name for name, _ in _matches(root, LAYOUTS, merging=True)]
+    found = list(unknown_blocks(root, known))
     if not found:
         return
     name, module, parts = found[0]
     more = f" (and {len(found) - 1} more: {', '.join(n for n, _, _ in found[1:4])}{', ...' if len(found) > 4 else ''})"
-    fix = ("Give its names as a layout beside the built-in ones, layouts=[cd.Layout(...), *cd.LAYOUTS] "
-           "(cd/README.md, \"Blocks with names of your own\")" if layouts is LAYOUTS else
-           "Add a cd.Layout with its names to layouts=")
-    raise _refuse(name, module, f"its children ({parts}) make a Transformer block, under names that none of the "
-                  f"layouts tried has{more if len(found) > 1 else ''}, so CD and TWEO would leave it out while acting "
-                  f"on the model's other blocks. {_looked_for(layouts)}. {fix}. {_WITHOUT_CD}")
+    note, helps = block_note(module)
+    raise _refuse(name, module, f"its parts ({parts}) make a Transformer block that none of the layouts tried "
+                  f"finds{more if len(found) > 1 else ''}, so CD and TWEO would leave it out while acting on the "
+                  f"model's other blocks. {_looked_for(layouts)}. {note[:1].upper() + note[1:] + '. ' if note else ''}"
+                  f"{_names_advice(layouts, 'it') + '. ' if helps else ''}{_WITHOUT_CD}")
 
 
 def check_example_use(example_input: object, verify: bool, who: str) -> None:

@@ -1,21 +1,28 @@
-"""Transformer blocks under names no layout knows, so that they are refused rather than silently left out.
+"""Transformer blocks that no layout finds, so that they are refused rather than silently left out.
 
 `cd.pairs` finds blocks by their layout's names (`cd.layouts`). A model that mixes blocks of a known layout with
 blocks of its own names would otherwise have only the known ones paired by CD and hooked by TWEO, while the paper
-applies both to every block. This module tells such a block by its structure: a module, outside every block and
-patch-merging layer found by name and holding none of them, whose direct children include
+applies both to every block. This module tells such a block by its structure, whatever its layers are called: a
+module, outside every block and patch-merging layer found and holding none of them, that holds, at any depth,
 
-- an attention: an `nn.MultiheadAttention`, or a module holding a fused qkv layer (a child named `*qkv*`, or
-  GPT-2's `c_attn`) or separate q, k and v layers, and an output layer (`proj`, `out`, `o_proj`, ...);
+- an attention: an `nn.MultiheadAttention`, or a module whose own matrix layers are, by their shapes, a fused
+  [Q; K; V] layer (D -> 3E) and an output layer (E -> D), or three input layers (D -> E, D -> E', D -> E') and an
+  output layer (E -> D) (also by the names of libraries: a `*qkv*` or `c_attn` layer, q, k and v layers, beside an
+  output layer `proj`, `out`, `o_proj`, ...);
 - a norm: a module with a 1-D affine `weight` (LayerNorm, RMSNorm);
-- an MLP: another module holding at least two matrix layers and no attention.
+- an MLP: at least two more matrix layers, outside the attentions;
 
-Only the direct children are read, so a container of blocks (a Sequential, a Swin stage) is not taken for one.
+or a block whose one input layer feeds both its attention and its MLP (D -> 3E + H, beside E -> D and H -> D, as
+timm's `ParallelScalingBlock`), which no layout can pair. The innermost such module is the block, so a container of
+blocks (a Sequential, a decoder) is not taken for one, and an attention-pooling head (a latent query, a fused kv:
+no [Q; K; V] of the stream) or a classifier is not taken for a block.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+import itertools
+from typing import Collection, Iterator, Optional
 
+import torch
 from torch import nn
 
 # the names the attention layers go by across libraries (timm, transformers, lucidrains' vit-pytorch, Llama's
@@ -24,25 +31,83 @@ _Q, _K, _V = ("q", "q_proj", "query", "to_q", "wq"), ("k", "k_proj", "key", "to_
     ("v", "v_proj", "value", "to_v", "wv")
 _FUSED = ("c_attn",)
 _OUT = ("proj", "out", "out_proj", "o_proj", "c_proj", "to_out", "wo", "o", "dense")
+# at most this many matrices of one module are tried as the four of an attention, or the three of a fused block (the
+# search is over their orders); more are a stack of layers, not one attention
+_MAX_FOUR, _MAX_THREE = 8, 16
 
 
-def _is_matrix_layer(module: nn.Module) -> bool:
-    """A Linear-like layer: a 2-D `weight` Parameter, or a container whose first child is one (an output layer
-    kept as Sequential(Linear, Dropout))."""
+def _layer_weight(module: nn.Module) -> Optional[torch.Tensor]:
+    """The matrix a Linear-like layer applies: its 2-D `weight` Parameter, or that of the first child of a container
+    holding no other matrix layer (an output layer kept as Sequential(Linear, Dropout)); None otherwise. An
+    embedding table is looked up, not applied: None."""
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+        return None
     w = getattr(module, "weight", None)
-    if isinstance(w, nn.Parameter) and w.dim() == 2:
-        return True
-    first = next(module.children(), None)
-    return first is not None and _is_matrix_layer(first)
+    if isinstance(w, nn.Parameter):
+        return w if w.dim() == 2 else None
+    children = list(module.children())
+    if not children or any(_layer_weight(c) is not None for c in children[1:]):
+        return None
+    return _layer_weight(children[0])
 
 
-def _is_attention(module: nn.Module) -> bool:
+def _own_matrices(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, matrix) of the matrices `module` applies itself: its direct children's (`_layer_weight`) and the 2-D
+    weight Parameters it holds itself (nn.MultiheadAttention's `in_proj_weight`)."""
+    out = [(name, w) for name, child in module.named_children() if (w := _layer_weight(child)) is not None]
+    return out + [(name, p) for name, p in module.named_parameters(recurse=False)
+                  if p.dim() == 2 and name.endswith("weight") and not isinstance(module, (nn.Embedding,
+                                                                                           nn.EmbeddingBag))]
+
+
+def _shapes(mats: list[tuple[str, torch.Tensor]], transposed: bool) -> list[tuple[int, int]]:
+    """(out, in) of each matrix, as an (out, in) layer stores it, or as an (in, out) one (transformers' Conv1D)."""
+    return [tuple(w.shape[::-1]) if transposed else tuple(w.shape) for _, w in mats]
+
+
+def _attention_by_shape(mats: list[tuple[str, torch.Tensor]]) -> Optional[list[int]]:
+    """Indices of the matrices that make an attention by their shapes (module docstring), or None."""
+    for transposed in (False, True):
+        shape = _shapes(mats, transposed)
+        for a, b in itertools.permutations(range(len(mats)), 2):  # fused [Q; K; V] (3E, D), output (D, E)
+            if shape[a][0] == 3 * shape[b][1] and shape[a][1] == shape[b][0]:
+                return [a, b]
+        if len(mats) <= _MAX_FOUR:
+            for q, k, v, o in itertools.permutations(range(len(mats)), 4):  # q (E, D), k and v (E', D), o (D, E)
+                d, e = shape[o]
+                if shape[q] == (e, d) and shape[k] == shape[v] and shape[k][1] == d:
+                    return [q, k, v, o]
+    return None
+
+
+def _attention_by_name(mats: list[tuple[str, torch.Tensor]]) -> Optional[list[int]]:
+    names = {name for name, _ in mats}
+    fused = any("qkv" in name.lower() or name in _FUSED for name in names)
+    separate = all(names.intersection(n) for n in (_Q, _K, _V))
+    return list(range(len(mats))) if (fused or separate) and names.intersection(_OUT) else None
+
+
+def _attention(module: nn.Module) -> Optional[set[int]]:
+    """The ids of the matrices of `module`'s attention when `module` is one (module docstring), else None."""
     if isinstance(module, nn.MultiheadAttention):
-        return True
-    layers = {name for name, child in module.named_children() if _is_matrix_layer(child)}
-    fused = any("qkv" in name.lower() or name in _FUSED for name in layers)
-    separate = all(layers.intersection(names) for names in (_Q, _K, _V))
-    return (fused or separate) and bool(layers.intersection(_OUT))
+        return {id(p) for p in module.parameters() if p.dim() == 2}
+    mats = _own_matrices(module)
+    found = _attention_by_shape(mats) or _attention_by_name(mats)
+    return None if found is None else {id(mats[i][1]) for i in found}
+
+
+def _fused_parallel(module: nn.Module) -> Optional[str]:
+    """'in_proj (D -> 3E + H) feeds attn_out (E -> D) and mlp_out (H -> D)' when one layer of `module` is the input
+    layer of both its attention and its MLP (timm's ParallelScalingBlock), else None."""
+    mats = _own_matrices(module)
+    for transposed in (False, True) if len(mats) <= _MAX_THREE else ():
+        shape = _shapes(mats, transposed)
+        for i, a, m in itertools.permutations(range(len(mats)), 3):
+            d, e, h = shape[i][1], shape[a][1], shape[m][1]
+            if shape[a][0] == shape[m][0] == d and shape[i][0] == 3 * e + h:
+                return (f"{mats[i][0]} ({d} -> 3x{e} + {h}) feeds both the attention's output layer {mats[a][0]} "
+                        f"and the MLP's {mats[m][0]}")
+    return None
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -51,45 +116,101 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(w, nn.Parameter) and w.dim() == 1 and next(module.children(), None) is None
 
 
-def _is_mlp(module: nn.Module) -> bool:
-    """At least two matrix layers and no attention anywhere inside (so an attention is not read as an MLP)."""
-    modules = list(module.modules())
-    if any(_is_attention(m) for m in modules):
-        return False
-    weights = [m for m in modules if isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 2]
-    return len(weights) >= 2
+def _matrices(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, matrix) of every matrix applied inside `module`, at any depth, each once."""
+    seen: set[int] = set()
+    out = []
+    for name, sub in module.named_modules():
+        for own, w in _own_matrices(sub):
+            if id(w) not in seen:
+                seen.add(id(w))
+                out.append((f"{name}.{own}" if name else own, w))
+    return out
 
 
-def block_parts(module: nn.Module) -> Optional[str]:
-    """'attention mix (Attention), norm ln_a (LayerNorm), MLP ffn (Mlp)' when the direct children of `module` are
-    those of a Transformer block, else None."""
-    children = list(module.named_children())
+def _label(name: str, module: nn.Module) -> str:
+    return f"{name or 'itself'} ({type(module).__name__})"
 
-    def first(test: Callable[[nn.Module], bool], taken: tuple[str, ...]) -> Optional[tuple[str, nn.Module]]:
-        return next(((n, c) for n, c in children if n not in taken and test(c)), None)
 
-    attn = first(_is_attention, ())
-    norm = first(_is_norm, (attn[0],)) if attn else None
-    mlp = first(_is_mlp, (attn[0], norm[0])) if norm else None
-    if mlp is None:
+class _Reader:
+    """`_attention` and `_fused_parallel` of each module, computed once per search: a module is read again with
+    every module around it."""
+
+    def __init__(self) -> None:
+        self._attention: dict[int, Optional[set[int]]] = {}
+        self._fused: dict[int, Optional[str]] = {}
+
+    def attention(self, module: nn.Module) -> Optional[set[int]]:
+        if id(module) not in self._attention:
+            self._attention[id(module)] = _attention(module)
+        return self._attention[id(module)]
+
+    def fused(self, module: nn.Module) -> Optional[str]:
+        if id(module) not in self._fused:
+            self._fused[id(module)] = _fused_parallel(module)
+        return self._fused[id(module)]
+
+
+def block_parts(module: nn.Module, reader: Optional[_Reader] = None) -> Optional[str]:
+    """'attention mix (Attention), norm ln_a (LayerNorm), MLP ffn (Mlp)' when `module` holds the parts of a
+    Transformer block (module docstring), 'norm ..., attention and MLP fused in ...: <how>' for a block whose input
+    layer feeds both its attention and its MLP, else None. Paths are relative to `module`."""
+    reader = reader or _Reader()
+    modules = list(module.named_modules())
+    norm = next(((n, m) for n, m in modules if _is_norm(m)), None)
+    if norm is None:
         return None
-    return ", ".join(f"{role} {name} ({type(child).__name__})"
-                     for role, (name, child) in (("attention", attn), ("norm", norm), ("MLP", mlp)))
+    fused = next(((n, m, how) for n, m in modules if (how := reader.fused(m))), None)
+    if fused is not None:
+        return f"norm {_label(*norm)}, attention and MLP fused in {_label(*fused[:2])}: {fused[2]}"
+    attentions = [(n, m, ids) for n, m in modules if (ids := reader.attention(m)) is not None]
+    if not attentions:
+        return None
+    taken = set().union(*(ids for _, _, ids in attentions))
+    matrices = _matrices(module)
+    rest = {id(w) for _, w in matrices if id(w) not in taken}
+    if len(rest) < 2:
+        return None
+    # the MLP: the innermost module holding two of the other matrices and no attention (Mlp, a Sequential), or the
+    # layers themselves where the block holds them directly
+    mlps = [n for n, m in modules if n and all(reader.attention(s) is None for s in m.modules())
+            and len({id(w) for _, w in _matrices(m)} & rest) >= 2]
+    inner = [n for n in mlps if not any(o.startswith(n + ".") for o in mlps)]
+    mlp = _label(inner[0], module.get_submodule(inner[0])) if inner else \
+        "layers " + ", ".join(n for n, w in matrices if id(w) in rest)
+    count = f" (and {len(attentions) - 1} more)" if len(attentions) > 1 else ""
+    return f"attention {_label(*attentions[0][:2])}{count}, norm {_label(*norm)}, MLP {mlp}"
 
 
-def unknown_blocks(root: nn.Module, known: Callable[[nn.Module], bool]) -> Iterator[tuple[str, nn.Module, str]]:
+def block_note(module: nn.Module) -> tuple[str, bool]:
+    """What a layout can do for the block `module` (`block_parts`): ('', True) for one attention and one MLP; a
+    sentence and False for a block whose input layer feeds both its attention and its MLP (no layout can pair it); a
+    sentence and True for one holding several attentions (one layout per attention and its MLP)."""
+    reader = _Reader()
+    if any(reader.fused(m) for m in module.modules()):
+        return ("its one input layer feeds both its attention and its MLP (a fused parallel block, as timm's "
+                "ParallelScalingBlock), so no cd.Layout can pair it: each CD pair reads a layer of one role (a norm's "
+                "scale with qkv, or with fc1); train this model without CD"), False
+    count = sum(reader.attention(m) is not None for m in module.modules())
+    if count > 1:
+        return (f"it holds {count} attentions (parallel branches, as timm's ParallelThingsBlock, or self- and "
+                "cross-attention): give one cd.Layout per attention with its norm and MLP, all of them together (a "
+                "block that several layouts fit gets the pairs of each)"), True
+    return "", True
+
+
+def unknown_blocks(root: nn.Module, known: Collection[str]) -> Iterator[tuple[str, nn.Module, str]]:
     """(name, module, `block_parts`) of every module of `root`, in model order, that is a Transformer block by its
-    structure but is neither inside nor around a module `known` accepts (a block of a layout, a patch-merging
-    layer)."""
-    modules = list(root.named_modules())
-    found = [name for name, module in modules if known(module)]
+    structure (the innermost module holding a block's parts) but is neither inside nor around a module named in
+    `known` (the blocks and patch-merging layers found)."""
 
     def related(name: str, other: str) -> bool:  # one is the other, or holds it
         return name == other or not other or name.startswith(other + ".") or not name or other.startswith(name + ".")
 
-    for name, module in modules:
-        if any(related(name, k) for k in found):
-            continue
-        parts = block_parts(module)
-        if parts is not None:
+    reader = _Reader()
+    found = [(name, module, parts) for name, module in root.named_modules()
+             if not any(related(name, k) for k in known) and (parts := block_parts(module, reader)) is not None]
+    names = [name for name, _, _ in found]
+    for name, module, parts in found:
+        if not any(other.startswith(name + ".") or (not name and other) for other in names):
             yield name, module, parts

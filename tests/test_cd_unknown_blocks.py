@@ -109,7 +109,7 @@ def test_a_block_of_unknown_names_beside_a_known_one_is_refused_by_cd_and_tweo(o
     model = _Mixed(other)
     for call in _calls(model).values():
         with pytest.raises(UnsupportedModelError, match=rf"block 'blocks.1' \({type(other).__name__}\) is not "
-                                                        rf"supported by CD: its children \({parts}\).*"
+                                                        rf"supported by CD: its parts \({parts}\).*"
                                                         r"norm1, attn.qkv.*layouts=\[cd.Layout\(\.\.\.\), "
                                                         r"\*cd.LAYOUTS\]"):
             call()
@@ -182,3 +182,151 @@ def test_a_container_of_known_blocks_with_a_norm_and_a_head_is_not_taken_for_a_b
 
     pairs = find_pairs(Model(), example_input=_x())
     assert [p.name for p in pairs] == TIMM_BLOCK_0 + [n.replace("blocks.0", "blocks.1") for n in TIMM_BLOCK_0]
+
+
+class _NamedFused(nn.Module):
+    """A fused-qkv attention whose two layers carry the names given: a block is told by the layers' shapes (D -> 3D,
+    D -> D), not by their names."""
+
+    def __init__(self, qkv: str, out: str) -> None:
+        super().__init__()
+        self.names = qkv, out
+        setattr(self, qkv, nn.Linear(D, 3 * D))
+        setattr(self, out, nn.Linear(D, D))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (y.view(b, t, 2, -1).transpose(1, 2) for y in getattr(self, self.names[0])(x).split(D, dim=-1))
+        return getattr(self, self.names[1])(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D))
+
+
+class _GroupedOwnNames(nn.Module):
+    """Separate q (D -> D), k and v (D -> D/2, grouped-query) and an output layer, under names no library uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c, self.d = nn.Linear(D, D), nn.Linear(D, D // 2), nn.Linear(D, D // 2), nn.Linear(D, D)
+
+    def forward(self, x):
+        bs, t, _ = x.shape
+        q = self.a(x).view(bs, t, 2, -1).transpose(1, 2)
+        k, v = (p(x).view(bs, t, 1, -1).transpose(1, 2).expand(-1, 2, -1, -1) for p in (self.b, self.c))
+        return self.d(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(bs, t, D))
+
+
+@pytest.mark.parametrize("qkv, out", [("in_proj", "out_proj"), ("query_key_value", "dense"), ("c_attn", "proj_out"),
+                                      ("Wqkv", "out_proj"), ("mix_in", "mix_out")])
+def test_a_block_is_told_by_its_layers_shapes_whatever_their_names(qkv, out):
+    """Was: a block whose attention layers had names outside a list (in_proj, query_key_value, proj_out) was left out
+    without a word while the timm block beside it was paired."""
+    model = _Mixed(_Block(_NamedFused(qkv, out)))
+    refusal = r"block 'blocks.1' \(_Block\) is not supported by CD: its parts \(attention attention \(_NamedFused\), "
+    for call in _calls(model).values():
+        with pytest.raises(UnsupportedModelError, match=refusal + OWN_NORM_MLP):
+            call()
+
+
+def test_a_grouped_query_attention_under_names_of_its_own_is_told_by_its_shapes():
+    with pytest.raises(UnsupportedModelError, match=r"'blocks.1' \(_Block\).*attention attention \(_GroupedOwnNames\)"):
+        find_pairs(_Mixed(_Block(_GroupedOwnNames())), example_input=_x())
+
+
+class _LucidAttention(nn.Module):
+    """vit-pytorch's Attention: the norm before qkv is its own child `norm`, the output layer a Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.to_qkv = nn.LayerNorm(D), nn.Linear(D, 3 * D, bias=False)
+        self.to_out = nn.Sequential(nn.Linear(D, D), nn.Dropout(0.0))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (y.view(b, t, 2, -1).transpose(1, 2) for y in self.to_qkv(self.norm(x)).chunk(3, dim=-1))
+        return self.to_out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, D))
+
+
+class _LucidDecoder(nn.Module):
+    """vit-pytorch's Transformer: blocks are ModuleList([attention, feed-forward]); no norm is a block's child."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleList([_LucidAttention(), nn.Sequential(
+            nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))]) for _ in range(depth))
+        self.norm = nn.LayerNorm(D)
+
+    def forward(self, x):
+        for attn, ff in self.layers:
+            x = x + attn(x)
+            x = x + ff(x)
+        return self.norm(x)
+
+
+def test_blocks_whose_norms_sit_inside_their_attention_and_mlp_are_refused():
+    """Was: a vit-pytorch-style decoder beside a timm block had its pairs dropped silently."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.dec = timm_vit.Block(D, 2), _LucidDecoder(2)
+
+        def forward(self, x):
+            return self.dec(self.enc(x))
+
+    for call in _calls(Model()).values():
+        with pytest.raises(UnsupportedModelError, match=r"block 'dec.layers.0' \(ModuleList\) is not supported by CD: "
+                                                        r"its parts \(attention 0 \(_LucidAttention\), norm 0.norm "
+                                                        r"\(LayerNorm\), MLP 1 \(Sequential\)\).*\(and 1 more: "
+                                                        r"dec.layers.1\)"):
+            call()
+
+
+def test_heads_pooling_and_patch_embeddings_beside_known_blocks_are_not_taken_for_blocks():
+    """An attention-pooling head (timm's AttentionPoolLatent: latent query, fused kv, norm, MLP), a norm-MLP classifier
+    head and a patch embedding with a norm, in modules of their own beside the blocks: no [Q; K; V] of the stream, so
+    no block; the pairs are the timm blocks' alone."""
+    from timm.layers import AttentionPoolLatent, NormMlpClassifierHead
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Sequential(nn.Linear(D, D), nn.LayerNorm(D))
+            self.blocks = nn.Sequential(timm_vit.Block(D, 2), timm_vit.Block(D, 2))
+            self.heads = nn.ModuleDict({"pool": AttentionPoolLatent(D, num_heads=2, mlp_ratio=2.0),
+                                        "cls": NormMlpClassifierHead(D, 3, hidden_size=2 * D)})
+
+        def forward(self, x):
+            x = self.blocks(self.embed(x))
+            return self.heads["pool"](x) + self.heads["cls"](x.transpose(1, 2)[..., None]).mean(-1, keepdim=True)
+
+    pairs = find_pairs(Model(), example_input=_x())
+    assert [p.name for p in pairs] == TIMM_BLOCK_0 + [n.replace("blocks.0", "blocks.1") for n in TIMM_BLOCK_0]
+
+
+def _timm(name: str) -> nn.Module:
+    timm = pytest.importorskip("timm")
+    return timm.create_model(name, img_size=32, patch_size=8, embed_dim=D, depth=1, num_heads=2, num_classes=3)
+
+
+def test_a_fused_parallel_block_beside_known_blocks_is_refused_without_asking_for_a_layout():
+    """timm's ParallelScalingBlock: one in_proj (D -> 3D + H) feeds both the attention and the MLP; no layout can
+    pair it, so the refusal says so instead of asking for one."""
+    model = _Mixed(_timm("vit_base_patch16_xp_224").blocks[0])
+    with pytest.raises(UnsupportedModelError, match=r"block 'blocks.1' \(ParallelScalingBlock\).*in_proj "
+                                                    r"\(32 -> 3x32 \+ 128\).*no cd.Layout can pair it") as refused:
+        find_pairs(model, example_input=_x())
+    assert "layouts=[cd.Layout" not in str(refused.value)
+
+
+def test_a_model_without_pairs_is_told_what_its_blocks_are_and_the_route_of_each_caller():
+    """The "no matrix pair" message names the first module that is a block by its structure, says when it is a
+    parallel block (one layout per branch) or a fused one (no layout), and gives both routes: layouts= for the API,
+    cd.LAYOUTS in cd/layouts.py for train.py and `python -m cd`, which take no layouts=."""
+    with pytest.raises(UnsupportedModelError, match=r"no matrix pair found in VisionTransformer\..* 'blocks.0' "
+                                                    r"\(ParallelThingsBlock\).*it holds 2 attentions.*one cd.Layout "
+                                                    r"per attention.*layouts=\[cd.Layout\(\.\.\.\), \*cd.LAYOUTS\].*"
+                                                    r"train.py.*LAYOUTS in cd/layouts.py"):
+        find_pairs(_timm("vit_small_patch16_18x2_224"), verify=False)
+    with pytest.raises(UnsupportedModelError, match=r"'blocks.0' \(ParallelScalingBlock\).*no cd.Layout can pair "
+                                                    r"it.*train this model without CD") as fused:
+        find_pairs(_timm("vit_base_patch16_xp_224"), verify=False)
+    assert "layouts=[cd.Layout" not in str(fused.value)
