@@ -175,9 +175,11 @@ def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] =
         cleanup_distributed()
         raise
     except BaseException as e:
-        if info.distributed and isinstance(e, Exception) and dist.is_initialized():
-            _compare_with_rank_0(e, info.rank, info.world_size)
+        # the group's store outlives the group where it is held: the comparison needs no other rank in the group
+        store = _default_store() if info.distributed and isinstance(e, Exception) else None
         cleanup_distributed(wait_for_all=False)
+        if store is not None:
+            _compare_with_rank_0(e, store, info.rank, info.world_size)
         raise
     cleanup_distributed()
 
@@ -192,52 +194,58 @@ def said_by_rank_0(error: BaseException) -> bool:
 
 def say_once(error: BaseException, say: Callable[[], None]) -> None:
     """`say()` (an entry point's `error:` line of `error`) unless rank 0 says it for this rank (`said_by_rank_0`), in
-    step with the ranks that compared `error` with rank 0's in process_group: none goes on (to its exit) before
-    rank 0 and they have said theirs, each waiting at most SAME_ERROR_WAIT. torchrun ends the other ranks as soon
-    as one has exited: a rank that left first would otherwise cut the line of a rank still about to print it."""
+    step with the ranks that compared `error` with rank 0's when they left the process group: none goes on (to its
+    exit) before rank 0 and they have said theirs, each waiting at most SAME_ERROR_WAIT in all. torchrun ends the
+    other ranks as soon as one has exited: a rank that left first would otherwise cut the line of a rank still
+    about to print it; and outside torchrun rank 0's process holds the store the others read rank 0's error from."""
     if not said_by_rank_0(error):
         say()
     exchange = getattr(error, "_compared_with_rank_0", None)
     if exchange is None:
         return
-    store, key, rank, readers = exchange
-    try:
+    store, key, rank, world = exchange
+    deadline = time.monotonic() + SAME_ERROR_WAIT.total_seconds()
+    with contextlib.suppress(Exception):  # a rank that did not fail (in time), or a store that is gone: exit now
         if rank == 0:
             store.set(f"{key}/said/0", "1")
-            store.wait([f"{key}/said/{other}" for other in readers], SAME_ERROR_WAIT)
+            read = [f"{key}/read/{other}" for other in range(1, world)]
+            with contextlib.suppress(Exception):  # a rank that did not fail reads nothing
+                store.wait(read, datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            readers = [other for other, name in enumerate(read, 1) if store.check([name])]
+            store.wait([f"{key}/said/{other}" for other in readers],
+                       datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
         else:
             store.set(f"{key}/said/{rank}", "1")
             store.wait([f"{key}/said/0"], SAME_ERROR_WAIT)
-    except Exception:  # noqa: BLE001 - a rank that never said (a traceback) or a store that is gone: exit now
-        pass
 
 
-def _compare_with_rank_0(error: Exception, rank: int, world: int) -> None:
-    """`said_by_rank_0`'s record, made in process_group before it leaves the group, through the group's store
-    (a key-value server of torchrun's agent, or of rank 0's process outside torchrun), kept for `say_once`: rank 0
-    leaves its error's text there and waits until the others have read it (its process may hold the store), at
-    most SAME_ERROR_WAIT; another rank waits at most that long for it. A rank that cannot compare (rank 0 failed
-    later or not at all, or is gone) marks nothing: it prints its own line, as every rank did before."""
-    text = f"{type(error).__name__}: {error}"
-    key = f"engine.distributed/{_groups_entered}/error"
+def _default_store():
+    """The process group's key-value store (torchrun's agent's, or rank 0's outside torchrun), or None."""
     try:
-        store = dist.distributed_c10d._get_default_store()
+        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - torch's private accessor: without it, every rank prints its own line
+        return None
+
+
+def _compare_with_rank_0(error: Exception, store, rank: int, world: int) -> None:
+    """`said_by_rank_0`'s record, made through the group's `store` once this rank has left the group (a rank that
+    failed alone leaves at once), and kept for `say_once`: rank 0 leaves its error's text there, another rank waits
+    for it at most SAME_ERROR_WAIT. A rank that cannot compare (rank 0 failed later or not at all, or is gone)
+    marks nothing: it prints its own line, as every rank did before."""
+    key = f"engine.distributed/{_groups_entered}/error"
+    text = f"{type(error).__name__}: {error}"
+    try:
         if rank == 0:
             store.set(key, text)
-            read = [f"{key}/read/{other}" for other in range(1, world)]
-            with contextlib.suppress(Exception):  # a rank that did not fail (in time) reads nothing
-                store.wait(read, SAME_ERROR_WAIT)
-            error._compared_with_rank_0 = (store, key, 0, [other for other, name in enumerate(read, 1)
-                                                            if store.check([name])])
-            return
-        store.wait([key], SAME_ERROR_WAIT)
-        said = store.get(key).decode("utf-8", "replace")
-        store.set(f"{key}/read/{rank}", "1")
+        else:
+            store.wait([key], SAME_ERROR_WAIT)
+            said = store.get(key).decode("utf-8", "replace")
+            store.set(f"{key}/read/{rank}", "1")
+            if said == text or getattr(error, "elsewhere", False):
+                error.said_by_rank_0 = True
     except Exception:  # noqa: BLE001 - no comparison (a timeout, a store that is gone): this rank's line stands
         return
-    error._compared_with_rank_0 = (store, key, rank, [])
-    if said == text or getattr(error, "elsewhere", False):
-        error.said_by_rank_0 = True
+    error._compared_with_rank_0 = (store, key, rank, world)
 
 
 def _elsewhere(error: BaseException) -> BaseException:
