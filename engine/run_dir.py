@@ -63,10 +63,14 @@ SNAPSHOTS = "snapshots"  # train.keep_every_epochs (engine/snapshots.py)
 # ckpt_every_steps) are among them: a stop for any of them is an exact resume point (engine/loop.py
 # reseeds every update; the sampler starts from the position), so the weights are those of any other
 # cadence. best.pt is chosen among the validations made, so which weights it holds depends on the
-# validation cadence, as checkpoint.pt's moment depends on ckpt_every_steps.
+# validation cadence, as checkpoint.pt's moment depends on ckpt_every_steps. train.batch_size_per_gpu is the
+# layout of the global batch (train.batch_size, compared) over the processes and accumulation steps, as the process
+# count is (recorded by no setting): a run moved to other GPUs may need another to split the same global batch, and
+# engine/resume.py resume_position refuses a position within the epoch that is no whole update of the new layout.
 ENVIRONMENT_KEYS = (
     "out_dir", "data.root", "data.num_workers", "data.pin_memory", "data.timeout", "model.pretrained",
-    "model.pretrained_strict", "train.eval_batch_size_per_gpu", "train.max_steps", "train.log_every_steps",
+    "model.pretrained_strict", "train.batch_size_per_gpu", "train.eval_batch_size_per_gpu", "train.max_steps",
+    "train.log_every_steps",
     "train.ckpt_every_steps", "train.eval_every_epochs", "train.eval_every_steps", "train.device", "train.compile",
     "train.archive_existing", "train.allow_changed_config", "train.divergence_factor", "train.resume",
     "train.keep_every_epochs",

@@ -982,11 +982,13 @@ def test_each_setting_only_a_start_reads_is_a_start_only_change(key, old, new):
 @pytest.mark.parametrize("key, old, new", [
     ("train.eval_every_epochs", 1, 5), ("train.eval_every_steps", 0, 250), ("train.log_every_steps", 50, 10),
     ("train.ckpt_every_steps", 0, 100), ("train.divergence_factor", 3.0, None), ("train.divergence_windows", 3, 5),
-    ("train.eval_batch_size_per_gpu", 256, 64), ("train.device", "auto", "cpu"), ("train.compile", False, True),
+    ("train.eval_batch_size_per_gpu", 256, 64), ("train.batch_size_per_gpu", 8, 4), ("train.device", "auto", "cpu"),
+    ("train.compile", False, True),
     ("data.num_workers", 8, 2), ("data.timeout", None, 60.0), ("data.pin_memory", True, False)])
 def test_when_a_run_reports_checks_and_where_it_runs_may_change_on_resume(key, old, new):
-    """How often a run validates, logs and writes checkpoint.pt, its divergence guard, its eval batch, device,
-    compilation and data loader workers change nothing an update computes: a resume may change them."""
+    """How often a run validates, logs and writes checkpoint.pt, its divergence guard, its eval batch, the split of
+    its global batch into per-process batches, device, compilation and data loader workers change nothing an update
+    computes: a resume may change them."""
     from engine.run_dir import config_changes
 
     section, name = key.split(".")

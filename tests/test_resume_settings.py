@@ -386,12 +386,17 @@ DETERMINISTIC = ("data.mixup=0", "data.cutmix=0", "model.drop_path=0", "data.lab
 
 
 @pytest.mark.slow
-def test_a_two_process_run_preempted_mid_epoch_resumes_in_one_process(tmp_path, one_thread):
+@pytest.mark.parametrize("per_gpu", [8, 4])
+def test_a_two_process_run_preempted_mid_epoch_resumes_in_one_process(tmp_path, one_thread, per_gpu):
+    """2 processes x 8 per process, stopped mid-epoch, then 1 process with the same per-process batch (2
+    accumulation steps) or with 4 (4 steps, as a move to more processes may need: train.batch_size_per_gpu is the
+    layout of the global batch, not a changed setting); either way the weights of an uninterrupted run."""
     split = str(tmp_path / "split")
     spawn_ranks(_two_process_worker, (2, free_port(), [*DETERMINISTIC, f"out_dir={split}", "train.max_steps=3"]), 2)
     ckpt = torch.load(os.path.join(split, "checkpoint.pt"), weights_only=True)
     assert ckpt["state"]["epoch_batches"] == 3 and ckpt["epoch_position"]["world_size"] == 2
-    resumed = train.main(load_config([DEBUG_CONFIG], [*DETERMINISTIC, f"out_dir={split}"]))
+    resumed = train.main(load_config([DEBUG_CONFIG], [*DETERMINISTIC, f"out_dir={split}",
+                                                      f"train.batch_size_per_gpu={per_gpu}"]))
     straight = train.main(load_config([DEBUG_CONFIG], [*DETERMINISTIC, f"out_dir={tmp_path / 'one'}"]))
     assert resumed.state.step == straight.state.step == 8
     # epoch 0 ended at update 4 (validated there), not one update late with 16 images seen twice (3: the
@@ -399,6 +404,22 @@ def test_a_two_process_run_preempted_mid_epoch_resumes_in_one_process(tmp_path, 
     assert [r["step"] for r in read_metrics(split) if "val/top1" in r] == [3, 4, 8]
     for key, value in straight.model.state_dict().items():
         assert torch.allclose(resumed.model.state_dict()[key], value, atol=1e-6, rtol=1e-5), key
+
+
+def test_a_resume_with_another_per_process_batch_of_the_same_global_batch_continues_the_same_run(debug_config):
+    """A run stopped mid-epoch at 8 per process x 2 accumulation steps continues at 4 x 4 (the same global batch
+    of 16: what a run moved from 2 processes to 4 needs, the batch-split error's own advice) without
+    train.allow_changed_config, which it refused as a changed setting; its weights are an uninterrupted run's."""
+    overrides = (*DETERMINISTIC, "cd.enabled=false")
+    train.main(debug_config(*overrides, "train.max_steps=3", name="moved"))
+    resumed = train.main(debug_config(*overrides, "train.batch_size_per_gpu=4", name="moved"))
+    straight = train.main(debug_config(*overrides, name="straight"))
+    assert resumed.state.step == straight.state.step == 8
+    for key, value in straight.model.state_dict().items():
+        assert torch.allclose(resumed.model.state_dict()[key], value, atol=1e-6, rtol=1e-5), key
+    # another global batch is still a changed setting (another lr, another number of updates)
+    with pytest.raises(CheckpointError, match=r"other settings \(train.batch_size: 16 -> 32\)"):
+        train.main(debug_config(*overrides, "train.batch_size=32", name="moved"))
 
 
 def test_warmup_prefix_puts_the_whole_cosine_after_the_warmup_and_steps_round_epochs_up():
