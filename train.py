@@ -345,9 +345,15 @@ def check_snapshots_fit(cfg: Config, ended_epochs: int) -> None:
 def check_cadences_fit(cfg: Config, total_steps: int, updates_per_epoch: int) -> None:
     """Refuse a train.eval_every_steps or train.ckpt_every_steps longer than the run: they act at the updates N,
     2N, ... of the run (counted from its start, a resumed run's too), and a run of fewer than N updates would never
-    act on it (the setting ignored, while config.yaml records it). A resume may change either within the run."""
+    act on it (the setting ignored, while config.yaml records it). A resume may change either within the run.
+    A train.max_steps beyond the run's updates is refused alike: the schedule ends the run first, so it would never
+    stop it (the run's length equal to it is taken: the stop and the end fall together)."""
     schedule = (f"sched.steps={cfg.sched.steps}" if cfg.sched.steps is not None
                 else f"sched.epochs={cfg.sched.epochs} x {updates_per_epoch} updates")
+    if cfg.train.max_steps is not None and cfg.train.max_steps > total_steps:
+        raise ConfigError(f"train.max_steps={cfg.train.max_steps}: the run has {total_steps} updates ({schedule}), "
+                          f"so its schedule ends it before it would stop at it; set it to {total_steps} or fewer, "
+                          f"or drop it (null: the whole schedule), or lengthen the run")
     for key, every, what in (("train.eval_every_steps", cfg.train.eval_every_steps, "validate"),
                              ("train.ckpt_every_steps", cfg.train.ckpt_every_steps, "write checkpoint.pt")):
         if every > total_steps:
@@ -980,13 +986,21 @@ def read_config(paths: list[str], overrides: list[str], default: bool) -> Config
                                    f"(digits); pass --config configs/... for another recipe") from None
 
 
+# what --print-config checks: check_before_start's refusals; the model, the data and the schedule are not built
+PRINT_CONFIG_HELP = ("print the resolved config (YAML) and exit without running, once it passes the checks a run "
+                     "makes before it starts (every key and value; quant.*, CD's settings, optim.name, log.wandb's "
+                     "package, a val split that is the train split); what needs the model, the data or the run's "
+                     "length built (model.name, model.kwargs the model rejects, data.root's files, "
+                     "train.max_steps and the cadences beyond the run's updates) is checked when a run starts")
+
+
 def parse_args(argv: list[str]) -> Config:
     parser = OneLineParser(description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", action="append", default=None,
                         help=f"YAML recipe; repeat to layer several (default: {DEFAULT_CONFIG})")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. optim.lr=1e-3 out_dir=runs/x")
-    add_config_arguments(parser, "train.py")
+    add_config_arguments(parser, "train.py", print_help=PRINT_CONFIG_HELP)
     args = parse_known(parser, argv, "train.py")
     # the default recipe is the checkout's, wherever train.py is started from (runs/ goes to the working folder)
     paths = args.config or [os.path.join(os.path.dirname(os.path.abspath(__file__)), DEFAULT_CONFIG)]
@@ -997,6 +1011,7 @@ def parse_args(argv: list[str]) -> Config:
     if not cfg.out_dir:
         cfg.out_dir = os.path.join("runs", "+".join(os.path.splitext(os.path.basename(p))[0] for p in paths))
     if args.print_config:
+        check_before_start(cfg)  # a config printed is one a run would start with, as far as that is told unbuilt
         print_config(cfg)
         sys.exit(0)
     return cfg

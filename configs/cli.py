@@ -181,13 +181,14 @@ def torch_device(text: str):
     return torch.device(text)
 
 
-def add_config_arguments(parser: argparse.ArgumentParser, entry: str) -> None:
-    """--help-config [SECTION] and --print-config, and the list of sections at the end of --help."""
+def add_config_arguments(parser: argparse.ArgumentParser, entry: str,
+                         print_help: str = "print the resolved config (YAML) and exit without running") -> None:
+    """--help-config [SECTION] and --print-config, and the list of sections at the end of --help. `print_help`:
+    --print-config's help, which says what the entry checks before it prints (train.py: its checks before a run)."""
     parser.add_argument("--help-config", nargs="?", const="", default=None, metavar="SECTION",
                         action=_HelpConfig, help="list every config key (of SECTION, e.g. sched or "
                         "quant.aphq) with its default, type, allowed values and meaning, and exit")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config (YAML) and exit without running")
+    parser.add_argument("--print-config", action="store_true", help=print_help)
     parser.epilog = sections_overview(entry)
 
 

@@ -222,7 +222,8 @@ class TrainConfig:
     ema_warmup: bool = False  # timm EMA warmup: a smaller decay over the first updates
     seed: Annotated[int, Seed] = 0  # initialization, data order and augmentation
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: cuda when available
-    # stop after this many optimizer updates (debugging); None: full schedule
+    # stop after this many optimizer updates (debugging), at most the run's updates (train.py refuses more); None:
+    # full schedule
     max_steps: Annotated[Optional[int], AtLeastOne] = None
     eval_every_epochs: Annotated[int, AtLeastOne] = 1  # validate every N epochs (and after the last)
     # also validate (and write checkpoint.pt) at every N-th update of the run, N at most its updates (train.py

@@ -9,6 +9,7 @@ import pytest
 
 import train
 from configs import ConfigError
+from tests.conftest import DEBUG_CONFIG, run_entry
 
 KEYS = ["train.eval_every_steps", "train.ckpt_every_steps"]
 
@@ -65,3 +66,31 @@ def test_a_resume_may_change_the_cadence_within_the_run_but_not_past_it(debug_co
     resumed = debug_config("train.eval_every_epochs=2", "train.eval_every_steps=5", name="r")
     assert train.main(resumed).state.step == 8
     assert _validated_steps(resumed.out_dir) == [2, 3, 5, 8]  # 2, 3: before the resume (3: train.max_steps)
+
+
+@pytest.mark.parametrize("schedule", [[], ["sched.steps=6", "sched.warmup_steps=1"]], ids=["epochs", "steps"])
+def test_a_max_steps_beyond_the_run_is_refused_and_the_runs_length_taken(debug_config, schedule):
+    """`train.max_steps=1000` over the debug run's 8 updates trained all 8 and said 'finished at update 8' (rc 0,
+    config.yaml recording 1000), while a cadence beyond the run is refused: the schedule ends the run first, so
+    the stop asked for never acts. One more than the run's updates is refused before any update; the run's length
+    itself stops it there."""
+    updates = _updates(debug_config(*schedule))
+    cfg = debug_config(*schedule, f"train.max_steps={updates + 1}", name="refused")
+    with pytest.raises(ConfigError, match=rf"^train.max_steps={updates + 1}: the run has {updates} updates \(.*\), "
+                                          rf"so its schedule ends it before it would stop at it; set it to {updates} "
+                                          rf"or fewer, or drop it"):
+        train.main(cfg)
+    assert not os.path.exists(os.path.join(cfg.out_dir, "checkpoint.pt"))
+    assert not os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl"))
+    assert train.main(debug_config(*schedule, f"train.max_steps={updates}", name="kept")).state.step == updates
+
+
+def test_the_reviewers_max_steps_command_is_refused(capsys, tmp_path):
+    """`python train.py --config configs/debug/tiny.yaml train.max_steps=1000`: one error line, exit 1."""
+    out_dir = tmp_path / "run"
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={out_dir}", "train.max_steps=1000"],
+                             capsys)
+    assert code == 1 and err.splitlines()[-1] == (
+        "error: train.max_steps=1000: the run has 8 updates (sched.epochs=2 x 4 updates), so its schedule ends it "
+        "before it would stop at it; set it to 8 or fewer, or drop it (null: the whole schedule), or lengthen the run")
+    assert not (out_dir / "checkpoint.pt").exists()

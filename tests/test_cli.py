@@ -116,6 +116,25 @@ def test_print_config_prints_the_resolved_config_and_creates_nothing(tmp_path, m
     assert train.parse_args(["--config", str(tmp_path / "resolved.yaml")]) == expected
 
 
+@pytest.mark.parametrize("overrides", [["quant.bits=[w4a4,w4a4]"], ["optim.name=ADAMW"], ["optim.name=nosuchopt"],
+                                       ["sched.min_lr=1"], ["cd.enabled=true", "cd.lam_per_role={nosuch: 0.1}"]],
+                         ids=["quant_bits_twice", "optim_upper_case", "optim_unknown", "min_lr_above_peak", "cd_role"])
+def test_print_config_refuses_what_a_run_refuses_before_it_starts(tmp_path, monkeypatch, capsys, overrides):
+    """--print-config printed these and exited 0, while train.py refuses them before training (README: it checks a
+    config). The reference is the run itself: the same error line, and exit 1, with and without the flag; nothing
+    written either way."""
+    from tests.conftest import run_entry
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config", DEBUG_CONFIG, f"out_dir={tmp_path / 'run'}", *overrides]
+    started = run_entry("train.py", argv, capsys)
+    printed = run_entry("train.py", [*argv, "--print-config"], capsys)
+    assert started[0] == printed[0] == 1, (started, printed)
+    assert printed[1] == "" and printed[2].startswith("error: ")
+    assert printed[2].splitlines()[-1] == started[2].splitlines()[-1]
+    assert os.listdir(tmp_path) == []
+
+
 def test_evaluate_print_config_resolves_config_files_and_overrides(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code, out = run(evaluate, ["--config", DEBUG_CONFIG, "model.pretrained=/weights/x.pth", "--quant", "repq",
