@@ -158,8 +158,8 @@ def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] =
     (`failed_at_start`, given by `fail_on_every_rank_at_start`): that rank raises its error, the others an
     OtherRankError, instead of waiting in the next collective for a rank that is gone.
 
-    An error that ends the body on several ranks is compared with rank 0's first (`said_by_rank_0`), so that
-    the entry points print it once, not once per rank."""
+    An error that ends the body on several ranks is compared with rank 0's as they leave the group
+    (`said_by_rank_0`), so that the entry points print it once, not once per rank (`say_once`)."""
     global _groups_entered
     info = init_distributed(device, main_rank_wait, START_FAILURE_WAIT if failed_at_start is not None else None)
     try:
