@@ -64,7 +64,7 @@ from data import (DataError, build_dataset, build_eval_loader, build_token_eval_
                   val_fingerprint)
 from data.folder import ClassCountError, check_same_classes
 from data.loader import same_split_data, split_location
-from data.text import ShortTextError, VocabularyError, token_file_fingerprint, token_stream
+from data.text import FINGERPRINT_HEAD_BYTES, ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
 from engine.eval_results import EvalResults, ResultsError, checkpoint_kind
@@ -800,7 +800,7 @@ def resolve_config(args: argparse.Namespace):
     how = same_split_data(cfg.data, "train", cfg.data, "val") if drawing else None
     if how is not None:
         seen = "text" if task.language else "images"
-        copied = "" if how == "same" else "a copy (the same size and first MiB) of "
+        copied = "" if how == "same" else "a copy of "
         raise ConfigError(f"data.train_split={cfg.data.train_split}: {split_location(cfg.data, 'train')} is {copied}"
                           f"the val split that is scored (data.val_split={cfg.data.val_split}), so "
                           f"{', '.join(drawing)} would calibrate (or train) on the {seen} that are scored; give "
@@ -946,23 +946,38 @@ def check_not_trained_on(trained: DataConfig, data: DataConfig, checkpoint: str,
                          fingerprint: Optional[dict] = None) -> None:
     """Refuse a val split (of `data`) that reads the training split of the checkpoint's data set (`trained`, its
     recorded settings): the folder or token file it recorded, by any name or link (os.path.samefile), or the split
-    of that name under another data.root (a copy of the data set on this machine), or a token file that is a copy of
-    the training file: of its size and first MiB, as that file is now or as the checkpoint recorded it
-    (`fingerprint`, its data_fingerprint; None for an older checkpoint). Any other val split is taken: a held-out
-    folder beside the recorded val one, or another data.root's own."""
+    of that name under another data.root (a copy of the data set on this machine), or a byte copy of the training
+    token file (same_split_data), and where that file is not on this machine as the checkpoint recorded it
+    (`fingerprint`, its data_fingerprint: each file's size and first MiB; None for an older checkpoint), a token
+    file of its recorded size and first MiB. Any other val split is taken: a held-out folder beside the recorded val
+    one, or another data.root's own."""
     val = split_location(data, "val")
     if val is None or trained.dataset != data.dataset:
         return
     here = dataclasses.replace(trained, root=data.root)
     how = same_split_data(data, "val", trained, "train") or same_split_data(data, "val", here, "train")
     recorded = recorded_train_file(trained, fingerprint)  # the train file may be elsewhere now, or gone
-    # sizes first: the val file's head is hashed only when its size is the recorded one
+    # the record holds the train file's size and the SHA-256 of its first MiB, no more: where the file is here as
+    # recorded, same_split_data compared the two in full; where it is not, a val file of that size and first MiB is
+    # a copy only if that MiB is all of it, and is otherwise refused as what it is, not called a copy. Refused rather
+    # than scored with a warning: its first MiB (524,288 ids) at least is the training file's text, which no held-out
+    # split begins with, and the user who holds a file that differs further on can put the train file back to have
+    # the two compared in full
     if (how is None and recorded is not None and recorded.get("bytes") == os.path.getsize(val)
+            and not holds_recorded_file(recorded, "train", trained, here)
             and recorded == token_file_fingerprint(data, "val")):
-        how = "copy"
+        how = "copy" if recorded["bytes"] <= FINGERPRINT_HEAD_BYTES else "head"
+    if how == "head":
+        raise ConfigError(f"data.val_split={data.val_split}: {val} has the size and first MiB of the "
+                          f"{trained.train_split} token file {checkpoint} was trained on, as the checkpoint recorded "
+                          f"them, so its first MiB at least is text it was trained on (that file is not under "
+                          f"data.root={' or '.join(dict.fromkeys((trained.root, data.root)))} as recorded, to compare "
+                          f"the two in full); "
+                          f"{held_out_advice(trained, here, fingerprint)}, or put the training file back as "
+                          f"{os.path.join(data.root, trained.train_split)}.bin to compare them in full")
     if how is not None:
         seen = "text" if data.dataset == "tokens" else "images"
-        copied = "" if how == "same" else "a copy (the same size and first MiB) of "
+        copied = "" if how == "same" else "a copy of "
         raise ConfigError(f"data.val_split={data.val_split}: {val} is {copied}the {trained.train_split} split "
                           f"{checkpoint} was trained on (data.root={trained.root}), so its scores would be of {seen} "
                           f"it was trained on; {held_out_advice(trained, here, fingerprint)}")
@@ -976,20 +991,32 @@ def recorded_train_file(trained: DataConfig, fingerprint: Optional[dict]) -> Opt
     return fingerprint.get(f"{trained.train_split}.bin")
 
 
+def holds_recorded_file(record: Optional[dict], split: str, *datas: DataConfig) -> bool:
+    """Whether one of `datas` (token data sets) has a `split` token file of the size and first MiB `record` holds
+    (token_file_fingerprint): the file a checkpoint recorded, here to be compared in full."""
+    return record is not None and any(split_location(at, split) is not None
+                                      and token_file_fingerprint(at, split) == record for at in datas)
+
+
 def held_out_advice(trained: DataConfig, here: DataConfig, fingerprint: Optional[dict] = None) -> str:
     """What check_not_trained_on advises: the checkpoint's recorded val split, unless that reads its training split
     too (a run validated on its train file or folder, by name or link, or on a copy of its train file, under the
-    recorded root or `here`'s, or as the checkpoint's `fingerprint` recorded both files), whose name would only be
-    refused again."""
+    recorded root or `here`'s), or the checkpoint's `fingerprint` recorded both files of one size and first MiB and
+    they are not both here to be compared in full: a name that would only be refused again."""
     recorded = recorded_train_file(trained, fingerprint)
-    validated_on_train = (trained.val_split == trained.train_split
-                          or any(same_split_data(val_at, "val", train_at, "train")
-                                 for val_at in (trained, here) for train_at in (trained, here))
-                          or (recorded is not None and recorded == fingerprint.get(f"{trained.val_split}.bin")))
-    if not validated_on_train:
-        return f"score its held-out split (data.val_split={trained.val_split})"
-    return (f"it was validated on that split too (data.val_split={trained.val_split}): give data.val_split a "
-            f"split held out from its training")
+    recorded_val = fingerprint.get(f"{trained.val_split}.bin") if recorded is not None else None
+    same_record = recorded is not None and recorded == recorded_val
+    if (trained.val_split == trained.train_split
+            or any(same_split_data(val_at, "val", train_at, "train")
+                   for val_at in (trained, here) for train_at in (trained, here))
+            or (same_record and recorded["bytes"] <= FINGERPRINT_HEAD_BYTES)):  # the record hashed both files whole
+        return (f"it was validated on that split too (data.val_split={trained.val_split}): give data.val_split a "
+                f"split held out from its training")
+    if same_record and not any(holds_recorded_file(recorded, "train", at)
+                               and holds_recorded_file(recorded_val, "val", at) for at in (trained, here)):
+        return (f"it was validated on a split of its train file's size and first MiB, as the checkpoint recorded "
+                f"them (data.val_split={trained.val_split}): give data.val_split a split held out from its training")
+    return f"score its held-out split (data.val_split={trained.val_split})"
 
 
 def default_out_path(checkpoint: str | None, model_name: str) -> str:

@@ -7,6 +7,7 @@ knows about ranks.
 """
 from __future__ import annotations
 
+import filecmp
 import logging
 import os
 import signal
@@ -87,19 +88,20 @@ def same_split_data(cfg: DataConfig, split: str, other: DataConfig, other_split:
     """How `split` ('train' or 'val') of `cfg` reads the data of `other_split` of `other` (folder or token data
     sets), or None: "same" when both reach one folder or file, whatever its names (a path, a symbolic or hard link,
     a bind mount: os.path.samefile, where `split_location`'s resolved paths tell a hard link apart), "copy" for two
-    token files of one size and first MiB (`token_file_fingerprint`, what a resumed run takes for its file). None for
-    the embedded data sets and a split that is not there. Image folders are compared as folders only: a copy of the
-    training images under another folder passes, since telling it apart means reading every image (ImageNet's 140
-    GB) or, by the names `folder_fingerprint` hashes, walking the training folder before the run (minutes for 1.28 M
-    files), and equal names are no proof of equal images."""
+    token files of the same bytes (filecmp, in full: two files of one size and first MiB, `token_file_fingerprint`,
+    may differ further on). None for the embedded data sets and a split that is not there. Image folders are
+    compared as folders only: a copy of the training images under another folder passes, since telling it apart
+    means reading every image (ImageNet's 140 GB) or, by the names `folder_fingerprint` hashes, walking the training
+    folder before the run (minutes for 1.28 M files), and equal names are no proof of equal images."""
     here, there = split_location(cfg, split), split_location(other, other_split)
     if here is None or there is None:
         return None
     if os.path.samefile(here, there):
         return "same"
-    # sizes first: the heads are hashed only for files of one size (a held-out split seldom has the train's size)
+    # sizes first: files are read only where they have one size (a held-out split seldom has the train's size), and
+    # then up to their first different block (filecmp), so a copy of a 17 GB train file costs a pass over both
     if (cfg.dataset == other.dataset == "tokens" and os.path.getsize(here) == os.path.getsize(there)
-            and token_file_fingerprint(cfg, split) == token_file_fingerprint(other, other_split)):
+            and filecmp.cmp(here, there, shallow=False)):
         return "copy"
     return None
 
@@ -111,7 +113,7 @@ def split_reading(how: str, first: str, second: str) -> str:
         return f"both read {first}"
     if how == "same":
         return f"read {first} and {second}, one {'folder' if os.path.isdir(first) else 'file'} under two names"
-    return f"read {first} and {second}, copies of one token file (the same size and first MiB)"
+    return f"read {first} and {second}, copies of one token file (the same bytes)"
 
 
 def _check_other_split(cfg: DataConfig, split: str, classes: list) -> None:

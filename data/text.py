@@ -100,6 +100,7 @@ def token_file(cfg: DataConfig, split: str) -> str:
 
 
 ID_CHECK_SAMPLE = 1 << 20  # the leading ids check_not_wider_ids reads: 2 MiB, a moment on any file
+FINGERPRINT_HEAD_BYTES = 1 << 20  # the bytes token_file_fingerprint hashes: all of a file of at most 1 MiB
 # the fewest ids whose layout is judged (check_not_wider_ids, other_layout_error): a few ids of the right layout
 # may by chance look like ids of another one (5, 60000, 7 byte-swapped fit a vocabulary of 50304)
 LAYOUT_JUDGE_IDS = 64
@@ -193,7 +194,8 @@ def token_file_fingerprint(cfg: DataConfig, split: str) -> Optional[dict]:
         return None
     path = token_file(cfg, split)
     with open(path, "rb") as f:
-        return {"bytes": os.path.getsize(path), "head_sha256": hashlib.sha256(f.read(1 << 20)).hexdigest()}
+        head = f.read(FINGERPRINT_HEAD_BYTES)
+        return {"bytes": os.path.getsize(path), "head_sha256": hashlib.sha256(head).hexdigest()}
 
 
 def _kjv_text() -> str:

@@ -26,7 +26,7 @@ def folder_run(tmp_path_factory):
     make_folder(root, {"train": CLASSES, "val": CLASSES})
     out = tmp_path_factory.mktemp("run")
     train.main(load_config([DEBUG_CONFIG], [f"out_dir={out}", "data.dataset=folder", f"data.root={root}",
-                                            "data.auto_augment=", "train.max_steps=2", "sched.epochs=1",
+                                            "data.auto_augment=", "train.max_steps=2", "sched.epochs=2",
                                             "sched.warmup_epochs=0", "log.tensorboard=false"]))
     return str(out / "best.pt"), str(root)
 
@@ -84,7 +84,7 @@ def test_a_token_checkpoint_is_not_scored_on_its_training_token_file(tmp_path):
 
 
 @pytest.mark.parametrize("made, how", [(os.link, "is the"),
-                                       (shutil.copyfile, r"is a copy \(the same size and first MiB\) of the")])
+                                       (shutil.copyfile, r"is a copy of the")])
 def test_a_hard_link_or_a_copy_of_the_training_token_file_is_refused_as_the_val_split(tmp_path, made, how):
     """A hard link to train.bin (its own resolved path) and a byte copy of it (another file) hold the text the model
     was trained on (filecmp): refused like train.bin itself; val.bin, other text of the same size, is scored."""
@@ -115,7 +115,7 @@ def test_a_copy_of_the_training_token_file_is_refused_by_the_checkpoint_s_record
     blob = ids["train"].tobytes()
     recorded = {"train.bin": {"bytes": len(blob), "head_sha256": hashlib.sha256(blob[:1 << 20]).hexdigest()}}
     data = dataclasses.replace(trained, root=str(here), val_split="copy")
-    with pytest.raises(ConfigError, match=r"^data.val_split=copy: .*copy.bin is a copy \(the same size and first MiB\) "
+    with pytest.raises(ConfigError, match=r"^data.val_split=copy: .*copy.bin is a copy "
                                           r"of the train split run.pt was trained on"):
         evaluate.check_not_trained_on(trained, data, "run.pt", recorded)
     evaluate.check_not_trained_on(trained, data, "run.pt")  # without the record nothing tells it: scored
@@ -128,11 +128,48 @@ def test_a_copy_of_the_training_token_file_is_refused_by_the_checkpoint_s_record
                                                           f"data.root={there}", "train.max_steps=1"]))
     (there / "train.bin").unlink()
     out = tmp_path / "e.json"
-    with pytest.raises(ConfigError, match=r"^data.val_split=copy: .*copy.bin is a copy \(the same size and first MiB\) "
+    with pytest.raises(ConfigError, match=r"^data.val_split=copy: .*copy.bin is a copy "
                                           r"of the train split .*best.pt was trained on"):
         evaluate.main(evaluate.parse_args(["--checkpoint", str(tmp_path / "run" / "best.pt"), "--quant", "rtn",
                                            f"data.root={here}", "data.val_split=copy", "--out", str(out)]))
     assert not out.exists()
+
+
+def test_a_file_of_the_training_file_s_size_and_first_mib_is_scored_beside_it_and_refused_by_the_record_alone(
+        tmp_path):
+    """Files over a MiB. there/train.bin trained run.pt; here/held.bin has its size and first MiB (what the
+    checkpoint's record hashes, computed here with hashlib) but other ids after it (the bytes read back differ): with
+    train.bin on this machine the two are compared in full and held.bin is scored (it was refused as a copy); a byte
+    copy of train.bin is refused. With train.bin gone, the record alone cannot tell a copy from held.bin: it is
+    refused for what the record holds (its first MiB at least is training text), not called a copy, and a recorded
+    val split of the same size and first MiB is not advised."""
+    there, here = tmp_path / "there", tmp_path / "here"
+    there.mkdir(), here.mkdir()
+    rng = np.random.default_rng(0)
+    head = rng.integers(0, 65, 1 << 19).astype(np.uint16)  # exactly 1 MiB
+    np.concatenate([head, rng.integers(0, 65, 100_000).astype(np.uint16)]).tofile(there / "train.bin")
+    np.concatenate([head, rng.integers(0, 65, 100_000).astype(np.uint16)]).tofile(here / "held.bin")
+    shutil.copyfile(there / "train.bin", here / "copy.bin")
+    blob, held = (there / "train.bin").read_bytes(), (here / "held.bin").read_bytes()
+    assert len(blob) == len(held) > 1 << 20 and blob[:1 << 20] == held[:1 << 20] and blob != held
+    record = {"bytes": len(blob), "head_sha256": hashlib.sha256(blob[:1 << 20]).hexdigest()}
+    trained = dataclasses.replace(DataConfig(), dataset="tokens", root=str(there))
+    data = dataclasses.replace(trained, root=str(here), val_split="held")
+    evaluate.check_not_trained_on(trained, data, "run.pt", {"train.bin": record})
+    with pytest.raises(ConfigError, match=r"^data.val_split=copy: .*copy.bin is a copy of the train split run.pt was "
+                                          r"trained on"):
+        evaluate.check_not_trained_on(trained, dataclasses.replace(data, val_split="copy"), "run.pt",
+                                      {"train.bin": record})
+    (there / "train.bin").unlink()
+    with pytest.raises(ConfigError, match=rf"^data.val_split=held: {re.escape(os.path.realpath(here / 'held.bin'))} "
+                                          r"has the size and first MiB of the train token file run.pt was trained on, "
+                                          r"as the checkpoint recorded them, so its first MiB at least is text it was "
+                                          r"trained on .*; score its held-out split \(data.val_split=val\), or put the "
+                                          rf"training file back as {re.escape(str(here / 'train.bin'))} to compare "
+                                          r"them in full$"):
+        evaluate.check_not_trained_on(trained, data, "run.pt", {"train.bin": record})
+    advice = evaluate.held_out_advice(trained, data, {"train.bin": record, "val.bin": record})
+    assert advice.startswith("it was validated on a split of its train file's size and first MiB"), advice
 
 
 @pytest.mark.parametrize("made", [os.link, shutil.copyfile])
@@ -147,7 +184,7 @@ def test_a_training_token_file_that_is_a_hard_link_or_a_copy_of_the_scored_one_i
                                                           f"data.root={root}", "train.max_steps=1"]))
     made(root / "val.bin", root / "calib.bin")
     out = tmp_path / "e.json"
-    with pytest.raises(ConfigError, match=r"^data.train_split=calib: .*calib.bin is (a copy .* of )?the val split that "
+    with pytest.raises(ConfigError, match=r"^data.train_split=calib: .*calib.bin is (a copy of )?the val split that "
                                           r"is scored \(data.val_split=val\), so gptq would calibrate"):
         evaluate.main(evaluate.parse_args(["--checkpoint", str(tmp_path / "run" / "best.pt"), "--quant", "gptq",
                                            "data.train_split=calib", "quant.calib_images=4", "--out", str(out)]))

@@ -44,7 +44,7 @@ def test_a_val_token_file_that_is_the_training_file_is_refused_before_the_run(tm
 
 
 @pytest.mark.parametrize("made, how", [(os.link, "one file under two names"),
-                                       (shutil.copyfile, r"copies of one token file \(the same size and first MiB\)")])
+                                       (shutil.copyfile, r"copies of one token file \(the same bytes\)")])
 def test_a_val_token_file_that_is_a_hard_link_or_a_copy_of_the_training_file_is_refused(tmp_path, made, how):
     """A hard link to train.bin resolves to its own path (os.path.realpath) and a byte copy is another file: both
     hold the training text (filecmp), so both are refused, naming the two paths, before out_dir is made."""
@@ -71,6 +71,25 @@ def test_a_val_token_file_of_the_training_file_s_size_with_other_ids_passes(tmp_
     cfg = load_config([NANO], [f"out_dir={tmp_path / 'run'}", "data.dataset=tokens", f"data.root={root}",
                                "data.val_split=other"])
     train.check_before_start(cfg)
+
+
+def test_a_val_token_file_of_the_training_file_s_size_and_first_mib_passes_unless_all_its_bytes_are_the_same(tmp_path):
+    """Files over a MiB: val.bin of train.bin's size and first MiB (the bytes token_file_fingerprint hashes) but
+    other ids after it is other text (its bytes differ, as the bytes read back say): it was refused as a copy of
+    train.bin; it trains. A byte copy of the same 1.2 MiB train.bin is still refused."""
+    rng = np.random.default_rng(0)
+    head = rng.integers(0, 65, 1 << 19).astype(np.uint16)  # exactly 1 MiB
+    for name in ("train", "val"):
+        np.concatenate([head, rng.integers(0, 65, 100_000).astype(np.uint16)]).tofile(tmp_path / f"{name}.bin")
+    shutil.copyfile(tmp_path / "train.bin", tmp_path / "same.bin")
+    train_bytes, val_bytes = (tmp_path / "train.bin").read_bytes(), (tmp_path / "val.bin").read_bytes()
+    assert len(train_bytes) == len(val_bytes) > 1 << 20 and train_bytes[:1 << 20] == val_bytes[:1 << 20]
+    assert train_bytes != val_bytes and (tmp_path / "same.bin").read_bytes() == train_bytes
+    common = [f"out_dir={tmp_path / 'run'}", "data.dataset=tokens", f"data.root={tmp_path}"]
+    train.check_before_start(load_config([NANO], common))
+    with pytest.raises(ConfigError, match=r"^data.train_split=train and data.val_split=same read .*, copies of one "
+                                          r"token file \(the same bytes\), "):
+        train.check_before_start(load_config([NANO], [*common, "data.val_split=same"]))
 
 
 def test_distinct_token_files_pass_the_check(tmp_path):
