@@ -2,7 +2,9 @@
 one column per pipeline), with the marks that say where a number is not of the paper's protocol: `*` on a
 quantized cell of non-default settings, `†` on a model evaluated otherwise than it trained, `‡` on a module
 maximum that also counts modules outside the blocks, `§` on the method of a run stopped before the end of its
-schedule; and the checks that results averaged as seeds are alike.
+schedule where the table compares it with a run of its model that trained to another end (scripts/paper_table.py
+stopped_short: runs that all stop alike, a recipe's own stop, are not marked); and the checks that results
+averaged as seeds are alike.
 A model marked † has a note below the table that says how it was evaluated: other model.kwargs, another input
 size, other data or another eval transform than its run's (data.dataset, data.root's val files, data.crop_pct and
 the like), another split, an autocast, or its EMA weights (evaluate.py --ema).
@@ -76,7 +78,8 @@ def markdown_table(results: list[dict], over_seeds: bool = False, runs: Optional
     marked * (`nondefault_settings`), the model of a row evaluated otherwise than trained or than the paper
     evaluates (other model.kwargs, other data or eval transform, another split, an autocast, the EMA weights) †
     (`evaluated_otherwise`), a module maximum also over quant.act_max_extra_modules ‡, the method of a row whose
-    run stopped before the end of its schedule § (`stopped`), each with a note below the table.
+    run stopped before the end of its schedule beside a run of its model that ended elsewhere § (`stopped`), each
+    with a note below the table.
 
     over_seeds: one row per (model, method) with mean +- sample std over its results (e.g. the seeds of a
     sweep) and their count, instead of one row per result; a row averaging results that record no train.seed
@@ -85,9 +88,11 @@ def markdown_table(results: list[dict], over_seeds: bool = False, runs: Optional
     one model and method (seeds, or runs of other schedules, of one recipe) would read as one run twice: such a
     table has a Run column after Method, and its notes name the row's run too. A table whose rows differ in model
     or method is printed as without `runs`.
-    stopped: for each result, how far its run got where it stopped before the end of its schedule
-    (engine.eval_results.run_end, e.g. at a train.max_steps of its own), else None: the numbers of a model trained
-    less than its recipe says, marked § with a note.
+    stopped: for each result, how far its run got where it stopped before the end of its schedule (at a
+    train.max_steps of its own, engine.eval_results.run_end) and the table compares it with a run of its model that
+    ended at another update (scripts/paper_table.py stopped_short), else None: numbers of a model trained to another
+    length than the one beside it, marked § with a note. Runs that all stop alike (a recipe's own train.max_steps,
+    as the ImageNet fine-tuning recipe's) are None: the paper's protocol.
     """
     language = all("ppl" in r["fp"] for r in results)
     if not language and any("ppl" in r["fp"] for r in results):
@@ -148,7 +153,7 @@ def markdown_table(results: list[dict], over_seeds: bool = False, runs: Optional
         first = group[0]
         # how the notes name the row: by its run too where the Run column tells rows of one model and method apart
         label = f"{first['model']} {first['method']}" + (f" ({runs[indices[0]]})" if named else "")
-        # a run stopped before the end of its schedule (its own train.max_steps): the numbers of a shorter training
+        # a run stopped before the end of its schedule (its own train.max_steps) beside one that ended elsewhere
         short = sorted({how for i in indices if stopped and (how := stopped[i])})
         if short:
             notes.append(stopped_note(label, short))
@@ -401,7 +406,8 @@ def dagger_note(label: str, changes) -> str:
 
 def stopped_note(label: str, how: Sequence[str]) -> str:
     """The note below a table for a row marked § (`label`, e.g. 'vit_t CD'): its run (a seed of it) stopped before
-    the end of its schedule, and how far it got (engine.eval_results.run_end, one text or several)."""
+    the end of its schedule, how far it got (engine.eval_results.run_end) and where the run of its model it is
+    compared with ended (one text or several)."""
     return f"§ {label}: stopped before the end of its schedule: {'; '.join(how)}"
 
 

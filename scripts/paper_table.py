@@ -31,8 +31,11 @@ Layouts:
               Where two rows would read alike (one model and method: seeds of a sweep, or one recipe
               trained for other lengths), a Run column after Method names each row's run folder, by its
               last path parts. A row whose run stopped at a train.max_steps of its own before the end of
-              its schedule (its metrics.jsonl tells) is marked § after its method, with a note saying how
-              far it got; with --over-seeds, a row of seeds that all stopped there alike.
+              its schedule (its metrics.jsonl tells) is marked § after its method where the table holds a
+              run of the same model (and data set) that ended at another update, with a note saying how
+              far each got; with --over-seeds, a row of seeds that all stopped there alike. Runs that all
+              stop alike (the ImageNet fine-tuning recipe's 20,000 of 20,016 updates, the paper's
+              protocol) are not marked: a run records no origin of its train.max_steps.
     finetune  Table 3: one row per data set, one column per method, each entry "FP / quantized / drop"
               (drop = quantized - FP), an Average row over the data sets (the paper's simple average over
               all nine) and the maximum activations of the ImageNet-1K run; one table per pipeline and
@@ -47,6 +50,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
@@ -194,20 +198,50 @@ def refuse_unfinished_runs(paths: list[str], results: list[dict], over_seeds: bo
         sys.exit(f"error: {e}")
 
 
-def stopped_short(paths: list[str], results: list[dict]) -> list:
+def stopped_short(paths: list[str], results: list[dict], names: list[str]) -> list:
     """For each result, how far its run got where it stopped before the end of its schedule and was not refused
-    (`refuse_unfinished_runs`: at a train.max_steps of its own, e.g. 3 of 22 updates), else None; the rows layout
-    marks such a row § (engine.result_table.markdown_table)."""
-    found = []
+    (`refuse_unfinished_runs`: at a train.max_steps of its own, e.g. 3 of 22 updates) and the table compares it with
+    a run that trained to another end: a result of the same model (and data set, where both record one) whose run
+    ended at another update, at its schedule's end or at a train.max_steps of its own; else None. The rows layout
+    marks such a row § (engine.result_table.markdown_table), its note naming that run (`names`: `run_names`). A run
+    records no origin of its train.max_steps (its command line or its recipe file), so a recipe that stops there on
+    purpose (configs/finetune/datasets/imagenet.yaml: 20,000 of 20,016 updates, the paper's protocol) is told by
+    its runs stopping alike: a table of such runs only, or of runs of other models, marks none of them."""
+    ends = []  # per result: (how far it got, or None at its schedule's end; the update it validated last at)
     for path, result in zip(paths, results):
         folder = run_folder(path, result)
         try:
-            end = run_end(folder, result) if folder is not None else None
+            ends.append(run_end(folder, result) if folder is not None else None)
         except ResultsError as e:  # a damaged metrics.jsonl (refuse_unfinished_runs has read it already)
             sys.exit(f"error: {e}")
+
+    def trained_elsewhere(i: int, j: int) -> bool:
+        """Whether result j is of i's model and data set (where both record one) and its run ended at another
+        update than i's."""
+        first, second = data_set(results[i]), data_set(results[j])
+        return (ends[j] is not None and ends[j][1] != ends[i][1] and results[j]["model"] == results[i]["model"]
+                and (first is None or second is None or first == second))
+    found = []
+    for i, end in enumerate(ends):
         # one stopped short elsewhere than at its own train.max_steps is refused above (refuse_unfinished)
-        found.append(f"{end[0]}, where its train.max_steps stopped it" if end is not None and end[0] else None)
+        other = None if end is None or end[0] is None else next(
+            (j for j in range(len(results)) if trained_elsewhere(i, j)), None)
+        found.append(None if other is None else
+                     f"{end[0]}, where its train.max_steps stopped it, while {names[other]} ended at update "
+                     f"{ends[other][1]}")
     return found
+
+
+def data_set(result: dict) -> Optional[tuple]:
+    """What tells the data set a result's model was trained and scored on for `stopped_short` (runs of one model on
+    other data sets end at other updates by their recipes): data.dataset and, for image folders and token files,
+    data.root's last folder (`dataset_of`; the root may move between machines); None for a result that records no
+    data (an older file)."""
+    data = result.get("data")
+    if not isinstance(data, dict) or "dataset" not in data:
+        return None
+    root = data.get("root") if data["dataset"] in ("folder", "tokens") else None
+    return data["dataset"], os.path.basename(os.path.normpath(root)) if root else ""
 
 
 def run_names(paths: list[str], results: list[dict]) -> list[str]:
@@ -261,10 +295,12 @@ def main(argv=None) -> str:
         sys.exit("error: --over-seeds is for the rows layout (the fine-tuning layout takes one result per cell)")
     refuse_unfinished_runs(args.results, results, args.over_seeds)
     try:
-        # rows of one model and method are told apart by their runs, and a run stopped short is marked §
+        # rows of one model and method are told apart by their runs, and a run stopped short of one that trained
+        # further (or less) is marked §
+        names = run_names(args.results, results) if args.layout == "rows" else []
         table = (finetune_table(results) if args.layout == "finetune"
-                 else markdown_table(results, over_seeds=args.over_seeds, runs=run_names(args.results, results),
-                                     stopped=stopped_short(args.results, results)))
+                 else markdown_table(results, over_seeds=args.over_seeds, runs=names,
+                                     stopped=stopped_short(args.results, results, names)))
     except ValueError as e:
         sys.exit(f"error: {e}")
     console_print(table)  # its † and ± on an ASCII console, or a closed pipe

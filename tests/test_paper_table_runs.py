@@ -1,21 +1,25 @@
 """scripts/paper_table.py's rows layout printed two results of one model and method as two rows alike ("| vit_micro |
 Baseline | 10.000 | ..."): a finished 22-update run of seed 0 and a run that train.max_steps=3 stopped at update 3 of
 22, with nothing naming either run and no mark on the unfinished one. Such rows now name their run folder in a Run
-column, and a run stopped before the end of its schedule is marked § with a note saying how far it got; a table
-whose rows read apart is printed as before. The run folders here are written by hand as train.py and evaluate.py
-write them (eval_best.json's recipe, metrics.jsonl's validations, config.yaml's train.max_steps)."""
+column, and a run stopped before the end of its schedule beside a run of its model that ended at another update is
+marked § with a note saying how far each got; runs that all stop alike (the ImageNet fine-tuning recipe's 20,000 of
+20,016 updates, the paper's protocol) are not marked, and a table whose rows read apart is printed as before. The
+run folders here are written by hand as train.py and evaluate.py write them (eval_best.json's recipe and data,
+metrics.jsonl's validations, config.yaml's train.max_steps)."""
 import json
 
 import paper_table
 
 
-def write_run(folder, method="Baseline", seed=0, reached=22, max_steps=None, top1=80.0):
-    """A run folder of a 22-update schedule (sched.steps=22) that validated last at update `reached`, its
-    config.yaml's train.max_steps where given, and its eval_best.json (top-1 `top1`); the path of the JSON."""
+def write_run(folder, method="Baseline", seed=0, reached=22, max_steps=None, top1=80.0, steps=22, model="vit_micro",
+              data=None):
+    """A run folder of a `steps`-update schedule (sched.steps) that validated last at update `reached`, its
+    config.yaml's train.max_steps where given, and its eval_best.json (top-1 `top1`, evaluate.py's `data` record
+    where given); the path of the JSON."""
     folder.mkdir(parents=True)
-    result = {"model": "vit_micro", "method": method, "fp": {"top1": top1}, "max_act": {"module": 5.0, "block": 3.0},
+    result = {"model": model, "method": method, "fp": {"top1": top1}, "max_act": {"module": 5.0, "block": 3.0},
               "quant": {}, "checkpoint": str(folder / "best.pt"), "checkpoint_kind": "best", "train_seed": seed,
-              "recipe": {"sched.steps": 22, "sched.epochs": 1}}
+              "recipe": {"sched.steps": steps, "sched.epochs": 1}, **({"data": data} if data else {})}
     (folder / "eval_best.json").write_text(json.dumps(result))
     (folder / "metrics.jsonl").write_text(json.dumps({"step": reached, "train/loss": 2.3}) + "\n"
                                           + json.dumps({"step": reached, "val/top1": top1}) + "\n")
@@ -43,7 +47,7 @@ def test_rows_of_one_model_and_method_name_their_runs_and_the_run_stopped_short_
                     "b": ["vit_micro", "Baseline§", "b", "10.000", "5.00 / 3.00"]}, lines
     assert lines[5:] == ["", "§ vit_micro Baseline (b): stopped before the end of its schedule: validated last at "
                              "update 3 of the 22 of its schedule (sched.steps=22), where its train.max_steps stopped "
-                             "it"], lines
+                             "it, while baseline ended at update 22"], lines
 
 
 def test_a_table_whose_rows_read_apart_is_printed_as_before(tmp_path):
@@ -68,15 +72,57 @@ def test_a_run_is_named_by_the_fewest_last_path_parts_that_tell_the_rows_apart(t
                                                                         ("sweep_b/s0", "81.000")], lines
 
 
-def test_over_seeds_marks_a_row_whose_seeds_all_stopped_at_their_max_steps(tmp_path):
-    """Seeds that all stop at one train.max_steps ended alike and are averaged; their row is marked §. Finished
-    seeds are not, and a table over seeds has no Run column (its rows are of one model and method each)."""
+def test_over_seeds_marks_seeds_all_stopped_at_their_max_steps_only_beside_runs_that_ended_elsewhere(tmp_path):
+    """Seeds that all stop at one train.max_steps ended alike and are averaged; alone (a recipe that stops there)
+    their row is not marked. Beside the seeds of another method of the model whose 2-update schedule ended at update
+    2, their row is marked § (the others are not: they finished). A table over seeds has no Run column (its rows are
+    of one model and method each)."""
     capped = [write_run(tmp_path / f"s{seed}", seed=seed, reached=3, max_steps=3) for seed in (0, 1)]
     lines = paper_table.main([*capped, "--over-seeds"]).splitlines()
     assert lines[0] == "| Model | Method | FP Top-1 | Max. Act. (mod./blk.) |", lines
-    assert cells(lines[2])[:2] == ["vit_micro", "Baseline (n=2)§"], lines
-    assert lines[3:] == ["", "§ vit_micro Baseline: stopped before the end of its schedule: validated last at update "
-                             "3 of the 22 of its schedule (sched.steps=22), where its train.max_steps stopped "
-                             "it"], lines
+    assert cells(lines[2])[:2] == ["vit_micro", "Baseline (n=2)"] and lines[3:] == [], lines
+    short = [write_run(tmp_path / f"c{seed}", method="CD", seed=seed, reached=2, steps=2) for seed in (0, 1)]
+    lines = paper_table.main([*capped, *short, "--over-seeds"]).splitlines()
+    assert [cells(line)[:2] for line in lines[2:4]] == [["vit_micro", "Baseline (n=2)§"], ["vit_micro", "CD (n=2)"]]
+    assert lines[4:] == ["", "§ vit_micro Baseline: stopped before the end of its schedule: validated last at update "
+                             "3 of the 22 of its schedule (sched.steps=22), where its train.max_steps stopped it, "
+                             "while c0 ended at update 2"], lines
     finished = [write_run(tmp_path / f"f{seed}", seed=seed) for seed in (0, 1)]
     assert "§" not in paper_table.main([*finished, "--over-seeds"])
+
+
+def test_runs_that_all_stop_alike_are_not_marked(tmp_path):
+    """The reviewer's table: the ImageNet fine-tuning recipe's Baseline and CD runs, both stopped by the recipe's
+    train.max_steps=20000 at update 20,000 of their 20,016 (8 epochs of 2,502 updates), the paper's protocol: marked
+    § as unfinished, though nothing in the table trained further. Printed as a table of finished runs is."""
+    paths = [write_run(tmp_path / "finetune" / name, method=method, reached=20_000, max_steps=20_000, steps=20_016,
+                       model="vit_base_patch16_224", top1=85.0)
+             for name, method in (("imagenet_baseline", "Baseline"), ("imagenet_cd", "CD"))]
+    assert paper_table.main(paths).splitlines() == ["| Model | Method | FP Top-1 | Max. Act. (mod./blk.) |",
+                                                    "| --- | --- | --- | --- |",
+                                                    "| vit_base_patch16_224 | Baseline | 85.000 | 5.00 / 3.00 |",
+                                                    "| vit_base_patch16_224 | CD | 85.000 | 5.00 / 3.00 |"]
+
+
+def test_a_capped_run_is_marked_only_beside_a_run_of_its_model_and_data_set_that_ended_elsewhere(tmp_path):
+    """A run of vit_micro stopped at update 3 of 22: beside a finished run of another model, or of vit_micro on
+    another data set (data.root's last folder, as evaluate.py records it), it is not marked; beside vit_micro on its
+    own data set (under another root: the data set may move) that finished, or that its own train.max_steps stopped
+    at update 5, both compared runs of other ends are, each note naming the other."""
+    flowers, pets = ({"dataset": "folder", "root": f"/data/{name}", "val_split": "val"} for name in ("flowers", "pets"))
+    capped = write_run(tmp_path / "capped", reached=3, max_steps=3, data=flowers)
+    other_model = write_run(tmp_path / "other_model", model="vit_nano", data=flowers)
+    other_data = write_run(tmp_path / "other_data", method="CD", data=pets)
+    assert "§" not in paper_table.main([capped, other_model, other_data])
+    moved = dict(flowers, root="/mnt/copy/flowers")
+    finished = write_run(tmp_path / "finished", method="CD", data=moved)
+    lines = paper_table.main([capped, other_model, finished]).splitlines()
+    assert [cells(line)[:2] for line in lines[2:5]] == [["vit_micro", "Baseline§"], ["vit_nano", "Baseline"],
+                                                        ["vit_micro", "CD"]], lines
+    assert lines[5:] == ["", "§ vit_micro Baseline: stopped before the end of its schedule: validated last at update "
+                             "3 of the 22 of its schedule (sched.steps=22), where its train.max_steps stopped it, "
+                             "while finished ended at update 22"], lines
+    five = write_run(tmp_path / "five", method="CD", reached=5, max_steps=5, data=moved)
+    lines = paper_table.main([capped, five]).splitlines()
+    assert [cells(line)[:2] for line in lines[2:4]] == [["vit_micro", "Baseline§"], ["vit_micro", "CD§"]], lines
+    assert [line.split(", while ")[1] for line in lines[5:]] == ["five ended at update 5", "capped ended at update 3"]
