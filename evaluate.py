@@ -803,7 +803,7 @@ def resolve_config(args: argparse.Namespace):
         copied = "" if how == "same" else "a copy of "
         raise ConfigError(f"data.train_split={cfg.data.train_split}: {split_location(cfg.data, 'train')} is {copied}"
                           f"the val split that is scored (data.val_split={cfg.data.val_split}), so "
-                          f"{', '.join(drawing)} would calibrate (or train) on the {seen} that are scored; give "
+                          f"{', '.join(drawing)} would calibrate (or train) on the {seen} it scores; give "
                           f"data.train_split the training split")
     augmentation = train_transform_overrides_unread(args.overrides, cfg)
     if augmentation:

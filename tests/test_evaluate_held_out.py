@@ -203,7 +203,7 @@ def test_a_training_split_that_is_the_scored_val_split_is_refused_before_any_pas
     with pytest.raises(ConfigError, match=rf"^data.train_split={re.escape(split)}: "
                                           rf"{re.escape(os.path.realpath(os.path.join(root, 'val')))} is the val split "
                                           rf"that is scored \(data.val_split=val\), so {', '.join(pipelines)} would calibrate \(or "
-                                          rf"train\) on the images that are scored"):
+                                          rf"train\) on the images it scores"):
         evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", *pipelines,
                                            f"data.train_split={split}", "--out", str(out)]))
     assert not out.exists() and not (tmp_path / "eval.log").exists()
