@@ -434,9 +434,7 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
         note_attention_change(cfg.model, recorded)
     if not resumed:  # before any update: what model.pretrained (a path, left out of the recipe) gave the model
         start_weights = start_record(cfg.model.pretrained, model)
-    check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
-    if cfg.log.act_max:  # measured at every validation: refused now, not by the first one after the training
-        check_has_blocks(model, cfg.model.name, "set log.act_max=false to train it without the activation maxima")
+    check_model_fits_run(cfg, model)
     log.info("model %s: %s", model_label(cfg.model), describe(model))
     if not resumed and (line := hub_data_mismatch(cfg)):  # hub weights fed other inputs: said once
         log.warning(line)
@@ -503,6 +501,15 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
                               # the data it trained on, as checkpoint.pt: evaluate.py compares a data.root's files
                               extra={**run.start_entry(), "data_fingerprint": loaders.fingerprint})
     return run
+
+
+def check_model_fits_run(cfg: Config, model: nn.Module) -> None:
+    """What the run refuses of its model once built, before the data are read: a language model on images or an
+    image model on text, and log.act_max on a model without blocks (measured at every validation: refused now, not
+    by the first one after the training). scripts/sweep.py makes it on a meta-device build of every run's model."""
+    check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
+    if cfg.log.act_max:
+        check_has_blocks(model, cfg.model.name, "set log.act_max=false to train it without the activation maxima")
 
 
 # the end of a warning about the run's default evaluation plan, which `evaluate.py --checkpoint` would refuse

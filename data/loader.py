@@ -62,12 +62,46 @@ def build_dataset(cfg: DataConfig, split: str, img_size: int, num_classes: int, 
         folder = cfg.train_split if split == "train" else cfg.val_split
         dataset = build_folder_dataset(cfg.root, folder, transform=transform)
         found = len(class_names(dataset))
+    _check_class_count(cfg, split, found, num_classes, class_names(dataset) if cfg.dataset == "folder" else None)
+    return dataset
+
+
+def _check_class_count(cfg: DataConfig, split: str, found: int, num_classes: int, classes: Optional[list]) -> None:
+    """model.num_classes must be the `found` classes of `split` (`classes`: a folder data set's names)."""
     if found != num_classes:
         if cfg.dataset == "folder":  # advice that holds for both splits: they must agree first
-            _check_other_split(cfg, split, class_names(dataset))
+            _check_other_split(cfg, split, classes)
         raise ClassCountError(f"the {cfg.dataset} data set has {found} classes but "
                               f"model.num_classes={num_classes}; set model.num_classes={found}", found)
-    return dataset
+
+
+def check_data_settings(cfg: DataConfig, *, input_size: int, num_classes: int, batch_size_per_gpu: int) -> None:
+    """What build_loaders and build_token_loaders refuse of the settings that is told without reading the images
+    or token files (scripts/sweep.py: every run of a sweep before the first one trains), each by their own check:
+    mixup's even per-process batch, the training and evaluation transforms (data.auto_augment, ...) at the model's
+    `input_size`, and model.num_classes (`num_classes`) against the classes of the embedded digits, of a train split
+    that is a folder of class folders under data.root, or the characters of the embedded text (kjv). Not told here:
+    a data.root that is not there (printed commands may run on another machine: train.py's start names it), a .tar
+    split's classes (its listing reads every member's header), a token file's ids (every one of them is read: minutes
+    for OpenWebText's 9 B)."""
+    if cfg.dataset in TOKEN_DATASETS:
+        if cfg.dataset == "kjv":
+            check_vocabulary(token_stream(cfg, "train"), num_classes)
+        return
+    if build_mixup(cfg, num_classes) is not None:
+        check_mixup_batch(batch_size_per_gpu)
+    build_transform(cfg, input_size, is_training=True)
+    build_transform(cfg, input_size, is_training=False)
+    if cfg.dataset == "digits":
+        _check_class_count(cfg, "train", DigitsDataset.num_classes, num_classes, None)
+    elif cfg.dataset == "folder":
+        try:
+            path = find_split(cfg.root, cfg.train_split)
+        except DataError:
+            return
+        if os.path.isdir(path):  # the names build_folder_dataset labels (check_class_folders holds them to it)
+            classes = class_folders(path)
+            _check_class_count(cfg, "train", len(classes), num_classes, classes)
 
 
 def split_location(cfg: DataConfig, split: str) -> Optional[str]:
@@ -133,6 +167,13 @@ def build_mixup(cfg: DataConfig, num_classes: int) -> Optional[Mixup]:
     return Mixup(mixup_alpha=cfg.mixup, cutmix_alpha=cfg.cutmix, prob=cfg.mixup_prob,
                  switch_prob=cfg.mixup_switch_prob, mode=cfg.mixup_mode,
                  label_smoothing=cfg.label_smoothing, num_classes=num_classes)
+
+
+def check_mixup_batch(batch_size_per_gpu: int) -> None:
+    """mixup / cutmix (timm's Mixup) pair each sample with another of its batch: an even per-process batch."""
+    if batch_size_per_gpu % 2:
+        raise DataError(f"mixup/cutmix pair each sample with another in the batch: "
+                        f"train.batch_size_per_gpu={batch_size_per_gpu} must be even")
 
 
 def build_train_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, rank: int,
@@ -231,9 +272,8 @@ def calibration_windows(cfg: DataConfig, context: int, count: int, seed: int, vo
 def build_loaders(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: int, eval_batch_size_per_gpu: int,
                   rank: int, world_size: int, seed: int, num_classes: int) -> Loaders:
     mixup = build_mixup(cfg, num_classes)
-    if mixup is not None and batch_size_per_gpu % 2:
-        raise DataError(f"mixup/cutmix pair each sample with another in the batch: "
-                        f"train.batch_size_per_gpu={batch_size_per_gpu} must be even")
+    if mixup is not None:
+        check_mixup_batch(batch_size_per_gpu)
     train = build_train_loader(cfg, img_size=img_size, batch_size_per_gpu=batch_size_per_gpu, rank=rank,
                                world_size=world_size, seed=seed, num_classes=num_classes)
     val_set = build_dataset(cfg, "val", img_size, num_classes, train_transform=False)

@@ -138,6 +138,7 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
     kept_names = [name for name in split if only is None or str(name) in only]
     refuse_overrides_of_run_keys(owns, kept_names, extra_overrides, sweep_path)
     runs = []
+    checked: set = set()  # check_run_config's models and data settings, each checked once
     for name, (configs, own_items) in split.items():
         kept = name in kept_names
         own = owns[name]
@@ -161,7 +162,7 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
         overrides.append(f"out_dir={os.path.join(out_root, run_folder(name, sweep_path))}")
         if kept:
             try:
-                check_run_config(configs, overrides, eval_overrides, world_size)
+                check_run_config(configs, overrides, eval_overrides, world_size, checked)
             except ConfigError as e:
                 raise ConfigError(f"sweep run '{name}': {e}") from e
         runs.append({"name": str(name), "configs": configs, "overrides": overrides,
@@ -212,38 +213,77 @@ def few(names: list[str], shown: int = 4) -> str:
 
 
 def check_run_config(configs: list[str], overrides: list[str], eval_overrides: list[str],
-                     world_size: Optional[int]) -> None:
-    """Strict, up front: what train.py and evaluate.py would refuse of a run's settings at their start (ConfigError).
-    train.py checks the run's own quant.* (its config.yaml records them); its evaluation takes the 'evaluate' list
-    last: each must pass, or the run ends at its start or at its evaluation. With `world_size` (the processes the
-    launcher starts), the global batch must split into them as train.py splits it (train.accumulation_steps)."""
-    for given in (overrides, overrides + eval_overrides):
-        cfg = load_config([os.path.join(ROOT, c) for c in configs], given)
-        if cfg.quant != Config().quant:  # torch is imported only where quant settings are given
-            from quant.plan import check_quant_plan
-            check_quant_plan(cfg)
-    check_model(cfg.model)
-    from engine.training_checks import check_training_settings  # torch: not for --help
-    check_training_settings(cfg)
+                     world_size: Optional[int], checked: Optional[set] = None) -> None:
+    """Strict, up front: what train.py and evaluate.py would refuse of a run's settings at their start (ConfigError),
+    in their own words. train.py's checks before it starts (train.check_before_start: the run's own quant.*, which
+    its config.yaml records, CD's settings, optim.name, log.wandb's package, a val split that is the train split);
+    its evaluation takes the 'evaluate' list last, whose quant.* must pass too, or the run ends at its evaluation.
+    Then what train.py refuses once it builds the model and before it reads the data: the model built on the meta
+    device (check_model: model.name, model.kwargs, model.img_size against its patches), the model against the task
+    and log.act_max (train.check_model_fits_run), and the data settings (data.check_data_settings: data.auto_augment,
+    mixup's even batch, model.num_classes against the data's classes). `checked`: the model and data settings checked
+    already (expand's runs: a 36-run sweep of seeds builds its model once). With `world_size` (the processes the
+    launcher starts), the global batch must split into them as train.py splits it (train.accumulation_steps). Left to
+    the run's start: what needs the data read or its length counted (files under data.root, a token file's ids,
+    train.max_steps and the cadences beyond the run's updates) and the device (cd.matmul_precision=tf32 off CUDA)."""
+    from data import DataError, check_data_settings
+    from models import input_size
+    from quant.plan import check_quant_plan
+    from train import accumulation_steps, check_before_start, check_model_fits_run  # torch: not for --help
+
+    paths = [os.path.join(ROOT, c) for c in configs]
+    cfg = load_config(paths, overrides)
+    check_before_start(cfg)
+    if eval_overrides:
+        check_quant_plan(load_config(paths, overrides + eval_overrides))
     if world_size is not None:
-        from train import accumulation_steps  # (torch, as check_model)
         accumulation_steps(cfg, world_size)
+    checked = set() if checked is None else checked
+    key = repr((cfg.model, cfg.data, cfg.log.act_max, cfg.train.batch_size_per_gpu))  # all the checks below read
+    if key in checked:
+        return
+    model = check_model(cfg.model)
+    check_model_fits_run(cfg, model)
+    try:
+        # a language model's context, the image size of a vision model, as train.py's build_data gives them
+        check_data_settings(cfg.data, input_size=input_size(model), num_classes=cfg.model.num_classes,
+                            batch_size_per_gpu=cfg.train.batch_size_per_gpu)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    checked.add(key)
 
 
-def check_model(model_cfg) -> None:
-    """What train.py's build_model refuses first, before anything is built: model.name resolved (a timm name, a
-    variant, a model class of the repository's own: models.factory.OWN_MODELS) and model.kwargs checked
-    (models.factory.model_kwargs), so that an unknown name in the last run is refused before the first one trains.
-    Raises ConfigError (imports timm and torch)."""
-    from models.factory import OWN_MODELS, ModelError, model_kwargs
+def check_model(model_cfg):
+    """The model train.py's build_model builds of `model_cfg`, built on the meta device (no weights: 0.03 s for the
+    demo's ViT, 0.15 s for Swin-T on a 2-core CPU), so that what it refuses (model.name, model.kwargs the constructor
+    rejects: model.kwargs.dpeth=3, model.img_size not a multiple of the patch size) is refused in its own words
+    before the first run trains. No weights are read: model.pretrained=hub is checked for a variant without hub
+    weights (build_model's first refusal), a local file is the run's (--run: refuse_missing_input_files). The random
+    number generator and the default device are left as they were. A build the meta device cannot make (an
+    operation without meta kernels in a model's constructor) is made on the CPU, so that only the build's own
+    refusal refuses. Returns the model; raises ConfigError (imports timm and torch)."""
+    import dataclasses
+
+    import torch
+
+    from models import build_model
+    from models.factory import OWN_MODELS, ModelError
+    from models.gpt import GPT_SIZES
     from models.hub import check_hub_variant
 
-    if model_cfg.name in OWN_MODELS:  # build_model's own classes (GPT-2's sizes): no timm name to resolve
-        return
+    hub = model_cfg.pretrained == "hub"
+    # GPT-2's builder refuses hub weights before it loads anything; a timm model with them would fetch them
+    unloaded = dataclasses.replace(model_cfg, pretrained="hub" if hub and model_cfg.name in GPT_SIZES else "")
     try:
-        if model_cfg.pretrained == "hub":  # build_model's first refusal: a small variant has no hub weights
+        if hub and model_cfg.name not in OWN_MODELS:  # build_model's first refusal: a small variant has no hub weights
             check_hub_variant(model_cfg.name)
-        model_kwargs(model_cfg)
+        with torch.random.fork_rng(devices=[]):  # the CPU's generator: a model's init draws from it
+            try:
+                with torch.device("meta"):
+                    return build_model(unloaded)
+            except Exception:  # noqa: BLE001 - the build's refusal, or the meta device's: told apart by the CPU's
+                with torch.device("cpu"):
+                    return build_model(unloaded)
     except ModelError as e:
         raise ConfigError(str(e)) from None
 

@@ -1,0 +1,124 @@
+"""A sweep refuses, before its first run trains, what train.py refuses of a run's model and data at its start.
+
+The sweep's up-front check resolved model.name and model.kwargs' keys only: an unknown model.kwargs entry
+(model.kwargs.dpeth=3), a model.img_size that is no whole number of patches, a data.auto_augment policy timm cannot
+read, a model.num_classes that is not the data's class count (or the embedded text's characters) and an odd
+per-process batch under mixup were printed as commands, or run after the earlier runs had trained, and train.py
+refused the run at its start. The sweep now builds every run's model on the meta device and makes train.py's own
+checks of the model and the data settings. The reference for each refusal is train.py's own, in this process: the
+sweep's error line holds train.py's error text."""
+import os
+
+import pytest
+import torch
+
+import train
+from configs import ConfigError, load_config
+from data import DataError
+from models import ModelError, build_model
+from tests.conftest import DEMO_CONFIG, ROOT, make_folder
+
+import sweep  # noqa: E402  (scripts/, on the path of the tests)
+
+KJV = os.path.join(ROOT, "configs", "lm", "kjv_cpu.yaml")
+
+
+def sweep_file(tmp_path, config: str, b_items: list[str]) -> str:
+    """A sweep of `config` in tmp_path/runs: run 'a' as the config is, run 'b' with `b_items`."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [{config}]\nout_root: {tmp_path}/runs\n"
+                    f"runs:\n  a: []\n  b: [{', '.join(b_items)}]\n")
+    return str(spec)
+
+
+def refused(path: str, capsys) -> str:
+    """The one error line of `sweep.py path` (printing the commands): nothing printed before it."""
+    with pytest.raises(SystemExit) as stop:
+        sweep.main([path])
+    message = str(stop.value.code)
+    assert message.startswith("error: sweep run 'b': ") and "\n" not in message, message
+    assert capsys.readouterr().out == ""  # no command printed
+    return message
+
+
+def train_refusal(tmp_path, config: str, items: list[str]) -> str:
+    """train.py's own refusal of the run (its main, in this process), which must come before any update."""
+    out = tmp_path / "train_run"
+    with pytest.raises((ConfigError, ModelError, DataError)) as e:
+        train.main(load_config([config], [*items, f"out_dir={out}"]))
+    assert not (out / "checkpoint.pt").exists()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("config, items", [
+    (DEMO_CONFIG, ["model.kwargs.dpeth=3"]),  # an argument the constructor does not take
+    (DEMO_CONFIG, ["model.img_size=30"]),  # patches of 4
+    (DEMO_CONFIG, ["data.auto_augment=foo"]),
+    (DEMO_CONFIG, ["model.num_classes=5"]),  # the digits' 10
+    (DEMO_CONFIG, ["data.mixup=0.8", "train.batch_size=63", "train.batch_size_per_gpu=21"]),  # an odd batch
+    (KJV, ["model.kwargs.dpeth=3"]),  # GPT-2's own builder
+    (KJV, ["model.num_classes=50"]),  # the text's 65 characters
+], ids=["kwargs", "img_size", "auto_augment", "classes", "mixup", "gpt_kwargs", "vocabulary"])
+def test_a_later_runs_setting_train_py_refuses_at_its_start_is_refused_before_anything(tmp_path, capsys, config,
+                                                                                       items):
+    message = refused(sweep_file(tmp_path, config, items), capsys)
+    assert not (tmp_path / "runs").exists()
+    assert train_refusal(tmp_path, config, items) in message
+
+
+def test_a_folder_data_sets_class_count_is_checked_where_data_root_holds_it(tmp_path, capsys):
+    data = tmp_path / "data"
+    make_folder(data, {"train": {"a": 2, "b": 2, "c": 2}, "val": {"a": 1, "b": 1, "c": 1}})
+    items = ["data.dataset=folder", f"data.root={data}", "model.num_classes=5"]
+    message = refused(sweep_file(tmp_path, DEMO_CONFIG, items), capsys)
+    assert "has 3 classes but model.num_classes=5" in message
+    assert train_refusal(tmp_path, DEMO_CONFIG, items) in message
+    # the count that fits passes; a data.root not on this machine is left to the run's start (printed commands may
+    # be run elsewhere)
+    for root, classes in ((data, 3), (tmp_path / "elsewhere", 5)):
+        assert sweep.main([sweep_file(tmp_path, DEMO_CONFIG, ["data.dataset=folder", f"data.root={root}",
+                                                              f"model.num_classes={classes}"])]) == 0
+
+
+def test_the_meta_build_is_the_models_build_and_leaves_the_generator_and_the_default_device(monkeypatch):
+    cfg = load_config([DEMO_CONFIG], [])
+    torch.manual_seed(3)
+    expected = torch.rand(4)  # the generator's next draws, untouched
+    torch.manual_seed(3)
+    with torch.device("meta"):  # a caller's default device (the tests' meta trick) stays its own
+        model = sweep.check_model(cfg.model)
+        assert torch.empty(1).device.type == "meta"
+    assert torch.empty(1).device.type == "cpu"
+    assert torch.equal(torch.rand(4), expected)
+    built = build_model(cfg.model)  # train.py's build, on the CPU
+    assert {n: p.shape for n, p in model.named_parameters()} == {n: p.shape for n, p in built.named_parameters()}
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_a_build_the_meta_device_cannot_make_is_made_on_the_cpu_not_refused(monkeypatch):
+    """A constructor with an operation without meta kernels (.item() of a tensor it made) fails only on meta."""
+    import models
+
+    def meta_shy(cfg):
+        torch.zeros(1).item()  # raises on the meta device
+        return build_model(cfg)
+
+    monkeypatch.setattr(models, "build_model", meta_shy)
+    cfg = load_config([DEMO_CONFIG], [])
+    model = sweep.check_model(cfg.model)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'dpeth'"):  # its own refusal still refuses
+        sweep.check_model(load_config([DEMO_CONFIG], ["model.kwargs.dpeth=3"]).model)
+
+
+def test_each_model_and_data_setting_is_checked_once_in_a_sweep(tmp_path, monkeypatch):
+    """A sweep of seeds builds its model once (a 36-run sweep: one build, not 36)."""
+    builds = []
+    check_model = sweep.check_model
+    monkeypatch.setattr(sweep, "check_model", lambda cfg: builds.append(cfg) or check_model(cfg))
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [{DEMO_CONFIG}]\nout_root: {tmp_path}/runs\n"
+                    "runs:\n" + "".join(f"  s{i}: [train.seed={i}]\n" for i in range(4))
+                    + "  small: [model.kwargs.depth=2]\n")
+    assert len(sweep.expand(str(spec), [])) == 5
+    assert [cfg.kwargs.get("depth") for cfg in builds] == [None, 2]
