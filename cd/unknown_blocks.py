@@ -46,6 +46,10 @@ def _layer_weight(module: nn.Module) -> Optional[torch.Tensor]:
     if isinstance(w, nn.Parameter):
         return w if w.dim() == 2 else None
     children = list(module.children())
+    # an attention is not one layer: nn.MultiheadAttention (or a module like it) applies matrices of its own
+    # (in_proj_weight) besides its out_proj child, so a block holding one does not own that out_proj for the shape tests
+    if isinstance(module, nn.MultiheadAttention) or any(p.dim() == 2 for p in module.parameters(recurse=False)):
+        return None
     if not children or any(_layer_weight(c) is not None for c in children[1:]):
         return None
     return _layer_weight(children[0])
@@ -146,8 +150,12 @@ class _Reader:
         return self._attention[id(module)]
 
     def fused(self, module: nn.Module) -> Optional[str]:
+        """`_fused_parallel`, tested only on a module with no attention inside it: a block with its attentions (self-
+        and cross-attention) beside an MLP is one of several attentions, whose MLP input width may happen to read as
+        3E + H (nn.TransformerDecoderLayer(64, 2, 256): linear1 is 256 = 3x64 + 64 wide)."""
         if id(module) not in self._fused:
-            self._fused[id(module)] = _fused_parallel(module)
+            self._fused[id(module)] = None if any(self.attention(s) is not None for s in module.modules()) \
+                else _fused_parallel(module)
         return self._fused[id(module)]
 
 

@@ -317,6 +317,22 @@ def test_a_fused_parallel_block_beside_known_blocks_is_refused_without_asking_fo
     assert "layouts=[cd.Layout" not in str(refused.value)
 
 
+@pytest.mark.parametrize("ff", [2 * D, 4 * D, 2048], ids=["ff-2D", "ff-4D-read-as-3D+D", "ff-2048"])
+def test_a_decoder_layer_beside_known_blocks_is_refused_as_self_and_cross_attention_with_an_mlp(ff):
+    """nn.TransformerDecoderLayer: its two MultiheadAttentions' out_proj are theirs, not the layer's own matrices,
+    so they are not read with linear1 / linear2 as one attention by shape (ff=2048: the layer was silently left
+    out), and a layer holding attentions is not a fused parallel block (ff=4D: linear1, 4D = 3D + D wide, was read
+    as ParallelScalingBlock's in_proj and the refusal said no cd.Layout could pair it)."""
+    model = _Mixed(nn.TransformerDecoderLayer(D, 2, ff, batch_first=True, norm_first=True))
+    for call in (lambda: find_pairs(model, verify=False), lambda: find_blocks(model), lambda: TWEO(model)):
+        with pytest.raises(UnsupportedModelError, match=r"block 'blocks.1' \(TransformerDecoderLayer\).*its parts "
+                                                        r"\(attention self_attn \(MultiheadAttention\) \(and 1 more\)"
+                                                        r", norm norm1 \(LayerNorm\), MLP layers linear1, linear2\)"
+                                                        r".*It holds 2 attentions") as refused:
+            call()
+        assert "no cd.Layout can pair" not in str(refused.value)
+
+
 def test_a_model_without_pairs_is_told_what_its_blocks_are_and_the_route_of_each_caller():
     """The "no matrix pair" message names the first module that is a block by its structure, says when it is a
     parallel block (one layout per branch) or a fused one (no layout), and gives both routes: layouts= for the API,
