@@ -54,7 +54,7 @@ from engine.best_checkpoint import BestCheckpoint, BestMatch
 from engine.checkpoint import (CheckpointError, class_differences, record_quant_settings, restore_training,
                                run_checkpoint_config, save_on_main_rank, training_payload)
 from engine.distributed import (DistInfo, OtherRankError, all_reduce, fail_on_every_rank_at_start,
-                                failure_on_every_rank, process_group)
+                                failure_on_every_rank, process_group, ranks_apart)
 from engine.divergence import (DivergenceError, DivergenceGuard, best_withheld_line, withheld_max_steps_line,
                                withheld_stop_line, write_withheld)
 from engine.ema import build_ema
@@ -207,6 +207,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     start_step = run.state.step
     loop = build_loop(run, preemption)
     loop.saved_step = start_step if resume_path is not None else None  # what a withheld checkpoint keeps
+    ranks_apart()  # the checks every rank runs alike are done: a rank's own error from here is printed at once
     reason, val, train_seconds = train_epochs(run, loop, preemption)
     return finish(run, preemption, reason, val, start_step, time.perf_counter() - run_started, train_seconds,
                   loop.saved_step)

@@ -72,6 +72,8 @@ START_FAILURE_QUIET = datetime.timedelta(seconds=10)
 SAME_ERROR_WAIT = datetime.timedelta(seconds=10)
 _wait_group = None  # the gloo group of run_on_main, made on its first use (every rank calls it in step)
 _groups_entered = 0  # process_group bodies entered with other ranks: names each one's error keys in the store
+# the process_group body is past the work every rank runs alike (`ranks_apart`): an error of one rank is its own
+_apart = False
 
 
 class OtherRankError(RuntimeError):
@@ -159,8 +161,10 @@ def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] =
     OtherRankError, instead of waiting in the next collective for a rank that is gone.
 
     An error that ends the body on several ranks is compared with rank 0's as they leave the group
-    (`said_by_rank_0`), so that the entry points print it once, not once per rank (`say_once`)."""
-    global _groups_entered
+    (`said_by_rank_0`), so that the entry points print it once, not once per rank (`say_once`); after `ranks_apart`
+    only one raised on every rank in step, a rank's own error being printed at once."""
+    global _groups_entered, _apart
+    _apart = False
     info = init_distributed(device, main_rank_wait, START_FAILURE_WAIT if failed_at_start is not None else None)
     try:
         if info.distributed:
@@ -179,9 +183,21 @@ def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] =
         store = _default_store() if info.distributed and isinstance(e, Exception) else None
         cleanup_distributed(wait_for_all=False)
         if store is not None:
-            _compare_with_rank_0(e, store, info.rank, info.world_size)
+            # once the ranks went apart only an error raised on every rank in step waits for rank 0's: one that this
+            # rank met alone is its own, and rank 0 may sit in a collective until this process exits
+            _compare_with_rank_0(e, store, info.rank, info.world_size, wait=not _apart or getattr(e, "in_step", False))
         raise
     cleanup_distributed()
+
+
+def ranks_apart() -> None:
+    """Mark the end of the work every rank of `process_group`'s body runs alike (train.py: the start-up checks,
+    before the first update). An error met after it waits for rank 0's only where every rank raised it in step
+    (`raise_on_every_rank`, `run_on_main`); any other (one rank's own failure mid-epoch) is compared with what rank
+    0 has left in the store by then, and otherwise printed at once, since rank 0 may sit in a collective until this
+    process exits, writing no error."""
+    global _apart
+    _apart = True
 
 
 def said_by_rank_0(error: BaseException) -> bool:
@@ -203,14 +219,17 @@ def say_once(error: BaseException, say: Callable[[], None]) -> None:
     exchange = getattr(error, "_compared_with_rank_0", None)
     if exchange is None:
         return
-    store, key, rank, world = exchange
+    store, key, rank, world, waited = exchange
     deadline = time.monotonic() + SAME_ERROR_WAIT.total_seconds()
     with contextlib.suppress(Exception):  # a rank that did not fail (in time), or a store that is gone: exit now
         if rank == 0:
             store.set(f"{key}/said/0", "1")
             read = [f"{key}/read/{other}" for other in range(1, world)]
-            with contextlib.suppress(Exception):  # a rank that did not fail reads nothing
-                store.wait(read, datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
+            # a rank that did not fail reads nothing; where the ranks went apart (`ranks_apart`) the others may
+            # sit in a collective until this process exits: only those that read already are waited for below
+            with contextlib.suppress(Exception):
+                if waited:
+                    store.wait(read, datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
             readers = [other for other, name in enumerate(read, 1) if store.check([name])]
             store.wait([f"{key}/said/{other}" for other in readers],
                        datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
@@ -227,30 +246,34 @@ def _default_store():
         return None
 
 
-def _compare_with_rank_0(error: Exception, store, rank: int, world: int) -> None:
-    """`said_by_rank_0`'s record, made through the group's `store` once this rank has left the group (a rank that
-    failed alone leaves at once), and kept for `say_once`: rank 0 leaves its error's text there, another rank waits
-    for it at most SAME_ERROR_WAIT. A rank that cannot compare (rank 0 failed later or not at all, or is gone)
+def _compare_with_rank_0(error: Exception, store, rank: int, world: int, wait: bool = True) -> None:
+    """`said_by_rank_0`'s record, made through the group's `store` once this rank has left the group, and kept for
+    `say_once`: rank 0 leaves its error's text there, another rank waits for it at most SAME_ERROR_WAIT where `wait`
+    (an error of the work every rank runs alike, or one raised on every rank in step: `ranks_apart`), else reads
+    it only where it is there already. A rank that cannot compare (rank 0 failed later or not at all, or is gone)
     marks nothing: it prints its own line, as every rank did before."""
     key = f"engine.distributed/{_groups_entered}/error"
     text = f"{type(error).__name__}: {error}"
     try:
         if rank == 0:
             store.set(key, text)
-        else:
+        elif wait:
             store.wait([key], SAME_ERROR_WAIT)
+        elif not store.check([key]):
+            return  # rank 0 has not failed (yet): this rank's line stands, said at once
+        if rank != 0:
             said = store.get(key).decode("utf-8", "replace")
             store.set(f"{key}/read/{rank}", "1")
             if said == text or getattr(error, "elsewhere", False):
                 error.said_by_rank_0 = True
     except Exception:  # noqa: BLE001 - no comparison (a timeout, a store that is gone): this rank's line stands
         return
-    error._compared_with_rank_0 = (store, key, rank, world)
+    error._compared_with_rank_0 = (store, key, rank, world, wait)
 
 
 def _elsewhere(error: BaseException) -> BaseException:
     """`error`, marked as the news that another rank failed, which that rank reports itself (`said_by_rank_0`)."""
-    error.elsewhere = True
+    error.elsewhere = error.in_step = True  # raised where another rank failed, in step with it
     return error
 
 
@@ -441,6 +464,8 @@ def raise_where_failed(error: Optional[BaseException], failed_anywhere: bool,
     """The end of `raise_on_every_rank` for a flag carried in a collective the caller makes anyway (a window's
     sums): this rank's `error`, else `elsewhere()` when `failed_anywhere` (the reduced flag), else nothing."""
     if error is not None:
+        with contextlib.suppress(AttributeError):  # an exception type without attributes: compared as any other
+            error.in_step = True  # every rank raises now: process_group may wait for rank 0's error
         raise error
     if failed_anywhere:
         raise _elsewhere(elsewhere())

@@ -151,3 +151,37 @@ def test_a_sigterm_while_a_failed_rank_waits_for_the_others_ends_it_saying_why(t
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert err.startswith("rank 1 failed before the ranks met; telling the others (waiting at most 300 s for them "
                           "to join): its own\n"), err
+
+
+@pytest.mark.slow  # a torchrun of 2 ranks (about 30 s on a 2-core VM)
+def test_an_error_of_one_rank_mid_training_is_printed_at_once(tmp_path):
+    """Rank 1's first run_epoch raises an error of its own (one outside the loop's agreement on unreadable batches)
+    while rank 0 trains on, blocked in a collective until rank 1's process exits. Rank 1 waited SAME_ERROR_WAIT for
+    rank 0's error before it printed its own (a SIGTERM meanwhile, a cancelled job, lost the line): now it prints it
+    at once and the job ends within moments of the failure, as before the ranks compared their errors."""
+    from engine.distributed import SAME_ERROR_WAIT
+
+    argv = [*TINY, f"out_dir={tmp_path / 'run'}"]
+    wrapper = tmp_path / "failing_rank.py"
+    wrapper.write_text("import os, runpy, sys, time\n"
+                       f"script = {os.path.join(ROOT, 'train.py')!r}\n"
+                       f"sys.argv = [script, *{argv!r}]\n"
+                       "sys.path[0] = os.path.dirname(script)\n"
+                       "if os.environ['RANK'] == '1':\n"
+                       "    import engine.loop\n"
+                       "    from data import DataError\n"
+                       "    def run_epoch(self, *args, **kwargs):\n"
+                       "        print(f'failing at {time.time()}', file=sys.stderr, flush=True)\n"
+                       "        raise DataError('rank 1 lost its data')\n"
+                       "    engine.loop.TrainLoop.run_epoch = run_epoch\n"
+                       "runpy.run_path(script, run_name='__main__')\n")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                          str(free_port()), str(wrapper)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ended = time.time()
+    assert run.returncode != 0
+    assert error_lines(run).count("error: rank 1 lost its data") == 1, run.stderr[-3000:]
+    failed = [float(line.split()[-1]) for line in run.stderr.splitlines() if line.startswith("failing at ")]
+    assert len(failed) == 1, run.stderr[-3000:]
+    # the job's end (torchrun's teardown included) well before the wait for rank 0's error would have ended
+    assert ended - failed[0] < SAME_ERROR_WAIT.total_seconds() / 2, run.stderr[-3000:]
