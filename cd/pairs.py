@@ -53,7 +53,7 @@ from torch import nn
 
 from .adapters import adapter_parameters, refuse_adapters
 from .layouts import LAYOUTS, Layout, check_layouts
-from .unknown_blocks import block_note, unknown_blocks
+from .unknown_blocks import block_note, unknown_blocks, unpaired_part
 from .values import check_channel_order
 from .verify import (ADAPTER_FIX, UnsupportedModelError, refuse_fsdp1, refuse_shared, refuse_split_devices,
                      verify_pairs)
@@ -633,6 +633,25 @@ def _refuse_unread_transposed(read: dict[Layout, bool]) -> None:
                              "a layer of another type whose square weight does not tell)")
 
 
+def _refuse_unpaired_part(name: str, module: nn.Module, lays: list[Layout], found: list[Pair],
+                          layouts: tuple[Layout, ...]) -> None:
+    """Refuse a block with an attention or an MLP inside that none of its pairs reads (`cd.unknown_blocks.
+    unpaired_part`): the layouts that match it (a parallel block's first branch only; a later layout skipped as
+    another reading of layers an earlier one paired, or with paths copied from another branch) would leave it out
+    of CD while the paper applies CD to every attention and MLP."""
+    read = {id(w) for p in found for w in (p.upstream, p.downstream)}
+    widths = {p.upstream.shape[0] for p in found if p.kind == "composable"}
+    # a module inside that is itself laid out as a block is left as before: matches are outermost (`_matches`)
+    nested = [n for n, sub in module.named_modules() if n and layouts_of(sub, layouts)]
+    part = unpaired_part(module, read, widths, nested)
+    if part is not None:
+        matching = "; ".join(lay.describe() for lay in lays)
+        raise _refuse(name, module, f"no pair of the layouts that match it ({matching}) reads its {part}, so CD "
+                      "would leave it out while pairing the rest of the block: give one cd.Layout per attention with "
+                      "its norm and MLP, all of them together, with paths that name each branch's own layers "
+                      "(cd/README.md, \"Blocks with names of your own\")")
+
+
 def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_mlp: bool,
              layouts: tuple[Layout, ...]) -> bool:
     """Append the pairs of every block (of a layout of `layouts`) and patch-merging layer of `root`, in model order
@@ -645,6 +664,7 @@ def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_ml
         lays = layouts_of(module, layouts)
         if lays:
             found, has_gate = _block_pairs(name, module, lays, gated_mlp, read)
+            _refuse_unpaired_part(name, module, lays, found, layouts)
             pairs += found
             gated = gated or has_gate
         elif _scale_weight(module.norm) is not None and _scale_weight(module.norm).shape[0] == \

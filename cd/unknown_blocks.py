@@ -222,3 +222,35 @@ def unknown_blocks(root: nn.Module, known: Collection[str]) -> Iterator[tuple[st
     for name, module, parts in found:
         if not any(other.startswith(name + ".") or (not name and other) for other in names):
             yield name, module, parts
+
+
+def unpaired_part(module: nn.Module, read: Collection[int], widths: Collection[int],
+                  skip: Collection[str] = ()) -> Optional[str]:
+    """'attention attns.1.attn (Attention)' or 'MLP ffns.1.mlp (Mlp)': the first attention (`_attention`) or MLP
+    inside the block `module` none of whose matrices is in `read` (the ids of the matrices its pairs read), else
+    None. Both count at the block's width only, D one of `widths` (its norm widths), so that a relative-position MLP
+    (timm's RelPosMlp, 2 -> 128 -> 6) is taken for neither: an attention has a matrix of width D, and an MLP is a
+    module with no attention inside whose matrices include a layer D -> H and one H -> D. A module with a matrix
+    that a pair reads (an adapter around a paired layer) is not unread. Modules in or under `skip` (blocks of a
+    layout nested in this one, which CD leaves to the outermost match) are not looked at."""
+    reader = _Reader()
+    modules = [(n, m) for n, m in module.named_modules() if not any(n == s or n.startswith(s + ".") for s in skip)]
+    for name, sub in modules:
+        ids = reader.attention(sub)
+        # at the block's width: a small MLP inside an attention (timm's RelPosMlp, 2 -> 128 -> 6 heads) may read as
+        # a fused qkv (6 = 3 x 2) by its shapes alone
+        if ids is not None and not ids & set(read) and \
+                any(d in widths for _, w in _matrices(sub) if id(w) in ids for d in w.shape):
+            return f"attention {_label(name, sub)}"
+
+    def mlp(sub: nn.Module) -> bool:
+        mats = _matrices(sub)
+        if any(id(w) in read for _, w in mats) or any(reader.attention(s) is not None for s in sub.modules()):
+            return False
+        shapes = [tuple(w.shape) for _, w in mats]
+        return any(a[1] == b[0] == d and a[0] == b[1] for a in shapes for b in shapes for d in widths) or \
+            any(a[0] == b[1] == d and a[1] == b[0] for a in shapes for b in shapes for d in widths)
+
+    found = [(name, sub) for name, sub in modules if name and mlp(sub)]
+    inner = [(n, s) for n, s in found if not any(o.startswith(n + ".") for o, _ in found)]
+    return f"MLP {_label(*inner[0])}" if inner else None

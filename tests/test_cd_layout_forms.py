@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cd import LAYOUTS, ColinearityDecay, Layout, find_pairs
+from cd import LAYOUTS, ColinearityDecay, Layout, UnsupportedModelError, find_pairs
 from cd.pairs import find_blocks
 
 D = 32
@@ -92,6 +92,34 @@ def test_every_branch_of_a_parallel_block_is_paired_when_each_has_a_layout():
     pairs = find_pairs(model, torch.randn(1, 3, 32, 32), layouts=[_branch(0), _branch(1)])
     assert _named(model, [(p.downstream, p.upstream, p.upstream_rows) for p in pairs]) == _named(model, want)
     assert [name for name, _ in find_blocks(model, [_branch(0), _branch(1)])] == ["blocks.0", "blocks.1"]
+
+
+def _branch1_attention_copied_from_branch0() -> Layout:
+    """Branch 1's layout with its attention paths copied from branch 0's (a typo), its norms and MLP right."""
+    return Layout("branch 1", norm1="attns.1.norm", norm2="ffns.1.norm", qkv="attns.0.attn.qkv",
+                  proj="attns.0.attn.proj", fc1="ffns.1.mlp.fc1", fc2="ffns.1.mlp.fc2")
+
+
+@pytest.mark.parametrize("layouts, part", [
+    (lambda: [_branch(0)], r"attention attns.1.attn \(Attention\)"),
+    (lambda: [_branch(0), _branch1_attention_copied_from_branch0()], r"attention attns.1.attn \(Attention\)"),
+], ids=["branch-0-only", "branch-1-paths-copied"])
+def test_a_parallel_block_whose_layouts_leave_a_branch_unpaired_is_refused(layouts, part):
+    """Was: layouts=[branch 0] paired branch 0 alone, and a branch-1 layout conflicting with branch 0's (its qkv and
+    proj copied from branch 0) was skipped whole, its MLP (ffns.1) left unpaired too: 8 pairs of 16, silently. Every
+    attention and MLP of a matched block must be read by one of its pairs (the paper applies CD to each)."""
+    model = _parallel()
+    with pytest.raises(UnsupportedModelError, match=rf"block 'blocks.0' \(ParallelThingsBlock\).*reads its {part}"):
+        find_pairs(model, torch.randn(1, 3, 32, 32), layouts=layouts())
+
+
+def test_a_block_whose_layout_leaves_its_mlp_unpaired_is_refused():
+    """A layout whose MLP paths name branch 0's MLP (paired already by branch 0's layout) leaves ffns.1 unread."""
+    lay = Layout("branch 1", norm1="attns.1.norm", norm2="ffns.0.norm", qkv="attns.1.attn.qkv",
+                 proj="attns.1.attn.proj", fc1="ffns.0.mlp.fc1", fc2="ffns.0.mlp.fc2")
+    with pytest.raises(UnsupportedModelError, match=r"block 'blocks.0' \(ParallelThingsBlock\).*reads its MLP "
+                                                    r"ffns.1.mlp \(Mlp\)"):
+        find_pairs(_parallel(), torch.randn(1, 3, 32, 32), layouts=[_branch(0), lay])
 
 
 def test_one_update_of_a_parallel_block_writes_each_branch_by_eq12_once():
