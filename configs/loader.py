@@ -142,13 +142,18 @@ def _checkout_hint(path: str) -> str:
 
 
 def _yaml_file_example(folder: str) -> str:
-    """', e.g. <folder>/<first .yaml file under it>' (in sorted order), or ' (it holds no .yaml file)'."""
-    for root, dirs, files in os.walk(folder):
-        dirs.sort()
-        found = sorted(f for f in files if f.endswith((".yaml", ".yml")))
-        if found:
-            return f", e.g. {os.path.join(root, found[0])}"
-    return " (it holds no .yaml file)"
+    """', e.g. <folder>/<first .yaml file directly in it>' (in sorted order), or, where it holds none directly,
+    ' (it holds no .yaml file directly; this repository's configs are under configs/, e.g. configs/debug/tiny.yaml)'.
+    Only the folder's own entries are read: walking its tree took seconds for `--config /` and suggested any YAML
+    file at all (/root/.pyenv/.github/FUNDING.yml)."""
+    try:
+        found = sorted(e.name for e in os.scandir(folder) if e.is_file() and e.name.endswith((".yaml", ".yml")))
+    except OSError:
+        found = []
+    if found:
+        return f", e.g. {os.path.join(folder, found[0])}"
+    example = os.path.relpath(os.path.join(CHECKOUT, "configs", "debug", "tiny.yaml"))
+    return f" (it holds no .yaml file directly; this repository's configs are under configs/, e.g. {example})"
 
 
 def read_yaml_file(path: str) -> dict:

@@ -22,20 +22,31 @@ def test_a_folder_given_as_a_config_is_named_a_folder_with_a_file_in_it(tmp_path
     (folder / "b_sub").mkdir(parents=True)
     (folder / "b_sub" / "x.yaml").write_text("optim: {lr: 0.1}\n")
     (folder / "notes.txt").write_text("")
-    # os.walk in sorted order: the folder's own files come before its subfolders'; none is YAML here
+    (folder / "b.yml").write_text("optim: {lr: 0.1}\n")
+    (folder / "a_sub").mkdir()
+    (folder / "a_sub" / "a.yaml").write_text("optim: {lr: 0.1}\n")
+    # only the folder's own files are read (a walk of `--config /` took seconds and named any YAML file at all)
     assert refusal([str(folder)]) == (f"{folder} is a folder, not a YAML file: give a file in it, e.g. "
-                                      f"{folder / 'b_sub' / 'x.yaml'}")
-    assert "not found" not in refusal([str(folder / "b_sub")])
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert refusal([str(empty)]) == f"{empty} is a folder, not a YAML file: give a file in it (it holds no .yaml file)"
+                                      f"{folder / 'b.yml'}")
+    assert refusal([str(folder / "b_sub")]).endswith(f"e.g. {folder / 'b_sub' / 'x.yaml'}")
+    tiny = os.path.relpath(os.path.join(ROOT, "configs", "debug", "tiny.yaml"))
+    for holds_none in (tmp_path / "empty", tmp_path / "deep"):
+        holds_none.mkdir()
+    (tmp_path / "deep" / "sub").mkdir()
+    (tmp_path / "deep" / "sub" / "x.yaml").write_text("optim: {lr: 0.1}\n")
+    for holds_none in (tmp_path / "empty", tmp_path / "deep"):
+        assert refusal([str(holds_none)]) == (f"{holds_none} is a folder, not a YAML file: give a file in it (it holds "
+                                              "no .yaml file directly; this repository's configs are under configs/, "
+                                              f"e.g. {tiny})")
 
 
 def test_the_reviewers_command_names_the_folder(capsys):
     """`train.py --config configs` said 'config file not found: configs'."""
     code, _, err = run_entry("train.py", ["--config", "configs", "--print-config"], capsys)
-    assert code == 1 and err.startswith("error: configs is a folder, not a YAML file: give a file in it, e.g. configs/")
-    example = err.strip().rpartition("e.g. ")[2]
+    assert code == 1 and err.startswith("error: configs is a folder, not a YAML file: give a file in it (it holds no "
+                                        ".yaml file directly; this repository's configs are under configs/, e.g. "
+                                        "configs/")
+    example = err.strip().rpartition("e.g. ")[2].rstrip(")")
     assert os.path.isfile(os.path.join(ROOT, example)) and example.endswith(".yaml")
 
 
