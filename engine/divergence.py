@@ -34,6 +34,8 @@ from .exit_codes import EXIT_PREEMPTED
 class DivergenceError(RuntimeError):
     """The training loss stayed far above its initial value; the last good checkpoint is kept."""
 
+    in_step = True  # the verdict on the all-reduced loss, the same on every rank: one line under torchrun
+
 
 class DivergenceGuard:
     """Counts consecutive log windows whose mean loss exceeds `factor` x the initial loss."""

@@ -43,10 +43,16 @@ class NonFiniteLossError(RuntimeError):
     """A loss or logits that are NaN or inf: the training loss (the last good checkpoint is kept), or the
     logits / loss of an evaluation (nothing is written)."""
 
+    # found on every rank after the same all-reduce: under torchrun each rank waits for rank 0's error, so the job
+    # prints it once (engine.distributed.process_group)
+    in_step = True
+
 
 class NothingScoredError(ValueError):
     """An evaluation that scored nothing (an empty loader, or every image unreadable): a top-1 of 0 % or a
     perplexity of 1 made of no data is no result."""
+
+    in_step = True  # every rank scored the same all-reduced counts: one line (as NonFiniteLossError)
 
 
 # Errors that end a run on purpose, each saying itself what was kept: no emergency checkpoint after them.

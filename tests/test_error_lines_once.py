@@ -185,3 +185,15 @@ def test_an_error_of_one_rank_mid_training_is_printed_at_once(tmp_path):
     assert len(failed) == 1, run.stderr[-3000:]
     # the job's end (torchrun's teardown included) well before the wait for rank 0's error would have ended
     assert ended - failed[0] < SAME_ERROR_WAIT.total_seconds() / 2, run.stderr[-3000:]
+
+
+@pytest.mark.slow  # a torchrun of 2 ranks (about 30 s on a 2-core VM)
+def test_a_loss_every_rank_finds_not_finite_mid_training_is_one_line(tmp_path):
+    """A NaN loss is found on every rank after the same all-reduce (engine.loop.check_finite), after the ranks went
+    apart (`ranks_apart`): without waiting for rank 0's error, rank 1 printed the same line as soon as it got there
+    first. A learning rate of 1e30 makes every rank's loss NaN within the first windows."""
+    run = torchrun(tmp_path, "train.py", [*TINY, "optim.lr=1e30", "train.divergence_factor=null",
+                                          f"out_dir={tmp_path / 'run'}"])
+    assert run.returncode != 0
+    lines = error_lines(run)
+    assert len(lines) == 1 and "the training loss is nan" in lines[0], run.stderr[-3000:]
