@@ -37,12 +37,16 @@ _MAX_FOUR, _MAX_THREE = 8, 16
 
 
 def _layer_weight(module: nn.Module) -> Optional[torch.Tensor]:
-    """The matrix a Linear-like layer applies: its 2-D `weight` Parameter, or that of the first child of a container
+    """The matrix a Linear-like layer applies: its 2-D `weight` Parameter (a 1x1 Conv1d/Conv2d's, (out, in, 1...)
+    read as (out, in)), or that of the first child of a container
     holding no other matrix layer (an output layer kept as Sequential(Linear, Dropout)); None otherwise. An
     embedding table is looked up, not applied: None."""
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
         return None
     w = getattr(module, "weight", None)
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):  # a 1x1 convolution is a matrix (out, in) applied per position
+        pointwise = isinstance(w, nn.Parameter) and module.groups == 1 and all(k == 1 for k in module.kernel_size)
+        return w if pointwise else None
     if isinstance(w, nn.Parameter):
         return w if w.dim() == 2 else None
     children = list(module.children())
@@ -66,7 +70,7 @@ def _own_matrices(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def _shapes(mats: list[tuple[str, torch.Tensor]], transposed: bool) -> list[tuple[int, int]]:
     """(out, in) of each matrix, as an (out, in) layer stores it, or as an (in, out) one (transformers' Conv1D)."""
-    return [tuple(w.shape[::-1]) if transposed else tuple(w.shape) for _, w in mats]
+    return [(w.shape[1], w.shape[0]) if transposed else (w.shape[0], w.shape[1]) for _, w in mats]
 
 
 def _attention_by_shape(mats: list[tuple[str, torch.Tensor]]) -> Optional[list[int]]:
@@ -247,7 +251,7 @@ def unpaired_part(module: nn.Module, read: Collection[int], widths: Collection[i
         mats = _matrices(sub)
         if any(id(w) in read for _, w in mats) or any(reader.attention(s) is not None for s in sub.modules()):
             return False
-        shapes = [tuple(w.shape) for _, w in mats]
+        shapes = [(w.shape[0], w.shape[1]) for _, w in mats]
         return any(a[1] == b[0] == d and a[0] == b[1] for a in shapes for b in shapes for d in widths) or \
             any(a[0] == b[1] == d and a[1] == b[0] for a in shapes for b in shapes for d in widths)
 

@@ -226,6 +226,48 @@ def test_a_block_is_told_by_its_layers_shapes_whatever_their_names(qkv, out):
             call()
 
 
+class _ConvAttention(nn.Module):
+    """qkv and proj as 1x1 Conv1d layers over (B, C, T)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Conv1d(D, 3 * D, 1), nn.Conv1d(D, D, 1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x.transpose(1, 2)).transpose(1, 2).chunk(3, dim=-1)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2)).transpose(1, 2)
+
+
+class _ConvMlp(nn.Module):
+    """An MLP of two 1x1 Conv2d layers over (B, C, T, 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(D, 2 * D, 1), nn.Conv2d(2 * D, D, 1)
+
+    def forward(self, x):
+        return self.c2(F.gelu(self.c1(x.transpose(1, 2)[..., None])))[..., 0].transpose(1, 2)
+
+
+@pytest.mark.parametrize("attention, mlp, parts", [
+    (_ConvAttention, None, r"attention attention \(_ConvAttention\), " + OWN_NORM_MLP),
+    (_SeparateQKV, _ConvMlp, r"attention attention \(_SeparateQKV\), norm pre \(LayerNorm\), MLP ff \(_ConvMlp\)"),
+    (_ConvAttention, _ConvMlp, r"attention attention \(_ConvAttention\), norm pre \(LayerNorm\), MLP ff "
+                               r"\(_ConvMlp\)"),
+], ids=["conv-qkv-proj", "conv-mlp", "conv-both"])
+def test_a_block_of_1x1_convolutions_is_told_by_their_shapes(attention, mlp, parts):
+    """Was: a block whose qkv/proj or MLP layers were 1x1 Conv1d/Conv2d (weights (out, in, 1...)) was left out
+    without a word: only 2-D weights were read as matrices."""
+    block = _Block(attention())
+    if mlp is not None:
+        block.ff = mlp()
+    model = _Mixed(block)
+    for call in _calls(model).values():
+        with pytest.raises(UnsupportedModelError, match=rf"block 'blocks.1' \(_Block\) is not supported by CD: its "
+                                                        rf"parts \({parts}\)"):
+            call()
+
+
 def test_a_grouped_query_attention_under_names_of_its_own_is_told_by_its_shapes():
     with pytest.raises(UnsupportedModelError, match=r"'blocks.1' \(_Block\).*attention attention \(_GroupedOwnNames\)"):
         find_pairs(_Mixed(_Block(_GroupedOwnNames())), example_input=_x())
