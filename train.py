@@ -43,7 +43,7 @@ from timm.utils import ModelEmaV3
 
 from cd import TWEO, ColinearityDecay, budget_weight_decay, pair_energy_source
 from cd.update import check_tf32_device
-from configs import Config, ConfigError, config_from_dict, config_to_dict, load_config
+from configs import DEFAULT_CONFIG, Config, ConfigError, config_from_dict, config_to_dict, load_config
 from configs.cli import OneLineParser, add_config_arguments, parse_known, print_config
 from configs.loader import IgnoredOverrideError, device_of_overrides, get_key
 from data import (DataError, build_loaders, build_token_loaders, calibration_window_count,
@@ -84,7 +84,6 @@ from models.gpt import GPT_SIZES
 from quant.plan import (RECORDED_FOR_EVALUATION, check_model_converts, check_quant_plan, evaluation_pipelines,
                         reads_calibration_batch, too_few_for_a_batch, too_many_train_images, train_image_demands)
 
-DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
 MAX_STEPS_HINT = ("stopped at update %d (train.max_steps); checkpoint saved; raise train.max_steps (or drop it) "
                   "and re-run the same command to continue")
 log = logging.getLogger("train")

@@ -8,6 +8,9 @@ from .loader import ConfigError, apply_overrides, config_from_dict, config_to_di
 from .schema import (CDConfig, Config, DataConfig, LogConfig, ModelConfig, OptimConfig, QuantConfig,
                      SchedConfig, TrainConfig, TWEOConfig)
 
-__all__ = ["ConfigError", "load_config", "layer_config", "apply_overrides", "config_from_dict",
+# the recipe train.py runs when given no --config (the README's first command), and a sweep without config files
+DEFAULT_CONFIG = "configs/demo/vit_digits.yaml"
+
+__all__ = ["DEFAULT_CONFIG", "ConfigError", "load_config", "layer_config", "apply_overrides", "config_from_dict",
            "config_to_dict", "Config", "ModelConfig", "DataConfig", "OptimConfig",
            "SchedConfig", "TrainConfig", "LogConfig", "CDConfig", "TWEOConfig", "QuantConfig"]

@@ -78,7 +78,7 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from configs import ConfigError, load_config  # noqa: E402
+from configs import DEFAULT_CONFIG, ConfigError, load_config  # noqa: E402
 from configs.cli import OneLineParser, move_overrides  # noqa: E402
 from configs.loader import (close_keys, dotted_settings, get_key, overlapping_keys,  # noqa: E402
                             override_keys, read_yaml_file, schema_keys)
@@ -127,7 +127,9 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
                               f"are config files (.yaml) and key=value overrides, e.g. {name}: [{example}]")
         items = [str(i) for i in items or []]
         files = [i for i in items if i.endswith(".yaml")]
-        split[name] = (base + files, [i for i in items if i not in files])
+        # no config file at all: train.py's own default recipe, named in the command and read by every check here
+        # (the schema's defaults alone are no run's settings)
+        split[name] = (base + files or [DEFAULT_CONFIG], [i for i in items if i not in files])
     layer_keys = run_layer_keys({name: configs for name, (configs, _) in split.items()}, base)
     # what each run sets itself: its key=value items, and what its own config files set differently from other
     # runs (a key all runs share, e.g. from gpt2.yaml listed by every run, is common ground)
@@ -812,6 +814,21 @@ def refuse_missing_input_files(runs: list[dict]) -> None:
         earlier.append(out_dir)
 
 
+def current_result(run: dict) -> Optional[tuple[str, object]]:
+    """(the run's result file, its JSON) where the file is not older than the run's best.pt; None for a missing file,
+    an older one (the sweep moves it aside: move_stale_result) or one that is no JSON (evaluate.py's own error names
+    what is wrong with it)."""
+    checkpoint, result = evaluation_paths(run)
+    path = os.path.join(ROOT, result)
+    if not os.path.isfile(path) or is_stale_result(path, os.path.join(ROOT, checkpoint)):
+        return None
+    try:
+        with open(path) as f:
+            return result, json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def refuse_results_of_another_autocast(runs: list[dict], eval_amp: Optional[str]) -> None:
     """evaluate.py refuses a result file written under another --amp (its eval_amp), and --out, which its error
     offers, is the sweep's to name: a requeued sweep under another --eval-amp would end at the first such run,
@@ -822,15 +839,11 @@ def refuse_results_of_another_autocast(runs: list[dict], eval_amp: Optional[str]
     before it trains, and the file is refused."""
     amp = eval_amp or "none"  # evaluate.py's default
     for run in runs:
-        checkpoint, result = evaluation_paths(run)
-        path = os.path.join(ROOT, result)
-        if not os.path.isfile(path) or is_stale_result(path, os.path.join(ROOT, checkpoint)):
+        found = current_result(run)
+        if found is None:
             continue
-        try:
-            with open(path) as f:
-                recorded = json.load(f).get("eval_amp")
-        except (OSError, ValueError, AttributeError):  # not JSON, or not an object
-            continue
+        result, data = found
+        recorded = data.get("eval_amp") if isinstance(data, dict) else None
         if isinstance(recorded, str) and recorded != amp:
             same = "leave --eval-amp out" if recorded == "none" else f"give --eval-amp {recorded}"
             stem = os.path.splitext(result)[0]
@@ -888,15 +901,10 @@ def plan_changed_evaluations(runs: list[dict], recompute: bool, world_size: Opti
     is to train further may yet write a newer best.pt, which would have the file moved aside: that is not known
     before it trains, and the file is refused (as refuse_results_of_another_autocast)."""
     for run in runs:
-        checkpoint, result = evaluation_paths(run)
-        path = os.path.join(ROOT, result)
-        if not os.path.isfile(path) or is_stale_result(path, os.path.join(ROOT, checkpoint)):
+        found = current_result(run)
+        if found is None:
             continue
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError):  # not JSON: evaluate.py's error names what is wrong
-            continue
+        result, data = found
         if not isinstance(data, dict) or not isinstance(data.get("quant"), dict):
             continue
         if not (data["quant"] or data.get("max_act")):

@@ -551,3 +551,24 @@ def test_printed_commands_are_not_refused_for_a_result_of_another_autocast(tmp_p
     assert sweep.main([path, "--evaluate", "--eval-amp", "bf16"]) == 0
     evaluate_line = capsys.readouterr().out.splitlines()[1]
     assert "evaluate.py" in evaluate_line and "--amp bf16" in evaluate_line
+
+
+def test_a_sweep_without_config_files_checks_its_runs_as_train_py_runs_them(tmp_path):
+    """A sweep that names no config file runs `train.py <items>`, which trains its default recipe; the sweep's checks
+    read the schema's defaults instead (vit_base_patch16_224, 1000 classes), so its unchanged rerun was refused as
+    'written with other settings'. The reference is train.py's own reading of the same command line."""
+    import torch
+
+    import train
+    from configs import config_to_dict, load_config
+
+    path = tmp_path / "s.yaml"
+    path.write_text(f"out_root: {tmp_path}/runs\nruns:\n  a: [sched.epochs=1, sched.warmup_epochs=0]\n")
+    (run,) = sweep.expand(str(path), [])
+    ran = train.parse_args(run["overrides"])  # what the run's command trains
+    assert config_to_dict(load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"])) == \
+        config_to_dict(ran)
+    folder = tmp_path / "runs" / "a"
+    folder.mkdir(parents=True)
+    torch.save({"config": config_to_dict(ran)}, folder / "checkpoint.pt")
+    sweep.refuse_changed_training_settings([run], str(path))  # the run's own settings: no refusal
