@@ -925,11 +925,12 @@ def validate(task, model: nn.Module, ema, loader, device: torch.device, amp: str
     return metrics
 
 
-def check_resumable(saved: dict, current: Config, source: str) -> None:
+def check_resumable(saved: dict, current: Config, source: str, warn: bool = True) -> None:
     """The checkpoint `source` (out_dir's checkpoint.pt or the train.resume file) must be of the same model
     and data set; other settings that change what the run computes may differ only with
     train.allow_changed_config=true (paths, logging and train.max_steps may always change:
-    engine/run_dir.py ENVIRONMENT_KEYS)."""
+    engine/run_dir.py ENVIRONMENT_KEYS), logged as such unless `warn` is False (a sweep's check before its runs
+    start: the resume it would announce is the run's own, at its turn)."""
     current_d = config_to_dict(current)
     # model.img_size null is the model's own size: null and that size (vit_nano's 32) name one model
     trained_size, size = saved["model"].get("img_size"), current.model.img_size
@@ -968,7 +969,7 @@ def check_resumable(saved: dict, current: Config, source: str) -> None:
         raise CheckpointError(f"{source} was written with other settings "
                               f"({'; '.join(changed)}): re-run with those settings, use another out_dir, or "
                               f"pass train.allow_changed_config=true to continue with the new ones")
-    if changed:
+    if changed and warn:
         log.warning("resuming with changed settings: %s", "; ".join(changed), extra=SAME_ON_EVERY_RANK)
 
 

@@ -881,7 +881,7 @@ def refuse_changed_training_settings(runs: list[dict], sweep_path: str) -> None:
         if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in CONFIG_SECTIONS):
             continue  # (engine/snapshots.read_training_checkpoint's test of what a resume compares)
         try:
-            check_resumable(saved, cfg, checkpoint)
+            check_resumable(saved, cfg, checkpoint, warn=False)  # train.py announces the resume at its turn
         except CheckpointError as e:
             raise ConfigError(f"sweep run '{run['name']}': train.py would refuse it at its start: {e} (in a sweep, "
                               f"out_dir is out_root/{run['name']}: another out_root in {sweep_path} gives every run "

@@ -7,6 +7,8 @@ again (and after evaluate.py had loaded the model), with advice (--out, out_dir)
 runs were not started. The sweep refuses such a run up front in one line, in its own terms; --recompute passes
 evaluate.py's --recompute on to the runs whose result file disagrees. The reference for each refusal is train.py's
 and evaluate.py's own: what the sweep refuses, they refuse, and what it lets through, they take."""
+import logging
+
 import pytest
 import torch
 
@@ -129,9 +131,15 @@ def test_a_training_setting_changed_since_is_refused_before_anything_starts(trai
 # environment: train.max_steps may always change; 4 is run a's length (a stop beyond it train.py refuses at its start)
 @pytest.mark.parametrize("items", [ITEMS, [*ITEMS, "optim.lr=0.01", "train.allow_changed_config=true"],
                                    [*ITEMS, "train.max_steps=4"]], ids=["same", "allowed", "environment"])
-def test_settings_train_py_continues_with_are_not_refused(trained, tmp_path, items):
+def test_settings_train_py_continues_with_are_not_refused(trained, tmp_path, caplog, items):
+    """...nor announced: the sweep printed train.py's "resuming with changed settings" before any run had started
+    (the run it named was not the next to run), and train.py printed it again at that run's resume."""
     runs = sweep.expand(sweep_file(trained, tmp_path / "s.yaml", items=items), [])
-    sweep.refuse_changed_training_settings(runs, "s.yaml")
+    with caplog.at_level(logging.WARNING):
+        sweep.refuse_changed_training_settings(runs, "s.yaml")
+    assert "resuming with changed settings" not in caplog.text
     checkpoint = trained / "runs" / "a" / "checkpoint.pt"
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["config"]
-    train.check_resumable(saved, load_config([DEBUG_CONFIG], runs[0]["overrides"]), str(checkpoint))  # continues
+    with caplog.at_level(logging.WARNING):
+        train.check_resumable(saved, load_config([DEBUG_CONFIG], runs[0]["overrides"]), str(checkpoint))  # continues
+    assert ("resuming with changed settings: optim.lr" in caplog.text) == ("optim.lr=0.01" in items)
