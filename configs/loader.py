@@ -142,25 +142,26 @@ def _checkout_hint(path: str) -> str:
 
 
 def _yaml_file_example(folder: str) -> str:
-    """', e.g. <folder>/<first .yaml file directly in it>' (in sorted order), or, where it holds none directly,
-    ' (it holds no .yaml file directly; this repository's configs are under configs/, e.g. configs/debug/tiny.yaml)'.
-    Only the folder's own entries are read: walking its tree took seconds for `--config /` and suggested any YAML
-    file at all (/root/.pyenv/.github/FUNDING.yml)."""
+    """': give a file in it, e.g. <folder>/<first .yaml file directly in it>' (in sorted order), or, where it holds
+    none directly, ' and holds no .yaml file: this repository's configs are in <checkout>/configs, e.g.
+    <checkout>/configs/debug/tiny.yaml'. Only the folder's own entries are read: walking its tree took seconds for
+    `--config /` and suggested any YAML file at all (/root/.pyenv/.github/FUNDING.yml)."""
     try:
         found = sorted(e.name for e in os.scandir(folder) if e.is_file() and e.name.endswith((".yaml", ".yml")))
     except OSError:
         found = []
     if found:
-        return f", e.g. {os.path.join(folder, found[0])}"
-    example = os.path.relpath(os.path.join(CHECKOUT, "configs", "debug", "tiny.yaml"))
-    return f" (it holds no .yaml file directly; this repository's configs are under configs/, e.g. {example})"
+        return f": give a file in it, e.g. {os.path.join(folder, found[0])}"
+    configs = os.path.join(CHECKOUT, "configs")  # absolute: a relative path from elsewhere named another folder
+    return (f" and holds no .yaml file: this repository's configs are in {configs}, e.g. "
+            f"{os.path.join(configs, 'debug', 'tiny.yaml')}")
 
 
 def read_yaml_file(path: str) -> dict:
     """The top-level mapping of the YAML file at `path` (a config or a sweep file); a missing file, invalid
     YAML, a key given twice or a non-mapping is a ConfigError naming the file (and the line)."""
     if os.path.isdir(path):  # "not found" would send the user looking for a path that is there
-        raise ConfigError(f"{path} is a folder, not a YAML file: give a file in it{_yaml_file_example(path)}")
+        raise ConfigError(f"{path} is a folder, not a YAML file{_yaml_file_example(path)}")
     if not os.path.isfile(path):
         raise ConfigError(f"config file not found: {path}{_checkout_hint(path)}")
     try:

@@ -29,25 +29,24 @@ def test_a_folder_given_as_a_config_is_named_a_folder_with_a_file_in_it(tmp_path
     assert refusal([str(folder)]) == (f"{folder} is a folder, not a YAML file: give a file in it, e.g. "
                                       f"{folder / 'b.yml'}")
     assert refusal([str(folder / "b_sub")]).endswith(f"e.g. {folder / 'b_sub' / 'x.yaml'}")
-    tiny = os.path.relpath(os.path.join(ROOT, "configs", "debug", "tiny.yaml"))
+    configs = os.path.join(ROOT, "configs")  # absolute: relative to another working folder it named the wrong one
     for holds_none in (tmp_path / "empty", tmp_path / "deep"):
         holds_none.mkdir()
     (tmp_path / "deep" / "sub").mkdir()
     (tmp_path / "deep" / "sub" / "x.yaml").write_text("optim: {lr: 0.1}\n")
     for holds_none in (tmp_path / "empty", tmp_path / "deep"):
-        assert refusal([str(holds_none)]) == (f"{holds_none} is a folder, not a YAML file: give a file in it (it holds "
-                                              "no .yaml file directly; this repository's configs are under configs/, "
-                                              f"e.g. {tiny})")
+        assert refusal([str(holds_none)]) == (f"{holds_none} is a folder, not a YAML file and holds no .yaml file: "
+                                              f"this repository's configs are in {configs}, e.g. "
+                                              f"{os.path.join(configs, 'debug', 'tiny.yaml')}")
 
 
 def test_the_reviewers_command_names_the_folder(capsys):
     """`train.py --config configs` said 'config file not found: configs'."""
     code, _, err = run_entry("train.py", ["--config", "configs", "--print-config"], capsys)
-    assert code == 1 and err.startswith("error: configs is a folder, not a YAML file: give a file in it (it holds no "
-                                        ".yaml file directly; this repository's configs are under configs/, e.g. "
-                                        "configs/")
-    example = err.strip().rpartition("e.g. ")[2].rstrip(")")
-    assert os.path.isfile(os.path.join(ROOT, example)) and example.endswith(".yaml")
+    assert code == 1 and err.startswith("error: configs is a folder, not a YAML file and holds no .yaml file: this "
+                                        f"repository's configs are in {os.path.join(ROOT, 'configs')}, e.g. ")
+    example = err.strip().rpartition("e.g. ")[2]
+    assert os.path.isabs(example) and os.path.isfile(example) and example.endswith(".yaml")
 
 
 def test_two_yaml_documents_are_named_as_such_with_the_second_ones_line(tmp_path):
