@@ -258,17 +258,24 @@ def run_end(folder: str, result: dict) -> Optional[tuple[Optional[str], int]]:
     if not isinstance(recipe, dict) or not os.path.isfile(os.path.join(folder, "metrics.jsonl")):
         return None
     records = metrics_records(folder)
-    steps, epochs = recipe.get("sched.steps"), recipe.get("sched.epochs")
-    if _positive_int(steps):
-        planned, schedule = steps, f"sched.steps={steps}"
-    elif _positive_int(epochs) and (per_epoch := updates_per_epoch(records)) is not None:
-        planned, schedule = epochs * per_epoch, f"sched.epochs={epochs} of {per_epoch} updates"
-    else:
+    if (length := schedule_updates(recipe, records)) is None:
         return None
+    planned, schedule = length
     reached = max((r["step"] for r in records if any(k.startswith("val/") for k in r)), default=0)
     short = None if reached >= planned else f"validated last at update {reached} of the {planned} of its schedule " \
                                             f"({schedule})"
     return short, reached
+
+
+def schedule_updates(recipe: dict, records: Sequence[dict]) -> Optional[tuple[int, str]]:
+    """The updates of the schedule a run trained with (`run_end`: its result's `recipe`, its metrics.jsonl's
+    `records`) and how it was given (e.g. 'sched.epochs=2 of 4 updates'), or None where they do not tell."""
+    steps, epochs = recipe.get("sched.steps"), recipe.get("sched.epochs")
+    if _positive_int(steps):
+        return steps, f"sched.steps={steps}"
+    if _positive_int(epochs) and (per_epoch := updates_per_epoch(records)) is not None:
+        return epochs * per_epoch, f"sched.epochs={epochs} of {per_epoch} updates"
+    return None
 
 
 def updates_per_epoch(records: Sequence[dict]) -> Optional[int]:

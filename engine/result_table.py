@@ -2,8 +2,9 @@
 one column per pipeline), with the marks that say where a number is not of the paper's protocol: `*` on a
 quantized cell of non-default settings, `†` on a model evaluated otherwise than it trained, `‡` on a module
 maximum that also counts modules outside the blocks, `§` on the method of a run stopped before the end of its
-schedule where the table compares it with a run of its model that trained to another end (scripts/paper_table.py
-stopped_short: runs that all stop alike, a recipe's own stop, are not marked); and the checks that results
+schedule where the table compares it with a run of its model that trained to another end or where it reached less
+than 99 % of its schedule (scripts/paper_table.py stopped_short: runs that all stop alike near their end, a
+recipe's own stop, are not marked); and the checks that results
 averaged as seeds are alike.
 A model marked † has a note below the table that says how it was evaluated: other model.kwargs, another input
 size, other data or another eval transform than its run's (data.dataset, data.root's val files, data.crop_pct and
@@ -78,7 +79,8 @@ def markdown_table(results: list[dict], over_seeds: bool = False, runs: Optional
     marked * (`nondefault_settings`), the model of a row evaluated otherwise than trained or than the paper
     evaluates (other model.kwargs, other data or eval transform, another split, an autocast, the EMA weights) †
     (`evaluated_otherwise`), a module maximum also over quant.act_max_extra_modules ‡, the method of a row whose
-    run stopped before the end of its schedule beside a run of its model that ended elsewhere § (`stopped`), each
+    run stopped before the end of its schedule beside a run of its model that ended elsewhere, or short of 99 % of
+    its schedule, § (`stopped`), each
     with a note below the table.
 
     over_seeds: one row per (model, method) with mean +- sample std over its results (e.g. the seeds of a
@@ -89,10 +91,12 @@ def markdown_table(results: list[dict], over_seeds: bool = False, runs: Optional
     table has a Run column after Method, and its notes name the row's run too. A table whose rows differ in model
     or method is printed as without `runs`.
     stopped: for each result, how far its run got where it stopped before the end of its schedule (at a
-    train.max_steps of its own, engine.eval_results.run_end) and the table compares it with a run of its model that
-    ended at another update (scripts/paper_table.py stopped_short), else None: numbers of a model trained to another
-    length than the one beside it, marked § with a note. Runs that all stop alike (a recipe's own train.max_steps,
-    as the ImageNet fine-tuning recipe's) are None: the paper's protocol.
+    train.max_steps of its own, engine.eval_results.run_end) and EITHER the table compares it with a run of its
+    model that ended at another update OR it reached less than 99 % of its schedule's updates (scripts/paper_table.py
+    stopped_short), with the reason, else None: numbers of a model trained to another length than the one beside it
+    or to a fraction of its recipe, marked § with a note. Runs that all stop alike within 1 % of their end (a
+    recipe's own train.max_steps, as the ImageNet fine-tuning recipe's 20,000 of 20,016) are None: the paper's
+    protocol.
     """
     language = all("ppl" in r["fp"] for r in results)
     if not language and any("ppl" in r["fp"] for r in results):
@@ -406,8 +410,9 @@ def dagger_note(label: str, changes) -> str:
 
 def stopped_note(label: str, how: Sequence[str]) -> str:
     """The note below a table for a row marked § (`label`, e.g. 'vit_t CD'): its run (a seed of it) stopped before
-    the end of its schedule, how far it got (engine.eval_results.run_end) and where the run of its model it is
-    compared with ended (one text or several)."""
+    the end of its schedule, how far it got (engine.eval_results.run_end) and why it is marked: the share of its
+    schedule it reached, under 99 %, and/or where the run of its model it is compared with ended (one text or
+    several)."""
     return f"§ {label}: stopped before the end of its schedule: {'; '.join(how)}"
 
 

@@ -80,9 +80,11 @@ def test_runs_that_their_recipe_stops_at_one_max_steps_are_seeds_and_one_stopped
     for cfg in runs:
         evaluated(cfg.out_dir)
         paths.append(os.path.join(cfg.out_dir, "eval_best.json"))
-    # averaged, and not marked: both stopped at update 7 of their schedule's 8, as their recipe says, and nothing in
-    # the table trained further
-    assert "| vit_nano | Baseline (n=2) |" in paper_table.main([*paths[:2], "--over-seeds"])
+    # averaged: both stopped at update 7 of their schedule's 8, as their recipe says, and nothing in the table trained
+    # further; marked § all the same, 7 of 8 updates being short of 99 % of the schedule (the ImageNet recipe's
+    # 20,000 of 20,016 are not: tests/test_paper_table_runs.py)
+    table = paper_table.main([*paths[:2], "--over-seeds"])
+    assert "| vit_nano | Baseline (n=2)§ |" in table and "at 87.5 % of its schedule's updates (under 99 %)" in table
     with pytest.raises(SystemExit) as refused:
         paper_table.main([*paths, "--over-seeds"])
     message = str(refused.value.code)
