@@ -646,10 +646,16 @@ def _refuse_unpaired_part(name: str, module: nn.Module, lays: list[Layout], foun
     part = unpaired_part(module, read, widths, nested)
     if part is not None:
         matching = "; ".join(lay.describe() for lay in lays)
+        branch = ("give one cd.Layout per branch (attention with its norm and MLP), all of them together, with paths "
+                  "that name each branch's own layers (cd/README.md, \"Blocks with names of your own\")")
+        # an unpaired attention may be a cross-attention (its k and v read another stream, such as an encoder's
+        # output), which no Layout fixes: its k/v do not read its norm. Without a forward the two are not told apart
+        if part.startswith("attention"):
+            branch = ("CD pairs an attention only with the norm that feeds its q, k and v, so an attention whose k "
+                      "and v read another stream (a decoder's cross-attention) is not supported; if it is a branch "
+                      "of a parallel block instead, " + branch)
         raise _refuse(name, module, f"no pair of the layouts that match it ({matching}) reads its {part}, so CD "
-                      "would leave it out while pairing the rest of the block: give one cd.Layout per attention with "
-                      "its norm and MLP, all of them together, with paths that name each branch's own layers "
-                      "(cd/README.md, \"Blocks with names of your own\")")
+                      f"would leave it out while pairing the rest of the block: {branch}")
 
 
 def _collect(root: nn.Module, pairs: list[Pair], types: dict[str, str], gated_mlp: bool,

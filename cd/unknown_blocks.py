@@ -232,18 +232,21 @@ def unpaired_part(module: nn.Module, read: Collection[int], widths: Collection[i
                   skip: Collection[str] = ()) -> Optional[str]:
     """'attention attns.1.attn (Attention)' or 'MLP ffns.1.mlp (Mlp)': the first attention (`_attention`) or MLP
     inside the block `module` none of whose matrices is in `read` (the ids of the matrices its pairs read), else
-    None. Both count at the block's width only, D one of `widths` (its norm widths), so that a relative-position MLP
-    (timm's RelPosMlp, 2 -> 128 -> 6) is taken for neither: an attention has a matrix of width D, and an MLP is a
-    module with no attention inside whose matrices include a layer D -> H and one H -> D. A module with a matrix
-    that a pair reads (an adapter around a paired layer) is not unread. Modules in or under `skip` (blocks of a
-    layout nested in this one, which CD leaves to the outermost match) are not looked at."""
+    None. Both count at the block's width only, D one of `widths` (its norm widths): an attention has a matrix of
+    width D, and an MLP is a module with no attention inside whose matrices include a layer D -> H and one H -> D.
+    A module with a matrix that a pair reads is not unread (an adapter around a paired layer: LoRA's lora_B, lora_A
+    read as a fused qkv and its output layer by their shapes; refused as adapters by `cd.adapters`). Modules inside
+    an attention (below the block) are not counted: a relative-position MLP (timm's RelPosMlp, 2 -> D -> heads)
+    is a part of its attention, whatever D. Modules in or under `skip` (blocks of a layout nested in this one,
+    which CD leaves to the outermost match) are not looked at."""
     reader = _Reader()
     modules = [(n, m) for n, m in module.named_modules() if not any(n == s or n.startswith(s + ".") for s in skip)]
+    # the block itself may read as an attention (its layers direct children): only attentions below it hide parts
+    inside = [n for n, sub in modules if n and reader.attention(sub) is not None]
+    modules = [(n, m) for n, m in modules if not any(n.startswith(a + ".") for a in inside)]
     for name, sub in modules:
         ids = reader.attention(sub)
-        # at the block's width: a small MLP inside an attention (timm's RelPosMlp, 2 -> 128 -> 6 heads) may read as
-        # a fused qkv (6 = 3 x 2) by its shapes alone
-        if ids is not None and not ids & set(read) and \
+        if ids is not None and not any(id(w) in read for _, w in _matrices(sub)) and \
                 any(d in widths for _, w in _matrices(sub) if id(w) in ids for d in w.shape):
             return f"attention {_label(name, sub)}"
 

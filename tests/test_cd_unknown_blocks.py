@@ -388,3 +388,69 @@ def test_a_model_without_pairs_is_told_what_its_blocks_are_and_the_route_of_each
                                                     r"it.*train this model without CD") as fused:
         find_pairs(_timm("vit_base_patch16_xp_224"), verify=False)
     assert "layouts=[cd.Layout" not in str(fused.value)
+
+
+@pytest.mark.parametrize("width, heads, rel_pos", [(128, 2, "mlp"), (128, 2, "mlp_swin"), (192, 6, "mlp")])
+def test_a_relative_position_mlp_inside_an_attention_is_no_unpaired_mlp_of_its_block(width, heads, rel_pos):
+    """timm's RelPosMlp (2 -> hidden -> heads) sits in attn.rel_pos; at a block width equal to its hidden width
+    (128) it was taken for an MLP of the block that no pair reads, and the ViT was refused. A part of an attention
+    is no part of the block: each block gets its 4 pairs, on timm's own layers."""
+    timm = pytest.importorskip("timm")
+    model = timm.create_model("vit_relpos_small_patch16_224", embed_dim=width, num_heads=heads, depth=2,
+                              rel_pos_type=rel_pos, img_size=64, num_classes=3)
+    pairs = find_pairs(model, example_input=torch.randn(1, 3, 64, 64))
+    assert [p.name for p in pairs] == [f"blocks.{i}.{n}" for i in range(2)
+                                       for n in ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight",
+                                                 "mlp.fc2.weight")]
+
+
+class _CrossAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.proj = (nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(self.q(x) @ self.k(memory).transpose(-1, -2) / D ** 0.5, -1)
+        return self.proj(weights @ self.v(memory))
+
+
+class _DecoderBlock(nn.Module):
+    """A pre-norm block under timm's names plus a cross-attention (norm_x, xattn) whose k and v read `memory`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm_x, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = timm_vit.Attention(D, 2)
+        self.xattn = _CrossAttention()
+        self.mlp = timm_vit.Mlp(D, 2 * D)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        x = x + self.xattn(self.norm_x(x), memory)
+        return x + self.mlp(self.norm2(x))
+
+
+def test_a_cross_attention_left_unpaired_is_refused_without_promising_a_layout_pairs_it():
+    """The refusal of a block whose cross-attention no pair reads said "give one cd.Layout per attention", but a
+    layout for it is refused too (its k and v read the memory, not its norm): the refusal says CD pairs an attention
+    with the norm feeding its q, k and v, and that a cross-attention is not supported."""
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.blocks = nn.Linear(D, D), nn.ModuleList([_DecoderBlock(), _DecoderBlock()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            memory = self.enc(x)
+            for block in self.blocks:
+                x = block(x, memory)
+            return x
+
+    model, x = Model(), torch.randn(1, 5, D)
+    with pytest.raises(UnsupportedModelError, match=r"block 'blocks.0' \(_DecoderBlock\).*reads its attention xattn "
+                                                    r"\(_CrossAttention\).*only with the norm that feeds its q, k and "
+                                                    r"v.*cross-attention\) is not supported"):
+        find_pairs(model, example_input=x)
+    cross = Layout("cross", norm1="norm_x", q_k_v=("xattn.q", "xattn.k", "xattn.v"), proj="xattn.proj",
+                   norm2="norm2", fc1="mlp.fc1", fc2="mlp.fc2")
+    with pytest.raises(UnsupportedModelError, match=r"input of blocks.0.xattn.k.weight is not the output of the norm"):
+        find_pairs(model, example_input=x, layouts=[*LAYOUTS, cross])  # why the refusal promises no layout
