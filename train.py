@@ -119,12 +119,13 @@ def main(cfg: Config) -> RunResult:
             return run_training(cfg, dist, preemption)
 
 
-def check_before_start(cfg: Config) -> None:
+def check_before_start(cfg: Config, packages: bool = True) -> None:
     """What can be refused before any folder is made: the logger's package, the quant.* settings (the defaults of
     this run's evaluation, evaluate.py --checkpoint), now rather than after training, and CD's settings and
     optim.name (engine/training_checks.py), now rather than once the model and the data are built, and a val split
-    that is the train split (data.dataset=tokens or folder)."""
-    if cfg.log.wandb:  # engine/metrics.py imports it when logging
+    that is the train split (data.dataset=tokens or folder). packages=False leaves out what this machine has
+    installed (log.wandb's package): scripts/sweep.py's printed commands may run on another machine."""
+    if cfg.log.wandb and packages:  # engine/metrics.py imports it when logging
         try:
             import wandb  # noqa: F401
         except ImportError:

@@ -95,9 +95,10 @@ EVAL_AMP_CHOICES = ("none", "fp16", "bf16")
 
 
 def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[str]] = None,
-           world_size: Optional[int] = None) -> list[dict]:
+           world_size: Optional[int] = None, packages: bool = True) -> list[dict]:
     """One dict per run: name, config files, overrides (out_dir included), each run that `only` keeps (all
-    without it) checked by the loader, and with `world_size` against that many processes."""
+    without it) checked by the loader, and with `world_size` against that many processes. packages=False: the
+    packages a run needs (log.wandb's) are not looked for on this machine (printed commands may run elsewhere)."""
     sweep = read_yaml_file(sweep_path)
     unknown = set(sweep) - {"configs", "out_root", "runs", "evaluate", "run_keys"}
     if unknown or not isinstance(sweep.get("runs"), dict) or not sweep["runs"]:
@@ -164,7 +165,7 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
         overrides.append(f"out_dir={os.path.join(out_root, run_folder(name, sweep_path))}")
         if kept:
             try:
-                check_run_config(configs, overrides, eval_overrides, world_size, checked)
+                check_run_config(configs, overrides, eval_overrides, world_size, checked, packages)
             except ConfigError as e:
                 raise ConfigError(f"sweep run '{name}': {e}") from e
         runs.append({"name": str(name), "configs": configs, "overrides": overrides,
@@ -215,7 +216,7 @@ def few(names: list[str], shown: int = 4) -> str:
 
 
 def check_run_config(configs: list[str], overrides: list[str], eval_overrides: list[str],
-                     world_size: Optional[int], checked: Optional[set] = None) -> None:
+                     world_size: Optional[int], checked: Optional[set] = None, packages: bool = True) -> None:
     """Strict, up front: what train.py and evaluate.py would refuse of a run's settings at their start (ConfigError),
     in their own words. train.py's checks before it starts (train.check_before_start: the run's own quant.*, which
     its config.yaml records, CD's settings, optim.name, log.wandb's package, a val split that is the train split);
@@ -235,24 +236,47 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
 
     paths = [os.path.join(ROOT, c) for c in configs]
     cfg = load_config(paths, overrides)
-    check_before_start(cfg)
+    check_before_start(cfg, packages)
     if eval_overrides:
         check_quant_plan(load_config(paths, overrides + eval_overrides))
     if world_size is not None:
         accumulation_steps(cfg, world_size)
     checked = set() if checked is None else checked
     key = repr((cfg.model, cfg.data, cfg.log.act_max, cfg.train.batch_size_per_gpu))  # all the checks below read
-    if key in checked:
+    # what check_regularizers reads: a sweep of seeds and CD strengths finds the model's pairs once
+    regularizers = repr((cfg.model, cfg.cd.enabled and cfg.cd.gated_mlp, cfg.cd.enabled, cfg.tweo.enabled))
+    if key in checked and regularizers in checked:
         return
     model = check_model(cfg.model)
-    check_model_fits_run(cfg, model)
-    try:
-        # a language model's context, the image size of a vision model, as train.py's build_data gives them
-        check_data_settings(cfg.data, input_size=input_size(model), num_classes=cfg.model.num_classes,
-                            batch_size_per_gpu=cfg.train.batch_size_per_gpu)
-    except DataError as e:
-        raise ConfigError(str(e)) from None
-    checked.add(key)
+    if key not in checked:
+        check_model_fits_run(cfg, model)
+        try:
+            # a language model's context, the image size of a vision model, as train.py's build_data gives them
+            check_data_settings(cfg.data, input_size=input_size(model), num_classes=cfg.model.num_classes,
+                                batch_size_per_gpu=cfg.train.batch_size_per_gpu)
+        except DataError as e:
+            raise ConfigError(str(e)) from None
+        checked.add(key)
+    if regularizers not in checked:
+        check_regularizers(cfg, model)
+        checked.add(regularizers)
+
+
+def check_regularizers(cfg, model) -> None:
+    """What train.py's build_run refuses once the model is built, before the first update: CD's pairs of the model
+    (ColinearityDecay.from_config's find_pairs, with cd.gated_mlp: a model without pairs, a block that does not fit
+    them, a gated MLP without cd.gated_mlp) and TWEO's pre-norm blocks (TWEO.from_config), in train.py's words
+    (train.as_config_error). `model` is check_model's, on the meta device: the pairs are found without the forward
+    checks (verify=False; ColinearityDecay itself refuses a meta model, with nothing to update), which the run makes
+    at its start. Raises ConfigError."""
+    from cd import TWEO, find_pairs
+    from train import as_config_error
+
+    if cfg.cd.enabled:
+        as_config_error("cd", find_pairs, model, verify=False, gated_mlp=cfg.cd.gated_mlp)
+    if cfg.tweo.enabled:
+        # total_steps: the run's is counted from its data at its start; any positive count finds the same blocks
+        as_config_error("tweo", TWEO.from_config, cfg.tweo, model, total_steps=1).remove()
 
 
 def check_model(model_cfg):
@@ -556,7 +580,8 @@ def main(argv=None) -> int:
         # with --run, a batch that does not split into the launcher's processes is refused before the first run
         # trains, not at the start of its own run after the earlier runs trained
         world_size = launcher_world_size(args.launcher) if args.run else None
-        runs = expand(args.sweep, args.overrides, args.only, world_size)
+        # log.wandb's package: looked for only where the commands run (printed ones may be run on another machine)
+        runs = expand(args.sweep, args.overrides, args.only, world_size, packages=args.run)
     except ConfigError as e:
         sys.exit(f"error: {e}")
     if args.only:

@@ -8,6 +8,7 @@ refused the run at its start. The sweep now builds every run's model on the meta
 checks of the model and the data settings. The reference for each refusal is train.py's own, in this process: the
 sweep's error line holds train.py's error text."""
 import os
+import sys
 
 import pytest
 import torch
@@ -58,7 +59,13 @@ def train_refusal(tmp_path, config: str, items: list[str]) -> str:
     (DEMO_CONFIG, ["data.mixup=0.8", "train.batch_size=63", "train.batch_size_per_gpu=21"]),  # an odd batch
     (KJV, ["model.kwargs.dpeth=3"]),  # GPT-2's own builder
     (KJV, ["model.num_classes=50"]),  # the text's 65 characters
-], ids=["kwargs", "img_size", "auto_augment", "classes", "mixup", "gpt_kwargs", "vocabulary"])
+    # CD's pairs and TWEO's blocks, found once the model is built: a model without blocks, a gated MLP
+    (DEMO_CONFIG, ["cd.enabled=true", "model.kwargs.depth=0"]),
+    (DEMO_CONFIG, ["tweo.enabled=true", "model.kwargs.depth=0"]),
+    (DEMO_CONFIG, ["cd.enabled=true", "model.name=eva02_tiny_patch14_224", "model.img_size=28",
+                   "model.kwargs.depth=1"]),
+], ids=["kwargs", "img_size", "auto_augment", "classes", "mixup", "gpt_kwargs", "vocabulary", "cd_no_pairs",
+        "tweo_no_blocks", "cd_gated_mlp"])
 def test_a_later_runs_setting_train_py_refuses_at_its_start_is_refused_before_anything(tmp_path, capsys, config,
                                                                                        items):
     message = refused(sweep_file(tmp_path, config, items), capsys)
@@ -122,3 +129,18 @@ def test_each_model_and_data_setting_is_checked_once_in_a_sweep(tmp_path, monkey
                     + "  small: [model.kwargs.depth=2]\n")
     assert len(sweep.expand(str(spec), [])) == 5
     assert [cfg.kwargs.get("depth") for cfg in builds] == [None, 2]
+
+
+def test_the_wandb_package_is_looked_for_only_where_the_commands_run(tmp_path, capsys, monkeypatch):
+    """Printed commands may run on another machine (as a data.root missing here): log.wandb=true without the
+    package here prints them; --run refuses before anything trains, in train.py's own words."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
+    spec = sweep_file(tmp_path, DEMO_CONFIG, ["log.wandb=true"])
+    assert sweep.main([spec]) == 0
+    assert "log.wandb=true" in capsys.readouterr().out
+    with pytest.raises(ConfigError) as reference:
+        train.check_before_start(load_config([DEMO_CONFIG], ["log.wandb=true"]))
+    with pytest.raises(SystemExit) as stop:
+        sweep.main([spec, "--run"])
+    assert str(stop.value.code) == f"error: sweep run 'b': {reference.value}"
+    assert not (tmp_path / "runs").exists()
