@@ -239,13 +239,22 @@ def check_has_blocks(model: nn.Module, model_name: str, fix: str) -> None:
 
 
 def check_extra_modules(model: torch.nn.Module, patterns: list) -> None:
-    """Each quant.act_max_extra_modules pattern must name modules of the model: one that names none (a typo, a
-    name of another architecture) would be recorded in the result file as probed while adding nothing.
-    evaluate.py checks before its passes, train.py once its model is built (the run's quant.* settings are the
-    defaults of `evaluate.py --checkpoint`)."""
-    names = [name for name, _ in model.named_modules()]
-    unmatched = [p for p in patterns if not any(fqn_matches(name, [p]) for name in names)]
-    if unmatched:
-        raise ConfigError(f"quant.act_max_extra_modules: {unmatched[0]!r} names no module of {type(model).__name__} "
-                          f"(full module names, '*' for one name segment, '**' for several: e.g. "
-                          f"{names[-1]!r}); drop it or fix it")
+    """Each quant.act_max_extra_modules pattern must name modules of the model whose outputs the probe measures:
+    one that names none (a typo, a name of another architecture), or only pass-through modules (`repeats_its_input`:
+    an Identity, a Dropout, a DropPath, which `ActivationProbe` skips), would be recorded in the result file as
+    probed while adding nothing. evaluate.py checks before its passes, train.py once its model is built (the run's
+    quant.* settings are the defaults of `evaluate.py --checkpoint`)."""
+    modules = list(model.named_modules())
+    names = [name for name, _ in modules]
+    for pattern in patterns:
+        matched = [(name, sub) for name, sub in modules if fqn_matches(name, [pattern])]
+        if not matched:
+            raise ConfigError(f"quant.act_max_extra_modules: {pattern!r} names no module of {type(model).__name__} "
+                              f"(full module names, '*' for one name segment, '**' for several: e.g. "
+                              f"{names[-1]!r}); drop it or fix it")
+        if all(repeats_its_input(sub) for _, sub in matched):
+            shown = ", ".join(f"{name}: {type(sub).__name__}" for name, sub in matched[:3])
+            more = f" and {len(matched) - 3} more" if len(matched) > 3 else ""
+            raise ConfigError(f"quant.act_max_extra_modules: {pattern!r} names only pass-through modules of "
+                              f"{type(model).__name__} ({shown}{more}), whose outputs repeat their inputs and are not "
+                              "measured; drop it or name the module that computes what they pass on")

@@ -1,0 +1,56 @@
+"""engine/act_max.py check_extra_modules: a quant.act_max_extra_modules pattern must name modules the probe measures.
+
+A pattern that named only pass-through modules (timm Swin's `head.drop`, a Dropout, and `layers.0.downsample`, an
+Identity where the first stage does not merge patches) was accepted: `ActivationProbe` skips them, so it measured
+nothing, yet evaluate.py recorded the pattern under max_act.extra_modules and its table's note said modules outside
+the blocks were counted. It is refused now, with one error naming the pattern. The reference for what passes
+through is the tests' own: the types of the modules each pattern names, read off the model, and forward hooks that
+see whether a module returned its input unchanged.
+"""
+import pytest
+import torch
+from torch import nn
+
+from configs import ConfigError
+from engine.act_max import ActivationProbe, check_extra_modules
+from models.modules import fqn_matches
+from quant_models import images, tiny_swin
+
+
+def passes_its_input_through(model: nn.Module, pattern: str) -> bool:
+    """Whether every module `pattern` names returns its input unchanged in an eval forward (the tests' reference)."""
+    same = []
+    handles = [sub.register_forward_hook(lambda m, inputs, out: same.append(torch.equal(inputs[0], out)))
+               for name, sub in model.named_modules() if fqn_matches(name, [pattern])]
+    with torch.no_grad():
+        model(images(2))
+    for handle in handles:
+        handle.remove()
+    return bool(same) and all(same)
+
+
+@pytest.mark.parametrize("pattern", ["head.drop", "layers.0.downsample", "head.flatten"])
+def test_a_pattern_of_pass_through_modules_only_is_refused(pattern):
+    model = tiny_swin()
+    # the premise, read off timm's model: the pattern names modules that repeat their input
+    assert passes_its_input_through(model, pattern)
+    with pytest.raises(ConfigError, match=rf"quant.act_max_extra_modules: '{pattern}' names only pass-through "
+                                          r"modules of SwinTransformer \(" + pattern + r": (Dropout|Identity)\)"):
+        check_extra_modules(model, ["layers.1.downsample.reduction", pattern])
+
+
+@pytest.mark.parametrize("pattern", ["layers.1.downsample", "layers.1.downsample.*", "head.*", "layers.*.downsample"])
+def test_a_pattern_that_names_a_computing_module_is_accepted_and_measured(pattern):
+    """Accepted where one module it names computes something (head.* also names head.drop and head.flatten): the
+    probe then holds a record outside the blocks for it."""
+    model = tiny_swin()
+    assert not passes_its_input_through(model, pattern)
+    check_extra_modules(model, [pattern])
+    with ActivationProbe(model, extra_modules=[pattern]) as probe, torch.no_grad():
+        model(images(2))
+    assert [r for r in probe.result().per_layer if r["block"] == -1 and fqn_matches(r["name"], [pattern])]
+
+
+def test_a_pattern_that_names_no_module_is_still_refused():
+    with pytest.raises(ConfigError, match=r"'layers.2.downsample' names no module of SwinTransformer"):
+        check_extra_modules(tiny_swin(), ["layers.2.downsample"])
