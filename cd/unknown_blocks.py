@@ -8,7 +8,9 @@ module, outside every block and patch-merging layer found and holding none of th
 - an attention: an `nn.MultiheadAttention`, or a module whose own matrix layers are, by their shapes, a fused
   [Q; K; V] layer (D -> 3E) and an output layer (E -> D), or three input layers (D -> E, D -> E', D -> E') and an
   output layer (E -> D) (also by the names of libraries: a `*qkv*` or `c_attn` layer, q, k and v layers, beside an
-  output layer `proj`, `out`, `o_proj`, ...);
+  output layer `proj`, `out`, `o_proj`, ...), also with q, k and v the matrices of one child and the output layer
+  the one other matrix, in a sibling (transformers' BERT, RoBERTa, Data2VecVision: attention.self.query, key,
+  value beside attention.output.dense);
 - a norm: a module with a 1-D affine `weight` (LayerNorm, RMSNorm);
 - an MLP: at least two more matrix layers, outside the attentions;
 
@@ -95,13 +97,39 @@ def _attention_by_name(mats: list[tuple[str, torch.Tensor]]) -> Optional[list[in
     return list(range(len(mats))) if (fused or separate) and names.intersection(_OUT) else None
 
 
+def _leaf_name(module: nn.Module, w: torch.Tensor) -> str:
+    """The name of the layer inside `module` whose weight is `w` ('dense' for a BertSelfOutput's), '' if none."""
+    return next((name.rsplit(".", 1)[-1] for name, sub in module.named_modules()
+                 if getattr(sub, "weight", None) is w), "")
+
+
+def _split_attention(module: nn.Module) -> Optional[list[tuple[str, torch.Tensor]]]:
+    """(name, matrix) of q, k, v and the output layer of an attention whose q, k and v are the only matrices of one
+    child and whose output layer is the one other matrix of `module`, in a sibling's subtree (transformers' BERT,
+    RoBERTa, Data2VecVision: attention.self.{query, key, value} beside attention.output.dense, the output's norm
+    beside it), else None. The names are the layers' own, for `_attention_by_name`."""
+    if any(p.dim() == 2 for p in module.parameters(recurse=False)):
+        return None
+    for name, child in module.named_children():
+        qkv = _own_matrices(child)
+        if len(qkv) != 3 or len(_matrices(child)) != 3:
+            continue
+        rest = [(n, w) for n, sib in module.named_children() if n != name for _, w in _matrices(sib)]
+        if len(rest) == 1:
+            out = module.get_submodule(rest[0][0])
+            return qkv + [(_leaf_name(out, rest[0][1]), rest[0][1])]
+    return None
+
+
 def _attention(module: nn.Module) -> Optional[set[int]]:
     """The ids of the matrices of `module`'s attention when `module` is one (module docstring), else None."""
     if isinstance(module, nn.MultiheadAttention):
         return {id(p) for p in module.parameters() if p.dim() == 2}
-    mats = _own_matrices(module)
-    found = _attention_by_shape(mats) or _attention_by_name(mats)
-    return None if found is None else {id(mats[i][1]) for i in found}
+    for mats in (_own_matrices(module), _split_attention(module)):
+        found = mats and (_attention_by_shape(mats) or _attention_by_name(mats))
+        if found:
+            return {id(mats[i][1]) for i in found}
+    return None
 
 
 def _fused_parallel(module: nn.Module) -> Optional[str]:

@@ -454,3 +454,55 @@ def test_a_cross_attention_left_unpaired_is_refused_without_promising_a_layout_p
                    norm2="norm2", fc1="mlp.fc1", fc2="mlp.fc2")
     with pytest.raises(UnsupportedModelError, match=r"input of blocks.0.xattn.k.weight is not the output of the norm"):
         find_pairs(model, example_input=x, layouts=[*LAYOUTS, cross])  # why the refusal promises no layout
+
+
+def _bert_vit_configs(transformers, **bert):
+    small = dict(hidden_size=D, num_attention_heads=2, intermediate_size=2 * D, num_hidden_layers=2)
+    return (transformers.ViTConfig(image_size=16, patch_size=8, **small),
+            transformers.BertConfig(vocab_size=50, **small, **bert))
+
+
+def test_a_bert_text_tower_beside_a_vit_is_refused_not_left_out():
+    """transformers' BERT holds its attention's q, k, v in attention.self and its output layer in attention.output
+    (beside that output's norm): no module held all four, so no BertLayer was taken for a block, and CD paired the
+    ViT tower of a VisionTextDualEncoderModel while silently leaving the BERT tower out. BERT's layers are
+    post-norm, so refusing them is right; the block named is the first BertLayer in model order, whose name is
+    read off the model."""
+    transformers = pytest.importorskip("transformers")
+    vit, bert = _bert_vit_configs(transformers)
+    model = transformers.VisionTextDualEncoderModel(
+        transformers.VisionTextDualEncoderConfig.from_vision_text_configs(vit, bert, projection_dim=16))
+    first = next(n for n, m in model.named_modules() if type(m).__name__ == "BertLayer")
+    assert first == "text_model.encoder.layer.0"
+    for call in (lambda: find_pairs(model, verify=False), lambda: ColinearityDecay(model, verify=False),
+                 lambda: find_blocks(model), lambda: TWEO(model)):
+        with pytest.raises(UnsupportedModelError, match=rf"block '{first}' \(BertLayer\).*attention attention "
+                                                        r"\(BertAttention\).*\(and 1 more: "
+                                                        r"text_model.encoder.layer.1\)"):
+            call()
+
+
+def test_a_bert_decoder_with_cross_attention_beside_a_vit_encoder_is_refused():
+    """VisionEncoderDecoderModel of a ViT and a BERT decoder: each BertLayer holds a self- and a cross-attention,
+    both split across attention.self and attention.output; the decoder was left out while the ViT was paired."""
+    transformers = pytest.importorskip("transformers")
+    vit, bert = _bert_vit_configs(transformers, is_decoder=True, add_cross_attention=True)
+    model = transformers.VisionEncoderDecoderModel(
+        transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(vit, bert))
+    with pytest.raises(UnsupportedModelError, match=r"block 'decoder.bert.encoder.layer.0' \(BertLayer\).*attention "
+                                                    r"attention \(BertAttention\) \(and 1 more\).*It holds 2 "
+                                                    r"attentions"):
+        find_pairs(model, verify=False)
+
+
+def test_a_model_of_split_attentions_alone_is_told_which_module_is_its_block():
+    """Data2VecVision (pre-norm, BEiT's names, q/k/v and output split as in BERT): "no matrix pair found" named no
+    block, as it does for OPT, CLIP or T5; it names the first layer and its parts."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Data2VecVisionConfig(image_size=16, patch_size=8, hidden_size=D, num_attention_heads=2,
+                                               intermediate_size=2 * D, num_hidden_layers=2)
+    with pytest.raises(UnsupportedModelError, match=r"no matrix pair found in Data2VecVisionModel\..*Its module "
+                                                    r"'encoder.layer.0' \(Data2VecVisionLayer\) holds a Transformer "
+                                                    r"block's parts \(attention attention "
+                                                    r"\(Data2VecVisionAttention\), norm layernorm_before"):
+        find_pairs(transformers.Data2VecVisionModel(config), verify=False)
