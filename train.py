@@ -134,9 +134,9 @@ def check_before_start(cfg: Config, packages: bool = True) -> None:
                               ) from None
     check_quant_plan(cfg)
     check_training_settings(cfg)  # CD's settings and optim.name, before the model, the data and the optimizer
-    # a val split that reads the training file or folder (by name, path, symbolic or hard link) or a copy of the
-    # training token file would score, and pick best.pt on, the data the model trains on: evaluate.py refuses such
-    # a score, so training on it is refused here
+    # a val split that reads the training file or folder (by name, path, symbolic or hard link), one of its class
+    # folders (val/n2 a link to ../train/n2) or a copy of the training token file would score, and pick best.pt on,
+    # the data the model trains on: evaluate.py refuses such a score, so training on it is refused here
     how = same_split_data(cfg.data, "val", cfg.data, "train")  # None for the embedded data sets and a missing split
     if how is not None:
         trained_on, val_at = split_location(cfg.data, "train"), split_location(cfg.data, "val")

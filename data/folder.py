@@ -22,6 +22,7 @@ import hashlib
 import os
 import posixpath
 import tarfile
+import unicodedata
 from collections.abc import Sequence
 
 import numpy as np
@@ -88,7 +89,10 @@ def tar_file_names(path: str):
             if os.path.splitext(member.name)[1].lower() != ".tar":
                 yield member.name
                 continue
-            with tarfile.open(fileobj=tar.extractfile(member)) as inner:
+            inner_file = tar.extractfile(member)
+            check_uncompressed_tar(path, inner_file, f"{path}/{member.name}")
+            inner_file.seek(0)
+            with tarfile.open(fileobj=inner_file, mode="r:") as inner:
                 yield from (f"{member.name}/{m.name}" for m in inner if m.isfile())
 
 
@@ -105,7 +109,11 @@ def find_split(root: str, split: str) -> str:
     if os.path.normpath(os.path.join(root, split)) == os.path.normpath(root):  # "", ".", "./": root's own folders
         raise DataError(f"the split name {split!r} names data.root itself, whose folders would be the classes: set "
                         f"data.train_split / data.val_split to the sub-folder of {root} that holds the class folders")
-    for candidate in (os.path.join(root, split), os.path.join(root, split + ".tar")):
+    folder, tar = os.path.join(root, split), os.path.join(root, split + ".tar")
+    if os.path.exists(folder) and os.path.exists(tar):  # timm's reader would take the folder, without a word
+        raise DataError(f"{root} holds both {folder} and {tar} for the '{split}' split: rename or remove one of them, "
+                        f"so that the images read are not a guess")
+    for candidate in (folder, tar):
         if os.path.exists(candidate):
             check_split_kind(candidate)
             return candidate
@@ -131,11 +139,46 @@ def check_split_kind(path: str) -> None:
     else as a folder): any other file would reach tarfile's or timm's own errors, or read as no images."""
     if os.path.isdir(path):
         return
-    if path.endswith(".tar") and tarfile.is_tarfile(path):
+    if path.endswith(".tar"):
+        check_uncompressed_tar(path)
         return
-    what = "not a tar archive" if path.endswith(".tar") else "a file, not a folder"
-    raise DataError(f"{path} is {what}: a split is a folder of class folders (<split>/<class>/<image>) or a "
-                    f"<split>.tar of them; point data.root / data.train_split / data.val_split at one")
+    raise DataError(f"{path} is a file, not a folder: a split is a folder of class folders (<split>/<class>/<image>) "
+                    f"or a <split>.tar of them; point data.root / data.train_split / data.val_split at one")
+
+
+# the leading bytes of the compressed files tarfile's auto-detection opens, and the tool that undoes each
+COMPRESSIONS = ((b"\x1f\x8b", "gzip", "gunzip"), (b"BZh", "bzip2", "bunzip2"),
+                (b"\xfd7zXZ\x00", "xz", "unxz"), (b"\x28\xb5\x2f\xfd", "zstd", "unzstd"))
+
+
+def check_uncompressed_tar(path: str, fileobj=None, name: str = "") -> None:
+    """Refuse the split's tar `path`, or the class tar `fileobj` (its member `name`), unless it is an uncompressed tar,
+    as timm's reader reads both (mode 'r|', no decompression): tarfile.is_tarfile and tarfile.open's default mode see
+    through gzip, bzip2 and xz, so a `tar czf` archive would pass here and fail in timm's reader ('invalid header')."""
+    try:
+        with tarfile.open(None if fileobj is not None else path, "r:", fileobj=fileobj):
+            return
+    except tarfile.ReadError:
+        pass
+    if fileobj is None:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    else:
+        fileobj.seek(0)
+        head = fileobj.read(8)
+    compressed = next(((kind, tool) for magic, kind, tool in COMPRESSIONS if head.startswith(magic)), None)
+    if fileobj is not None:  # timm opens every .tar member of a split's tar as a class tar
+        what = f"a {compressed[0]}-compressed tar" if compressed else "not a tar archive"
+        raise DataError(f"{name} is {what}, while timm's reader reads each .tar in {path} as a class tar, uncompressed "
+                        f"(<class>.tar of images): pack it again with `tar cf` (no z, j, J or --zstd), or take it out "
+                        f"of {path}")
+    if compressed is None:
+        raise DataError(f"{path} is not a tar archive: a split is a folder of class folders (<split>/<class>/<image>) "
+                        f"or a <split>.tar of them; point data.root / data.train_split / data.val_split at one")
+    kind, tool = compressed
+    raise DataError(f"{path} is a {kind}-compressed tar: timm's reader reads uncompressed tars only (it would fail on "
+                    f"it with 'invalid header'); decompress it (`{tool} -c {path} > plain.tar`, then put plain.tar in "
+                    f"its place) or pack it again with `tar cf` (no z, j, J or --zstd)")
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -403,6 +446,16 @@ def check_same_classes(train: list[str], val: list[str], where: str) -> None:
     if train == val:
         return
     missing, extra = sorted(set(train) - set(val)), sorted(set(val) - set(train))
+    # names that print alike but are other strings: a composed (NFC) and a decomposed (NFD) accent, as a copy between
+    # file systems (macOS's, Linux's) may leave them
+    composed = {unicodedata.normalize("NFC", v): v for v in extra}
+    alike = [(t, composed[n]) for t in missing if (n := unicodedata.normalize("NFC", t)) in composed]
+    if alike:
+        shown = "; ".join(f"train {ascii(t)}, val {ascii(v)}" for t, v in alike[:5])
+        raise DataError(f"{where}: the train and val splits name {len(alike)} class folder(s) with the same letters "
+                        f"in other Unicode forms ({shown}), other names to the file system and to the labels: rename "
+                        f"the folders of one split so that both spell them alike (e.g. in NFC: "
+                        f"unicodedata.normalize('NFC', name))")
     detail = (f"val lacks {missing[:5]}" if missing else "") + ("; " if missing and extra else "") + \
         (f"val has classes train lacks: {extra[:5]}" if extra else "")
     raise DataError(f"{where}: the train and val splits have different class folders "

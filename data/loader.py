@@ -121,17 +121,21 @@ def split_location(cfg: DataConfig, split: str) -> Optional[str]:
 def same_split_data(cfg: DataConfig, split: str, other: DataConfig, other_split: str) -> Optional[str]:
     """How `split` ('train' or 'val') of `cfg` reads the data of `other_split` of `other` (folder or token data
     sets), or None: "same" when both reach one folder or file, whatever its names (a path, a symbolic or hard link,
-    a bind mount: os.path.samefile, where `split_location`'s resolved paths tell a hard link apart), "copy" for two
-    token files of the same bytes (filecmp, in full: two files of one size and first MiB, `token_file_fingerprint`,
-    may differ further on). None for the embedded data sets and a split that is not there. Image folders are
-    compared as folders only: a copy of the training images under another folder passes, since telling it apart
-    means reading every image (ImageNet's 140 GB) or, by the names `folder_fingerprint` hashes, walking the training
-    folder before the run (minutes for 1.28 M files), and equal names are no proof of equal images."""
+    a bind mount: os.path.samefile, where `split_location`'s resolved paths tell a hard link apart), "classes" for
+    two split folders with a class folder in common (`shared_class_folders`: val/n2 a link to ../train/n2), "copy"
+    for two token files of the same bytes (filecmp, in full: two files of one size and first MiB,
+    `token_file_fingerprint`, may differ further on). None for the embedded data sets and a split that is not there.
+    Image folders are compared as folders only (the split's and its class folders): a copy of the training images
+    under another folder passes, since telling it apart means reading every image (ImageNet's 140 GB) or, by the
+    names `folder_fingerprint` hashes, walking the training folder before the run (minutes for 1.28 M files), and
+    equal names are no proof of equal images."""
     here, there = split_location(cfg, split), split_location(other, other_split)
     if here is None or there is None:
         return None
     if os.path.samefile(here, there):
         return "same"
+    if cfg.dataset == other.dataset == "folder" and shared_class_folders(here, there):
+        return "classes"
     # sizes first: files are read only where they have one size (a held-out split seldom has the train's size), and
     # then up to their first different block (filecmp), so a copy of a 17 GB train file costs a pass over both
     if (cfg.dataset == other.dataset == "tokens" and os.path.getsize(here) == os.path.getsize(there)
@@ -140,11 +144,34 @@ def same_split_data(cfg: DataConfig, split: str, other: DataConfig, other_split:
     return None
 
 
+def shared_class_folders(first: str, second: str) -> list[tuple[str, str]]:
+    """(name in `first`, name in `second`) of each class folder the split folders `first` and `second` have in common:
+    one folder under both, whatever its names (a symbolic link such as val/n2 -> ../train/n2, a bind mount), told as
+    os.path.samefile tells it, by device and inode, one os.stat per class folder. [] for a .tar split."""
+    if not (os.path.isdir(first) and os.path.isdir(second)):
+        return []
+
+    def identities(split: str) -> dict:
+        found = {}
+        for name in class_folders(split):  # the class folders timm labels (hidden ones aside)
+            stat = os.stat(os.path.join(split, name))  # through links
+            found.setdefault((stat.st_dev, stat.st_ino), name)
+        return found
+
+    theirs = identities(second)
+    return [(name, theirs[key]) for key, name in identities(first).items() if key in theirs]
+
+
 def split_reading(how: str, first: str, second: str) -> str:
     """What two splits read, for a refusal: `how` as `same_split_data` says, `first` and `second` their
     `split_location`s."""
     if first == second:
         return f"both read {first}"
+    if how == "classes":
+        shared = shared_class_folders(first, second)
+        shown = ", ".join(f"{os.path.join(second, b)} is {os.path.join(first, a)}" for a, b in shared[:3])
+        return (f"read {first} and {second}, which have {len(shared)} class folder(s) in common, one folder under "
+                f"two names ({shown}{', ...' if len(shared) > 3 else ''})")
     if how == "same":
         return f"read {first} and {second}, one {'folder' if os.path.isdir(first) else 'file'} under two names"
     return f"read {first} and {second}, copies of one token file (the same bytes)"
