@@ -67,6 +67,25 @@ class TokenStream:
     ids: np.ndarray  # 1-D integer ids
     vocab: Optional[list]
     source: str  # what it was read from, for messages
+    path: Optional[str] = None  # the token file `ids` maps whole (data.dataset=tokens); None for ids held in memory
+
+    # A DataLoader worker started by spawn or forkserver (macOS's default; Linux's from Python 3.14) gets its data set
+    # pickled, and a memory map pickles as a copy of every id: the whole token file (OpenWebText's 17 GB) into each
+    # worker. A mapped stream travels as its file's name and length instead and maps the file again in the process
+    # that unpickles it, as nanoGPT maps its file anew for each batch.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self.path is not None:
+            state["ids"] = len(self.ids)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.path is not None:
+            length, self.ids = self.ids, map_token_file(self.path)
+            if len(self.ids) != length:  # the windows were counted on the file as it was
+                raise DataError(f"{self.path} changed while it was read: {length} ids at the start, {len(self.ids)} "
+                                "now; leave token files unchanged during a run")
 
 
 def token_stream(cfg: DataConfig, split: str) -> TokenStream:
@@ -75,10 +94,15 @@ def token_stream(cfg: DataConfig, split: str) -> TokenStream:
         return _kjv(split, cfg.kjv_val_fraction)
     if cfg.dataset == "tokens":
         path = token_file(cfg, split)
-        ids = np.memmap(path, dtype=np.uint16, mode="r")
+        ids = map_token_file(path)
         check_not_wider_ids(ids, path)
-        return TokenStream(ids, None, path)
+        return TokenStream(ids, None, path, path=path)
     raise DataError(f"data.dataset={cfg.dataset!r} holds images, not text")
+
+
+def map_token_file(path: str) -> np.ndarray:
+    """The uint16 ids of the token file `path`, memory-mapped: read as they are used, never loaded whole."""
+    return np.memmap(path, dtype=np.uint16, mode="r")
 
 
 def token_file(cfg: DataConfig, split: str) -> str:
@@ -152,6 +176,8 @@ def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
     The model would train on twice as many tokens, half of them the other halves. In a real uint16 stream odd
     and even positions hold the same kind of text, so none of these happens (a vocabulary of fewer than 16
     ids has no even value of 4096; one of more than 18303 ids has odd values below 16256 too).
+    * float16 ids (np.float16(ids).tofile), judged after those: every value 0 or the bits of a float16 whole number of
+      1 or more, 0x3C00..0x7BFF (15360..31743, `is_float16_ids`): ids of 15360 and more, the bits of float16 numbers.
     A plain text file (its bytes UTF-8 without control bytes, `is_plain_text`) is refused too: read as uint16 it
     gives ids up to 32382 (plain ASCII) or 65535 (other characters), so that model.num_classes widened to fit would
     train on pairs of bytes."""
@@ -170,11 +196,31 @@ def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
                 "(or float64) token ids")
     elif low == 0 and high > 0:
         wide = f"0 while the others reach {high}, as in a file of 32-bit token ids written big-endian"
+    elif is_float16_ids(head):  # after the 32-bit layouts: a float32's halves are float16 whole numbers too, often
+        raise DataError(f"{path}: every uint16 value of its first {len(head):,} is 0 or, read as float16, a whole "
+                        f"number of 1 or more (bit patterns 15360..31743; up to {int(head.max())}), as in a file of "
+                        "float16 token ids; data.dataset=tokens reads uint16 ids (nanoGPT's prepare.py: "
+                        "np.array(ids, dtype=np.uint16).tofile(...)); write the file with uint16")
     else:
         return
     raise DataError(f"{path}: every second uint16 value of its first {len(head):,} is {wide}; data.dataset=tokens "
                     "reads uint16 ids (nanoGPT's prepare.py: np.array(ids, dtype=np.uint16).tofile(...)); write the "
                     "file with uint16 (a vocabulary of more than 65,536 ids does not fit uint16 token files)")
+
+
+FLOAT16_WHOLE = (0x3C00, 0x7C00)  # float16 bit patterns of 1.0 up to 65504 (0x7C00 is infinity)
+
+
+def is_float16_ids(head: np.ndarray) -> bool:
+    """Whether the uint16 values `head` are the bits of float16 whole numbers (ids written as float16), judged on
+    LAYOUT_JUDGE_IDS // 2 or more nonzero values: each nonzero one in FLOAT16_WHOLE and a whole number as a float16.
+    A real uint16 stream is not: its common ids are small (GPT-2 BPE's below 2304, a character vocabulary's below
+    256), and ids of 15360..25599 read as float16 are mostly fractions (1.0..1024.0 in steps of 1/1024 at most)."""
+    nonzero = head[head != 0]
+    if len(nonzero) < LAYOUT_JUDGE_IDS // 2 or nonzero.min() < FLOAT16_WHOLE[0] or nonzero.max() >= FLOAT16_WHOLE[1]:
+        return False
+    values = nonzero.view(np.float16)
+    return bool(np.all(values == np.floor(values)))
 
 
 def token_files_fingerprint(cfg: DataConfig) -> Optional[dict]:
@@ -282,7 +328,8 @@ class TokenWindows(Dataset):
     """(x, y) windows of `context` ids and their next ids; see the module docstring for the offsets."""
 
     def __init__(self, stream: TokenStream, context: int, train: bool, limit: int = 0):
-        self.ids, self.context, self.train = stream.ids, context, train
+        # the stream, not its ids: pickled for a worker process, a token file's stream sends its name, not its ids
+        self.stream, self.context, self.train = stream, context, train
         # a window is context + 1 ids; a training window starts up to context - 1 ids late (its random offset),
         # so window i ends by id i * context + 2 * context: (len - context) // context of them fit
         extra = context - 1 if train else 0
@@ -295,6 +342,10 @@ class TokenWindows(Dataset):
         # evenly spread windows when the validation is limited (data.val_windows)
         self.starts = (np.linspace(0, self.count - 1, limit).round().astype(np.int64) * context
                        if 0 < limit < self.count and not train else None)
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.stream.ids
 
     def __len__(self) -> int:
         return len(self.starts) if self.starts is not None else self.count
