@@ -20,8 +20,9 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
   `train.archive_existing=true` moves them to `out_dir/archive/<time>/` first. `train.resume=` one of the
   folder's own snapshots continues its run (a roll-back), with or without checkpoint.pt. One case is archived
   without asking, with a warning: the folder holds only the logs of a run of the SAME config that
-  stopped before its first checkpoint (no best.pt), i.e. the same command restarting; and a folder
-  that holds only what a start that failed before its first logged update leaves (train.log, config.yaml,
+  stopped before its first checkpoint (no best.pt, or the best.pt of its first validation where a partial write
+  of checkpoint.pt shows that it was killed writing its first checkpoint), i.e. the same command restarting; and a
+  folder that holds only what a start that failed before its first logged update leaves (train.log, config.yaml,
   tb/, no metrics: a typo in the model name, the data path or a value), whatever the config. Both include
   the wandb/ folder a run makes when its config.yaml enables wandb. A config.yaml that is not a run's whole
   config (other top-level keys than the schema's sections: a recipe of the user's) is no run's, and the folder
@@ -222,6 +223,12 @@ def _partial_writer(name: str) -> Optional[int]:
     return int(match.group(2)) if match else None
 
 
+def _written_name(name: str) -> str:
+    """The file a temporary file `name` (`partial_path`, or an earlier version's name) was written to become."""
+    match = _LEGACY_PARTIAL.match(name)
+    return match.group(1) if match else _PARTIAL.sub("", name)
+
+
 def _running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -365,8 +372,9 @@ def saved_train_setting(out_dir: str, key: str) -> Any:
     return train.get(key) if isinstance(train, dict) else None
 
 
-def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> None:
-    """Without checkpoint.pt: make sure no earlier result is overwritten (see module docstring)."""
+def check_fresh_start(out_dir: str, config: dict, archive_existing: bool, first_write_cut: bool = False) -> None:
+    """Without checkpoint.pt: make sure no earlier result is overwritten (see module docstring). `first_write_cut`:
+    a partial write of checkpoint.pt was just removed (`remove_partial_writes`), the run was killed writing it."""
     found = earlier_run_files(out_dir)
     if not found:
         return
@@ -384,13 +392,20 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool) -> Non
                     out_dir)
         archive(out_dir, found)
         return
-    restart = ("best.pt" not in found and set(found) <= _start_logs(saved) | {"metrics.jsonl"}
+    # killed while writing its first checkpoint.pt, whose partial write is the proof (a checkpoint.pt deleted by
+    # hand leaves none): the best.pt the validation before that write wrote is this run's, with no resume point;
+    # the restart writes it again (archived with the logs, not deleted). Without that proof best.pt is a result
+    # that is never moved without train.archive_existing=true
+    results = {"best.pt"} if first_write_cut else set()
+    restart = (set(found) <= _start_logs(saved) | {"metrics.jsonl"} | results
                and saved is not None and not config_changes(saved, config))
     if archive_existing or restart:
         check_inputs_stay(out_dir, found, config, "train.archive_existing=true would move" if archive_existing
                           else "a restart of the same run moves (its logs)")
         if restart:
-            log.warning("%s holds the logs of this same run, stopped before its first checkpoint", out_dir)
+            log.warning("%s holds the %s of this same run, stopped before its first checkpoint%s", out_dir,
+                        "logs and best.pt" if "best.pt" in found else "logs",
+                        " (killed while writing it)" if first_write_cut else "")
         archive(out_dir, found)
         return
     raise RunDirError(f"out_dir '{out_dir}' holds files of an earlier run ({', '.join(found)}) but no "
@@ -508,7 +523,7 @@ def claim_run_dir(out_dir: str, config: dict, archive_existing: bool = False) ->
     make_folder(out_dir)
     with lock_folder(out_dir):
         check_writable(out_dir)
-        remove_partial_writes(out_dir)
+        removed = remove_partial_writes(out_dir)
         # train.resume=out_dir/snapshots/epoch<E>.pt continues this folder's run (a roll-back, also with its
         # checkpoint.pt moved away): its files are that run's, and archiving them would move the snapshot too
         resume = str((config.get("train") or {}).get("resume") or "")
@@ -518,7 +533,8 @@ def claim_run_dir(out_dir: str, config: dict, archive_existing: bool = False) ->
         own_snapshot = bool(resume) and os.path.isfile(resume) and is_inside(resume, os.path.join(out_dir, SNAPSHOTS))
         # isfile, as resume_source asks (engine/snapshots.py): the run resumes exactly when it skips this check
         if not os.path.isfile(os.path.join(out_dir, "checkpoint.pt")) and not own_snapshot:
-            check_fresh_start(out_dir, config, archive_existing)
+            check_fresh_start(out_dir, config, archive_existing,
+                              first_write_cut=any(_written_name(name) == "checkpoint.pt" for name in removed))
         check_snapshots_folder(out_dir, config)  # after archiving, which moves an earlier run's 'snapshots' too
         yield
 

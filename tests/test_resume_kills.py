@@ -1,0 +1,59 @@
+"""Runs killed (SIGKILL: no handler runs) at the worst moments of their writes, then re-run with the same command:
+the re-run goes on, and nothing the killed run wrote is lost."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import train
+from tests.conftest import DEBUG_CONFIG, ROOT
+
+# train.py, killed inside the write of the first file whose name contains KILL_AT (written through a temporary
+# file: save_atomic's `<path>.partial-...`), after half of it is written
+KILLING_DRIVER = textwrap.dedent("""
+    import os, runpy, signal, sys
+    import torch
+    at, save = os.environ["KILL_AT"], torch.save
+    def cut(obj, f, *args, **kwargs):
+        name = getattr(f, "name", f)
+        if at in os.path.basename(str(name)):
+            f.write(b"PK\\x03\\x04half a checkpoint" * 100)
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return save(obj, f, *args, **kwargs)
+    torch.save = cut
+    sys.argv = ["train.py"] + sys.argv[1:]
+    sys.path.insert(0, os.getcwd())
+    runpy.run_path("train.py", run_name="__main__")
+""")
+
+
+def killed_run(tmp_path, kill_at: str, *overrides: str) -> subprocess.CompletedProcess:
+    driver = tmp_path / "killing_driver.py"
+    driver.write_text(KILLING_DRIVER)
+    return subprocess.run([sys.executable, str(driver), "--config", DEBUG_CONFIG, *overrides], cwd=ROOT,
+                          env={**os.environ, "KILL_AT": kill_at}, capture_output=True, text=True, timeout=600)
+
+
+def test_a_kill_inside_the_first_checkpoint_write_restarts_with_the_same_command(tmp_path, debug_config):
+    """The first validation writes best.pt just before the first checkpoint.pt: a kill inside that write left
+    best.pt and no checkpoint.pt, a folder the same command refused (best.pt is a result, moved only with
+    train.archive_existing=true), so every requeue of the job failed. The partial checkpoint.pt write shows that the
+    run was killed there: the same command archives its files (best.pt too, unchanged) and trains afresh."""
+    out = tmp_path / "run"
+    killed = killed_run(tmp_path, "checkpoint.pt.partial", f"out_dir={out}")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    left = sorted(os.listdir(out))
+    assert "best.pt" in left and "checkpoint.pt" not in left, left
+    assert any(name.startswith("checkpoint.pt.partial-") for name in left), left
+    best = (out / "best.pt").read_bytes()
+
+    run = train.main(debug_config(name="run"))  # the same command
+    assert run.state.step == 8  # the whole schedule, from the start
+    (stamp,) = os.listdir(out / "archive")
+    assert (out / "archive" / stamp / "best.pt").read_bytes() == best  # moved, not deleted or changed
+    assert not [name for name in os.listdir(out) if ".partial-" in name]
+    assert os.path.isfile(out / "checkpoint.pt") and os.path.isfile(out / "best.pt")
