@@ -626,9 +626,10 @@ def test_another_digits_val_fraction_is_refused_for_a_checkpoint(checkpoint):
 @pytest.mark.parametrize("overrides, message", [
     (["quant.repq.stem_w_bits=40"], "quant.repq: stem_w_bits=40: give 2..16 bits, 0 (float) or null"),
     (["quant.repq.head_a_bits=1"], "quant.repq: head_a_bits=1: give 2..16 bits"),
-    (["quant.percentile.act_percentiles=[1.5]"], "quant.percentile: percentile levels must lie in (0.5, 1]"),
+    (["quant.percentile.act_percentiles=[1.5]"], "quant.percentile: act_percentiles=[1.5]: each level p must lie in "
+                                                 "(0.5, 1]"),
     (["quant.percentile.act_range=percentile", "quant.percentile.act_percentiles=[0.999,0.9999]"],
-     "quant.percentile: method 'percentile' takes exactly one level"),
+     "quant.percentile: act_range=percentile takes one level, act_percentiles=[0.999, 0.9999] gives 2"),
     (["quant.percentile.act_percentiles=[]"], "quant.percentile: act_percentiles=[]: give at least one level"),
     (["quant.percentile.act_range=minmax", "quant.percentile.act_percentiles=[0.999]"],
      "quant.percentile: act_percentiles=[0.999]: act_range=minmax reads no percentile"),

@@ -49,6 +49,16 @@ class PercentilePipeline(Pipeline):
                                  f"drop them, or set {operand}_range=percentile or percentile_mse")
             if levels is not None and not levels:
                 raise ValueError(f"{operand}_percentiles=[]: give at least one level, or null for the default")
+            # here, not in RangeSearch (which names neither key): a level is the upper quantile p of the range
+            # [q(1 - p), q(p)], so p <= 0.5 would put its upper end at or below its lower one
+            if levels is not None and not all(0.5 < p <= 1.0 for p in levels):
+                raise ValueError(f"{operand}_percentiles={list(levels)}: each level p must lie in (0.5, 1] (the "
+                                 f"range is [q(1 - p), q(p)]: 0.9999 clips to [q(0.0001), q(0.9999)]); give levels "
+                                 f"such as 0.999 or 0.9999, or null for the default")
+            if method == "percentile" and levels is not None and len(levels) != 1:
+                raise ValueError(f"{operand}_range=percentile takes one level, {operand}_percentiles={list(levels)} "
+                                 f"gives {len(levels)}; give one (e.g. {operand}_percentiles=[{levels[-1]}]), or "
+                                 f"{operand}_range=percentile_mse to choose among them by calibration MSE")
 
     def layout(self, bits: Bits, options: PercentileOptions) -> QuantSpec:
         act_search = range_search(options.act_range, options.act_percentiles)

@@ -1,0 +1,65 @@
+"""quant/ptq/percentile.py: a refused percentile level names the option that gave it, and the fix.
+
+The levels were checked only by quant/ranges.py's RangeSearch, which knows neither the operand nor the key: `error:
+quant.percentile: percentile levels must lie in (0.5, 1], got (0.3,)` for weight_percentiles=[0.3] beside a valid
+act_percentiles, and `method 'percentile' takes exactly one level` (RangeSearch's name for weight_range=percentile).
+PercentilePipeline.check now refuses each operand's levels with its keys. The reference is the tests' own: which
+operand's options were set, and the interval (0.5, 1] of upper quantiles p whose range [q(1 - p), q(p)] is not empty.
+"""
+import pytest
+
+import train
+from configs import ConfigError, load_config
+from quant import PIPELINES
+from quant.plan import check_quant_plan
+from quant.spec import Bits
+from tests.conftest import DEBUG_CONFIG
+
+OTHER = {"act": "weight", "weight": "act"}
+
+
+def refusal(options: dict) -> str:
+    """The ValueError PercentilePipeline.validate raises for `options` at w4a4 ('' where none)."""
+    pipeline = PIPELINES["percentile"]
+    try:
+        pipeline.validate(Bits(4, 4), pipeline.Options(**options))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("operand", ["act", "weight"])
+@pytest.mark.parametrize("levels", [[0.3], [0.5], [0.999, 1.5], [0.0], [-0.9999]])
+def test_a_level_outside_the_upper_half_names_its_operands_key(operand, levels):
+    # the other operand's levels are valid: the error is of this operand's, named by its key, with the fix
+    message = refusal({f"{operand}_percentiles": tuple(levels), f"{OTHER[operand]}_percentiles": (0.99,)})
+    assert message.startswith(f"{operand}_percentiles={levels}: each level p must lie in (0.5, 1]"), message
+    assert "or null for the default" in message
+
+
+@pytest.mark.parametrize("operand", ["act", "weight"])
+def test_several_levels_for_one_fixed_percentile_name_the_range_key(operand):
+    message = refusal({f"{operand}_range": "percentile", f"{operand}_percentiles": (0.9, 0.99)})
+    assert message.startswith(f"{operand}_range=percentile takes one level, {operand}_percentiles=[0.9, 0.99] "
+                              f"gives 2"), message
+    assert f"{operand}_range=percentile_mse" in message  # the fix: or choose among them
+
+
+@pytest.mark.parametrize("options", [{"act_percentiles": (0.5000001, 1.0), "weight_percentiles": (1.0,)},
+                                     {"act_range": "percentile", "act_percentiles": (0.99,),
+                                      "weight_range": "percentile", "weight_percentiles": (0.9999,)},
+                                     {"weight_range": "percentile"}, {}])
+def test_levels_in_the_upper_half_pass(options):
+    assert refusal(options) == ""
+
+
+def test_train_refuses_a_bad_level_before_it_trains(tmp_path):
+    """The run's quant.percentile settings are its evaluation's: refused from the config, before the run's folder."""
+    out = tmp_path / "run"
+    cfg = load_config([DEBUG_CONFIG], [f"out_dir={out}", "quant.percentile.act_percentiles=[0.99]",
+                                       "quant.percentile.weight_percentiles=[0.3]"])
+    with pytest.raises(ConfigError, match=r"^quant\.percentile: weight_percentiles=\[0\.3\]: each level"):
+        check_quant_plan(cfg)
+    with pytest.raises(ConfigError, match=r"quant\.percentile: weight_percentiles=\[0\.3\]"):
+        train.main(cfg)
+    assert not out.exists()
