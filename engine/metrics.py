@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from typing import Optional
 
 from .run_dir import keep_as_until_step, partial_path
@@ -234,10 +235,10 @@ def _take_back_branch(path: str, step: int, fingerprint: str) -> Optional[str]:
                     "other ones", path, step, stem, ext, step)
         return None
     branch = [line for line in _record_lines(source)[0] if json.loads(line).get("step", 0) <= step]
-    kept = keep_as_until_step(path, step)
     tmp = partial_path(path)
     with open(tmp, "w") as f:
         f.writelines(branch)
+    kept = keep_as_until_step(path, step, keep=_keep_copy)  # metrics.jsonl stays until the rename replaces it
     os.replace(tmp, path)
     log.warning("%s held another branch's records before update %d: kept as %s; this run's records up to update "
                 "%d taken back from %s", path, step, os.path.basename(kept), step, os.path.basename(source))
@@ -259,12 +260,23 @@ def _truncate_after(path: str, step: int) -> Optional[str]:
             later += 1
     if broken:
         log.warning("%s: dropped %d unreadable line(s) (an interrupted write)", path, broken)
-    if later:
-        kept_as = keep_as_until_step(path, step)
-        log.warning("%s: %d record(s) after update %d, from which this run goes on: the file as it was is "
-                    "kept as %s", path, later, step, kept_as)
     tmp = partial_path(path)
     with open(tmp, "w") as f:
         f.writelines(kept)
+    if later:
+        kept_as = keep_as_until_step(path, step, keep=_keep_copy)  # metrics.jsonl stays until the rename
+        log.warning("%s: %d record(s) after update %d, from which this run goes on: the file as it was is "
+                    "kept as %s", path, later, step, kept_as)
     os.replace(tmp, path)
     return kept_as
+
+
+def _keep_copy(path: str, kept: str) -> None:
+    """`kept` becomes a hard link to `path` (a copy where the file system has none), `path` staying in place: the
+    rename of the rewritten file then replaces it at once. Moved aside first, a kill before that rename left no
+    metrics.jsonl, and the resumed run's file began after the resume point, its earlier records only in the kept
+    file (a kill between the two now leaves both whole files, and the resume cuts again)."""
+    try:
+        os.link(path, kept)
+    except OSError:
+        shutil.copyfile(path, kept)

@@ -2,11 +2,14 @@
 the re-run goes on, and nothing the killed run wrote is lost."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 import train
 from tests.conftest import DEBUG_CONFIG, ROOT
@@ -57,3 +60,37 @@ def test_a_kill_inside_the_first_checkpoint_write_restarts_with_the_same_command
     assert (out / "archive" / stamp / "best.pt").read_bytes() == best  # moved, not deleted or changed
     assert not [name for name in os.listdir(out) if ".partial-" in name]
     assert os.path.isfile(out / "checkpoint.pt") and os.path.isfile(out / "best.pt")
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs, no handler sees it (not an Exception)."""
+
+
+def test_a_kill_while_metrics_jsonl_is_cut_back_keeps_the_records_before_the_resume_point(tmp_path, monkeypatch):
+    """A resume cuts metrics.jsonl back to its checkpoint's update (the records after it kept in
+    metrics.until_step<N>.jsonl). The file was moved aside before the cut one was renamed into place: a kill in
+    between left no metrics.jsonl, and the next resume's file began after update N, the records up to N only in
+    the kept file. Now metrics.jsonl stays whole until the rename."""
+    from engine.metrics import MetricLogger
+
+    records = [{"step": step, "train/loss": 1.0 / step} for step in range(1, 7)]  # a run killed after update 6
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    replace = os.replace
+
+    def killed_at_the_rename(source, target, *args, **kwargs):
+        if str(target).endswith("metrics.jsonl") and ".partial-" in str(source):
+            raise Killed
+        return replace(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", killed_at_the_rename)
+    with pytest.raises(Killed):  # resumed from its checkpoint of update 4, and killed in the cut
+        MetricLogger(str(tmp_path), enabled=True, tensorboard=False, resume_step=4)
+    monkeypatch.setattr(os, "replace", replace)
+    MetricLogger(str(tmp_path), enabled=True, tensorboard=False, resume_step=4).close()  # the same resume again
+
+    def read(name):
+        return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+
+    assert read("metrics.jsonl") == records[:4]
+    kept = sorted(name for name in os.listdir(tmp_path) if name.startswith("metrics.until_step4"))
+    assert kept and all(read(name) == records for name in kept)
