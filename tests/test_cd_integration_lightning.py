@@ -607,3 +607,32 @@ def test_an_optimizer_set_up_in_training_step_is_first_stepped_in_the_next_batch
 
     assert_matches_reference(module.after, run, TOL, variants=("before_backward", "after_step", "first_group_lr"))
     assert cd_callback(trainer).decay.num_updates == trainer.global_step == 4
+
+
+def test_a_resume_whose_checkpoint_holds_no_state_under_the_callbacks_key_warns_naming_the_keys(tmp_path):
+    """Lightning hands a callback the state under its own state_key only, which holds module=: a fit resumed with
+    another module= (or from a run without CD) restored nothing and counted from 0 without a word, where cd/README.md
+    says a resume with another CD config warns. The keys are Lightning's (class name, then the module= kwargs)."""
+    trainer = fit(Module(tiny_vit().double(), steps=2), 2, n_batches=1)  # the whole module's callback
+    trainer.save_checkpoint(tmp_path / "whole.ckpt")
+    assert list(torch.load(tmp_path / "whole.ckpt", weights_only=False)["callbacks"]) == ["ColinearityDecayCallback"]
+    callback = ColinearityDecayCallback(module="net", lam=LAM)
+    with pytest.warns(UserWarning, match=r"ColinearityDecayCallback: resuming at step 2 with no CD state under "
+                                         r"\"ColinearityDecayCallback\{'module': 'net'\}\".*it holds CD state under "
+                                         r"'ColinearityDecayCallback' \(saved by a ColinearityDecayCallback with "
+                                         r"another module=.*starts from 0"):
+        fit(Module(tiny_vit().double(), steps=3), 3, n_batches=1, ckpt_path=tmp_path / "whole.ckpt",
+            callback=callback)
+    assert callback.decay.num_updates == 1  # as the warning says: not restored
+    plain = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, precision="64-true")
+    plain.fit(Module(tiny_vit().double(), steps=2), image_loader(1))
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    with pytest.warns(UserWarning, match=r"resuming at step 2 with no CD state under 'ColinearityDecayCallback' in "
+                                         r"the checkpoint; it holds no CD state \(saved by a run without CD\)"):
+        fit(Module(tiny_vit().double(), steps=3), 3, n_batches=1, ckpt_path=tmp_path / "plain.ckpt")
+    with warnings.catch_warnings(record=True) as caught:  # the same callback resumes its own state, silently
+        warnings.simplefilter("always")
+        callback = ColinearityDecayCallback(lam=LAM)
+        fit(Module(tiny_vit().double(), steps=3), 3, n_batches=1, ckpt_path=tmp_path / "whole.ckpt", callback=callback)
+    assert callback.decay.num_updates == 3 and not [w for w in caught if "no CD state" in str(w.message)]

@@ -641,3 +641,24 @@ def test_a_copy_that_the_forward_does_not_run_is_refused_naming_module_and_the_p
     with pytest.raises(UnsupportedModelError, match=r"teacher\.blocks\.0.*not used in the forward pass.*"
                        r"module=\.\.\.\).*'backbone', 'head', 'teacher'\]"):
         run(config(tmp_path, iters=1, model=dict(type="WithACopy"), module="", input_shape=(1, 3, 32, 32)))
+
+
+def test_a_resume_whose_checkpoint_holds_no_state_under_the_hooks_key_warns_naming_the_keys(tmp_path, monkeypatch):
+    """The hook reads its state under its own checkpoint_key, which holds module=: a run resumed with another
+    module= (or from a run without CD) restored nothing and counted from 0 without a word, where cd/README.md says
+    a resume with another CD config warns."""
+    run(config(tmp_path / "whole", iters=2))  # module=None: the backbone, under "colinearity_decay"
+    cfg = config(tmp_path / "plain", iters=2)
+    cfg["custom_hooks"] = [dict(type="RecordWeights")]
+    run(cfg)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.warns(UserWarning, match=r"ColinearityDecayHook: resuming at step 2 with no CD state under "
+                                         r"'colinearity_decay:backbone' in the checkpoint; it holds CD state under "
+                                         r"'colinearity_decay' \(saved by a ColinearityDecayHook with another "
+                                         r"module=.*starts from 0"):
+        resumed = run(config(tmp_path / "part", iters=4, module="backbone",
+                             resume=str(tmp_path / "whole" / "iter_2.pth")))
+    assert hook_of(resumed, "ColinearityDecayHook").decay.num_updates == 2  # as the warning says: not restored
+    with pytest.warns(UserWarning, match=r"resuming at step 2 with no CD state under 'colinearity_decay' in the "
+                                         r"checkpoint; it holds no CD state \(saved by a run without CD\)"):
+        run(config(tmp_path / "late", iters=4, resume=str(tmp_path / "plain" / "iter_2.pth")))

@@ -32,7 +32,8 @@ callbacks', or in `training_step` under manual optimization) is refused at its f
 stepped without CD. Under automatic optimization Lightning steps the optimizer that the batch started with, so one
 set up in `training_step` is first stepped in the next batch, bound at that batch's start: every step gets CD.
 The callback's state (the update counter) is saved in Lightning checkpoints and restored with
-`fit(..., ckpt_path=...)`; the update itself has no state.
+`fit(..., ckpt_path=...)`; the update itself has no state. A resumed fit whose checkpoint holds no state under
+this callback's key (saved with another `module=`, or without CD) warns, naming the keys it holds.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ from lightning.pytorch.callbacks import Callback
 from ..decay import ColinearityDecay
 from ..verify import UnsupportedModelError
 from . import (bind_optimizers, check_cd_arguments, check_module_name, name_the_part, select_module,
-               torch_optimizer)
+               torch_optimizer, warn_unrestored)
 
 
 class ColinearityDecayCallback(Callback):
@@ -68,6 +69,7 @@ class ColinearityDecayCallback(Callback):
         self.cd_kwargs = check_cd_arguments(cd_kwargs)
         self.decay: Optional[ColinearityDecay] = None
         self._restored: Optional[dict] = None
+        self._checkpoint_keys: Optional[list[str]] = None
         self._bindings: dict = {}
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -75,6 +77,7 @@ class ColinearityDecayCallback(Callback):
         # counter restored for an earlier call (a resumed fit, a validate(ckpt_path=...)) never reaches a later fit
         # without ckpt_path, which is a new run counted from 0
         self._restored = None
+        self._checkpoint_keys = None  # this class's keys in the checkpoint this fit resumes (on_load_checkpoint)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._unbind()
@@ -98,6 +101,8 @@ class ColinearityDecayCallback(Callback):
             raise UnsupportedModelError(message) from e
         if self._restored is not None:
             self.decay.load_state_dict(self._restored)
+        elif self._checkpoint_keys is not None and trainer.global_step > 0:
+            warn_unrestored(type(self).__name__, self.state_key, self._checkpoint_keys, trainer.global_step)
         self._bind(trainer)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
@@ -151,6 +156,13 @@ class ColinearityDecayCallback(Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._restored = state_dict.get("cd")
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        # Lightning hands `load_state_dict` the state under `state_key` alone, which depends on module=: a state
+        # saved with another module= would be left unread without a word (on_train_start warns)
+        name = type(self).__qualname__  # state_key: the class name, with the module= for a part
+        self._checkpoint_keys = [k for k in checkpoint.get("callbacks") or {}
+                                 if isinstance(k, str) and (k == name or k.startswith(name + "{"))]
 
 
 def _lightning_names(message: str, module: str) -> str:

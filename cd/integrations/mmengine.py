@@ -47,7 +47,7 @@ from ..decay import ColinearityDecay, budget_weight_decay
 from ..verify import UnsupportedModelError, example_input
 from ..wrappers import unwrap_model
 from . import (bind_optimizers, check_cd_arguments, check_module_name, name_the_part, select_module,
-               torch_optimizer)
+               torch_optimizer, warn_unrestored)
 
 CHECKPOINT_KEY = "colinearity_decay"
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)  # an image batch, for a part that cannot say its input size
@@ -99,6 +99,7 @@ class ColinearityDecayHook(Hook):
                              "give one of them")
         self.decay: Optional[ColinearityDecay] = None
         self._restored: Optional[dict] = None
+        self._checkpoint_keys: Optional[list[str]] = None  # this class's keys in the checkpoint loaded, if any
         self._bindings: dict = {}
 
     def target(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -145,8 +146,11 @@ class ColinearityDecayHook(Hook):
                 "part (e.g. input_shape=(1, 3, 32, 32)), or verify=False to trust the structure alone") from e.__cause__
         # `after_load_checkpoint` comes for `load_from` (fine-tuning from a checkpoint: a new run, counted from 0)
         # as for `resume`; only a resumed run stands past iteration 0 here
-        if self._restored is not None and runner.iter > 0:
-            self.decay.load_state_dict(self._restored)
+        if runner.iter > 0 and self._checkpoint_keys is not None:  # a resumed run
+            if self._restored is not None:
+                self.decay.load_state_dict(self._restored)
+            else:
+                warn_unrestored(type(self).__name__, self.checkpoint_key, self._checkpoint_keys, runner.iter)
         self._bind(runner)
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
@@ -186,6 +190,9 @@ class ColinearityDecayHook(Hook):
 
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         self._restored = checkpoint.get(self.checkpoint_key)  # applied in before_train, to a resumed run only
+        # the keys of hooks of this class in it: one saved with another module= is not read, and before_train warns
+        self._checkpoint_keys = [k for k in checkpoint if isinstance(k, str) and
+                                 (k == CHECKPOINT_KEY or k.startswith(CHECKPOINT_KEY + ":"))]
 
 
 CD_HOOK = ColinearityDecayHook.__name__
