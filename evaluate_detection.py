@@ -236,7 +236,7 @@ def main(argv=None) -> dict:
         check_image_folders(cfg, loaders, source)
         check_evaluator_annotations(cfg)
         check_scoring_evaluator(cfg)
-        check_annotations(cfg, loaders, source)
+        check_annotations(cfg, loaders, source, args.max_images)  # the images scored: --max-images cut
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, args.device)
     with process_group(args.device, wait) as dist:

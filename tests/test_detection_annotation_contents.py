@@ -35,25 +35,32 @@ def _edit(root, split, change):
     return str(path)
 
 
-def test_missing_images_matches_a_stat_per_name(mmdet_ready, tmp_path):
-    """The one listing of the folder finds what a stat of every name finds: plain files, one in a subfolder, an
-    absolute path, a symlink (a broken one is missing), a folder named like an image, a name not there."""
-    from engine.detection import missing_images
+def test_unusable_images_match_a_stat_per_name(mmdet_ready, tmp_path):
+    """The images named by no file (plain files, one in a subfolder, an absolute path, a symlink: a broken one is
+    missing, a folder named like an image, a name not there) and those of 0 bytes (cv2 cannot decode them: a
+    traceback mid-epoch), each as os.path.isfile and os.path.getsize find them."""
+    from engine.detection import unusable_images
     folder = tmp_path / "images"
     (folder / "sub").mkdir(parents=True)
     for name in ("a.png", "b.png", "sub/c.png"):
         (folder / name).write_bytes(b"x")
+    for name in ("z.png", "sub/z.png"):
+        (folder / name).write_bytes(b"")
     (folder / "d.png").mkdir()  # no image
     os.symlink(folder / "a.png", folder / "link.png")
+    os.symlink(folder / "z.png", folder / "zlink.png")  # a link to an empty file
     os.symlink(folder / "gone.png", folder / "broken.png")
     outside = tmp_path / "outside.png"
     outside.write_bytes(b"x")
-    names = ["a.png", "b.png", "sub/c.png", "sub/x.png", "d.png", "link.png", "broken.png", "e.png", str(outside),
-             str(tmp_path / "nowhere.png"), "a.png"]
-    expected = [n for n in names if not os.path.isfile(os.path.join(str(folder), n))]
-    assert missing_images([{"file_name": n} for n in names], str(folder)) == expected
-    assert expected == ["sub/x.png", "d.png", "broken.png", "e.png", str(tmp_path / "nowhere.png")]
-    assert missing_images([{"file_name": "a.png"}], str(tmp_path / "no_folder")) == ["a.png"]
+    names = ["a.png", "b.png", "sub/c.png", "sub/x.png", "d.png", "z.png", "link.png", "zlink.png", "broken.png",
+             "e.png", "sub/z.png", str(outside), str(tmp_path / "nowhere.png"), "a.png"]
+    paths = {n: os.path.join(str(folder), n) for n in names}
+    missing = [n for n in names if not os.path.isfile(paths[n])]
+    empty = [n for n in names if os.path.isfile(paths[n]) and os.path.getsize(paths[n]) == 0]
+    assert unusable_images([{"file_name": n} for n in names], str(folder)) == (missing, empty)
+    assert missing == ["sub/x.png", "d.png", "broken.png", "e.png", str(tmp_path / "nowhere.png")]
+    assert empty == ["z.png", "zlink.png", "sub/z.png"]
+    assert unusable_images([{"file_name": "a.png"}], str(tmp_path / "no_folder")) == (["a.png"], [])
 
 
 def _mmdet_reads_as_meant(path, images, classes):
@@ -195,3 +202,147 @@ def test_a_renamed_class_says_what_the_file_lists_and_what_the_config_expects(sa
             f"them; label 0 (box) would hold disc's objects; {squares} object{'' if squares == 1 else 's'} of "
             "square would be dropped") in line, line
     assert not (tmp_path / "w").exists()
+
+
+def test_empty_images_are_refused_before_training_naming_them_and_the_count(sample, tmp_path, capsys):
+    """A zero-byte training image (an interrupted copy) trained 3 of the sample's 4 updates and failed with a cv2
+    traceback; an empty val image would fail after the epoch. One error line each, before the work dir is made,
+    for training and for evaluation (whose checkpoint does not exist: the refusal comes first)."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    root = _copy(sample, tmp_path, "coco")
+    train = sorted(os.listdir(root / "train2017"))
+    (root / "train2017" / train[4]).write_bytes(b"")
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(root), "--work-dir", str(tmp_path / "w"),
+                               "train_cfg.max_epochs=1"])
+    path = root / "annotations" / "instances_train2017.json"
+    assert line == (f"error: --data-root {root}: train_dataloader reads {path}, which lists {len(train)} images, 1 of "
+                    f"them an empty file (0 bytes) in {root / 'train2017'} (the first: {train[4]}): copy the empty "
+                    "one there again, or give the annotation file of the images that folder holds"), line
+    assert not (tmp_path / "w").exists()
+    shutil.copy(os.path.join(sample, "train2017", train[4]), root / "train2017" / train[4])
+    val = sorted(os.listdir(root / "val2017"))
+    for name in val[1:3]:
+        (root / "val2017" / name).write_bytes(b"")
+    os.remove(root / "val2017" / val[0])
+    with pytest.raises(DetectionError, match=rf"test_dataloader reads .*instances_val2017.json, which lists "
+                                             rf"{len(val)} images, 1 of them not in .*val2017 \(the first: {val[0]}\) "
+                                             rf"and 2 of them empty files \(0 bytes\) in .*val2017 \(the first: "
+                                             rf"{val[1]}\): put the missing images there and copy the empty ones "
+                                             "there again, or give"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", str(root),
+              "--quant", "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
+
+
+def _pycocotools_map(path, image_ids, classes):
+    """COCO box mAP (pycocotools' COCOeval, as MMDetection's CocoMetric calls it) of one detection per image of
+    `image_ids` for the categories named `classes`: -1 where it finds no ground truth."""
+    import contextlib
+    import io
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(path)
+        cat_ids = gt.getCatIds(catNms=list(classes))
+        dt = gt.loadRes([{"image_id": i, "category_id": cat_ids[0], "bbox": [8.0, 8.0, 16.0, 16.0], "score": 0.5}
+                         for i in image_ids])
+        run = COCOeval(gt, dt, "bbox")
+        run.params.imgIds, run.params.catIds = list(image_ids), cat_ids
+        run.evaluate()
+        run.accumulate()
+        run.summarize()
+    return run.stats[0]
+
+
+def _no_objects_in(count):
+    def change(data):
+        empty = {image["id"] for image in data["images"][:count]}
+        data["annotations"] = [a for a in data["annotations"] if a["image_id"] not in empty]
+    return change
+
+
+def _crowds_only(data):
+    for ann in data["annotations"]:
+        ann["iscrowd"] = 1
+
+
+@pytest.mark.parametrize("name, change, indices", [
+    ("as_is", lambda data: None, None),
+    ("none", _no_objects_in(4), None),
+    ("crowds", _crowds_only, None),
+    ("first_two", _no_objects_in(2), 2),  # --max-images 2
+    ("first_two_of_three", _no_objects_in(2), 3),
+    ("indices", _no_objects_in(2), [1, 0]),
+    ("last", _no_objects_in(3), -1)])
+def test_scored_objects_are_none_exactly_where_pycocotools_scores_minus_one(sample, tmp_path, name, change, indices):
+    from engine.detection import scored_images, scored_objects
+    root = _copy(sample, tmp_path, name)
+    path = _edit(root, "val2017", change)
+    data = json.loads(open(path).read())
+    ids = scored_images(data["images"], indices)
+    everything = [image["id"] for image in data["images"]]
+    assert ids == (everything if indices is None else everything[:indices] if indices == 2 or indices == 3 else
+                   [everything[1], everything[0]] if isinstance(indices, list) else everything[-1:])
+    objects = scored_objects(ids, data["categories"], data["annotations"], ("box", "disc"))
+    assert (objects == 0) == (_pycocotools_map(path, ids, ("box", "disc")) == -1), objects
+    assert (objects == 0) == (name in ("none", "crowds", "first_two", "indices")), objects
+
+
+def test_an_evaluation_of_images_without_objects_is_refused_before_any_work(sample, tmp_path):
+    """A val split without objects (or its first N images, --max-images N) was scored mAP -1, pycocotools' mark of
+    no ground truth, and recorded with rc 0. Refused before the weights are read (the checkpoint does not exist)."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    root = _copy(sample, tmp_path, "coco")
+    path = _edit(root, "val2017", _no_objects_in(2))
+    argv = ["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", str(root), "--quant",
+            "--out", str(tmp_path / "x.json")]
+    with pytest.raises(DetectionError) as refused:
+        main(argv + ["--max-images", "2"])
+    assert str(refused.value) == (
+        f"test_dataloader reads {path}, which holds no objects of the config's classes (box, disc) in its first 2 "
+        "images (--max-images 2) (crowd regions, which COCO's evaluation ignores, not counted): mAP is undefined "
+        "(pycocotools scores it -1); give the data set's annotation file, or score more images (--max-images)")
+    with pytest.raises(DetectionError) as later:  # 3 images hold objects: the missing checkpoint is next
+        main(argv + ["--max-images", "3"])
+    assert "holds no objects" not in str(later.value) and "w.pth" in str(later.value), later.value
+    _edit(root, "val2017", _no_objects_in(4))
+    with pytest.raises(DetectionError, match=r"which holds no objects of the config's classes \(box, disc\) in its 4 "
+                                             r"images \(crowd"):
+        main(argv)
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_training_split_without_objects_is_refused_before_training(sample, tmp_path, capsys):
+    """MMDetection's filter_empty_gt kept no image: 'train_dataloader, val_dataloader or val_evaluator could not be
+    built ... (ValueError: need at least one array to concatenate)'."""
+    root = _copy(sample, tmp_path, "coco")
+    path = _edit(root, "train2017", lambda data: data.update(annotations=[]))
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(root), "--work-dir", str(tmp_path / "w")])
+    assert line == (f"error: train_dataloader reads {path}, in which no training image has an object of the config's "
+                    "classes (box, disc): a detector would train on none (with filter_cfg.filter_empty_gt, "
+                    "MMDetection keeps no image); give the data set's annotation file"), line
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_negative_map_is_not_recorded(sample, tmp_path, monkeypatch):
+    """Past the early check (here switched off), pycocotools' -1 of a split without objects is an error, not a
+    score in the results file."""
+    import torch
+    import engine.detection
+    from mmdet.registry import MODELS
+    from engine.detection import DetectionError, load_config
+    from evaluate_detection import main
+    root = _copy(sample, tmp_path, "coco")
+    weights = str(tmp_path / "fresh.pth")  # a detector as built (its scores do not matter: there is nothing to find)
+    torch.save({"state_dict": MODELS.build(load_config([SAMPLE_CONFIG], {}, str(root), None).model).state_dict(),
+                "meta": {}}, weights)
+    _edit(root, "val2017", _no_objects_in(4))
+    monkeypatch.setattr(engine.detection, "check_annotations", lambda *args, **kwargs: None)
+    out = tmp_path / "x.json"
+    with pytest.raises(DetectionError, match=r"bbox_mAP, .*segm_mAP.* of the 4 images scored came out -1, "
+                                             "pycocotools' mark of no ground truth"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", weights, "--data-root", str(root), "--quant", "--out",
+              str(out)])
+    assert not out.exists() or "fp" not in json.loads(out.read_text())

@@ -34,8 +34,8 @@ try:
     from engine.detection.config import (CommandReads, check_hooks, check_method_hooks, check_override_keys,
                                          load_config, loader_arguments, merge_fragment, parse_overrides, read_config,
                                          runner_keys)
-    from engine.detection.annotation_contents import (category_problems, dropped_objects, label_names,
-                                                      missing_images)
+    from engine.detection.annotation_contents import (category_problems, dropped_objects, images_with_objects,
+                                                      label_names, scored_images, scored_objects, unusable_images)
     from engine.detection.data_checks import (annotation_files, annotation_paths, check_annotation_files,
                                               check_annotations, check_evaluator_annotations, check_head_classes,
                                               check_image_folders, check_pipeline, dataset_classes, image_folders,
@@ -57,7 +57,8 @@ __all__ = [
     "DetectionError",
     "CommandReads", "check_hooks", "check_method_hooks", "check_override_keys", "load_config", "loader_arguments",
     "merge_fragment", "parse_overrides", "read_config", "runner_keys",
-    "category_problems", "dropped_objects", "label_names", "missing_images",
+    "category_problems", "dropped_objects", "images_with_objects", "label_names", "scored_images", "scored_objects",
+    "unusable_images",
     "annotation_files", "annotation_paths", "check_annotation_files", "check_annotations",
     "check_evaluator_annotations", "check_head_classes", "check_image_folders", "check_pipeline",
     "dataset_classes", "image_folders", "loader_datasets", "reading_annotations", "set_data_root",

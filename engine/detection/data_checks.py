@@ -14,7 +14,8 @@ from typing import Any, List, Optional, Sequence
 from mmengine.config import Config
 from mmdet.registry import DATASETS
 
-from engine.detection.annotation_contents import category_problems, missing_images
+from engine.detection.annotation_contents import (category_problems, images_with_objects, scored_images,
+                                                  scored_objects, unusable_images)
 from engine.detection.errors import DetectionError
 from engine.detection.rng_state import RngStateHook
 
@@ -201,14 +202,19 @@ def _image_folder(dataset: dict) -> Optional[str]:
     return os.path.abspath(os.path.join(dataset.get("data_root") or "", folder)) if isinstance(folder, str) else None
 
 
-def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = None) -> None:
+def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = None,
+                      max_images: Optional[int] = None) -> None:
     """Refuse a COCO annotation file of the loaders `keys` that lists no images, lists images its loader's image
-    folder lacks, or whose categories are not the config's classes in label order (`category_problems`): MMDetection
-    reads an image only when a batch is drawn (a missing val image failed with a traceback after a training epoch),
-    drops the objects of other categories without a word, and numbers the classes in the file's order (a file
-    with some of them, or with them in another order, would train or score each class against another's objects).
-    Every image the file lists is checked, those the training's filter_cfg would skip too. `source` as for
-    `check_annotation_files`.
+    folder lacks or holds as empty files, whose categories are not the config's classes in label order
+    (`category_problems`), or that gives no object to train or to score: MMDetection reads an image only when a
+    batch is drawn (a missing val image failed with a traceback after a training epoch, an empty training image
+    mid-epoch), drops the objects of other categories without a word, and numbers the classes in the file's order
+    (a file with some of them, or with them in another order, would train or score each class against another's
+    objects); a training file of no object left its filter_cfg no image ("need at least one array to
+    concatenate"), and the val or test images scored without an object were scored mAP -1, pycocotools' mark of
+    no ground truth, recorded as a score. Every image the file lists is checked, those the training's filter_cfg
+    would skip too. `source` as for `check_annotation_files`; `max_images`: the first N images of the test split
+    scored (evaluate_detection.py's --max-images, of its dataset's `indices` where it gives them).
 
     Each file is read once, whole, before any dataset is built, so COCO's train2017 file (about 450 MB) is read
     twice in all, here and by the dataset: json.load of a 317 MB file of train2017's counts (118,287 images,
@@ -219,29 +225,66 @@ def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = 
         classes = dataset_classes(dataset) if key in keys and dataset.get("ann_file") else None
         if classes:  # a COCO dataset (others read other formats)
             path = os.path.abspath(os.path.join(dataset.get("data_root") or "", dataset["ann_file"]))
-            by_file.setdefault(path, []).append((key, classes, _image_folder(dataset)))
+            indices = dataset.get("indices")
+            # --max-images cuts the test loader's own dataset (feeds.build_loader refuses it for a wrapper)
+            limit = max_images if key == "test_dataloader" and dataset is cfg[key]["dataset"] else None
+            by_file.setdefault(path, []).append((key, classes, _image_folder(dataset),
+                                                 tuple(indices) if isinstance(indices, (list, tuple)) else indices,
+                                                 limit))
     for path, readers in by_file.items():
         with reading_annotations([path]):
             with open(path) as f:
                 data = json.load(f)
             images, categories, annotations = data["images"], data["categories"], data.get("annotations") or []
-            for key, classes, folder in dict.fromkeys(readers):  # a file a ConcatDataset reads twice: once
+            # a file a ConcatDataset reads twice: once
+            for key, classes, folder, indices, limit in dict.fromkeys(readers):
                 if images == []:  # MMEngine's sampler failed on it with "need at least one array to concatenate"
                     raise DetectionError(f"{key} reads {path}, which lists no images: give the data set's annotation "
                                          "file")
-                missing = missing_images(images, folder) if folder else []
-                if missing:
+                missing, empty = unusable_images(images, folder) if folder else ([], [])
+                if missing or empty:
                     where = f"{source}: " if source else ""
-                    raise DetectionError(
-                        f"{where}{key} reads {path}, which lists {len(images)} images, {len(missing)} of them not "
-                        f"in {folder} (the first: {missing[0]}): put the missing images there, or give the "
-                        "annotation file of the images that folder holds")
+                    found = ([f"{len(missing)} of them not in {folder} (the first: {missing[0]})"] if missing else [])
+                    found += ([f"{len(empty)} of them {'an empty file' if len(empty) == 1 else 'empty files'} "
+                               f"(0 bytes) in {folder} (the first: {empty[0]})"] if empty else [])
+                    fix = " and ".join((["put the missing images there"] if missing else []) +
+                                       ([f"copy the empty {'one' if len(empty) == 1 else 'ones'} there again"]
+                                        if empty else []))
+                    raise DetectionError(f"{where}{key} reads {path}, which lists {len(images)} images, "
+                                         f"{' and '.join(found)}: {fix}, or give the annotation file of the images "
+                                         "that folder holds")
                 problem = category_problems(categories, annotations, classes)
                 if problem:
                     raise DetectionError(f"{key} reads {path}, which {problem}: give the data set the detector is "
                                          f"configured for, or set {key}.dataset.metainfo.classes to its categories "
                                          "in the file's order")
+                _check_objects(key, path, images, categories, annotations, classes, indices, limit)
         del data, images, annotations  # one file's objects at a time: a parsed train2017 file takes GBs
+
+
+def _check_objects(key: str, path: str, images: list, categories: list, annotations: list, classes: Sequence[str],
+                   indices: Any, limit: Optional[int]) -> None:
+    """Refuse a training file (`key` train_dataloader) of no image with an object of the config's `classes`, and
+    a val or test file whose scored images (its `indices`, then the first `limit`: --max-images) hold no object
+    COCO's evaluation scores, which makes their mAP undefined (pycocotools gives -1)."""
+    named = ", ".join(classes[:6]) + (" ..." if len(classes) > 6 else "")
+    if key == "train_dataloader" and not images_with_objects(images, categories, annotations, classes):
+        raise DetectionError(f"{key} reads {path}, in which no training image has an object of the config's classes "
+                             f"({named}): a detector would train on none (with filter_cfg.filter_empty_gt, "
+                             "MMDetection keeps no image); give the data set's annotation file")
+    if key not in ("val_dataloader", "test_dataloader"):
+        return
+    ids = scored_images(images, indices)
+    cut = limit is not None and limit >= 1 and len(ids) > limit  # a limit below 1 is build_loader's to refuse
+    ids = ids[:limit] if cut else ids
+    if not scored_objects(ids, categories, annotations, classes):
+        scope = (f"its first {len(ids)} images (--max-images {limit})" if cut else
+                 f"the {len(ids)} images of {key}.dataset.indices" if indices is not None else
+                 f"its {len(ids)} images")
+        more = ", or score more images (--max-images)" if cut else ""
+        raise DetectionError(f"{key} reads {path}, which holds no objects of the config's classes ({named}) in "
+                             f"{scope} (crowd regions, which COCO's evaluation ignores, not counted): mAP is "
+                             f"undefined (pycocotools scores it -1); give the data set's annotation file{more}")
 
 
 CLASS_HEADS = ("bbox_head", "mask_head")  # the heads that predict the data set's classes

@@ -16,6 +16,7 @@ from mmdet.registry import METRICS
 
 from engine.act_max import ActivationProbe
 from engine.detection.data_checks import annotation_paths, check_evaluator_annotations, reading_annotations
+from engine.detection.errors import DetectionError
 from engine.distributed import OtherRankError, all_reduce, raise_on_every_rank
 
 BACKBONE = ("backbone",)
@@ -85,6 +86,14 @@ def evaluate_detector(model: nn.Module, cfg: Config, loader, probe_maxima: bool 
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints its whole summary table
         metrics = evaluator.evaluate(len(loader.dataset))
     result = {k.split("/")[-1]: float(v) for k, v in metrics.items() if k.split("/")[-1] in METRIC_KEYS}
+    # pycocotools' -1 is "no ground truth", not a score (check_annotations refuses such a split before any work);
+    # every rank has the metrics rank 0 computed, so every rank raises
+    undefined = [k for k, v in result.items() if v < 0]
+    if undefined:
+        raise DetectionError(f"{', '.join(undefined)} of the {len(loader.dataset)} images scored came out "
+                             f"{result[undefined[0]]:g}, pycocotools' mark of no ground truth (no object of the "
+                             "config's classes among them): not recorded; give the annotation file of the data "
+                             "set's objects")
     # the sampler pads the last shards with repeated images, which the evaluator drops: count each image once
     scored = int(all_reduce(torch.tensor([images], device=device)).item())
     result.update(images=min(scored, len(loader.dataset)), seconds=time.perf_counter() - start)
