@@ -261,7 +261,9 @@ def main(args: argparse.Namespace) -> dict:
         write = ((lambda: (write_act_max_csv(act.per_layer, paths["csv"]),
                            plot_act_max(act.per_layer, paths["plot"], title=title)))
                  if cfg.quant.act_max_csv else None)
-        run_on_main(lambda: save_naming_act_max_files(results, write, paths),
+        # maxima over other modules that another evaluate.py writes to the file meanwhile go aside as those planned
+        keep = lambda listed: keep_act_max_files(os.path.splitext(out)[0], listed)
+        run_on_main(lambda: save_naming_act_max_files(results, write, paths, keep),
                     f"writing {out}" + (f", {paths['csv']} / .png" if write else ""), device)
 
         # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
@@ -272,7 +274,7 @@ def main(args: argparse.Namespace) -> dict:
                 eval_fn=lambda m: task.evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
             entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
             results.add(name, bits, entry, quant_settings(cfg, name))
-            run_on_main(results.save, f"writing {out}", device)
+            run_on_main(lambda: results.save(keep), f"writing {out}", device)
             log.info("%s %s %s  [quantize %.1fs, eval %.1fs = %.2fx FP eval]", name, bits, score_line(entry),
                      entry["quantize_seconds"], entry["eval_seconds"], entry["eval_vs_fp"])
 
@@ -505,23 +507,21 @@ def check_act_max_files(data: dict, stem: str) -> None:
 
 
 def save_naming_act_max_files(results: EvalResults, write: Optional[Callable[[], object]],
-                              named: dict[str, str]) -> None:
+                              named: dict[str, str], keep_files: Optional[Callable[[dict], dict]] = None) -> None:
     """Save `results`, whose max_act names the maxima files `named` ({"csv": path, "plot": path}) before they are
-    written, then `write` them (each replaced whole: engine.act_max_files). Where the save or a write fails or is
-    interrupted (Ctrl-C), the names of those files that are not there are dropped and the result file saved again,
-    stop signals held, before the error goes on: it never names a maxima file that does not exist, and one it
-    names is the earlier complete file or this call's."""
+    written, then `write` them (each replaced whole: engine.act_max_files); `keep_files`: EvalResults.save's. Where
+    the save or a write fails or is interrupted (Ctrl-C), the names of those files that are not there are dropped
+    and the result file saved again, stop signals held, before the error goes on: it never names a maxima file that
+    does not exist, and one it names is the earlier complete file or this call's."""
     try:
-        results.save()
-        if write is not None:
-            write()
+        results.save(keep_files, then=write)  # under the result file's lock: another call finds the files whole
     except BaseException:
         missing = {key for key, path in named.items() if not os.path.exists(path)}
         if missing:
             # a failing second save keeps the file as the first left it; the error that came first is the one told
             with stop_signals_blocked(), contextlib.suppress(Exception):
                 results.update(max_act={k: v for k, v in results.data["max_act"].items() if k not in missing})
-                results.save()
+                results.save(keep_files)
         raise
 
 

@@ -24,7 +24,8 @@
   its metrics.jsonl and config.yaml.
 * the file is rewritten (atomically) after each result, so a crash loses at most the running pipeline;
   each write merges into the file as it is then, under a lock, so that concurrent evaluate.py processes
-  writing one file all keep their results.
+  writing one file all keep their results (maxima over other modules written meanwhile are refused, or with
+  `recompute` moved to `history`, as when written before).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import datetime
 import json
 import math
 import os
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -353,6 +354,7 @@ class EvalResults:
         self._fields: dict = {}
         self._added: dict = {}  # (pipeline, bits) -> entry
         self._history: list = []
+        self._recompute_max_act = False  # plan_max_act's `recompute`, applied again at each save
 
     @classmethod
     def open(cls, path: str, identity: dict) -> "EvalResults":
@@ -377,6 +379,7 @@ class EvalResults:
         maxima of the file measured over other modules (another maximum, not the same one measured again): with
         `recompute` True, and the caller keeps the old ones (`retire_max_act`); without it a ResultsError. False
         when the file has none, or of the same modules (in any order)."""
+        self._recompute_max_act = recompute
         listed = self.data.get("max_act")
         before, now = extra_modules(self.data), sorted(_plain(list(extra)))
         if not listed or before == now:
@@ -392,8 +395,7 @@ class EvalResults:
         """Move the file's activation maxima to `history` (this call's replace them: `plan_max_act`), naming their
         CSV and plot where they lie now (`files`: {"csv": path, "plot": path}, e.g. moved aside; {} when there are
         none) and when they were replaced."""
-        old = {k: v for k, v in self.data["max_act"].items() if k not in ("csv", "plot")}
-        self._history.append(_plain({"max_act": {**old, **files}, "replaced": _now()}))
+        self._history.append(_plain({"max_act": {**_measured(self.data["max_act"]), **files}, "replaced": _now()}))
         self._merge_into(self.data)
 
     def add(self, pipeline: str, bits: str, entry: dict, settings: dict) -> None:
@@ -406,31 +408,64 @@ class EvalResults:
         self._fields.update(_plain(fields))
         self._merge_into(self.data)
 
-    def save(self) -> None:
+    def save(self, keep_files: Optional[Callable[[dict], dict]] = None,
+             then: Optional[Callable[[], object]] = None) -> None:
         """Merge this process's results into the file as it is now and write it (a temporary file and a
         rename), under an exclusive lock on `<path>.lock`, removed after: evaluate.py processes writing one
         file at the same time all keep their results (an entry of the same pipeline and bit-width written
-        meanwhile by another moves to `history`)."""
+        meanwhile by another moves to `history`). Activation maxima over other quant.act_max_extra_modules that
+        another process wrote since `plan_max_act` are checked as it checks them (`_maxima_written_meanwhile`):
+        refused, or with its `recompute` moved to `history`, their CSV and plot moved aside by `keep_files`
+        (evaluate.py keep_act_max_files: the listed {"csv": path, "plot": path} -> where they lie now). `then`
+        runs after the write, still under the lock (evaluate.py writes the maxima files the JSON names: another
+        process moving them aside finds them whole, never half-way to being written); its errors go on as they
+        come, the file written."""
         folder = os.path.dirname(os.path.abspath(self.path))
         tmp = partial_path(self.path)
-        try:
-            os.makedirs(folder, exist_ok=True)
-            with exclusive_lock(f"{self.path}.lock", wait=True):  # released if this process dies, removed after
+        with contextlib.ExitStack() as held:
+            try:
+                os.makedirs(folder, exist_ok=True)
+                held.enter_context(exclusive_lock(f"{self.path}.lock", wait=True))  # released if this process dies
                 data = _read(self.path, self.identity)
+                self._maxima_written_meanwhile(data, keep_files)
                 self._merge_into(data)
                 with open(tmp, "w") as f:
                     json.dump(data, f, indent=2, default=str)
                 os.replace(tmp, self.path)
-        except BaseException as e:  # a full disk, a read-only folder, Ctrl-C: the file as it was stays, our temp goes
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            if not isinstance(e, OSError):  # an interrupt (or a bug) goes on as it came, minus the temp in --out
-                raise
-            state = "the file is unchanged" if os.path.exists(self.path) else "no file was written"
-            raise ResultsError(f"could not write {self.path}: {e}; {state}, the results finished so far are "
-                               f"in the log. Fix the folder (or give --out a file in another one) and re-run: what "
-                               f"the file has is not computed again") from e
-        self.data = data
+            except BaseException as e:  # a full disk, a read-only folder, Ctrl-C: the file stays, the temp goes
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                if not isinstance(e, OSError):  # an interrupt (or a bug) goes on as it came, minus the temp in --out
+                    raise
+                state = "the file is unchanged" if os.path.exists(self.path) else "no file was written"
+                raise ResultsError(f"could not write {self.path}: {e}; {state}, the results finished so far are "
+                                   f"in the log. Fix the folder (or give --out a file in another one) and re-run: "
+                                   f"what the file has is not computed again") from e
+            self.data = data
+            if then is not None:
+                then()
+
+    def _maxima_written_meanwhile(self, data: dict, keep_files: Optional[Callable[[dict], dict]]) -> None:
+        """plan_max_act's check of the file as it is at a save (`data`, read under the lock): maxima over other
+        modules than this call's that another evaluate.py wrote after this one planned (two calls started at once,
+        each finding none) are another measurement, which an update would silently replace. Without `recompute` a
+        ResultsError (the file unchanged); with it they move to `history` as `retire_max_act` moves them. Those this
+        call retired itself are in its history already."""
+        ours = self._fields.get("max_act")
+        if not ours or not data.get("max_act") or extra_modules(data) == extra_modules({"max_act": ours}):
+            return
+        theirs = _measured(data["max_act"])
+        if any(_measured(h["max_act"]) == theirs for h in self._history if isinstance(h.get("max_act"), dict)):
+            return
+        if not self._recompute_max_act:
+            raise ResultsError(f"{self.path} now holds activation maxima over quant.act_max_extra_modules="
+                               f"{json.dumps(extra_modules(data))}, written by another evaluate.py since this call "
+                               f"read it; this call measured them over {json.dumps(extra_modules({'max_act': ours}))} "
+                               f"and writes nothing more to it: give --out another file, or --recompute to replace "
+                               f"them (the old ones are kept under 'history', with their CSV and plot)")
+        listed = {k: v for k, v in data["max_act"].items() if k in ("csv", "plot")}
+        files = keep_files(listed) if keep_files is not None else {}
+        self._history.append(_plain({"max_act": {**theirs, **files}, "replaced": _now()}))
 
     def _merge_into(self, data: dict) -> None:
         data.update(self._fields)
@@ -444,6 +479,11 @@ class EvalResults:
         history += [h for h in self._history if h not in history]
         if not history:
             del data["history"]
+
+
+def _measured(max_act: dict) -> dict:
+    """Activation maxima without the names of their CSV and plot (which move aside when they are replaced)."""
+    return {k: v for k, v in max_act.items() if k not in ("csv", "plot")}
 
 
 def _read(path: str, identity: dict) -> dict:

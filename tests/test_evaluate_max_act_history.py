@@ -104,3 +104,64 @@ def test_the_result_file_keeps_replaced_maxima_once_however_often_it_is_saved(tm
     saved = json.loads(open(path).read())
     assert saved["max_act"]["module"] == 4.0
     assert [h["max_act"] for h in saved["history"]] == [{"module": 3.0, "block": 2.0}]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_maxima_over_other_modules_written_meanwhile_are_refused_or_kept_in_history(checkpoint, tmp_path, monkeypatch,
+                                                                                    recompute):
+    """Two calls started at once both find no maxima when they plan; the one that writes second saw none to refuse.
+    Its save checks again: the maxima the other wrote meanwhile (over other modules) stay, its own refused, or with
+    --recompute they go to the history with their CSV and plot moved aside, as when they were written before."""
+    out = tmp_path / "e.json"
+    files = {key: tmp_path / f"e_act_max.{ext}" for key, ext in (("csv", "csv"), ("plot", "png"))}
+    real = evaluate.save_naming_act_max_files
+    meanwhile: dict = {}
+
+    def another_call_first(*args, **kwargs):  # the other evaluate.py, run to its end between this one's plan and save
+        if not meanwhile:
+            monkeypatch.setattr(evaluate, "save_naming_act_max_files", real)
+            meanwhile.update(evaluate_into(checkpoint, out))
+            meanwhile["files"] = {key: path.read_bytes() for key, path in files.items()}
+            monkeypatch.setattr(evaluate, "save_naming_act_max_files", another_call_first)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "save_naming_act_max_files", another_call_first)
+    if not recompute:
+        with pytest.raises(ResultsError, match=r"now holds activation maxima over quant.act_max_extra_modules=\[\], "
+                                               r"written by another evaluate.py .*--recompute"):
+            evaluate_into(checkpoint, out, EXTRA)
+        saved = json.loads(out.read_text())
+        assert saved["max_act"] == meanwhile["max_act"] and "history" not in saved
+        assert {key: path.read_bytes() for key, path in files.items()} == meanwhile["files"]
+        return
+    saved = evaluate_into(checkpoint, out, EXTRA, "--recompute")
+    assert saved["max_act"]["extra_modules"] == ["patch_embed.proj", "norm"]
+    assert {"patch_embed.proj", "norm"} <= layers(files["csv"])
+    kept = {key: tmp_path / f"e_act_max.replaced1.{ext}" for key, ext in (("csv", "csv"), ("plot", "png"))}
+    [old] = saved["history"]
+    assert old["max_act"] == {**meanwhile["max_act"], "csv": str(kept["csv"]), "plot": str(kept["plot"])}
+    assert {key: path.read_bytes() for key, path in kept.items()} == meanwhile["files"]
+
+
+def test_a_save_refuses_maxima_over_other_modules_another_writer_saved_since_the_plan(tmp_path):
+    """EvalResults alone: the check runs at every save, and the maxima a writer retired itself pass."""
+    path = str(tmp_path / "r.json")
+    identity = {"model": "m", "fingerprint": "f"}
+    first, second = EvalResults.open(path, identity), EvalResults.open(path, identity)
+    assert first.plan_max_act([], recompute=False) is False and second.plan_max_act(["norm"], recompute=False) is False
+    first.update(max_act={"module": 3.0, "block": 2.0})
+    first.save()
+    second.update(max_act={"module": 4.0, "block": 2.0, "extra_modules": ["norm"]})
+    with pytest.raises(ResultsError, match=r"over quant.act_max_extra_modules=\[\], written by another"):
+        second.save()
+    assert json.loads(open(path).read())["max_act"] == {"module": 3.0, "block": 2.0}
+
+    third = EvalResults.open(path, identity)  # planned after the first wrote: retires its maxima itself
+    assert third.plan_max_act(["norm"], recompute=True) is True
+    third.retire_max_act({})
+    third.update(max_act={"module": 4.0, "block": 2.0, "extra_modules": ["norm"]})
+    third.save()
+    third.save()
+    saved = json.loads(open(path).read())
+    assert saved["max_act"]["module"] == 4.0 and [h["max_act"] for h in saved["history"]] == [
+        {"module": 3.0, "block": 2.0}]
