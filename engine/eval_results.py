@@ -6,7 +6,9 @@
 
 * identity: what the numbers are numbers of (model, checkpoint and its kind, weights fingerprint, raw/EMA, data,
   and for a folder data set the names of its val images). A file with another identity is refused, e.g. when
-  best.pt has changed since it was evaluated, or the val folder was exported again with other images.
+  best.pt has changed since it was evaluated, or the val folder was exported again with other images. The
+  checkpoint reached through a link, or moved (nothing left where it was; the same weights and kind of file), is
+  the same one (`_same_checkpoint`).
 * every quantized result is keyed by pipeline and bit-width and records the settings it was computed
   with (pipeline options, calibration set) and when it was written; a later call skips what is there
   with the same settings, refuses other settings, and with `recompute` keeps the old entry in `history`.
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import math
 import os
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -43,6 +46,8 @@ from configs.loader import unread_options
 from .checkpoint import weights_fingerprint
 from .run_dir import SNAPSHOTS, exclusive_lock, partial_path, saved_train_setting
 from .train_seeds import SEED_FIELD, config_seed
+
+log = logging.getLogger(__name__)
 
 
 class ResultsError(ValueError):
@@ -426,7 +431,7 @@ class EvalResults:
             try:
                 os.makedirs(folder, exist_ok=True)
                 held.enter_context(exclusive_lock(f"{self.path}.lock", wait=True))  # released if this process dies
-                data = _read(self.path, self.identity)
+                data = _read(self.path, self.identity, say_moved=False)  # said when it was opened
                 self._maxima_written_meanwhile(data, keep_files)
                 self._merge_into(data)
                 with open(tmp, "w") as f:
@@ -486,8 +491,10 @@ def _measured(max_act: dict) -> dict:
     return {k: v for k, v in max_act.items() if k not in ("csv", "plot")}
 
 
-def _read(path: str, identity: dict) -> dict:
-    """The record at `path` (a new one if there is none), refused if it is of another evaluation."""
+def _read(path: str, identity: dict, say_moved: bool = True) -> dict:
+    """The record at `path` (a new one if there is none), refused if it is of another evaluation. A checkpoint
+    recorded at another path is the same one reached otherwise, or moved (`_same_checkpoint`; `say_moved`: log
+    the new path taken)."""
     if not os.path.exists(path):
         return {**identity, "quant": {}}
     if os.path.isdir(path):  # not "move it away": a folder of the user's (a run's) stays where it is
@@ -513,6 +520,8 @@ def _read(path: str, identity: dict) -> dict:
         if key in identity and key not in data:
             data[key] = identity[key]
     differs = [k for k, v in identity.items() if data.get(k) != v]
+    if "checkpoint" in differs and _same_checkpoint(data, identity, differs, path, say_moved):
+        differs.remove("checkpoint")
     if differs:
         detail = "; ".join(f"{k}: {data.get(k)!r} in the file, {identity[k]!r} now" for k in differs)
         # under another autocast alone, the file's own --amp adds to it (scripts/sweep.py: its --eval-amp)
@@ -525,6 +534,27 @@ def _read(path: str, identity: dict) -> dict:
         raise ResultsError(f"{path} holds results of another evaluation ({detail}); {fix}")
     data.setdefault("quant", {})
     return data
+
+
+def _same_checkpoint(data: dict, identity: dict, differs: list, path: str, say_moved: bool) -> bool:
+    """Whether the checkpoint the file `data` records and the one scored now (`identity`), at other paths, are one:
+    the same file reached through a link or another name (os.path.samefile), or the recorded one moved (its run
+    folder renamed: nothing at the recorded path now) to one of the same kind (best.pt, checkpoint.pt, ...) holding
+    the same weights (fingerprint, compared); the file then takes the new path. A file at the recorded path that is
+    another one (a copy of the run) is another checkpoint."""
+    old, new = data.get("checkpoint"), identity.get("checkpoint")
+    if not (isinstance(old, str) and isinstance(new, str) and os.path.isfile(new)):
+        return False
+    if os.path.exists(old):
+        return os.path.samefile(old, new)
+    if (identity.get("fingerprint") is None or {"fingerprint", "checkpoint_kind"} & set(differs)
+            or checkpoint_kind(old) != checkpoint_kind(new)):
+        return False
+    data["checkpoint"] = new
+    if say_moved:
+        log.info("%s: its checkpoint %s is gone, %s holds the same weights: the file now records that path",
+                 path, old, new)
+    return True
 
 
 def _now() -> str:
