@@ -722,10 +722,12 @@ def build_loop(run: Run, preemption: Preemption) -> TrainLoop:
                                          batch_size=cfg.train.batch_size))
 
     # Pair energies are logged for every run, so that baselines can be compared with CD runs.
-    metric_sources = [run.pair_energies]
+    metric_sources, window_sources = [run.pair_energies], {}
     if tweo is not None:
-        # every rank's micro-batches of the window, as train/loss (the loop calls its sources on every rank)
+        # every rank's micro-batches of the window, as train/loss (the loop calls its sources on every rank); a
+        # checkpoint between two log steps keeps its sums, as the loop's own (TrainState.log_window)
         metric_sources.append(lambda: tweo.metrics(sum_fn=all_reduce))
+        window_sources["tweo"] = (lambda: tweo.window_state(sum_fn=all_reduce), tweo.load_window_state)
     return TrainLoop(
         model=train_model, optimizer=run.optimizer, compute_loss=compute_loss, device=dist.device,
         amp=cfg.train.amp, scaler=run.scaler, scheduler=run.scheduler, per_step_schedule=run.per_step_schedule,
@@ -733,8 +735,8 @@ def build_loop(run: Run, preemption: Preemption) -> TrainLoop:
         seed=cfg.train.seed, rank=dist.rank, world_size=dist.world_size,
         max_steps=min(run.total_steps, cfg.train.max_steps or sys.maxsize), log_every=cfg.train.log_every_steps,
         ckpt_every=cfg.train.ckpt_every_steps, eval_every=cfg.train.eval_every_steps, save=run.save_checkpoint,
-        log=log_step,
-        metric_sources=metric_sources, should_stop=preemption.should_stop, request_stop=preemption.request_stop,
+        log=log_step, metric_sources=metric_sources, window_sources=window_sources,
+        should_stop=preemption.should_stop, request_stop=preemption.request_stop,
         divergence=(DivergenceGuard(cfg.train.divergence_factor, cfg.train.divergence_windows)
                     if cfg.train.divergence_factor else None),
         progress=cfg.log.progress and dist.is_main, epochs=run.epochs, log_epoch_costs=True,

@@ -245,6 +245,27 @@ class TWEO:
             return {}
         return {"tweo/penalty": self._last_penalty, "tweo/lam": float(self._last_lam)}
 
+    def window_state(self, sum_fn: Optional[Callable[[Tensor], Tensor]] = None) -> dict:
+        """What the next `metrics()` would average (the forwards since the last call; over every rank with `sum_fn`,
+        which every rank then calls together, as for `metrics`) and the last values: what a trainer's checkpoint
+        written between two log steps keeps, so that the resumed run's next `metrics()` is the one of a run never
+        stopped (`load_window_state`)."""
+        penalty_sum, count = 0.0, 0.0
+        if self._window_count:
+            totals = torch.stack([self._window_sum, self._window_sum.new_tensor(float(self._window_count))])
+            penalty_sum, count = (sum_fn(totals) if sum_fn is not None else totals).tolist()
+        return {"penalty_sum": penalty_sum, "count": count, "last_penalty": self._last_penalty,
+                "last_lam": self._last_lam}
+
+    def load_window_state(self, state: dict, keep_sums: bool = True) -> None:
+        """Go on from `window_state`'s `state`. `keep_sums`: this process takes the sums (the main rank, the others
+        starting from 0, so that their sum over the ranks is the window's); the last values are taken either way.
+        The sum stays a CPU scalar until the next forward adds to it on the model's device."""
+        if keep_sums and state["count"]:
+            self._window_sum = torch.tensor(state["penalty_sum"])
+            self._window_count = int(state["count"])
+        self._last_penalty, self._last_lam = state["last_penalty"], state["last_lam"]
+
     def remove(self) -> None:
         """Remove every hook (idempotent)."""
         for h in self._handles:

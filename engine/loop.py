@@ -109,6 +109,10 @@ class TrainState:
     initial_loss: Optional[float] = None  # mean loss of the first update over all ranks (divergence guard)
     divergence_streak: int = 0  # the divergence guard's high log windows in a row, kept across a resume
     unreadable_images: int = 0  # training samples that could not be read, replaced in their batch (all ranks)
+    # the sums of the log window a checkpoint cuts (written between two log steps: train.ckpt_every_steps, a stop
+    # request), all ranks' (`TrainLoop.checkpoint`): the resumed run goes on with them, so that the window ends, and
+    # is logged, where a run never stopped logs it, with the same numbers; None where no window is open
+    log_window: Optional[dict] = None
 
     @property
     def current_epoch(self) -> int:
@@ -156,6 +160,11 @@ class TrainLoop:
     epochs: int = 0  # the run's length in epochs, for the bar's label "epoch N/epochs" as the log lines (0: "epoch N")
     sample_tokens: int = 0  # tokens per sample (a language model's context): also log train/tok_per_s
     log_epoch_costs: bool = False  # also log epoch/train_seconds and epoch/max_mem_mib per whole epoch
+    # name -> (state, load): a metric source's own sums over the log window (TWEO's penalty), which go with the
+    # window's into a checkpoint written inside it (TrainState.log_window): `state()` returns all ranks' sums (a
+    # collective, called on every rank), `load(sums, main)` takes them back, on the main rank (`main` True) only,
+    # the others starting from 0 (their sum over the ranks is the window's)
+    window_sources: dict = field(default_factory=dict)
 
     def __post_init__(self):
         # Which updates the GradScaler skipped (inf/NaN gradients). An ordinary optimizer's step() is not
@@ -173,6 +182,7 @@ class TrainLoop:
         self._update_lr = 0.0  # the largest group lr of the last update (train/lr), set before each log step
         # this rank's last good (images, targets), kept across epochs: what it trains on after a failed batch
         self._stand_in: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self._window: Optional[_Window] = None  # the log window of the last run_epoch, open where a stop cut it
         # The optimizer holds the hook through a weak reference to the loop. A bound method made loop and
         # optimizer a reference cycle that kept the loop and its DDP wrapper alive after the run, and the
         # wrapper's Reducer kept the process group: destroy_process_group then left gloo's worker threads
@@ -235,7 +245,13 @@ class TrainLoop:
             torch.cuda.reset_peak_memory_stats(self.device)
         epoch_t0 = time.perf_counter()
         bar = _progress_bar(total, state.epoch_batches // self.accum_steps, state.epoch, self.epochs, self.progress)
-        window = _Window(self.device)
+        window = self._window = _Window(self.device)
+        if state.log_window is not None:  # the window the resumed checkpoint cut: go on with its sums
+            window.carry_on(state.log_window["loop"], main=self.rank == 0)
+            for name, (_, load) in self.window_sources.items():
+                if name in state.log_window:
+                    load(state.log_window[name], self.rank == 0)
+            state.log_window = None
         images_per_update = batch_size_per_gpu * self.accum_steps * self.world_size
         reason = "epoch_end"
         micro = 0
@@ -312,7 +328,14 @@ class TrainLoop:
         # Both read the window's sums (a collective): a batch that a rank could not load raises here on every
         # rank, also when it ended the loop through `request_stop` (reason 'preempted'), so the caller never
         # takes that stop for a preemption (no checkpoint of the updates since, no 'preempted' message).
-        if window.updates:
+        # The window ends where a run never stopped ends it: at the epoch's end, a validation's update
+        # (eval_every) or train.max_steps. A stop request between log steps ends none: the window stays open, its
+        # sums go into the checkpoint the caller writes now (`checkpoint`) and the resumed run goes on with them;
+        # logged here, it was an extra record, and the resumed run's next one the mean of its own updates only.
+        epoch_done = state.epoch_batches >= total * self.accum_steps
+        validated = bool(self.eval_every and state.step % self.eval_every == 0)
+        cut = reason == "preempted" and not epoch_done and not validated
+        if window.updates and not cut:
             self._log(state, window, None, total)
         window.check_finite(state.step, self.saved_step)  # a host sync: the epoch's kernels have finished
         self._settle_skipped_steps(state)  # the caller may checkpoint `state` now
@@ -429,7 +452,8 @@ class TrainLoop:
             window_loss = window.check_finite(state.step, self.saved_step)  # never a checkpoint of a diverged run
             self._settle_skipped_steps(state)
             self._settle_initial_loss(state)
-            written = self.checkpoint(state, window_loss if window.micro else None)
+            # the window's sums hold the micro-batches of the unfinished update, read again on resume: not carried
+            written = self.checkpoint(state, window_loss if window.micro else None, carry_window=micro == 0)
         except Exception as save_error:  # noqa: BLE001 - the first error is the one to raise
             log.error("%s at update %d, and checkpoint.pt could not be written (%s); %s", type(error).__name__,
                       state.step + 1, save_error, last)
@@ -481,7 +505,8 @@ class TrainLoop:
         self._settle_initial_loss(state)
         self.checkpoint(state, window_loss if window.micro else None)
 
-    def checkpoint(self, state: TrainState, window_loss: Optional[float] = None, final: bool = False) -> bool:
+    def checkpoint(self, state: TrainState, window_loss: Optional[float] = None, final: bool = False,
+                   carry_window: bool = True) -> bool:
         """Write checkpoint.pt from `state` (`save`), unless the divergence guard sees a high loss: a streak of
         high log windows (`state.divergence_streak` > 0), or `window_loss` (the mean loss of the updates since the
         last log step, all ranks) above its threshold. Then nothing is written and a warning names the checkpoint
@@ -489,7 +514,8 @@ class TrainLoop:
         weights written while the loss was under the threshold, not from diverged ones. `final`: the write that
         ends the run's schedule, made all the same (the guard has not stopped the run, so it finished: its
         checkpoint.pt is its last weights, with the streak, not an earlier point a re-run would train from again).
-        Returns whether checkpoint.pt was written.
+        `carry_window`: the log window open since the last log step goes into the checkpoint
+        (TrainState.log_window; not where it holds part of an update). Returns whether checkpoint.pt was written.
         The same decision on every rank (the streak and the loss are all-reduced values)."""
         if self.save is None:
             return False
@@ -507,7 +533,15 @@ class TrainLoop:
         if why is not None:  # the final write, made all the same
             log.warning("the run ends at update %d; %s (the divergence guard, train.divergence_factor): "
                         "checkpoint.pt is written all the same, the run's last weights", state.step, why)
-        self.save()
+        # a window open since the last log step (this write comes between two, or a stop cut it): its sums over
+        # every rank go into the checkpoint, the resumed run goes on with them (TrainState.log_window)
+        if carry_window and self._window is not None and self._window.updates:
+            state.log_window = {"loop": self._window.record(),
+                                **{name: get() for name, (get, _) in self.window_sources.items()}}
+        try:
+            self.save()
+        finally:
+            state.log_window = None  # only the checkpoint carries it (not best.pt, written from `state` later)
         self.saved_step = state.step
         return True
 
@@ -579,6 +613,28 @@ class _Window:
         raise_where_failed(self.data_error, bool(failed), lambda: OtherRankError(
             f"another rank could not load its training batches ({int(failed)} rank(s)); its output says why"))
         return loss_sum, micro, unreadable
+
+    def record(self) -> dict:
+        """The window's sums so far, over every rank (one collective, as `flush`): what a checkpoint written inside
+        it carries (`TrainLoop.checkpoint`) for the resumed run to go on with (`carry_on`)."""
+        loss_sum, micro, unreadable = self._global_sums()
+        return {"loss_sum": loss_sum, "micro": micro, "unreadable": unreadable, "updates": self.updates,
+                "images": self.images, "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
+                "data_wait": self.data_wait, "seconds": time.perf_counter() - self.t0}
+
+    def carry_on(self, record: dict, main: bool) -> None:
+        """Go on with the window a checkpoint cut (`record`): the sums over all ranks on the main rank only (`main`;
+        `flush` adds every rank's), the counts every rank keeps alike on every rank; its time (the seconds before the
+        stop) counts in train/img_per_s and train/data_wait, the resume's start-up does not."""
+        if main:
+            self.loss_sum += record["loss_sum"]
+            self.micro += int(record["micro"])
+            self.unreadable += int(record["unreadable"])
+        self.updates += record["updates"]
+        self.images += record["images"]
+        self.grad_norm = record["grad_norm"]
+        self.data_wait += record["data_wait"]
+        self.t0 -= record["seconds"]
 
     def check_finite(self, step: Optional[int], kept_step: Optional[int], sums: Optional[tuple] = None) -> float:
         """Raise NonFiniteLossError if the window's loss is NaN/inf on any rank, naming the checkpoint kept

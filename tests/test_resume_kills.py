@@ -94,3 +94,59 @@ def test_a_kill_while_metrics_jsonl_is_cut_back_keeps_the_records_before_the_res
     assert read("metrics.jsonl") == records[:4]
     kept = sorted(name for name in os.listdir(tmp_path) if name.startswith("metrics.until_step4"))
     assert kept and all(read(name) == records for name in kept)
+
+
+TIMINGS = ("_per_s", "data_wait", "peak_mem", "seconds")  # of the machine's speed, not of the run's numbers
+
+
+def logged_series(out_dir) -> list[dict]:
+    """metrics.jsonl's train/ and tweo/ records (the window's numbers), timings left out."""
+    series = []
+    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if any(key.startswith(("train/", "tweo/")) for key in record):
+            series.append({k: v for k, v in record.items() if not any(t in k for t in TIMINGS)})
+    return series
+
+
+def test_a_stop_or_a_kill_between_two_log_steps_logs_the_windows_of_a_run_never_stopped(tmp_path, debug_config,
+                                                                                         monkeypatch):
+    """train/loss (and tweo/penalty) is the mean over the updates since the last log step. A stop request between
+    two log steps logged the window so far as an extra record, and the resumed run's next record was the mean of
+    its own updates only; a kill after a checkpoint written inside a window (train.ckpt_every_steps) likewise
+    started the window afresh. The checkpoint now carries the open window's sums and the resumed run goes on
+    with them: metrics.jsonl reads as that of the run never stopped (reference: one run straight through)."""
+    import torch.optim.optimizer as optimizer_module
+
+    run = ("cd.enabled=true", "tweo.enabled=true", "train.log_every_steps=2", "train.ckpt_every_steps=3")
+    train.main(debug_config(*run, name="straight"))
+    straight = logged_series(tmp_path / "straight")
+    assert [r["step"] for r in straight] == [2, 4, 6, 8]
+
+    def interrupt(at, how):
+        updates = [0]
+
+        def hook(*_):
+            updates[0] += 1
+            if updates[0] == at:
+                how()
+        return optimizer_module.register_optimizer_step_post_hook(hook)
+
+    # SIGTERM after update 3 (the checkpoint of the stop is written inside the window 3-4)
+    handle = interrupt(3, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    try:
+        assert train.main(debug_config(*run, name="stopped")).reason == "preempted"
+    finally:
+        handle.remove()
+    train.main(debug_config(*run, name="stopped"))
+    assert logged_series(tmp_path / "stopped") == straight
+
+    # killed in update 4: resumed from the checkpoint of update 3 (train.ckpt_every_steps), inside a window
+    handle = interrupt(4, lambda: (_ for _ in ()).throw(Killed()))
+    try:
+        with pytest.raises(Killed):
+            train.main(debug_config(*run, name="killed"))
+    finally:
+        handle.remove()
+    train.main(debug_config(*run, name="killed"))
+    assert logged_series(tmp_path / "killed") == straight
