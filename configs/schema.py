@@ -190,8 +190,9 @@ class OptimConfig:
 class SchedConfig:
     """The learning-rate schedule (timm): length in epochs (or in updates), warmup, final lr."""
 
-    # a timm create_scheduler_v2 name that decays over the run's length to min_lr (plateau needs a metric the
-    # loop never gets; step / multistep decay at timm's fixed epochs, 90 / 90-180-270, and ignore min_lr)
+    # a timm create_scheduler_v2 name that decays over the run's length to min_lr: cosine, tanh, poly (power 1: linear
+    # to min_lr). Not offered: plateau needs a metric the loop never gets; step / multistep decay at timm's fixed
+    # epochs, 90 / 90-180-270, and ignore min_lr
     name: Literal["cosine", "tanh", "poly"] = "cosine"
     epochs: Annotated[int, AtLeastOne] = 300  # total training epochs, warmup included
     warmup_epochs: Annotated[float, NonNegative] = 5.0  # linear warmup from warmup_lr; fractions need per_step
