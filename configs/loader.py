@@ -550,6 +550,9 @@ READ_ONLY_WHEN = [
     (("quant.aphq.weight_lr", "quant.aphq.act_lr", "quant.aphq.round_weight", "quant.aphq.beta_start",
       "quant.aphq.beta_end", "quant.aphq.warmup", "quant.aphq.drop_prob", "quant.aphq.input_mix_prob",
       "quant.aphq.normalize_loss", "quant.aphq.loss", "quant.aphq.cache_device"), "quant.aphq.iters", (NONZERO,)),
+    # quant/aphq/reconstruct.py: at drop_prob 0 (the probability of the quantized element) every activation
+    # quantizer returns its float input while a unit is reconstructed, so the learned scales get no gradient
+    (("quant.aphq.act_lr",), "quant.aphq.drop_prob", (NONZERO,)),
     (("quant.aphq.log_every",), APHQ_TRAINS, None),
     (("quant.aphq.recon_images",), APHQ_RECON_SET_READ, None),
     (("quant.aphq.seed",), APHQ_SEED_READ, None),
