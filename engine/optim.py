@@ -34,8 +34,8 @@ def lr_rule(cfg: OptimConfig, global_batch: int) -> str:
 
 
 # timm's poly schedule is min_lr + (lr - min_lr) x (1 - t/T)^power, the power its `decay_rate` (default 0.1: the
-# lr would fall to 0.79 x the peak in a 10-epoch run, 0.57 x in 300, then jump to min_lr after the last one). Power 1:
-# linear to min_lr over the run, as sched.name's help says. Of the offered names (cosine, tanh, poly) only poly reads it.
+# lr would fall to 0.79 x the peak in a 10-epoch run, 0.57 x in 300, then jump to min_lr after the last one).
+# Power 1: linear to min_lr over the run, as sched.name's help says. Of the offered names only poly reads it.
 POLY_POWER = 1.0
 
 FUSED = ("adamw", "adam", "sgd", "momentum")  # timm names of torch optimizers with a fused implementation
@@ -71,6 +71,11 @@ def check_optimizer_settings(cfg: OptimConfig) -> None:
         raise ValueError(f"optim.betas={list(cfg.betas)} / optim.eps={cfg.eps:g} are read for "
                          f"{', '.join(ADAM_OPTIMIZERS)} only, and optim.name={cfg.name} would train with its own; "
                          f"use one of those, or a recipe without optim.betas / optim.eps")
+    if cfg.name == "sgd" and cfg.momentum == 0:
+        # torch refuses it only once the model and the data are built, naming no key ("Nesterov momentum requires a
+        # momentum and zero dampening"); optim.name=nesterov reads no optim.momentum (timm's 0.9, configs/loader.py)
+        raise ValueError("optim.momentum=0: timm's sgd is Nesterov, which needs momentum > 0; use optim.name=momentum "
+                         "for plain SGD")
     if cfg.fused and cfg.name not in FUSED:  # auto (None) picks a fused kernel only where torch has one
         raise ValueError(f"optim.fused=true: torch has no fused '{cfg.name}'; use one of {', '.join(FUSED)}")
 

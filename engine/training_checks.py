@@ -35,7 +35,7 @@ def check_training_settings(cfg: Any) -> None:
     if cfg.cd.enabled:
         check_cd_settings(cfg.cd)
     check_optimizer_name(cfg.optim.name)
-    try:  # the name's case, betas beside an optimizer that reads none, a fused kernel torch lacks
+    try:  # the name's case, betas beside an optimizer that reads none, sgd at momentum 0, a fused kernel torch lacks
         check_optimizer_settings(cfg.optim)
     except ValueError as e:
         raise ConfigError(str(e)) from None

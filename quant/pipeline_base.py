@@ -111,6 +111,7 @@ class Pipeline:
         # on every rank, before any work; a detector's data (PipelineData.detector_samples) has rules of its own
         self.validate(bits, options, detection=data is not None and data.detector_samples is not None)
         self.check_model(fp_model)
+        self.check_folds(fp_model, bits, options)
         self.check_input_size(fp_model, bits, options)
         self.check_model_options(fp_model, bits, options)
         if self.data_parallel:
@@ -158,6 +159,12 @@ class Pipeline:
             raise ValueError(f"the model's weights are {', '.join(dtypes)}: {self.name} trains float32 state on them "
                              "and feeds them float32 images; keep the weights float32 (model.float()) and autocast for "
                              "lower precision (evaluate.py --amp keeps the weights float32)")
+
+    def check_folds(self, fp_model: nn.Module, bits: Bits, options: Any) -> None:
+        """Raise ValueError for a model whose norms these steps fold into the Linears they feed where the fold would
+        fail or change the float function (a norm that is no affine LayerNorm, a site outside the pre-norm blocks the
+        sites are written for: reparam.check_fold_sites), on every rank before any work; the entry points also call
+        it (quant.plan.check_model_converts). The default: nothing folded."""
 
     def check_input_size(self, fp_model: nn.Module, bits: Bits, options: Any) -> None:
         """Raise ValueError for a model whose input size these steps cannot take without changing its float function

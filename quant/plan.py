@@ -184,7 +184,8 @@ def check_quant_plan(cfg: Config) -> None:
 def check_model_converts(model: nn.Module, cfg: Config) -> None:
     """Convert a copy of `model` with the layout of every planned (pipeline, bits), as each pipeline's first
     step does, and drop it: a model the pipelines cannot quantize (an attention class with no quantized version,
-    such as EVA's or CaiT's, or layers no rule covers), or one at an input size the pipeline cannot take
+    such as EVA's or CaiT's, or layers no rule covers), one whose norms the pipeline cannot fold
+    (`Pipeline.check_folds`: an RMSNorm, a post-norm block), or one at an input size the pipeline cannot take
     (`Pipeline.check_input_size`: RepQ-ViT's fold on a Swin with padded windows), is refused with one ConfigError
     naming model.name before the float and maxima passes (an ImageNet pass each), not by a traceback after them; so
     is an option the model leaves without effect (`Pipeline.check_model_options`: GPLQ's pca_variance where the
@@ -200,6 +201,7 @@ def check_model_converts(model: nn.Module, cfg: Config) -> None:
         try:
             with isolated_rng(0, device):  # a layer built in the conversion draws nothing from the run's streams
                 quantize_model(model, spec)  # the converted copy is dropped
+            pipeline.check_folds(model, parse_bits(bits), options)
             pipeline.check_input_size(model, parse_bits(bits), options)
         except (TypeError, ValueError) as e:  # convert.py's refusals: an unknown attention, an uncovered layer
             raise ConfigError(f"model.name={cfg.model.name}: {name} {bits} cannot quantize it: {e}") from None

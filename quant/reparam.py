@@ -13,9 +13,11 @@ y'_c / s~ = y_c / s_c + (z_c - z~), an integer z~ makes the per-tensor codes equ
 codes exactly; RepQ-ViT's code keeps z~ unrounded (a grid shifted by frac(z~), same MSE to ~3 digits).
 Afterwards the consumer's weight quantizer must be re-fitted on W' (see calibrate.refit_weight_quantizers).
 
-Sites are (parent pattern, norm name, linear name) triples over FQNs. Swin pads the norm1 output with
-zeros when a stage's grid is not a multiple of its window (not the case for the shipped geometries);
-padded positions are not exactly folded, because 0 in y' stands for y = r * b in y. The pipelines refuse
+Sites are (parent pattern, norm name, linear name) triples over FQNs, folded only in the module types they are
+written for (pre-norm blocks, patch merging) and into an affine LayerNorm: the pipelines refuse any other before
+any work (`check_fold_sites`; a post-norm block's norm1 does not feed attn.qkv, an RMSNorm has no bias). Swin
+pads the norm1 output with zeros when a stage's grid is not a multiple of its window (not the case for the shipped
+geometries); padded positions are not exactly folded, because 0 in y' stands for y = r * b in y. The pipelines refuse
 such a timm Swin before any work (fold_windows.py); a detector's Swin pads at each image's own grid and is
 folded as the official detection code folds it (quant/README.md).
 """
@@ -28,10 +30,13 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from timm.models.swin_transformer import PatchMerging, SwinTransformerBlock
+from timm.models.vision_transformer import Block
+
 from .layers import QuantLinear
 from .quantizers import UniformQuantizer
+from models.gpt import Block as GPTBlock
 from models.modules import fqn_matches
-
 
 
 # A mean zero point this many code ranges (2^b) outside the codes, and at least 2^12, means a near-constant
@@ -67,6 +72,62 @@ BLOCK_FOLD_SITES = (
 )
 REPQ_FOLD_SITES = BLOCK_FOLD_SITES + (FoldSite("layers.*.downsample", "norm", "reduction"),
                                       FoldSite("backbone.stages.*.downsample", "norm", "reduction"))
+
+# The modules the sites are written for, by exact type (a subclass may override forward): in each, the site's norm
+# feeds its Linear and nothing else (pre-norm blocks: x + attn(norm1(x)), x + mlp(norm2(x)); patch merging: norm
+# then reduction). A module of another type under the same names may not (timm's post-norm ResPostBlock computes
+# x + norm1(attn(x))), and folding there changes the float function. MMDetection's by qualified name (an extra).
+FOLD_PARENT_TYPES = (Block, SwinTransformerBlock, PatchMerging, GPTBlock)
+FOLD_PARENT_TYPE_NAMES = ("mmdet.models.backbones.swin.SwinBlock", "mmdet.models.layers.transformer.utils.PatchMerging")
+
+
+def _type_name(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def check_fold_sites(model: nn.Module, sites: Sequence[FoldSite], pipeline: str, bias: bool = True,
+                     other_fix: Optional[str] = None) -> None:
+    """Refuse a model whose fold sites the fold cannot take without changing its float function, before any work:
+    a site in a module that is not of a type the sites are written for (FOLD_PARENT_TYPES), or whose norm is not an
+    nn.LayerNorm with a weight (and, with `bias`, a bias: the RepQ-ViT fold's shift lives there; SmoothQuant's
+    migration scales the weight alone where there is none).
+
+    Args:
+        model: the float model, before conversion (or a converted one: the blocks stay as they are).
+        sites: the fold sites the pipeline folds.
+        pipeline: the pipeline's name, for the message.
+        bias: the fold needs the norm's bias.
+        other_fix: the pipeline's way around the fold (an option that turns it off), named last.
+
+    Raises:
+        ValueError: one line naming the first such site, what it holds and the fix.
+    """
+    fix = f"; or {other_fix}" if other_fix else ""
+    for name, module in model.named_modules():
+        for site in sites:
+            if not fqn_matches(name, (site.parent,)) or isinstance(module, nn.Identity):
+                continue
+            try:
+                norm, _ = module.get_submodule(site.norm), module.get_submodule(site.linear)
+            except AttributeError:  # not a site of this model: the conversion refuses layers it cannot cover
+                continue
+            where = f"{pipeline} folds {name}.{site.norm} into {name}.{site.linear}"
+            if type(module) not in FOLD_PARENT_TYPES and _type_name(module) not in FOLD_PARENT_TYPE_NAMES:
+                known = ", ".join([f"{t.__module__}.{t.__qualname__}" for t in FOLD_PARENT_TYPES]
+                                  + list(FOLD_PARENT_TYPE_NAMES))
+                raise ValueError(f"{where}, which keeps the float function only where the norm's output feeds that "
+                                 f"Linear alone, as in the modules it is written for ({known}); {name} is a "
+                                 f"{_type_name(module)}, whose {site.norm} may feed other layers (timm's post-norm "
+                                 f"ResPostBlock normalises the attention's output, not its input){fix}")
+            if not isinstance(norm, nn.LayerNorm):
+                what = f"a {_type_name(norm)}"
+            elif norm.weight is None or (bias and norm.bias is None):
+                what = f"an nn.LayerNorm without {'a weight' if norm.weight is None else 'a bias'}"
+            else:
+                continue
+            need = "an affine nn.LayerNorm (weight and bias)" if bias else "an nn.LayerNorm with a weight"
+            raise ValueError(f"{where}, which rescales {need}; {name}.{site.norm} is {what} (give the model "
+                             f"LayerNorms, e.g. without model.kwargs.norm_layer){fix}")
 
 
 def find_fold_sites(model: nn.Module, sites: Sequence[FoldSite] = REPQ_FOLD_SITES

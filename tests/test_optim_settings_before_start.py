@@ -1,15 +1,17 @@
 """optim.* settings the optimizer would not be built with as written (optim.name in upper case, optim.fused=true
-for an optimizer torch has no fused kernel of, a recipe's betas beside one that reads none) are refused by
-train.py before anything is made: they were refused only once out_dir was claimed (train.log written) and the
-model and the data were built, inside build_run."""
+for an optimizer torch has no fused kernel of, a recipe's betas beside one that reads none, optim.momentum=0 for
+the Nesterov sgd) are refused by train.py before anything is made: they were refused only once out_dir was claimed
+(train.log written) and the model and the data were built, inside build_run."""
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 import train
 from configs import ConfigError, load_config
+from engine.optim import build_optimizer
 from tests.conftest import DEBUG_CONFIG, ROOT
 
 NANO = os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")
@@ -19,6 +21,8 @@ REFUSALS = [
     (DEBUG_CONFIG, ["optim.name=lamb", "optim.fused=true"],
      r"^optim.fused=true: torch has no fused 'lamb'; use one of adamw, adam, sgd, momentum$"),
     (NANO, ["optim.name=nadamw"], r"^optim.betas=\[0.9, 0.95\] / optim.eps=1e-08 are read for adamw, adam, lamb only"),
+    (DEBUG_CONFIG, ["optim.name=sgd", "optim.momentum=0"],
+     r"^optim.momentum=0: timm's sgd is Nesterov, which needs momentum > 0; use optim.name=momentum for plain SGD$"),
 ]
 
 
@@ -35,7 +39,8 @@ def test_train_py_refuses_an_upper_case_optimizer_name_with_one_line_and_makes_n
     assert not out.exists()
 
 
-@pytest.mark.parametrize("recipe, overrides, message", REFUSALS, ids=["upper_case", "fused_lamb", "nano_betas"])
+@pytest.mark.parametrize("recipe, overrides, message", REFUSALS,
+                         ids=["upper_case", "fused_lamb", "nano_betas", "sgd_no_momentum"])
 def test_each_refusal_comes_before_out_dir_is_claimed(tmp_path, recipe, overrides, message):
     """The check before start (check_before_start) refuses each; the run's folder is never made."""
     out = tmp_path / "run"
@@ -52,3 +57,15 @@ def test_each_refusal_comes_before_out_dir_is_claimed(tmp_path, recipe, override
 def test_what_builds_as_written_passes_the_check_before_start(overrides):
     """A fused kernel torch has (adamw), auto for one it lacks (lamb: unfused), and fused off pass."""
     train.check_before_start(load_config([DEBUG_CONFIG], overrides))
+
+
+def test_sgd_without_momentum_is_what_torch_refuses_and_plain_sgd_builds():
+    """timm's sgd is torch's SGD with nesterov=True, which torch refuses at momentum 0 (the error train.py printed
+    once the model and the data were built, naming no key); optim.name=momentum at momentum 0 is plain SGD."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="Nesterov momentum requires a momentum"):
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0, nesterov=True)
+    cfg = load_config([DEBUG_CONFIG], ["optim.name=momentum", "optim.momentum=0"])
+    train.check_before_start(cfg)
+    optimizer = build_optimizer(model, cfg.optim, 0.1, 0.0)
+    assert {(g["momentum"], g["nesterov"]) for g in optimizer.param_groups} == {(0.0, False)}

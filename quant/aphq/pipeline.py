@@ -48,6 +48,7 @@ from ..layout import standard_layout
 from ..modes import set_quant_state
 from ..pipeline_base import Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report
 from ..pipeline_data import PipelineData, require_data
+from ..reparam import REPQ_FOLD_SITES, check_fold_sites
 from ..spec import Bits, QuantizerSpec, QuantSpec, parse_bits
 from ..units import capture_unit, check_unit_coverage, find_units, model_logits
 from .adaround import AdaRoundQuantizer, RoundingSchedule
@@ -115,6 +116,13 @@ class APHQPipeline(Pipeline):
                 if key in options:
                     raise ValueError(f"{key}={options[key]} would be ignored at {parsed}: {key} {why}; drop it")
         return super().__call__(fp_model, calib_images, bits, options, data)
+
+    def check_folds(self, fp_model: nn.Module, bits: Bits, options: APHQOptions) -> None:
+        """The RepQ-ViT fold (at a_bits == w_bits, `layout`) takes an affine LayerNorm in the pre-norm blocks its
+        sites are written for (reparam.check_fold_sites); at other bit-widths nothing is folded."""
+        if bits.a == bits.w:
+            check_fold_sites(fp_model, REPQ_FOLD_SITES, self.name,
+                             other_fix="a bit-width whose activations differ from its weights (w4a8: no fold there)")
 
     def check_input_size(self, fp_model: nn.Module, bits: Bits, options: APHQOptions) -> None:
         """The RepQ-ViT fold (at a_bits == w_bits, `layout`) keeps a Swin's float function only where its norm1

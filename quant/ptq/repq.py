@@ -39,7 +39,7 @@ from ..pipeline_base import Pipeline, PTQResult, StageTimer, convert_and_calibra
 from ..pipeline_data import PipelineData
 from ..quantizers import LogSqrt2Quantizer
 from ..ranges import REPQ_PERCENTILES, RangeSearch
-from ..reparam import REPQ_FOLD_SITES, find_fold_sites, fold_layernorm
+from ..reparam import REPQ_FOLD_SITES, check_fold_sites, find_fold_sites, fold_layernorm
 from ..spec import Bits, QuantizerSpec, QuantSpec
 
 
@@ -66,6 +66,13 @@ class RepQPipeline(Pipeline):
         if not options.reparam and options.round_zero_point != RepQOptions.round_zero_point:
             raise ValueError(f"round_zero_point={options.round_zero_point} is read only by the LayerNorm fold, and "
                              f"reparam=False turns the fold off: drop it, or set reparam=True")
+
+    def check_folds(self, fp_model: nn.Module, bits: Bits, options: RepQOptions) -> None:
+        """The fold takes an affine LayerNorm in the pre-norm blocks its sites are written for
+        (reparam.check_fold_sites); without it (reparam=False) any norm."""
+        if options.reparam:
+            check_fold_sites(fp_model, REPQ_FOLD_SITES, self.name, other_fix="reparam=False (quant.repq.reparam=false: "
+                             "no fold, the post-LayerNorm inputs stay per channel)")
 
     def check_input_size(self, fp_model: nn.Module, bits: Bits, options: RepQOptions) -> None:
         """The fold keeps a Swin's float function only where its norm1 output fills whole windows (fold_windows.py);

@@ -36,6 +36,7 @@ from ..layout import in_block_layout
 from ..pipeline_base import Pipeline, PTQResult, StageTimer, check_float_ends, pipeline_report
 from ..pipeline_data import PipelineData
 from ..quantizers import DynamicQuantizer
+from ..reparam import BLOCK_FOLD_SITES, check_fold_sites
 from ..ranges import RangeSearch
 from ..spec import ATTENTION, AttentionRule, Bits, LinearRule, QuantizerSpec, QuantSpec
 from .fused_qkv import FUSED_QKV_LINEARS, ProjectionTensorQuantizer
@@ -56,6 +57,11 @@ class SmoothQuantPipeline(Pipeline):
         if options.act_calibration == "static" and options.act_granularity != "tensor":
             raise ValueError(f"act_calibration=static needs act_granularity=tensor (per-{options.act_granularity} "
                              "ranges are computed at run time)")
+
+    def check_folds(self, fp_model: nn.Module, bits: Bits, options: SmoothQuantOptions) -> None:
+        """The smoothing scales every in-block norm1 / norm2, an nn.LayerNorm with a weight (a bias too where there is
+        one), in the pre-norm blocks its sites are written for (reparam.check_fold_sites)."""
+        check_fold_sites(fp_model, BLOCK_FOLD_SITES, self.name, bias=False)
 
     def scheme_settings(self, options: SmoothQuantOptions) -> Dict[str, Any]:
         """Per-tensor weights give a fused qkv one max-abs scale per q / k / v projection (fused_qkv.py); results
