@@ -25,6 +25,7 @@ from torch import nn
 
 from configs.loader import check_options_read, coerce_value
 from engine.distributed import run_on_main
+from models import is_language_model
 
 from .calibrate import Images, calibrate
 from .convert import quantize_model
@@ -107,9 +108,11 @@ class Pipeline:
         Returns:
             PTQResult(model, report), the same on every rank of a distributed run.
         """
+        detection = data is not None and data.detector_samples is not None
         bits, options = parse_bits(bits), parse_options(self.Options, options)
         # on every rank, before any work; a detector's data (PipelineData.detector_samples) has rules of its own
-        self.validate(bits, options, detection=data is not None and data.detector_samples is not None)
+        self.validate(bits, options, detection=detection)
+        self.check_task(fp_model, detection)
         self.check_model(fp_model)
         self.check_folds(fp_model, bits, options)
         self.check_input_size(fp_model, bits, options)
@@ -145,6 +148,18 @@ class Pipeline:
             if value not in (None, 0) and not 2 <= value <= 16:
                 raise ValueError(f"{key}={value}: give 2..16 bits, 0 (float) or null (the main bit-width)")
         self.layout(bits, options)
+
+    def check_task(self, fp_model: nn.Module, detection: bool) -> None:
+        """Raise ValueError for a model of a task not in `tasks` (engine/tasks.py names; `detection`: the caller's
+        data holds a detector's samples), before any work: the entry points refuse such a plan from the config
+        (quant.plan.check_pipelines), and a caller of the Python API would otherwise see a copy made and data drawn
+        before a traceback (APHQ's first unit on a GPT's token ids)."""
+        task = "detection" if detection else "causal_lm" if is_language_model(fp_model) else "classification"
+        if task not in self.tasks:
+            from .registry import PIPELINES  # the registry imports the pipelines
+            fitting = sorted(name for name, p in PIPELINES.items() if task in p.tasks)
+            raise ValueError(f"{self.name} quantizes {' and '.join(self.tasks)} models, not a {task} model "
+                             f"({type(fp_model).__name__}); the {task} pipelines are {', '.join(fitting)}")
 
     def check_model(self, fp_model: nn.Module) -> None:
         """Raise ValueError for a model this pipeline cannot quantize as it is, on every rank before any work: for a
