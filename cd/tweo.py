@@ -115,6 +115,10 @@ def check_tweo_settings(lam: object, p: object, tau: object, eps: object, schedu
     _check_types(lam=lam, p=p, tau=tau, eps=eps, total_steps=total_steps, rescale=rescale)
     if schedule == "cosine" and not (total_steps is not None and total_steps > 0):
         raise ValueError("tweo schedule 'cosine' needs total_steps > 0 (optimizer updates of the run)")
+    # the constant schedule never reads it: a run length given with it was meant for a cosine that does not run
+    if schedule != "cosine" and total_steps is not None:
+        raise ValueError(f"tweo total_steps={total_steps} sets the length of schedule 'cosine'; the schedule is "
+                         f"{schedule!r}: drop total_steps or set schedule='cosine'")
     # NaN passes every comparison: checked as not finite, or the loss would be NaN from the first step
     if not all(math.isfinite(v) for v in (lam, p, tau, eps)) or p < 1 or tau + eps <= 0 or lam < 0:
         raise ValueError(f"tweo needs finite p >= 1, tau + eps > 0, lam >= 0; "
@@ -129,7 +133,7 @@ class TWEO:
         lam: peak weight lambda.
         p, tau, eps: penalty exponent, magnitude scale and its epsilon.
         schedule: 'constant' or 'cosine' (lam(t) = lam * (1 + cos(pi * t / total_steps)) / 2, 0 after).
-        total_steps: number of optimizer updates of the run (needed for 'cosine').
+        total_steps: number of optimizer updates of the run (needed for 'cosine', refused for 'constant').
         rescale: multiply the term by detach(|task_loss| / penalty) before lam (the "rescaled" variant).
         form: 'memory_saving' (`tweo_penalty`, the default) or 'plain' (`plain_tweo_penalty`): the same
             value and gradient, different activation memory.
@@ -138,9 +142,10 @@ class TWEO:
 
     Raises:
         ValueError: naming the setting: lam, p, tau or eps not a real number (a bool, a string) or out of range,
-            total_steps not an integer (a bool) or not > 0 for 'cosine', rescale not a bool, an unknown schedule or
-            form, or no pre-norm block in the model; an UnsupportedModelError (a ValueError) for a block under names
-            no layout has beside the blocks found (`cd.pairs.find_blocks`), which would get no term.
+            total_steps not an integer (a bool), not > 0 for 'cosine' or given for 'constant', rescale not a bool,
+            an unknown schedule or form, or no pre-norm block in the model; an UnsupportedModelError (a ValueError)
+            for a block under names no layout has beside the blocks found (`cd.pairs.find_blocks`), which would get
+            no term.
     """
 
     def __init__(self, model: nn.Module, lam: float = 0.01, p: float = 4.0, tau: float = 3.0,
@@ -175,10 +180,11 @@ class TWEO:
     @classmethod
     def from_config(cls, cfg_tweo: Any, model: nn.Module, total_steps: Optional[int] = None) -> "TWEO":
         """Build from a `TWEOConfig` (lam, p, tau, eps, schedule, rescale, form);
-        `enabled` is the trainer's switch."""
+        `enabled` is the trainer's switch. `total_steps`, the run's length that a trainer knows whatever the
+        schedule, is passed on for schedule 'cosine' only (the constant schedule refuses one)."""
         return cls(model, lam=cfg_tweo.lam, p=cfg_tweo.p, tau=cfg_tweo.tau, eps=cfg_tweo.eps,
-                   schedule=cfg_tweo.schedule, total_steps=total_steps, rescale=cfg_tweo.rescale,
-                   form=cfg_tweo.form)
+                   schedule=cfg_tweo.schedule, total_steps=total_steps if cfg_tweo.schedule == "cosine" else None,
+                   rescale=cfg_tweo.rescale, form=cfg_tweo.form)
 
     def _reset(self, module: nn.Module, args: Any) -> None:
         self._terms = []

@@ -1300,9 +1300,10 @@ def test_each_setting_given_reaches_the_object_it_configures(debug_config):
     from engine.distributed import DistInfo
 
     cfg = debug_config("optim.weight_decay=0.07", "cd.enabled=true", "cd.budget=false", "cd.lam=0.003",
-                       "tweo.enabled=true", "train.ema=true", "train.ema_decay=0.9", "train.ema_warmup=true",
-                       "train.eval_batch_size_per_gpu=5", "train.log_every_steps=3", "optim.lr=null",
-                       "optim.lr_base=0.002", "optim.lr_base_batch=32", "data.repeated_aug=2", "train.seed=3")
+                       "tweo.enabled=true", "tweo.schedule=cosine", "train.ema=true", "train.ema_decay=0.9",
+                       "train.ema_warmup=true", "train.eval_batch_size_per_gpu=5", "train.log_every_steps=3",
+                       "optim.lr=null", "optim.lr_base=0.002", "optim.lr_base_batch=32", "data.repeated_aug=2",
+                       "train.seed=3")
     run = train.build_run(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
                           resumed=False)
     assert {g["initial_lr"] for g in run.optimizer.param_groups} == {0.002 * 16 / 32}  # the schedule's peak
@@ -1313,7 +1314,7 @@ def test_each_setting_given_reaches_the_object_it_configures(debug_config):
     assert {g["weight_decay"] for g in run.optimizer.param_groups} == {0.0, 0.07}
     assert run.decay.lam == 0.003 and run.decay.norms_every == 3
     assert run.accum_steps == 2 and run.updates_per_epoch == 64 // 16
-    assert run.tweo.total_steps == run.total_steps == 2 * (64 // 16)  # the schedule's whole length
+    assert run.tweo.total_steps == run.total_steps == 2 * (64 // 16)  # the cosine's whole length
     assert run.ema.decay == 0.9 and run.ema.use_warmup is True
     assert run.loaders.val.batch_size == 5
     run.tweo.remove()

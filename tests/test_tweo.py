@@ -143,6 +143,22 @@ def test_unknown_schedule_or_form_and_a_negative_run_length_are_refused(kwargs, 
         TWEO(tiny_vit(), **kwargs)
 
 
+def test_a_run_length_beside_the_constant_schedule_is_refused():
+    """total_steps is the cosine's length: given with the constant schedule (the default) it was meant for a decay
+    that would not run, and lam(t) stays lam (TweoHook refuses the same). A trainer's from_config, which knows the
+    run's length whatever the schedule, passes it on for the cosine only."""
+    from configs import load_config
+
+    for kwargs in (dict(total_steps=100), dict(schedule="constant", total_steps=100)):
+        with pytest.raises(ValueError, match=r"^tweo total_steps=100 sets the length of schedule 'cosine'; the "
+                                             r"schedule is 'constant': drop total_steps or set schedule='cosine'$"):
+            TWEO(tiny_vit(), **kwargs)
+    cfg = load_config(None, ["tweo.enabled=true", "tweo.lam=0.02"])
+    tweo = TWEO.from_config(cfg.tweo, tiny_vit(), total_steps=100)
+    assert (tweo.schedule, tweo.total_steps, tweo.lam_at(50)) == ("constant", None, 0.02)
+    tweo.remove()
+
+
 def test_fp16_block_output_gradient_is_computed_in_fp32():
     """(|a| / 3)^3 overflows fp16 beyond |a| = 121 although the gradient p (|a| k)^(p-1) k / numel (k = 1/(tau +
     eps)) fits; the gradient of an fp16 `a` is the float64 autograd one of the formula, in fp16."""

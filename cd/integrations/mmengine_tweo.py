@@ -174,7 +174,9 @@ class TweoHook(Hook):
         refusal = self.checkpointing_refusal(model, cfg.get("activation_checkpointing") if cfg is not None else None)
         if refusal is not None:  # before any hook or wrapper is put on the model
             raise ValueError(refusal)
-        self.tweo = TWEO(select_module(runner.model, self.module), total_steps=total, **self.kwargs)
+        cosine = self.kwargs.get("schedule", "constant") == "cosine"  # TWEO refuses a length for a constant lam
+        self.tweo = TWEO(select_module(runner.model, self.module), total_steps=total if cosine else None,
+                         **self.kwargs)
         original = model.parse_losses
 
         def parse_losses(losses):
