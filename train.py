@@ -609,9 +609,16 @@ def check_pretrained_classes(cfg: Config, model: nn.Module, classes: Optional[li
 def note_attention_change(model_cfg, config: dict) -> None:
     """Fine-tuning a checkpoint of this code base (its recorded `config`) with another `model.attn` is allowed (e.g.
     softmax1 -> softmax), but softmax1 has no parameters of its own, so nothing in the weights would show that the
-    attention changed."""
+    attention changed: the recorded config is the only witness. model.pretrained_strict=true, which loads the
+    weights as they were trained or not at all, refuses the change (the weights would compute another function, as
+    under a model.kwargs change); otherwise it is a warning."""
     trained = config.get("model", {}).get("attn", "softmax")
     if trained != model_cfg.attn:
+        if model_cfg.pretrained_strict:
+            raise ModelError(f"model.pretrained={model_cfg.pretrained} was trained with model.attn={trained}, not "
+                             f"model.attn={model_cfg.attn}: the weights would compute another function than the "
+                             f"trained one; set model.attn={trained} to start from the trained function, or "
+                             f"fine-tune with the change (model.pretrained_strict=false)")
         log.warning("%s was trained with model.attn=%s; fine-tuning it with model.attn=%s as set (set "
                     "model.attn=%s to keep its attention)", model_cfg.pretrained, trained, model_cfg.attn, trained)
 

@@ -330,6 +330,12 @@ def test_fine_tuning_a_run_with_another_attention_says_so(tmp_path, caplog):
             train.main(load_config([DEMO_CONFIG], common + [f"out_dir={tmp_path / attn}", f"model.attn={attn}",
                                                             f"model.pretrained={ckpt}"]))
         assert ("was trained with model.attn=softmax1; fine-tuning it with model.attn=softmax" in caplog.text) == said
+    # strict loads the weights as trained or not at all: the attention change (no key to show it) is refused
+    strict = common + [f"model.pretrained={ckpt}", "model.pretrained_strict=true"]
+    with pytest.raises(ModelError, match=r"model\.attn=softmax1.*model\.pretrained_strict=false"):
+        train.main(load_config([DEMO_CONFIG], strict + [f"out_dir={tmp_path / 's'}", "model.attn=softmax"]))
+    kept = train.main(load_config([DEMO_CONFIG], strict + [f"out_dir={tmp_path / 's1'}", "model.attn=softmax1"]))
+    assert kept.state.step == 1
     torch.save(torch.load(ckpt, weights_only=False)["model"], tmp_path / "weights.pth")  # a plain weights file
     caplog.clear()
     with caplog.at_level("WARNING", logger="train"):
