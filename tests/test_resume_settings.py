@@ -660,3 +660,21 @@ def test_a_resume_with_changed_settings_is_refused_before_the_model_and_the_data
     with pytest.raises(CheckpointError, match=r"was written with other settings \(train.seed: 0 -> 1\)"):
         train.main(debug_config("train.seed=1", name="early"))
     assert built == []
+
+
+def test_the_resume_section_names_every_setting_that_may_change_on_resume():
+    """docs/operations.md's Resume section lists what a resume may change without train.allow_changed_config
+    (engine/run_dir.ENVIRONMENT_KEYS); train.device, train.compile, train.eval_batch_size_per_gpu, data.pin_memory
+    and the divergence guard's settings change without a word, but were missing from the list. Every key but the
+    wildcards (log.*: "logging"; quant.*: its own paragraph), the paths (out_dir, data.root) and the settings
+    refused when changed (START_ONLY_KEYS, their own sentence) is named in the list's sentence."""
+    from engine.run_dir import ENVIRONMENT_KEYS, START_ONLY_KEYS
+    from tests.conftest import ROOT
+
+    with open(os.path.join(ROOT, "docs", "operations.md")) as f:
+        text = f.read()
+    start = text.index("Settings that change what the\n  run computes must be the same")
+    listed = text[start:text.index("(`ENVIRONMENT_KEYS` in `engine/run_dir.py`)", start)]
+    named = [key for key in ENVIRONMENT_KEYS
+             if "*" not in key and key not in START_ONLY_KEYS and key not in ("out_dir", "data.root")]
+    assert [key for key in named if f"`{key}" not in listed] == []
