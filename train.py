@@ -684,6 +684,7 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     state.epoch_batches = resume_position(
         payload.get("epoch_position"), epoch_position(epoch_batches=0, **run.position),
         epoch_batches=state.epoch_batches, step=state.step, checkpoint=resume_path)
+    schedule_at_resume(run)
     if run.decay is not None and "cd" in payload:
         run.decay.load_state_dict(payload["cd"])
     own = os.path.abspath(resume_path) == os.path.abspath(run.ckpt_path)
@@ -695,6 +696,21 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     run.started_from = payload.get("resumed_from") if own else os.path.abspath(resume_path)
     run.resumed_elsewhere = not own
     log.info("resumed from %s at epoch %d, update %d", resume_path, state.epoch, state.step)
+
+
+def schedule_at_resume(run: Run) -> None:
+    """Set the groups' lr that a run never stopped holds at the resumed point, after restore_optimizer (which
+    leaves the fresh schedule's first lr, the warmup's start): the lr of the next update (sched.per_step), or the
+    lr of the epoch in progress, of the one just ended at an epoch's end (the loop sets the next epoch's as it
+    begins it). A re-run that trains no update (stopped at the schedule's last one) writes its last checkpoint.pt
+    with it; before, with the first lr, which the checkpoint of the run never stopped does not hold."""
+    scheduler, state = run.scheduler, run.state
+    if scheduler is None:
+        return
+    if run.per_step_schedule:
+        scheduler.step_update(state.step)
+    elif state.epoch_batches or state.epoch:
+        scheduler.step(state.epoch if state.epoch_batches else state.epoch - 1)
 
 
 def build_loop(run: Run, preemption: Preemption) -> TrainLoop:
