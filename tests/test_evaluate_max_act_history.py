@@ -134,7 +134,8 @@ def test_maxima_over_other_modules_written_meanwhile_are_refused_or_kept_in_hist
         assert saved["max_act"] == meanwhile["max_act"] and "history" not in saved
         assert {key: path.read_bytes() for key, path in files.items()} == meanwhile["files"]
         return
-    saved = evaluate_into(checkpoint, out, EXTRA, "--recompute")
+    # a pipeline planned: --recompute alone on a file without maxima would change nothing, and is refused
+    saved = evaluate_into(checkpoint, out, EXTRA, "--recompute", "--quant", "rtn", "--bits", "w8a16")
     assert saved["max_act"]["extra_modules"] == ["patch_embed.proj", "norm"]
     assert {"patch_embed.proj", "norm"} <= layers(files["csv"])
     kept = {key: tmp_path / f"e_act_max.replaced1.{ext}" for key, ext in (("csv", "csv"), ("plot", "png"))}
