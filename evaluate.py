@@ -63,7 +63,7 @@ from data import (DataError, build_dataset, build_eval_loader, build_token_eval_
                   calibration_images, calibration_windows, check_same_data_on_every_rank, dataset_classes,
                   val_fingerprint)
 from data.folder import ClassCountError, check_same_classes
-from data.loader import same_split_data, split_location
+from data.loader import same_split_data, split_location, split_reading
 from data.text import FINGERPRINT_HEAD_BYTES, ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
@@ -811,8 +811,14 @@ def resolve_config(args: argparse.Namespace):
                               f"data); drop it")
     # the scored val split as the training split: by any name or link, or a copy of its token file (same_split_data)
     how = same_split_data(cfg.data, "train", cfg.data, "val") if drawing else None
+    seen = "text" if task.language else "images"
+    if how == "classes":  # another folder, some of whose class folders are the val split's (train/n2 -> val/n2)
+        raise ConfigError(f"data.train_split={cfg.data.train_split}: it and the val split that is scored "
+                          f"(data.val_split={cfg.data.val_split}) "
+                          f"{split_reading(how, split_location(cfg.data, 'train'), split_location(cfg.data, 'val'))}, "
+                          f"so {', '.join(drawing)} would calibrate (or train) on the {seen} it scores; give "
+                          f"data.train_split the training split")
     if how is not None:
-        seen = "text" if task.language else "images"
         copied = "" if how == "same" else "a copy of "
         raise ConfigError(f"data.train_split={cfg.data.train_split}: {split_location(cfg.data, 'train')} is {copied}"
                           f"the val split that is scored (data.val_split={cfg.data.val_split}), so "
@@ -959,7 +965,8 @@ def check_not_trained_on(trained: DataConfig, data: DataConfig, checkpoint: str,
                          fingerprint: Optional[dict] = None) -> None:
     """Refuse a val split (of `data`) that reads the training split of the checkpoint's data set (`trained`, its
     recorded settings): the folder or token file it recorded, by any name or link (os.path.samefile), or the split
-    of that name under another data.root (a copy of the data set on this machine), or a byte copy of the training
+    of that name under another data.root (a copy of the data set on this machine), a folder holding one of its class
+    folders (val2/n2 a link to train/n2, named as data.loader.split_reading names it) or a byte copy of the training
     token file (same_split_data), and where that file is not on this machine as the checkpoint recorded it
     (`fingerprint`, its data_fingerprint: each file's size and first MiB; None for an older checkpoint), a token
     file of its recorded size and first MiB. Any other val split is taken: a held-out folder beside the recorded val
@@ -968,7 +975,12 @@ def check_not_trained_on(trained: DataConfig, data: DataConfig, checkpoint: str,
     if val is None or trained.dataset != data.dataset:
         return
     here = dataclasses.replace(trained, root=data.root)
-    how = same_split_data(data, "val", trained, "train") or same_split_data(data, "val", here, "train")
+    how, train_at = None, None  # how the val split reads the training split, and where that split is
+    for at in (trained, here):
+        how = same_split_data(data, "val", at, "train")
+        if how is not None:
+            train_at = split_location(at, "train")
+            break
     recorded = recorded_train_file(trained, fingerprint)  # the train file may be elsewhere now, or gone
     # the record holds the train file's size and the SHA-256 of its first MiB, no more: where the file is here as
     # recorded, same_split_data compared the two in full; where it is not, a val file of that size and first MiB is
@@ -988,8 +1000,12 @@ def check_not_trained_on(trained: DataConfig, data: DataConfig, checkpoint: str,
                           f"the two in full); "
                           f"{held_out_advice(trained, here, fingerprint)}, or put the training file back as "
                           f"{os.path.join(data.root, trained.train_split)}.bin to compare them in full")
+    seen = "text" if data.dataset == "tokens" else "images"
+    if how == "classes":  # another folder, some of whose class folders are the training split's (val/n2 -> train/n2)
+        raise ConfigError(f"data.val_split={data.val_split}: it and the {trained.train_split} split {checkpoint} was "
+                          f"trained on (data.root={trained.root}) {split_reading(how, train_at, val)}, so its scores "
+                          f"would be of {seen} it was trained on; {held_out_advice(trained, here, fingerprint)}")
     if how is not None:
-        seen = "text" if data.dataset == "tokens" else "images"
         copied = "" if how == "same" else "a copy of "
         raise ConfigError(f"data.val_split={data.val_split}: {val} is {copied}the {trained.train_split} split "
                           f"{checkpoint} was trained on (data.root={trained.root}), so its scores would be of {seen} "

@@ -211,3 +211,39 @@ def test_a_training_split_that_is_the_scored_val_split_is_refused_before_any_pas
     assert resolve(checkpoint, "--quant", "percentile", f"data.train_split={root}/train").data.train_split
     with pytest.raises(ConfigError, match=r"^data.train_split=val would be ignored: no pipeline"):
         resolve(checkpoint, "--quant", "rtn", "data.train_split=val")
+
+
+def linked_classes(folder, root, of_split, linked=("b",)) -> None:
+    """`folder` with the classes of CLASSES: those in `linked` links to the class folders of root/`of_split`, the
+    others held-out images of their own."""
+    make_folder(folder.parent, {folder.name: {name: n for name, n in CLASSES.items() if name not in linked}})
+    for name in linked:
+        os.symlink(os.path.join(root, of_split, name), folder / name)
+
+
+def test_a_val_split_with_a_class_folder_of_the_training_split_is_refused_naming_that_folder(folder_run, tmp_path):
+    """A val folder whose class folder b is the training split's (val2/b -> train/b) scores the images of b the
+    checkpoint trained on: refused, the error naming that folder under both its names, not calling the folder a copy
+    of the training split (its other classes are held out)."""
+    checkpoint, root = folder_run
+    linked_classes(tmp_path / "val2", root, "train")
+    train_b = os.path.join(os.path.realpath(os.path.join(root, "train")), "b")
+    with pytest.raises(ConfigError) as refused:
+        resolve(checkpoint, "--quant", f"data.val_split={tmp_path / 'val2'}")
+    message = str(refused.value)
+    assert "1 class folder(s) in common" in message and f"{tmp_path / 'val2' / 'b'} is {train_b}" in message
+    assert "copy" not in message and message.endswith("score its held-out split (data.val_split=val)")
+
+
+def test_a_training_split_with_a_class_folder_of_the_scored_val_split_is_refused_naming_that_folder(folder_run,
+                                                                                                  tmp_path):
+    """The calibration drawn from a folder whose class folder a is the scored val split's (calib/a -> val/a)
+    would calibrate on images it then scores: refused, naming the shared folder, not calling the split a copy."""
+    checkpoint, root = folder_run
+    linked_classes(tmp_path / "calib", root, "val", linked=("a",))
+    with pytest.raises(ConfigError) as refused:
+        resolve(checkpoint, "--quant", "percentile", f"data.train_split={tmp_path / 'calib'}")
+    message = str(refused.value)
+    assert message.startswith(f"data.train_split={tmp_path / 'calib'}: it and the val split that is scored")
+    assert "1 class folder(s) in common" in message and "copy" not in message
+    assert f"{os.sep}val{os.sep}a is {tmp_path / 'calib' / 'a'})" in message
