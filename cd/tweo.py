@@ -21,10 +21,14 @@ task loss" the detached ratio above.
     ...
     tweo.remove()                                  # or: with TWEO(model, ...) as tweo: ...
 
-Block outputs are captured only in training forwards with grad enabled (never at evaluation). Each
-block's term is computed in the hook, in fp32 even under fp16/bf16 autocast (fp16 (|A|/3)^4 overflows
-beyond |A| = 48), by a custom autograd function that saves only the block output itself; that tensor
-is saved anyway by the next layer (its LayerNorm), so the penalty adds no activation memory.
+Block outputs are captured only in training forwards with grad enabled (never at evaluation). Each block's term is
+computed in the hook, in fp32 even under fp16/bf16 autocast (fp16 (|A|/3)^4 overflows beyond |A| = 48), by a custom
+autograd function that saves only the block output itself. Where the next layer saves that same tensor anyway (the next
+block's LayerNorm, the final norm: timm's ViT, GPT-2), the penalty adds no activation memory; where it saves a copy
+instead, the output is kept for TWEO alone: timm's Swin keeps the output of the last block of each stage before a
+PatchMerging, which normalizes a permuted copy (+4.02 MiB on 203.6 MiB of saved activations, 2.0 %, for
+swin_tiny_patch4_window7_224 at 224 px, batch 2, fp32; `python scripts/tweo_memory.py` measures it,
+docs/measurements.md).
 `form="plain"` computes the same value with ordinary autograd ops instead (`plain_tweo_penalty`), which
 keep their fp32 intermediates for the backward pass: memory that grows with the batch, as the paper's
 efficiency figure (Fig. 2) shows for TWEO; the paper does not say how its TWEO was written, so that it was

@@ -1,0 +1,46 @@
+"""scripts/tweo_memory.py: the activation memory TWEO adds, against the block outputs' sizes taken by the test's own
+hooks: nothing on a ViT (the next LayerNorm keeps each output anyway), the output of the block before a Swin
+PatchMerging (which normalizes a permuted copy), and one fp32 copy of every block output for the plain form."""
+import torch
+
+from cd_models import tiny_swin, tiny_vit
+from tweo_memory import main, saved_for_backward  # scripts/ is on pytest's path (pyproject.toml)
+
+
+def output_bytes(model, x, names):
+    """name -> bytes of each named block's output in a forward of `model` on `x` (fp32 here)."""
+    sizes, modules = {}, dict(model.named_modules())
+    handles = [modules[n].register_forward_hook(lambda m, a, o, n=n: sizes.update({n: o.numel() * 4})) for n in names]
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    return sizes
+
+
+def test_vit_outputs_are_kept_anyway_and_the_plain_form_adds_one_copy_of_each():
+    model, x = tiny_vit().train(), torch.randn(3, 3, 32, 32)
+    base = saved_for_backward(model, x)
+    assert base.outputs_not_kept() == {}
+    assert saved_for_backward(model, x, "memory_saving").total == base.total
+    # (|a| / (tau + eps)) is kept for pow's backward: one fp32 copy per block
+    sizes = output_bytes(model, x, ["blocks.0", "blocks.1"])
+    assert saved_for_backward(model, x, "plain").total - base.total == sum(sizes.values())
+
+
+def test_swin_keeps_the_output_of_the_block_before_the_patch_merging_for_tweo_alone():
+    model, x = tiny_swin().train(), torch.randn(3, 3, 32, 32)
+    assert type(model.layers[1].downsample).__name__ == "PatchMerging"  # stage 2 starts with it (timm)
+    names = ["layers.0.blocks.0", "layers.0.blocks.1", "layers.1.blocks.0", "layers.1.blocks.1"]
+    sizes = output_bytes(model, x, names)
+    base = saved_for_backward(model, x)
+    assert base.outputs_not_kept() == {"layers.0.blocks.1": sizes["layers.0.blocks.1"]}
+    assert saved_for_backward(model, x, "memory_saving").total - base.total == sizes["layers.0.blocks.1"]
+    assert saved_for_backward(model, x, "plain").total - base.total == sum(sizes.values()) + sizes["layers.0.blocks.1"]
+
+
+def test_the_script_prints_a_gpt_s_figures(capsys):
+    main(["--model", "gpt2_nano", "--tokens", "8"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].startswith("gpt2_nano (2, 8): without TWEO ") and "memory-saving form +0.00 (+0.0%)" in out[1]
+    assert out[2] == "  block outputs that only TWEO keeps: 0 of 2, 0.00"
