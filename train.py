@@ -67,7 +67,7 @@ from engine.preemption import EXIT_PREEMPTED, Preemption, preempted_line
 from engine.resume import (check_schedule_holds, epoch_position, optimizer_param_names, restore_optimizer,
                            resume_position)
 from engine.snapshots import (check_same_start_on_every_rank, check_same_weights_on_every_rank,
-                              keep_abandoned_checkpoint, keep_snapshot, resume_source)
+                              keep_abandoned_checkpoint, keep_missing_snapshot, keep_snapshot, resume_source)
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, is_inside, save_config_history,
                             start_only_changes, validation_changes)
 from engine.running_stats import average_running_stats
@@ -181,9 +181,15 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         other_validation = validation_changes(payload["config"], config_to_dict(cfg))
         # of out_dir's metrics.jsonl only: another folder's checkpoint describes that folder's records
         metrics_fingerprint = payload.get(METRICS_FINGERPRINT) if is_inside(resume_path, cfg.out_dir) else None
-        del payload
         if kept := keep_abandoned_checkpoint(cfg.out_dir, resume_path, run.state.step, dist.is_main, dist.device):
             log.warning("checkpoint.pt of the branch this run leaves kept as %s", kept)
+        every, state = cfg.train.keep_every_epochs, run.state
+        if (every and os.path.abspath(resume_path) == os.path.abspath(run.ckpt_path) and state.epoch_batches == 0
+                and state.epoch and state.epoch % every == 0):  # at a kept epoch's end, its snapshot maybe not kept
+            if kept := keep_missing_snapshot(run.ckpt_path, payload, state.epoch, dist.is_main, dist.device):
+                log.warning("epoch %d kept as %s: the run that wrote checkpoint.pt at its end stopped before it "
+                            "kept it", state.epoch, kept)
+        del payload
         # a best score measured on another validation set compares with no new score: best.pt starts afresh
         run.validation_changed = bool(other_validation)
         best = run.best.match_file(run.state, dist.is_main, dist.device, other_validation=bool(other_validation))

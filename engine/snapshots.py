@@ -8,7 +8,8 @@
   The checkpoint.pt it leaves is kept as checkpoint.until_step<N>.pt (`keep_abandoned_checkpoint`).
 * Snapshots: with `train.keep_every_epochs=N`, checkpoint.pt of every N-th epoch end is kept as
   `out_dir/snapshots/epoch<E>.pt`, a hard link to the file just written (no copy, no extra disk time;
-  a copy where the file system has no hard links). The run never deletes or replaces one.
+  a copy where the file system has no hard links). The run never deletes or replaces one. A run killed between
+  the write and the link keeps the snapshot when it resumes at that epoch's end (`keep_missing_snapshot`).
 * Every rank finds its resume source itself (out_dir may be a node's own disk by mistake):
   `check_same_start_on_every_rank` refuses ranks that would start from other points.
 * A latest checkpoint that cannot be resumed (zero bytes, truncated, a best.pt copied over it) is a
@@ -30,9 +31,10 @@ from typing import Optional
 import torch
 
 from models.modules import nonfinite_tensors
+from models.pretrained import mapped_payload
 
 from .checkpoint import CheckpointError, foreign_objects, not_a_torch_file, weights_fingerprint
-from .distributed import raise_on_every_rank
+from .distributed import all_reduce, raise_on_every_rank
 from .rank_agreement import differing_between_ranks
 from .run_dir import SNAPSHOTS, checkpoint_path_problem, is_inside, keep_as_until_step, partial_path
 
@@ -249,3 +251,34 @@ def keep_snapshot(checkpoint: str, epoch: int, is_main: bool, device: torch.devi
                                     f"re-run the same command to continue")
     raise_on_every_rank(error, device, lambda: CheckpointError(f"rank 0 could not write {path}"))
     return path
+
+
+def keep_missing_snapshot(checkpoint: str, payload: dict, epoch: int, is_main: bool,
+                          device: torch.device) -> Optional[str]:
+    """A run killed between the write of checkpoint.pt at the end of a kept epoch (train.keep_every_epochs) and its
+    link as snapshots/epoch<E>.pt lost that snapshot for good: the resumed run begins the next epoch. Resumed from
+    `checkpoint` (out_dir's, read as `payload`) at the end of such an epoch `epoch`, keep it now, unless a snapshot
+    of that epoch holds it already: the same file (the link), or its update and weights (a copy, or a checkpoint.pt
+    written again at that update: a validation the stop left to the resumed run). Returns the path kept, or None.
+    Decided on the main rank, every rank taking part (`keep_snapshot`)."""
+    missing = 0.0
+    if is_main:
+        folder = os.path.join(os.path.dirname(checkpoint), SNAPSHOTS)
+        stem = os.path.join(glob.escape(folder), f"epoch{epoch:04d}")
+        point = None
+        missing = 1.0
+        for path in sorted(glob.glob(f"{stem}.pt") + glob.glob(f"{stem}-*.pt")):
+            try:
+                if os.path.samefile(path, checkpoint):
+                    missing = 0.0
+                    break
+                point = point or start_point(payload)
+                other = mapped_payload(path)
+                if isinstance(other, dict) and start_point(other) == point:
+                    missing = 0.0
+                    break
+            except Exception:  # noqa: BLE001 - a snapshot that cannot be read is none that holds it
+                continue
+    if not all_reduce(torch.tensor([missing], device=device)).item():
+        return None
+    return keep_snapshot(checkpoint, epoch, is_main, device)
