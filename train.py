@@ -63,7 +63,8 @@ from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, Train
 from engine.metrics import METRICS_FINGERPRINT, MetricLogger, duration, progress_line
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, schedule_length, use_fused
 from engine.precision import describe_precision, grad_scaler
-from engine.preemption import EXIT_PREEMPTED, Preemption, preempted_line
+from engine.exit_codes import EXIT_INTERRUPTED
+from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, preempted_line
 from engine.resume import (check_schedule_holds, epoch_position, optimizer_param_names, restore_optimizer,
                            resume_position)
 from engine.snapshots import (check_same_start_on_every_rank, check_same_weights_on_every_rank,
@@ -1066,3 +1067,5 @@ if __name__ == "__main__":
         exit_with_error(str(e), error=e)  # stderr (once under torchrun: said_by_rank_0) and train.log
     except OtherRankError as e:  # the rank that failed prints its own error (a traceback if it is not the user's)
         exit_with_error(str(e), error=e)
+    except SecondInterrupt as e:  # the user's "now": one line (stderr, train.log), not a traceback of where it came
+        exit_with_error(str(e), code=EXIT_INTERRUPTED)

@@ -22,8 +22,9 @@ foreground process group. The rule:
   the request into a crash of the main process. They end with the loader (and exit by themselves if the
   main process dies);
 * repeated signals within `repeat_window_s` of the first are the same request (torchrun forwards the
-  signal it received to its workers, which then see it twice); a later SIGINT raises KeyboardInterrupt
-  at once (a second Ctrl-C means "now"), a later SIGTERM is ignored.
+  signal it received to its workers, which then see it twice); a later SIGINT raises `SecondInterrupt` (a
+  KeyboardInterrupt) at once (a second Ctrl-C means "now"), a later SIGTERM is ignored. train.py ends on it with
+  one line (exit code 130, as a shell's for SIGINT), not a traceback.
 """
 from __future__ import annotations
 
@@ -101,6 +102,11 @@ def _exit_on_parents_sigterm(parent: int) -> None:
             os._exit(0)
 
 
+class SecondInterrupt(KeyboardInterrupt):
+    """A SIGINT (Ctrl-C) more than `Preemption.repeat_window_s` after the first stop request: stop now, not at the
+    next update boundary. Its message is the line to end with (train.py's __main__)."""
+
+
 class Preemption:
     """Records SIGTERM / SIGINT and decides, the same on every rank, when training stops.
 
@@ -139,7 +145,8 @@ class Preemption:
             self._unannounced = signum
         elif signum == signal.SIGINT and now - self.first_signal_at > self.repeat_window_s:
             self.restore()
-            raise KeyboardInterrupt("second interrupt: stopping now, without a new checkpoint")
+            raise SecondInterrupt(f"stopped at once by a second interrupt (Ctrl-C): a write of {self.saves} in "
+                                  f"progress is dropped; the same command resumes from the last {self.saves} written")
 
     def should_stop(self, step: int = 0, boundary: bool = False) -> bool:
         """True once a stop was requested on any rank; the same answer on every rank.

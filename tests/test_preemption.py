@@ -555,3 +555,45 @@ def test_train_py_run_in_this_process_leaves_the_stop_signal_handlers_as_they_we
     code, _, err = run_entry("train.py", ["train.batch_size=0"], capsys)  # refused before any Preemption
     assert code == 1 and "train.batch_size" in err
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_second_ctrl_c_during_the_checkpoint_write_ends_train_py_with_one_line_and_exit_130(tmp_path, capsys,
+                                                                                               monkeypatch):
+    """The first Ctrl-C asks for a checkpoint at the next update; a second one more than 2 s later (here inside that
+    checkpoint's write) stops at once. That printed a 30-line traceback of wherever the signal landed, and train.log
+    had no line saying how the run ended. Now one line, on stderr and in train.log, exit code 130 (128 + SIGINT),
+    and no checkpoint.pt half written: its temporary file is removed."""
+    import torch.optim.optimizer as optimizer_module
+
+    import engine.checkpoint as checkpoint_module
+
+    updates = [0]
+
+    def first_ctrl_c(*_):
+        updates[0] += 1
+        if updates[0] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    save = checkpoint_module.torch.save
+
+    def slow_save_with_a_second_ctrl_c(obj, f, *args, **kwargs):
+        time.sleep(2.2)  # past the 2 s within which a repeated signal is the same request
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)
+        return save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", slow_save_with_a_second_ctrl_c)
+    handle = optimizer_module.register_optimizer_step_post_hook(first_ctrl_c)
+    try:
+        code, out, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={tmp_path}"], capsys)
+    except KeyboardInterrupt as e:  # as the process ends on it: a traceback, no line in train.log
+        pytest.fail(f"train.py's __main__ let the second interrupt through: {e!r}")
+    finally:
+        handle.remove()
+    assert code == 130, err[-3000:]
+    assert "Traceback" not in err + out
+    line = ("error: stopped at once by a second interrupt (Ctrl-C): a write of checkpoint.pt in progress is "
+            "dropped; the same command resumes from the last checkpoint.pt written")
+    assert err.strip().splitlines() == [line]
+    assert (tmp_path / "train.log").read_text().rstrip().splitlines()[-1].endswith(line)
+    assert sorted(os.listdir(tmp_path)) == ["config.yaml", "metrics.jsonl", "tb", "train.log"]
