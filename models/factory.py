@@ -205,10 +205,19 @@ def _build_language_model(cfg: ModelConfig) -> GPT:
                    "model.drop_path": bool(cfg.drop_path), "model.pretrained": cfg.pretrained == "hub"}
     given = [f"{key}={getattr(cfg, key[len('model.'):])}" for key, set_ in vision_only.items() if set_]
     if given:
+        others = [item for item in given if not item.startswith("model.drop_path=")]
+        fixes = [f"drop {'it' if len(given) == 1 else 'them' if len(others) == len(given) else ', '.join(others)}"
+                 ] if others else []
+        if cfg.drop_path:
+            # model.drop_path has a default (for the vision models) that a config which never names it still
+            # carries: "drop it" would name no fix then; configs/lm/*.yaml set 0
+            fixes.append("set model.drop_path=0 (stochastic depth"
+                         + (f"; {ModelConfig.drop_path} is the schema's default, meant for the vision models, which "
+                            f"a language model's config must set to 0, as configs/lm/*.yaml do"
+                            if cfg.drop_path == ModelConfig.drop_path else "") + ")")
         raise ModelError(f"model '{cfg.name}' is a language model: {', '.join(given)} "
-                         f"appl{'ies' if len(given) == 1 else 'y'} to the timm vision models only; drop "
-                         f"{'it' if len(given) == 1 else 'them'}"
-                         + (" (model.drop_path, stochastic depth: set it to 0)" if cfg.drop_path else ""))
+                         f"appl{'ies' if len(given) == 1 else 'y'} to the timm vision models only; "
+                         f"{' and '.join(fixes)}")
     check_kwargs_given(cfg)
     if problem := shadowed_kwarg_problem(cfg.kwargs, GPT_FIRST_CLASS_KEYS):
         raise ModelError(problem)

@@ -162,20 +162,45 @@ def test_pretrained_gpt_of_another_vocabulary_or_context_names_the_setting(tmp_p
     build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, pretrained=str(tmp_path / "nano.pt")))
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["model.img_size=64"], "model.img_size=64 applies"),
-    (["model.attn=softmax1", "model.drop_path=0.1"], "model.attn=softmax1, model.drop_path=0.1 apply"),
-    (["model.pretrained=hub"], "model.pretrained=hub applies")])
-def test_a_vision_only_model_setting_on_a_gpt_is_named(overrides, named):
+@pytest.mark.parametrize("overrides, named, fix", [
+    (["model.img_size=64"], "model.img_size=64 applies", "drop it"),
+    (["model.img_size=64", "model.attn=softmax1"], "model.attn=softmax1, model.img_size=64 apply", "drop them"),
+    (["model.attn=softmax1", "model.drop_path=0.1"], "model.attn=softmax1, model.drop_path=0.1 apply",
+     "drop model.attn=softmax1 and set model.drop_path=0 (stochastic depth"),
+    (["model.pretrained=hub"], "model.pretrained=hub applies", "drop it")])
+def test_a_vision_only_model_setting_on_a_gpt_is_named(overrides, named, fix):
     """The refusal listed all four vision-only settings whichever one was set; the stochastic-depth hint comes
-    with model.drop_path only (it named the wrong fix for model.img_size)."""
+    with model.drop_path only (it named the wrong fix for model.img_size), and model.drop_path's fix is 0."""
     from models import ModelError, build_model
     with pytest.raises(ModelError, match=rf"model 'gpt2_nano' is a language model: {re.escape(named)} to the timm "
-                                         r"vision models only; drop (it|them)") as refused:
+                                         rf"vision models only; {re.escape(fix)}") as refused:
         build_model(load_config([NANO], overrides).model)
     hint = any(o.startswith("model.drop_path") for o in overrides)
     assert ("stochastic depth" in str(refused.value)) == hint
-    assert str(refused.value).count("model.") == len(overrides) + hint  # + the drop_path hint
+    for key in ("model.attn=", "model.img_size=", "model.drop_path=", "model.pretrained="):  # the ones set only
+        assert (key in str(refused.value)) == any(o.startswith(key) for o in overrides)
+
+
+def test_a_gpt_config_without_drop_path_is_told_the_default_is_for_vision_models(tmp_path):
+    """A minimal GPT config never names model.drop_path, yet carries the schema's vision-model default: the
+    refusal said "drop it" of a key the config does not have. It now names that default and the fix, which
+    builds."""
+    import dataclasses
+    from configs.schema import ModelConfig
+    from models import build_model
+    default = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == "drop_path")
+    assert default  # a default of 0 would leave nothing to refuse
+    (tmp_path / "gpt.yaml").write_text("data: {dataset: kjv}\nmodel: {name: gpt2_nano, num_classes: 128}\n")
+    with pytest.raises(ModelError) as refused:
+        build_model(load_config([str(tmp_path / "gpt.yaml")]).model)
+    said = str(refused.value)
+    assert f"model.drop_path={default} applies" in said and "drop it" not in said
+    assert f"set model.drop_path=0 (stochastic depth; {default} is the schema's default" in said
+    build_model(load_config([str(tmp_path / "gpt.yaml")], ["model.drop_path=0"]).model)
+    # a rate the config gave itself is not called the default
+    with pytest.raises(ModelError) as given:
+        build_model(load_config([str(tmp_path / "gpt.yaml")], ["model.drop_path=0.2"]).model)
+    assert "set model.drop_path=0 (stochastic depth)" in str(given.value) and "default" not in str(given.value)
 
 
 def test_nanogpt_layout_loads_and_causality_holds():
