@@ -444,7 +444,7 @@ def pipeline_options(items, pipelines) -> dict:
     override typed after the flag) as such, and so are aphq.calib_images and gplq.init_images (the calibration
     batch is --calib-images)."""
     import difflib
-    from configs.loader import apply_overrides
+    from configs.loader import DETECTOR_RULES, apply_overrides
     from configs.schema import Config
     from quant import PIPELINES
     typed = Config()
@@ -467,7 +467,8 @@ def pipeline_options(items, pipelines) -> dict:
         if option in by_pipeline.get(name, {}):  # one item after the other: the later would replace the earlier
             raise ValueError(f"--quant-options {key} is given twice; keep one")
         try:
-            apply_overrides(typed, [f"quant.{item}"])
+            # a detector's rules: aphq.act_lr is read at aphq.drop_prob=0 (the neck's units run without QDrop)
+            apply_overrides(typed, [f"quant.{item}"], rules=DETECTOR_RULES)
         except ValueError as e:  # configs.loader.ConfigError, in the schema's names (quant.aphq.iters ...)
             raise ValueError(f"--quant-options {item}: " + str(e).replace("command line: ", "")
                              .replace("'quant.", "'")) from None

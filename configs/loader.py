@@ -270,11 +270,12 @@ def _changed(before: Config, after: Config, key: str) -> bool:
         return True
 
 
-def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
+def apply_overrides(cfg: Config, overrides: Iterable[str], rules: Optional[Sequence] = None) -> Config:
     """Apply `key=value` overrides to `cfg` in place (and return it), checked like everything else; an
-    override that the resulting config would ignore is refused (`check_keys_read`), and so is one that sets a key
-    an earlier item set (optim.lr twice, train.seed=5 after train={seed: 2}); emptying a dict field with null
-    before giving its entries is the one order that means both."""
+    override that the resulting config would ignore is refused (`check_keys_read` by `rules`, default
+    READ_ONLY_WHEN; DETECTOR_RULES for a detector's pipeline options), and so is one that sets a key an earlier item
+    set (optim.lr twice, train.seed=5 after train={seed: 2}); emptying a dict field with null before giving its
+    entries is the one order that means both."""
     given = {}
     # what an earlier item set (override_settings) -> that item; a dict field itself there was emptied by it, and
     # a later item may give its entries
@@ -318,7 +319,7 @@ def apply_overrides(cfg: Config, overrides: Iterable[str]) -> Config:
                                   f"{set_by[twice[0]]!r} sets already; keep one"
                                   + (" (or empty the dict before giving its entries)" if entries_first else ""))
             set_by[setting] = item
-    check_keys_read(cfg, given)
+    check_keys_read(cfg, given, rules=READ_ONLY_WHEN if rules is None else rules)
     return cfg
 
 
@@ -503,6 +504,11 @@ FIRST_LAST_KEYS = tuple(f"quant.{name}.{option}" for name, section in vars(Confi
                         for option in ("stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits")
                         if hasattr(section, option))
 
+# quant/aphq/reconstruct.py: at drop_prob 0 (the probability of the quantized element) every activation quantizer of a
+# classifier returns its float input while a unit is reconstructed, so the learned scales get no gradient. A
+# detector's neck units reconstruct with QDrop off whatever drop_prob says (quant/aphq/detector.py: the official
+# set_qdrop reaches no convolution), and their activation scales train at act_lr at any drop_prob
+APHQ_ACT_LR_READ = (("quant.aphq.act_lr",), "quant.aphq.drop_prob", (NONZERO,))
 # Keys that only some settings read: (keys, the key that decides, the values with which they are read), or
 # (keys, a When, None). A key ending in "." stands for every key of that section but the deciding one.
 READ_ONLY_WHEN = [
@@ -550,9 +556,7 @@ READ_ONLY_WHEN = [
     (("quant.aphq.weight_lr", "quant.aphq.act_lr", "quant.aphq.round_weight", "quant.aphq.beta_start",
       "quant.aphq.beta_end", "quant.aphq.warmup", "quant.aphq.drop_prob", "quant.aphq.input_mix_prob",
       "quant.aphq.normalize_loss", "quant.aphq.loss", "quant.aphq.cache_device"), "quant.aphq.iters", (NONZERO,)),
-    # quant/aphq/reconstruct.py: at drop_prob 0 (the probability of the quantized element) every activation
-    # quantizer returns its float input while a unit is reconstructed, so the learned scales get no gradient
-    (("quant.aphq.act_lr",), "quant.aphq.drop_prob", (NONZERO,)),
+    APHQ_ACT_LR_READ,  # a classifier's only (CLASSIFIER_ONLY)
     (("quant.aphq.log_every",), APHQ_TRAINS, None),
     (("quant.aphq.recon_images",), APHQ_RECON_SET_READ, None),
     (("quant.aphq.seed",), APHQ_SEED_READ, None),
@@ -583,6 +587,13 @@ READ_ONLY_WHEN = [
     (("quant.gplq.matmul_percentile",), "quant.gplq.matmul_operands", (True,)),  # the float matmuls have no range
     (("quant.repq.round_zero_point",), "quant.repq.reparam", (True,)),  # the LayerNorm fold is its only reader
 ]
+# READ_ONLY_WHEN entries that hold for a classifier's pipeline options only. A config (train.py, evaluate.py) runs
+# APHQ on classifiers alone (on no language model), so it applies them; a detector's options (evaluate_detection.py
+# --quant-options: DETECTOR_RULES; PipelineData.detector_samples) read those keys all the same, so the options' own
+# rules (`_section_rules`: parse_options, result files' unread_options) leave them to the pipeline, which knows the
+# model (quant/aphq/pipeline.py APHQPipeline.__call__: check_options_read(..., classifier=True))
+CLASSIFIER_ONLY = (APHQ_ACT_LR_READ,)
+DETECTOR_RULES = [rule for rule in READ_ONLY_WHEN if rule not in CLASSIFIER_ONLY]
 # Keys of a switched-off section that are read all the same: cd.gated_mlp decides which pairs a baseline
 # logs energies for (train.py's pair_energy_source), CD on or off.
 READ_ALWAYS = {"cd.gated_mlp"}
@@ -611,11 +622,12 @@ def unread_by_rules(cfg: Any, keys: Iterable[str], rules: Sequence = READ_ONLY_W
             yield key, decider, read_with, value
 
 
-def _section_rules(section: str) -> list:
-    """The READ_ONLY_WHEN entries whose keys and deciding keys all lie in the config section `section`."""
+def _section_rules(section: str, classifier: bool = False) -> list:
+    """The READ_ONLY_WHEN entries whose keys and deciding keys all lie in the config section `section`; those of
+    CLASSIFIER_ONLY only for `classifier` options (the options alone do not say which model they quantize)."""
     prefix = section + "."
-    return [rule for rule in READ_ONLY_WHEN
-            if all(key.startswith(prefix) for key in (*rule[0], *decider_keys(rule[1])))]
+    return [rule for rule in READ_ONLY_WHEN if (classifier or rule not in CLASSIFIER_ONLY)
+            and all(key.startswith(prefix) for key in (*rule[0], *decider_keys(rule[1])))]
 
 
 def _in_section(section: str, options: Any) -> dict:
@@ -668,17 +680,19 @@ def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
                 f"{why}; {fix}")
 
 
-def check_options_read(options: Any, given: Iterable[str]) -> None:
+def check_options_read(options: Any, given: Iterable[str], classifier: bool = False) -> None:
     """Refuse, as an override is refused, an option among `given` (the field names a caller set itself) that
     `options`, the dataclass of a config section (APHQOptions of quant.aphq), leaves unread: by the READ_ONLY_WHEN
     entries whose keys and deciding keys all lie in that section. For the Python API (quant/pipeline_base.py
     parse_options), which has no config around the options. No pipeline section is switched off whole
-    (`section_switches`), so a switch given as false beside the options it leaves unread does not excuse them."""
+    (`section_switches`), so a switch given as false beside the options it leaves unread does not excuse them.
+    `classifier`: the options quantize a classifier, so CLASSIFIER_ONLY's rules apply too (act_lr at drop_prob=0);
+    without it they are left to the pipeline, which knows the model."""
     given = list(given)
     for section in config_sections(type(options)):
         prefix = section + "."
         check_keys_read(_in_section(section, options), {prefix + key: getattr(options, key) for key in given},
-                        rules=_section_rules(section))
+                        rules=_section_rules(section, classifier))
 
 
 def unread_options(section: str, options: dict) -> set[str]:

@@ -1,15 +1,22 @@
 """APHQ's activation scales learn at act_lr during the block reconstruction, through the quantized elements that
-QDrop keeps (drop_prob: the probability of an element's quantized value, quant/aphq/reconstruct.py). At drop_prob=0
-every activation quantizer passes its float input, so the scales get no gradient and act_lr changes nothing: given
-beside it, act_lr is refused as an override that would be ignored (configs/loader.py READ_ONLY_WHEN), by the config
-and by the Python API."""
+QDrop keeps (drop_prob: the probability of an element's quantized value, quant/aphq/reconstruct.py). On a classifier
+at drop_prob=0 every activation quantizer passes its float input, so the scales get no gradient and act_lr changes
+nothing: given beside it, act_lr is refused as an override that would be ignored (configs/loader.py READ_ONLY_WHEN,
+CLASSIFIER_ONLY), by the config and by the Python API. A detector's neck units reconstruct with QDrop off whatever
+drop_prob says (quant/aphq/detector.py, as the official set_qdrop), so their scales train at act_lr at drop_prob=0:
+there act_lr is read, and evaluate_detection.py's --quant-options, the Python API with a detector's data and a result
+file's settings keep it."""
+import dataclasses
+
 import pytest
+import torch
 
 from configs.loader import ConfigError, load_config
-from configs.quant import APHQOptions
+from configs.quant import APHQ_DETECTION, APHQOptions
 from device_utils import cpu_pipeline_data
 from quant import PIPELINES
-from quant_models import images, same_state, tiny_vit
+from quant.pipeline_data import PipelineData
+from quant_models import ImageFeed, images, same_state, tiny_vit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,6 +44,82 @@ def test_the_config_refuses_act_lr_at_drop_prob_0_naming_both_keys():
     assert load_config([], ["quant.aphq.drop_prob=0"]).quant.aphq.drop_prob == 0  # act_lr left at its default
 
 
-def test_the_python_api_refuses_act_lr_at_drop_prob_0_before_any_work():
+@pytest.mark.parametrize("data", [None, cpu_pipeline_data(num_images=16)])
+def test_the_python_api_refuses_act_lr_at_drop_prob_0_on_a_classifier_before_any_work(data):
     with pytest.raises(ValueError, match=r"quant.aphq.act_lr=0.01 would be ignored: .*quant.aphq.drop_prob"):
-        PIPELINES["aphq"](tiny_vit(), None, "w4a4", {"drop_prob": 0.0, "act_lr": 0.01})
+        PIPELINES["aphq"](tiny_vit(), None, "w4a4", {"drop_prob": 0.0, "act_lr": 0.01}, data=data)
+
+
+def detector_scales(act_lr: float) -> dict:
+    """{quantizer: activation scale} of a toy detector (test_aphq_detector_parts.StagedDetector: a backbone block,
+    a 1x1-conv neck, an RPN head) after APHQ's detector reconstruction at drop_prob=0, min/max-calibrated."""
+    import quant.aphq.detector as aphq_detector
+    from quant.calibrate import calibrate
+    from quant.modes import named_quantizers, set_quant_state
+    from quant.spec import LinearRule, QuantizerSpec, QuantSpec, parse_bits
+    from test_aphq_detector_parts import CalibFeed, StagedDetector, images as detector_images
+    options = dataclasses.replace(APHQOptions(), **{**APHQ_DETECTION, "calib_images": 1, "recon_images": 2,
+                                                    "iters": 3, "log_every": 0, "loss": "mse", "drop_prob": 0.0,
+                                                    "act_lr": act_lr})
+    spec = QuantSpec(linears=(LinearRule(("backbone.stages.*.blocks.*.fc", "neck", "rpn_head.*"),
+                                         QuantizerSpec(4, granularity="channel"), QuantizerSpec(4)),), strict=False)
+    torch.manual_seed(0)
+    mp = pytest.MonkeyPatch()
+    # min/max instead of APHQ's search (which folds ViT LayerNorms the toy lacks), left off as calibrate_aphq does
+    mp.setattr(aphq_detector, "calibrate_aphq", lambda model, units, calib, search, generator: (
+        calibrate(model, calib), set_quant_state(model, weights=False, activations=False)))
+    try:
+        result = aphq_detector.quantize_detector(spec, StagedDetector(), CalibFeed(detector_images()[:1]),
+                                                 parse_bits("w4a4"), options, PipelineData(
+                                                     detector_samples=lambda n, seed: ImageFeed(detector_images()[:n])))
+    finally:
+        mp.undo()
+    return {name: q.scale.detach().clone() for name, q in named_quantizers(result.model)
+            if name.endswith("input_quantizer")}
+
+
+def test_a_detectors_neck_trains_its_activation_scales_at_act_lr_at_drop_prob_0():
+    """The property that keeps act_lr read on a detector: its neck's input scale moves with act_lr at drop_prob=0,
+    while the backbone block's, which honours drop_prob, does not (as a classifier's units)."""
+    still, moved = detector_scales(0.0), detector_scales(1e-2)
+    assert not torch.equal(still["neck.input_quantizer"], moved["neck.input_quantizer"])
+    assert torch.equal(still["backbone.stages.0.blocks.0.fc.input_quantizer"],
+                       moved["backbone.stages.0.blocks.0.fc.input_quantizer"])
+
+
+@pytest.mark.parametrize("items", [["aphq.drop_prob=0", "aphq.act_lr=1e-4"], ["aphq.act_lr=1e-4", "aphq.drop_prob=0"]])
+def test_evaluate_detection_takes_act_lr_at_drop_prob_0(items):
+    """--quant-options as evaluate_detection.py reads them (typed by the config schema), then parsed with the
+    detection recipe as main() does: act_lr reaches the options."""
+    from evaluate_detection import pipeline_options
+    from quant.pipeline_base import parse_options
+    given = pipeline_options(items, ["aphq"])
+    assert given == {"aphq": {"drop_prob": 0.0, "act_lr": 1e-4}}
+    parsed = parse_options(APHQOptions, {**APHQ_DETECTION, "calib_images": 8, **given["aphq"]})
+    assert (parsed.drop_prob, parsed.act_lr) == (0.0, 1e-4)
+
+
+def test_the_python_api_takes_act_lr_at_drop_prob_0_on_a_detector(monkeypatch):
+    """PIPELINES['aphq'] with a detector's data (PipelineData.detector_samples) hands act_lr to the detector's
+    reconstruction (quantize_detector, stubbed: the toy is no mmdet model)."""
+    import quant.aphq.pipeline as aphq_pipeline
+    from quant.pipeline_base import PTQResult
+    from test_aphq_detector_parts import StagedDetector
+    seen = []
+    monkeypatch.setattr(aphq_pipeline, "quantize_detector", lambda layout, model, calib, bits, options, data: (
+        seen.append(options) or PTQResult(model, {})))
+    data = PipelineData(detector_samples=lambda n, seed: None)
+    # w4a8: no RepQ-ViT fold, which a toy without LayerNorms would refuse
+    PIPELINES["aphq"](StagedDetector(), None, "w4a8",
+                      {**APHQ_DETECTION, "calib_images": 1, "drop_prob": 0.0, "act_lr": 1e-4}, data=data)
+    (options,) = seen
+    assert (options.drop_prob, options.act_lr) == (0.0, 1e-4)
+
+
+def test_a_result_file_keeps_act_lr_at_drop_prob_0():
+    """A detector's result depends on act_lr at drop_prob=0, so its recorded settings keep it and two results at
+    different act_lr compare as different (engine/eval_results.py)."""
+    from engine.eval_results import read_options, settings_change
+    options = {**APHQ_DETECTION, "drop_prob": 0.0, "act_lr": 1e-4}
+    assert read_options("aphq", options)["act_lr"] == 1e-4
+    assert settings_change({"settings": {"options": options}}, {"options": {**options, "act_lr": 4e-5}}, "aphq")

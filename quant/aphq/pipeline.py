@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from configs.cli import device_problem
+from configs.loader import check_options_read
 from configs.quant import APHQOptions
 from engine.metrics import duration
 
@@ -46,7 +47,7 @@ from ..convert import quantize_model
 from ..fold_windows import check_fold_windows
 from ..layout import standard_layout
 from ..modes import set_quant_state
-from ..pipeline_base import Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report
+from ..pipeline_base import Pipeline, PTQResult, StageTimer, isolated_rng, parse_options, pipeline_report
 from ..pipeline_data import PipelineData, require_data
 from ..reparam import REPQ_FOLD_SITES, check_fold_sites
 from ..spec import Bits, QuantizerSpec, QuantSpec, parse_bits
@@ -109,12 +110,17 @@ class APHQPipeline(Pipeline):
         """As `Pipeline.__call__`; an option given in the mapping that these bits leave unread is refused first.
         An `APHQOptions` dataclass is not judged so: it is what an entry point passes to every planned bit-width
         (evaluate.py's --bits w4a4 w4a8 reads round_zero_point at w4a4 alone), and the entry point has refused an
-        option that no planned bit-width reads (evaluate.options_unread_at_planned_bits)."""
+        option that no planned bit-width reads (evaluate.options_unread_at_planned_bits). On a classifier (no
+        `data.detector_samples`) the mapping's act_lr at drop_prob=0 is refused too: every activation quantizer
+        passes its float input there, where a detector's neck units train their activation scales at act_lr whatever
+        drop_prob says (detector.py; configs/loader.py CLASSIFIER_ONLY)."""
         if isinstance(options, Mapping):
             parsed = parse_bits(bits)
             for key, why in self.unread_at(parsed).items():
                 if key in options:
                     raise ValueError(f"{key}={options[key]} would be ignored at {parsed}: {key} {why}; drop it")
+            if data is None or data.detector_samples is None:
+                check_options_read(parse_options(self.Options, options), options, classifier=True)
         return super().__call__(fp_model, calib_images, bits, options, data)
 
     def check_folds(self, fp_model: nn.Module, bits: Bits, options: APHQOptions) -> None:
