@@ -75,7 +75,7 @@ from engine.running_stats import average_running_stats
 from engine.start_weights import START_WEIGHTS, classifier_keys, start_record
 from engine.runinfo import SAME_ON_EVERY_RANK, exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
-from engine.training_checks import check_schedule_on_resume, check_training_settings
+from engine.training_checks import check_poly_power, check_schedule_on_resume, check_training_settings
 from models import ModelError, build_model, describe, input_size, model_label
 from models.factory import MODEL_DROP_SITES, check_recorded_architecture, own_img_size, without_dropout_rates
 from models.hub import hub_data_mismatch
@@ -173,6 +173,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         check_resumable(payload["config"], cfg, resume_path)
     # the schedule check, which check_before_start leaves to here where a checkpoint may be continued (may_resume)
     check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)
+    if resume_path is not None:
+        check_poly_power(cfg, payload.get("scheduler"), resume_path)
     # the weights the run started from: a resumed run's are its checkpoint's (None for one written before the record)
     run = build_run(cfg, dist, resumed=resume_path is not None,
                     start_weights=payload.get(START_WEIGHTS) if resume_path is not None else None,

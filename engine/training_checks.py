@@ -19,7 +19,7 @@ from typing import Any, Optional
 from cd.decay import check_settings
 from cd.pairs import ROLES
 from configs import ConfigError
-from engine.optim import check_optimizer_settings, lr_rule, peak_lr
+from engine.optim import POLY_POWER, check_optimizer_settings, lr_rule, peak_lr
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,22 @@ def check_schedule_on_resume(cfg: Any, saved: Optional[dict]) -> None:
             log.warning("%s (the checkpoint's own settings: the run continues as it was written)", e)
             return
     check_schedule_ends(cfg)
+
+
+def check_poly_power(cfg: Any, saved_scheduler: Optional[dict], source: str) -> None:
+    """A poly run resumed from a checkpoint whose scheduler decayed with another power (create_scheduler_v2's 0.1,
+    which build_scheduler passed before it set POLY_POWER) would change its lr curve mid-run without a word: refused
+    unless train.allow_changed_config=true, then logged. The power is read from the checkpoint's scheduler state
+    (timm's PolyLRScheduler.state_dict holds it); other schedules have none."""
+    power = (saved_scheduler or {}).get("power")
+    if cfg.sched.name != "poly" or power is None or power == POLY_POWER:
+        return
+    change = (f"{source} was written by a poly schedule of power {power:g}, and this code's sched.name=poly decays "
+              f"with power {POLY_POWER:g} (linear to sched.min_lr)")
+    if not cfg.train.allow_changed_config:
+        raise ConfigError(f"{change}: the lr curve would change mid-run; pass train.allow_changed_config=true to "
+                          f"continue on the new curve, or start a new run (another out_dir)")
+    log.warning("%s: continuing on the new curve (train.allow_changed_config=true)", change)
 
 
 def check_schedule_ends(cfg: Any) -> None:

@@ -92,3 +92,35 @@ def test_train_py_trains_poly_down_to_min_lr(tmp_path):
     expected = {u: linear_poly(u - 1, warmup_t=2, decay_start=2, decay_t=10, warmup_lr=0.0) for u in logged}
     assert logged == pytest.approx(expected, rel=1e-6)
     assert logged[12] == pytest.approx(1.9e-4)  # one tenth of the way from min_lr to the peak
+
+
+def test_a_poly_run_written_with_another_power_is_not_resumed_on_the_new_curve_without_a_word(tmp_path, capsys):
+    """A checkpoint of a poly run whose scheduler decayed with create_scheduler_v2's default power (what build_scheduler passed
+    before it set the power, recorded in the checkpoint's scheduler state) would continue on another lr curve:
+    refused in one error line naming train.allow_changed_config=true, which continues on the new one, warned."""
+    from timm.scheduler import create_scheduler_v2
+    from tests.conftest import run_entry
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    old_power = create_scheduler_v2(sgd, sched="poly", num_epochs=4)[0].power  # without decay_rate, as before
+    assert old_power == pytest.approx(0.1)  # create_scheduler_v2's default: the old curve's
+    out = tmp_path / "run"
+    settings = ["--config", NANO, f"out_dir={out}", "sched.name=poly", "train.eval_every_steps=0",
+                "log.tensorboard=false"]
+    code, _, err = run_entry("train.py", [*settings, "train.max_steps=2"], capsys)
+    assert code == 0, err
+    ckpt = out / "checkpoint.pt"
+    payload = torch.load(ckpt, map_location="cpu", weights_only=False)
+    assert payload["scheduler"]["power"] == 1.0  # what is written now
+    payload["scheduler"]["power"] = old_power  # as the earlier code wrote it
+    torch.save(payload, ckpt)
+    code, _, err = run_entry("train.py", [*settings, "train.max_steps=3"], capsys)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: ") and "power 0.1" in err and "train.allow_changed_config=true" in err
+    assert torch.load(ckpt, map_location="cpu", weights_only=False)["state"] == payload["state"]  # nothing trained
+    code, out_text, err = run_entry("train.py", [*settings, "train.max_steps=3", "train.allow_changed_config=true"],
+                                    capsys)
+    assert code == 0, err
+    assert "power 0.1" in out_text + err and "new curve" in out_text + err
+    with open(out / "metrics.jsonl") as f:
+        assert max(json.loads(line)["step"] for line in f) == 3
