@@ -95,8 +95,8 @@ def test_train_py_trains_poly_down_to_min_lr(tmp_path):
 
 
 def test_a_poly_run_of_another_power_does_not_resume_on_the_new_curve_without_a_word(tmp_path, capsys):
-    """A checkpoint of a poly run whose scheduler decayed with create_scheduler_v2's default power (what build_scheduler passed
-    before it set the power, recorded in the checkpoint's scheduler state) would continue on another lr curve:
+    """A checkpoint of a poly run whose scheduler decayed with create_scheduler_v2's default power (what build_scheduler
+    passed before it set the power, recorded in the checkpoint's scheduler state) would continue on another lr curve:
     refused in one error line naming train.allow_changed_config=true, which continues on the new one, warned."""
     from timm.scheduler import create_scheduler_v2
     from tests.conftest import run_entry
