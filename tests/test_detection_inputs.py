@@ -578,22 +578,26 @@ def test_more_max_images_than_the_test_split_has_are_refused(sample, tmp_path, c
     assert not (tmp_path / "x.json").exists()
 
 
-@pytest.mark.parametrize("indices", ["[3,1,2]", "2"])
+@pytest.mark.parametrize("indices", ["[3,1,2]", "2", "-3"])
 def test_max_images_keeps_the_first_images_of_the_test_indices_given(sample, indices):
-    """A test split given `indices` (a list of images, or the first N) is those images: --max-images keeps the first of
-    them. It kept the first of the whole split (`indices=[3,1,2] --max-images 1` scored image 0) and scored 3 images
-    of a 2-image subset."""
+    """A test split given `indices` (a list of images, the first N, or the last N) is those images: --max-images keeps
+    the first of them. It kept the first of the whole split (`indices=[3,1,2] --max-images 1` scored image 0), scored 3
+    images of a 2-image subset, and all 3 of `indices=-3 --max-images 1`; the annotation check
+    (annotation_contents.scored_images) counts the objects of the images scored."""
     import json
-    from engine.detection import DetectionError, build_loader, load_config, parse_overrides
+    from engine.detection import DetectionError, build_loader, load_config, parse_overrides, scored_images
     with open(os.path.join(sample, "annotations", "instances_val2017.json")) as f:
-        ids = [image["id"] for image in json.load(f)["images"]]  # the split in file order, read outside MMDetection
-    asked = [ids[i] for i in json.loads(indices)] if indices.startswith("[") else ids[:int(indices)]
+        images = json.load(f)["images"]
+    ids = [image["id"] for image in images]  # the split in file order, read outside MMDetection
+    given = json.loads(indices)
+    asked = [ids[i] for i in given] if isinstance(given, list) else ids[:given] if given >= 0 else ids[given:]
     cfg = load_config([SAMPLE_CONFIG], parse_overrides([f"test_dataloader.dataset.indices={indices}"]), data_root=sample)
 
     def scored(max_images):
         return [s.img_id for batch in build_loader(cfg, "test", max_images) for s in batch["data_samples"]]
     assert scored(None) == asked
     assert scored(1) == asked[:1] and scored(2) == asked[:2]
+    assert all(scored(n) == scored_images(images, given)[:n] for n in (1, 2, len(asked)))
     with pytest.raises(DetectionError, match=rf"^--max-images {len(asked) + 1}: the test split has only {len(asked)} "
                                              "images"):
         build_loader(cfg, "test", len(asked) + 1)

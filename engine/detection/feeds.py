@@ -34,17 +34,26 @@ def build_loader(cfg: Config, split: str = "test", max_images: Optional[int] = N
         if wrapper.get("dataset") or wrapper.get("datasets"):  # MMEngine's wrappers take no indices: a TypeError
             raise DetectionError(f"--max-images {max_images}: {split}_dataloader.dataset is a {wrapper.get('type')}, "
                                  "which takes no indices; drop --max-images to score the whole split")
-        # an `indices` of the config or an override is the split asked for: the first N are of it (they were of the
-        # whole split, which `test_dataloader.dataset.indices=[2,3] --max-images 1` scored image 0 of)
-        given = wrapper.get("indices")
-        loader_cfg["dataset"]["indices"] = (max_images if given is None
-                                            else min(given, max_images) if isinstance(given, int)  # the first `given`
-                                            else list(given)[:max_images])
+        # an `indices` of the config or an override is the split asked for: the dataset is built with it and the first
+        # N of what it holds are kept, as MMEngine takes them (they were of the whole split, which
+        # `test_dataloader.dataset.indices=[2,3] --max-images 1` scored image 0 of; and min(indices, N) kept all of the
+        # last 3 images of `indices=-3 --max-images 1`, of which annotation_contents.scored_images counts the first)
+        with reading_annotations(annotation_paths(cfg, f"{split}_dataloader")):
+            dataset = DATASETS.build(wrapper)
+            if hasattr(dataset, "full_init"):
+                dataset.full_init()
+        if not hasattr(dataset, "get_subset_"):  # a plain torch Dataset registered in DATASETS
+            raise DetectionError(f"--max-images {max_images}: {split}_dataloader.dataset is a "
+                                 f"{type(dataset).__name__}, which cannot keep its first images; drop --max-images to "
+                                 "score the whole split")
+        if len(dataset) < max_images:  # MMEngine keeps what there is, silently
+            raise DetectionError(f"--max-images {max_images}: the {split} split has only {len(dataset)} images "
+                                 "(drop --max-images to score them all)")
+        if len(dataset) > max_images:  # MMEngine's subset of a serialized dataset asserts N < its length
+            dataset.get_subset_(max_images)
+        loader_cfg["dataset"] = dataset  # Runner.build_dataloader takes a built dataset as it is
     with reading_annotations(annotation_paths(cfg, f"{split}_dataloader")):
         loader = Runner.build_dataloader(loader_cfg)
-    if max_images is not None and len(loader.dataset) < max_images:  # MMEngine keeps what there is, silently
-        raise DetectionError(f"--max-images {max_images}: the {split} split has only {len(loader.dataset)} images "
-                             "(drop --max-images to score them all)")
     return loader
 
 
