@@ -326,6 +326,70 @@ def test_a_training_split_without_objects_is_refused_before_training(sample, tmp
     assert not (tmp_path / "w").exists()
 
 
+def _negatives(root, split, name):
+    """A copy of `split`'s annotation file with no object (background images only), as annotations/`name`."""
+    data = json.loads((root / "annotations" / f"instances_{split}.json").read_text())
+    data["annotations"] = []
+    (root / "annotations" / name).write_text(json.dumps(data))
+    return str(root / "annotations" / name)
+
+
+NO_OBJECT = "train_dataloader reads {where} an object of the config's classes (box, disc): a detector would train on "
+
+
+@pytest.mark.parametrize("name, joined, refused", [
+    ("with_negatives", [("train", False), ("val_empty", False)], None),  # hard negatives
+    ("negatives_alone", [("val_empty", False)],
+     NO_OBJECT + "none (the images MMDetection keeps, with filter_cfg.filter_empty_gt off, are background alone); give "
+                 "the data set's annotation file"),
+    ("all_empty_filtered", [("train_empty", True), ("val_empty", True)],
+     NO_OBJECT + "none (with filter_cfg.filter_empty_gt, MMDetection keeps no image); give the data set's annotation "
+                 "file"),
+    ("empty_filtered_joined", [("train_empty", True), ("val", True)],
+     "train_dataloader reads {train_empty}, in which no training image has an object of the config's classes (box, "
+     "disc), with filter_cfg.filter_empty_gt: MMDetection keeps none of its images; give the data set's annotation "
+     "file, or set that dataset's filter_cfg.filter_empty_gt=False to train on its images as background (hard "
+     "negatives)")])
+def test_a_training_split_is_refused_exactly_where_mmdetection_trains_on_no_object(sample, tmp_path, name, joined,
+                                                                                 refused):
+    """A training file of no object was refused on its own, though a ConcatDataset joined it to files with objects
+    with filter_empty_gt off (background images: MMDetection trains on them as hard negatives); the split is judged
+    whole, and refused exactly where the dataset MMDetection builds holds no image with an object, or fails to
+    build (a dataset that keeps no image: 'need at least one array to concatenate')."""
+    import copy
+    from engine.detection import DetectionError, check_annotations, load_config
+    from mmdet.registry import DATASETS
+    root = _copy(sample, tmp_path, name)
+    files = {"train_empty": _negatives(root, "train2017", "train_empty.json"),
+             "val_empty": _negatives(root, "val2017", "val_empty.json")}
+    cfg = load_config([SAMPLE_CONFIG], data_root=str(root))
+    datasets = []
+    for part, filtered in joined:
+        dataset = copy.deepcopy(cfg.train_dataloader.dataset)
+        split = "train2017" if part.startswith("train") else "val2017"
+        dataset.update(ann_file=files.get(part, f"annotations/instances_{split}.json"),
+                       data_prefix=dict(img=f"{split}/"), filter_cfg=dict(filter_empty_gt=filtered, min_size=8))
+        datasets.append(dataset)
+    cfg.train_dataloader.dataset = datasets[0] if len(datasets) == 1 else dict(type="ConcatDataset",
+                                                                              datasets=datasets)
+    try:
+        built = DATASETS.build(cfg.train_dataloader.dataset)
+        trains = any(built.get_data_info(i)["instances"] for i in range(len(built)))
+    except ValueError as e:
+        assert "need at least one array to concatenate" in str(e)
+        trains = False
+    assert trains == (refused is None)
+    if refused is None:
+        check_annotations(cfg, ["train_dataloader"])
+        return
+    paths = [files[part] for part, _ in joined if part in files]
+    where = (f"{paths[0]}, in which no training image has" if len(paths) == 1 else
+             f"2 files ({', '.join(paths)}), in none of which a training image has")
+    with pytest.raises(DetectionError) as error:
+        check_annotations(cfg, ["train_dataloader"])
+    assert str(error.value) == refused.format(where=where, **files)
+
+
 def test_a_negative_map_is_not_recorded(sample, tmp_path, monkeypatch):
     """Past the early check (here switched off), pycocotools' -1 of a split without objects is an error, not a
     score in the results file."""

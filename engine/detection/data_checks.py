@@ -206,21 +206,23 @@ def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = 
                       max_images: Optional[int] = None) -> None:
     """Refuse a COCO annotation file of the loaders `keys` that lists no images, lists images its loader's image
     folder lacks or holds as empty files, whose categories are not the config's classes in label order
-    (`category_problems`), or that gives no object to train or to score: MMDetection reads an image only when a
-    batch is drawn (a missing val image failed with a traceback after a training epoch, an empty training image
-    mid-epoch), drops the objects of other categories without a word, and numbers the classes in the file's order
-    (a file with some of them, or with them in another order, would train or score each class against another's
-    objects); a training file of no object left its filter_cfg no image ("need at least one array to
-    concatenate"), and the val or test images scored without an object were scored mAP -1, pycocotools' mark of
-    no ground truth, recorded as a score. Every image the file lists is checked, those the training's filter_cfg
-    would skip too. `source` as for `check_annotation_files`; `max_images`: the first N images of the test split
-    scored (evaluate_detection.py's --max-images, of its dataset's `indices` where it gives them).
+    (`category_problems`), or that gives no object to score, and a training split (all the files its loader joins)
+    of no object to train on: MMDetection reads an image only when a batch is drawn (a missing val image failed
+    with a traceback after a training epoch, an empty training image mid-epoch), drops the objects of other
+    categories without a word, and numbers the classes in the file's order (a file with some of them, or with them
+    in another order, would train or score each class against another's objects); a training split of no object
+    left its filter_cfg no image ("need at least one array to concatenate"), and the val or test images scored
+    without an object were scored mAP -1, pycocotools' mark of no ground truth, recorded as a score. Every image
+    the file lists is checked, those the training's filter_cfg would skip too. `source` as for
+    `check_annotation_files`; `max_images`: the first N images of the test split scored (evaluate_detection.py's
+    --max-images, of its dataset's `indices` where it gives them).
 
     Each file is read once, whole, before any dataset is built, so COCO's train2017 file (about 450 MB) is read
     twice in all, here and by the dataset: json.load of a 317 MB file of train2017's counts (118,287 images,
     860,001 polygons) took 12.4 s and 1.9 GB on a 2-core Intel Xeon VM, per process (every rank of a torchrun
     reads it)."""
     by_file: dict = {}  # the loaders of each file, so that one read serves them all
+    trained: dict = {}  # training file -> its images with an object of the classes: judged together, below
     for key, dataset in loader_datasets(cfg):
         classes = dataset_classes(dataset) if key in keys and dataset.get("ann_file") else None
         if classes:  # a COCO dataset (others read other formats)
@@ -258,20 +260,56 @@ def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = 
                     raise DetectionError(f"{key} reads {path}, which {problem}: give the data set the detector is "
                                          f"configured for, or set {key}.dataset.metainfo.classes to its categories "
                                          "in the file's order")
+                if key == "train_dataloader":
+                    trained[path] = images_with_objects(images, categories, annotations, classes)
                 _check_objects(key, path, images, categories, annotations, classes, indices, limit)
         del data, images, annotations  # one file's objects at a time: a parsed train2017 file takes GBs
+    if "train_dataloader" in keys:
+        _check_training_objects(cfg, trained)
+
+
+def _check_training_objects(cfg: Config, trained: dict) -> None:
+    """Refuse a training split of no image with an object of the config's classes in any of its files (`trained`:
+    file -> such images), and a file of none that a dataset reads with filter_cfg.filter_empty_gt: MMDetection
+    keeps none of its images (alone, "need at least one array to concatenate"; joined by a ConcatDataset, the same
+    error from its empty dataset, where it is serialized: MMEngine's default). A file of background images only,
+    which a ConcatDataset joins to files with objects with filter_empty_gt off (hard negatives), is fine. A split
+    with a dataset that is not COCO's, whose objects are not counted here, is judged on its COCO files alone."""
+    leaves = [d for k, d in loader_datasets(cfg) if k == "train_dataloader" and not d.get("dataset")
+              and not d.get("datasets")]
+    # CocoDataset filters only where filter_cfg sets filter_empty_gt, and not in test mode
+    read = [(os.path.abspath(os.path.join(d.get("data_root") or "", d["ann_file"])),
+             bool((d.get("filter_cfg") or {}).get("filter_empty_gt")) and not d.get("test_mode"))
+            for d in leaves if d.get("ann_file") and dataset_classes(d)]
+    if not read:
+        return
+    classes = next(dataset_classes(d) for d in leaves if d.get("ann_file") and dataset_classes(d))
+    named = ", ".join(classes[:6]) + (" ..." if len(classes) > 6 else "")
+    files = list(dict.fromkeys(path for path, _ in read))
+    if len(read) == len(leaves) and not any(trained.get(path) for path in files):
+        filtered = {f for _, f in read}
+        why = ("with filter_cfg.filter_empty_gt, MMDetection keeps no image" if filtered == {True} else
+               "the images MMDetection keeps, with filter_cfg.filter_empty_gt off, are background alone"
+               if filtered == {False} else "MMDetection keeps no image of the files read with "
+               "filter_cfg.filter_empty_gt, and background alone of the others")
+        where = (f"{files[0]}, in which no training image has" if len(files) == 1 else
+                 f"{len(files)} files ({', '.join(files)}), in none of which a training image has")
+        raise DetectionError(f"train_dataloader reads {where} an object of the config's classes ({named}): a "
+                             f"detector would train on none ({why}); give the data set's annotation file")
+    empty = next((path for path, f in read if f and not trained.get(path)), None)
+    if empty:
+        raise DetectionError(f"train_dataloader reads {empty}, in which no training image has an object of the "
+                             f"config's classes ({named}), with filter_cfg.filter_empty_gt: MMDetection keeps none "
+                             "of its images; give the data set's annotation file, or set that dataset's "
+                             "filter_cfg.filter_empty_gt=False to train on its images as background (hard negatives)")
 
 
 def _check_objects(key: str, path: str, images: list, categories: list, annotations: list, classes: Sequence[str],
                    indices: Any, limit: Optional[int]) -> None:
-    """Refuse a training file (`key` train_dataloader) of no image with an object of the config's `classes`, and
-    a val or test file whose scored images (its `indices`, then the first `limit`: --max-images) hold no object
-    COCO's evaluation scores, which makes their mAP undefined (pycocotools gives -1)."""
+    """Refuse a val or test file whose scored images (its `indices`, then the first `limit`: --max-images) hold no
+    object COCO's evaluation scores, which makes their mAP undefined (pycocotools gives -1). A training file is
+    judged with the others of its split (`_check_training_objects`)."""
     named = ", ".join(classes[:6]) + (" ..." if len(classes) > 6 else "")
-    if key == "train_dataloader" and not images_with_objects(images, categories, annotations, classes):
-        raise DetectionError(f"{key} reads {path}, in which no training image has an object of the config's classes "
-                             f"({named}): a detector would train on none (with filter_cfg.filter_empty_gt, "
-                             "MMDetection keeps no image); give the data set's annotation file")
     if key not in ("val_dataloader", "test_dataloader"):
         return
     ids = scored_images(images, indices)
