@@ -173,8 +173,6 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
         check_resumable(payload["config"], cfg, resume_path)
     # the schedule check, which check_before_start leaves to here where a checkpoint may be continued (may_resume)
     check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)
-    if resume_path is not None:
-        check_poly_power(cfg, payload.get("scheduler"), resume_path)
     # the weights the run started from: a resumed run's are its checkpoint's (None for one written before the record)
     run = build_run(cfg, dist, resumed=resume_path is not None,
                     start_weights=payload.get(START_WEIGHTS) if resume_path is not None else None,
@@ -688,6 +686,8 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
         raise CheckpointError(f"{resume_path}: its weights do not fit the model of its own config "
                               f"({' '.join(str(e).split())[:300]}): not a checkpoint train.py wrote for "
                               f"this model; give another one") from None
+    last = run.total_steps if cfg.train.max_steps is None else min(run.total_steps, cfg.train.max_steps)
+    check_poly_power(cfg, payload.get("scheduler"), resume_path, updates_left=last - state.step)
     restore_optimizer(run.optimizer, payload["optimizer"], payload.get("optimizer_param_names"),
                       optimizer_param_names(run.model, run.optimizer))
     state.epoch_batches = resume_position(

@@ -65,13 +65,14 @@ def check_schedule_on_resume(cfg: Any, saved: Optional[dict]) -> None:
     check_schedule_ends(cfg)
 
 
-def check_poly_power(cfg: Any, saved_scheduler: Optional[dict], source: str) -> None:
+def check_poly_power(cfg: Any, saved_scheduler: Optional[dict], source: str, updates_left: int) -> None:
     """A poly run resumed from a checkpoint whose scheduler decayed with another power (create_scheduler_v2's 0.1,
     which build_scheduler passed before it set POLY_POWER) would change its lr curve mid-run without a word: refused
     unless train.allow_changed_config=true, then logged. The power is read from the checkpoint's scheduler state
-    (timm's PolyLRScheduler.state_dict holds it); other schedules have none."""
+    (timm's PolyLRScheduler.state_dict holds it); other schedules have none. A re-run with no update left to train
+    (`updates_left` 0: a finished run validated again, as a sweep re-runs its commands) trains on no curve."""
     power = (saved_scheduler or {}).get("power")
-    if cfg.sched.name != "poly" or power is None or power == POLY_POWER:
+    if cfg.sched.name != "poly" or power is None or power == POLY_POWER or updates_left <= 0:
         return
     change = (f"{source} was written by a poly schedule of power {power:g}, and this code's sched.name=poly decays "
               f"with power {POLY_POWER:g} (linear to sched.min_lr)")

@@ -97,7 +97,8 @@ def test_train_py_trains_poly_down_to_min_lr(tmp_path):
 def test_a_poly_run_of_another_power_does_not_resume_on_the_new_curve_without_a_word(tmp_path, capsys):
     """A checkpoint of a poly run whose scheduler decayed with create_scheduler_v2's default power (what build_scheduler
     passed before it set the power, recorded in the checkpoint's scheduler state) would continue on another lr curve:
-    refused in one error line naming train.allow_changed_config=true, which continues on the new one, warned."""
+    refused in one error line naming train.allow_changed_config=true, which continues on the new one, warned; a
+    re-run with no update left is not refused."""
     from timm.scheduler import create_scheduler_v2
     from tests.conftest import run_entry
 
@@ -114,6 +115,8 @@ def test_a_poly_run_of_another_power_does_not_resume_on_the_new_curve_without_a_
     assert payload["scheduler"]["power"] == 1.0  # what is written now
     payload["scheduler"]["power"] = old_power  # as the earlier code wrote it
     torch.save(payload, ckpt)
+    code, _, err = run_entry("train.py", [*settings, "train.max_steps=2"], capsys)
+    assert code == 0, err  # nothing left to train: a re-run of the finished command validates on no curve
     code, _, err = run_entry("train.py", [*settings, "train.max_steps=3"], capsys)
     assert code == 1 and len(err.strip().splitlines()) == 1, err
     assert err.startswith("error: ") and "power 0.1" in err and "train.allow_changed_config=true" in err
