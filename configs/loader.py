@@ -590,8 +590,9 @@ READ_ONLY_WHEN = [
 # READ_ONLY_WHEN entries that hold for a classifier's pipeline options only. A config (train.py, evaluate.py) runs
 # APHQ on classifiers alone (on no language model), so it applies them; a detector's options (evaluate_detection.py
 # --quant-options: DETECTOR_RULES; PipelineData.detector_samples) read those keys all the same, so the options' own
-# rules (`_section_rules`: parse_options, result files' unread_options) leave them to the pipeline, which knows the
-# model (quant/aphq/pipeline.py APHQPipeline.__call__: check_options_read(..., classifier=True))
+# rules (`_section_rules`: parse_options, unread_options) leave them to whoever knows the model: the pipeline
+# (quant/aphq/pipeline.py APHQPipeline.__call__: check_options_read(..., classifier=True)), a result file by its task
+# (engine/eval_results.py read_options)
 CLASSIFIER_ONLY = (APHQ_ACT_LR_READ,)
 DETECTOR_RULES = [rule for rule in READ_ONLY_WHEN if rule not in CLASSIFIER_ONLY]
 # Keys of a switched-off section that are read all the same: cd.gated_mlp decides which pairs a baseline
@@ -695,15 +696,16 @@ def check_options_read(options: Any, given: Iterable[str], classifier: bool = Fa
                         rules=_section_rules(section, classifier))
 
 
-def unread_options(section: str, options: dict) -> set[str]:
+def unread_options(section: str, options: dict, classifier: bool = False) -> set[str]:
     """The names among `options` ({name: value} of the config section `section`, e.g. quant.aphq: a result file's
     recorded pipeline options) that the READ_ONLY_WHEN entries whose keys and deciding keys all lie in that section
-    say are unread under these very values (recon_images at iters=0). A rule whose deciding option `options` lacks or
+    say are unread under these very values (recon_images at iters=0); CLASSIFIER_ONLY's too for `classifier`
+    options (act_lr at drop_prob=0), as `check_options_read`. A rule whose deciding option `options` lacks or
     holds in a form the rule cannot weigh (a file older than the option) decides nothing: its keys stay. A deciding
     option is never unread by its own rule."""
     prefix = section + "."
-    found = unread_by_rules(_in_section(section, options), [prefix + name for name in options], _section_rules(section),
-                        undecided=True)
+    found = unread_by_rules(_in_section(section, options), [prefix + name for name in options],
+                            _section_rules(section, classifier), undecided=True)
     return {key[len(prefix):] for key, decider, _, _ in found if key not in decider_keys(decider)}
 
 

@@ -42,6 +42,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from configs.loader import unread_options
+from configs.quant import APHQ_DETECTION, APHQOptions
 
 from .checkpoint import weights_fingerprint
 from .run_dir import SNAPSHOTS, exclusive_lock, partial_path, saved_train_setting
@@ -95,30 +96,52 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))  # tuples -> lists, as they come back from the file
 
 
-def read_options(pipeline: str, options: dict) -> dict:
+def detector_result(result: dict) -> bool:
+    """Whether `result` (a result file's record, or its identity) is of a detector: evaluate_detection.py records
+    task "detection" in its identity (since its first version), evaluate.py, which quantizes classifiers and
+    language models, no task."""
+    return result.get("task") == "detection"
+
+
+def read_options(pipeline: str, options: dict, detector: bool = False) -> dict:
     """`options` ({name: value} of `pipeline`'s quant.<pipeline> section) without those that the config's rules
     say are unread under the others (configs/loader.py unread_options: quant.aphq.recon_images at iters=0): the
-    result is the same whatever they hold, and no command sets them (an override of an unread key is refused)."""
-    unread = unread_options(f"quant.{pipeline}", options)
+    result is the same whatever they hold, and no command sets them (an override of an unread key is refused).
+    Options of a classifier (evaluate.py's, the default) by every rule, those of a `detector` without the
+    classifier's own (configs/loader.py CLASSIFIER_ONLY: a detector's neck reads quant.aphq.act_lr at drop_prob=0)."""
+    unread = unread_options(f"quant.{pipeline}", options, classifier=not detector)
     return {name: value for name, value in options.items() if name not in unread}
 
 
-def comparable_settings(settings: Optional[dict], pipeline: str) -> dict:
+def _detector_defaults(pipeline: str, options: dict) -> dict:
+    """A detector entry's `options` with the default act_lr where an APHQ entry at drop_prob=0 holds none. Between
+    ac3a53d and 90fb3cc act_lr was refused at drop_prob=0 on a detector too, so such an entry ran at the default,
+    which a command may now give (evaluate_detection.py records the options given, and the neck reads it)."""
+    if pipeline != "aphq" or "act_lr" in options or options.get("drop_prob") != 0:
+        return options
+    return {**options, "act_lr": APHQ_DETECTION.get("act_lr", APHQOptions.act_lr)}
+
+
+def comparable_settings(settings: Optional[dict], pipeline: str, detector: bool = False) -> dict:
     """A quantized entry's settings of `pipeline` as compared: plain JSON types, without its NEUTRAL_OPTIONS and
-    without the options unread under its own (`read_options`; entries written before evaluate.py left them out hold
-    them, maybe with another value than the default a command now records)."""
+    without the options unread under its own (`read_options`, by a `detector`'s rules for an entry of
+    evaluate_detection.py; entries written before evaluate.py left them out hold them, maybe with another value than
+    the default a command now records)."""
     plain = _plain(settings or {})
     if isinstance(plain.get("options"), dict):
         neutral = NEUTRAL_OPTIONS.get(pipeline, ())
-        plain["options"] = {k: v for k, v in read_options(pipeline, plain["options"]).items() if k not in neutral}
+        options = read_options(pipeline, plain["options"], detector)
+        plain["options"] = {k: v for k, v in (_detector_defaults(pipeline, options) if detector else options).items()
+                            if k not in neutral}
     return plain
 
 
-def settings_change(entry: dict, settings: dict, pipeline: str) -> Optional[str]:
+def settings_change(entry: dict, settings: dict, pipeline: str, detector: bool = False) -> Optional[str]:
     """How the settings a quantized entry of `pipeline` in a result file was computed with differ from `settings`
     ('key old -> new; ...', its NEUTRAL_OPTIONS aside), or None when alike: such an entry is no result of
-    `settings`."""
-    stored, asked = comparable_settings(entry.get("settings"), pipeline), comparable_settings(settings, pipeline)
+    `settings`. `detector`: the file is evaluate_detection.py's (`detector_result`), compared by its rules."""
+    stored = comparable_settings(entry.get("settings"), pipeline, detector)
+    asked = comparable_settings(settings, pipeline, detector)
     return None if stored == asked else settings_diff(stored, asked)
 
 
@@ -163,7 +186,8 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     quant_a, quant_b = a.get("quant") or {}, b.get("quant") or {}
     for pipeline in sorted(set(quant_a) & set(quant_b)):
         for bits in sorted(set(quant_a[pipeline]) & set(quant_b[pipeline])):
-            x, y = (comparable_settings(q[pipeline][bits].get("settings"), pipeline) for q in (quant_a, quant_b))
+            x, y = (comparable_settings(r["quant"][pipeline][bits].get("settings"), pipeline, detector_result(r))
+                    for r in (a, b))
             if x != y:
                 return Difference(f"{pipeline} {bits} settings", settings_diff(x, y), True)
     return None
@@ -372,7 +396,7 @@ class EvalResults:
         entry = self.data["quant"].get(pipeline, {}).get(bits)
         if entry is None or recompute:
             return True
-        change = settings_change(entry, settings, pipeline)
+        change = settings_change(entry, settings, pipeline, detector_result(self.identity))
         if change is None:
             return False
         raise ResultsError(f"{self.path} already has {pipeline} {bits}, computed with other settings ({change}): "

@@ -4,8 +4,9 @@ at drop_prob=0 every activation quantizer passes its float input, so the scales 
 nothing: given beside it, act_lr is refused as an override that would be ignored (configs/loader.py READ_ONLY_WHEN,
 CLASSIFIER_ONLY), by the config and by the Python API. A detector's neck units reconstruct with QDrop off whatever
 drop_prob says (quant/aphq/detector.py, as the official set_qdrop), so their scales train at act_lr at drop_prob=0:
-there act_lr is read, and evaluate_detection.py's --quant-options, the Python API with a detector's data and a result
-file's settings keep it."""
+there act_lr is read, and evaluate_detection.py's --quant-options, the Python API with a detector's data and the
+settings of a detector's result file (its task) keep it; a classifier's result file compares its entries without it
+(tests/test_result_read_options.py)."""
 import dataclasses
 
 import pytest
@@ -116,10 +117,56 @@ def test_the_python_api_takes_act_lr_at_drop_prob_0_on_a_detector(monkeypatch):
     assert (options.drop_prob, options.act_lr) == (0.0, 1e-4)
 
 
-def test_a_result_file_keeps_act_lr_at_drop_prob_0():
-    """A detector's result depends on act_lr at drop_prob=0, so its recorded settings keep it and two results at
-    different act_lr compare as different (engine/eval_results.py)."""
-    from engine.eval_results import read_options, settings_change
+# a detector's result file (evaluate_detection.py: its identity's task, its entries' settings() shape: the
+# calibration batch and the --quant-options given)
+DETECTION = {"task": "detection", "checkpoint": "/runs/det/best.pt", "fingerprint": "f"}
+
+
+def detection_entry(**options) -> dict:
+    return {"calib_images": 8, "calib_seed": 0, "options": options}
+
+
+def detector_default_act_lr() -> float:
+    """What a detector's APHQ runs at where --quant-options give no act_lr: evaluate_detection.py's options
+    (detection_defaults: the recipe and the calibration count), parsed as main() parses them."""
+    from quant.pipeline_base import parse_options
+    return parse_options(APHQOptions, {**APHQ_DETECTION, "calib_images": 8, "drop_prob": 0.0}).act_lr
+
+
+def test_a_detector_result_file_keeps_act_lr_at_drop_prob_0(tmp_path):
+    """A detector's result depends on act_lr at drop_prob=0 (the neck, above), so its recorded settings keep it and
+    two results at different act_lr compare as different (engine/eval_results.py), in a file whose task says it is
+    a detector's."""
+    from engine.eval_results import EvalResults, ResultsError, evaluation_difference, read_options
     options = {**APHQ_DETECTION, "drop_prob": 0.0, "act_lr": 1e-4}
-    assert read_options("aphq", options)["act_lr"] == 1e-4
-    assert settings_change({"settings": {"options": options}}, {"options": {**options, "act_lr": 4e-5}}, "aphq")
+    assert read_options("aphq", options, detector=True)["act_lr"] == 1e-4
+    stored = detection_entry(drop_prob=0.0, act_lr=1e-4)  # given: evaluate_detection.py before ac3a53d, or now
+    results = EvalResults.open(str(tmp_path / "eval.json"), DETECTION)
+    results.add("aphq", "w4a4", {"bbox_mAP": 0.3}, stored)
+    results.save()
+    again = EvalResults.open(str(tmp_path / "eval.json"), DETECTION)
+    assert again.plan("aphq", "w4a4", detection_entry(drop_prob=0.0, act_lr=1e-4), False) is False
+    with pytest.raises(ResultsError, match=r"other settings \(options.act_lr 0.0001 -> 4e-05\)"):
+        again.plan("aphq", "w4a4", detection_entry(drop_prob=0.0), False)
+    assert evaluation_difference({**DETECTION, "quant": {"aphq": {"w4a4": {"settings": stored}}}},
+                                 {**DETECTION, "quant": {"aphq": {"w4a4": {"settings": detection_entry(
+                                     drop_prob=0.0, act_lr=4e-5)}}}}) is not None
+
+
+def test_a_detector_entry_at_drop_prob_0_without_act_lr_is_of_the_default(tmp_path):
+    """evaluate_detection.py from ac3a53d to 90fb3cc refused act_lr beside drop_prob=0, so its entries there hold
+    none and ran at the default: the same command, or one giving that default (which it may now), reuses them; any
+    other act_lr is another result."""
+    from engine.eval_results import EvalResults, ResultsError, evaluation_difference
+    default = detector_default_act_lr()
+    stored = detection_entry(drop_prob=0.0)  # settings() of evaluate_detection.py at ac3a53d..90fb3cc^
+    results = EvalResults.open(str(tmp_path / "eval.json"), DETECTION)
+    results.add("aphq", "w4a4", {"bbox_mAP": 0.3}, stored)
+    results.save()
+    again = EvalResults.open(str(tmp_path / "eval.json"), DETECTION)
+    for asked in (detection_entry(drop_prob=0.0), detection_entry(drop_prob=0.0, act_lr=default)):
+        assert again.plan("aphq", "w4a4", asked, False) is False
+        assert evaluation_difference({**DETECTION, "quant": {"aphq": {"w4a4": {"settings": stored}}}},
+                                     {**DETECTION, "quant": {"aphq": {"w4a4": {"settings": asked}}}}) is None
+    with pytest.raises(ResultsError, match=r"other settings \(options.act_lr 4e-05 -> 0.0001\)"):
+        again.plan("aphq", "w4a4", detection_entry(drop_prob=0.0, act_lr=1e-4), False)

@@ -23,6 +23,7 @@ UNREAD = [
     ("aphq", ["quant.aphq.round_weight=0"], "warmup", 0.5),
     ("aphq", ["quant.aphq.mlp_reconstruct=true", "quant.aphq.mlp_clip_weight=0"], "mlp_clip_percentile", 0.9),
     ("gplq", ["quant.gplq.lr=0", "quant.gplq.scale_lr=0.001"], "weight_decay", 0.5),
+    ("aphq", ["quant.aphq.drop_prob=0"], "act_lr", 1e-4),  # a classifier's (CLASSIFIER_ONLY)
 ]
 CASES = [pytest.param(*case, id=f"{case[2]} at {' '.join(case[1])}") for case in UNREAD]
 
@@ -88,3 +89,38 @@ def test_an_entry_without_the_deciding_option_compares_every_option():
     """A file older than the deciding option cannot say the option was unread: it stays compared."""
     old = result("aphq", {"options": {"recon_images": 32}})
     assert evaluation_difference(old, result("aphq", {"options": {"recon_images": 1024}})) is not None
+
+
+def act_lr_shapes() -> dict:
+    """An APHQ classifier entry at drop_prob=0 as evaluate.py wrote it: before ac3a53d with act_lr (read by no rule
+    yet, at whatever value the command gave), from ac3a53d to 90fb3cc^ without it (the config's rule), from 90fb3cc
+    with the default (the rule left to the pipeline, so the result file's comparison kept it)."""
+    now = plain(quant_settings(apply_overrides(Config(), ["quant.aphq.drop_prob=0"]), "aphq"))
+    options = {k: v for k, v in now["options"].items() if k != "act_lr"}
+    default = dataclasses.asdict(pipeline_options(Config(), "aphq"))["act_lr"]
+    return {"before ac3a53d": {**now, "options": {**options, "act_lr": 1e-4}},
+            "ac3a53d..90fb3cc^": {**now, "options": options},
+            "90fb3cc": {**now, "options": {**options, "act_lr": default}}}
+
+
+@pytest.mark.parametrize("shape", ["before ac3a53d", "ac3a53d..90fb3cc^", "90fb3cc"])
+def test_a_classifier_entry_at_drop_prob_0_is_reused_whatever_act_lr_it_recorded(shape, tmp_path):
+    """The config refuses act_lr beside drop_prob=0 on a classifier (test_the_command_line_refuses_...), so every
+    shape an older evaluate.py wrote is a result of the command `quant.aphq.drop_prob=0`: reused, averaged with a
+    new file's result and not marked; a classifier's file (no task) compares by the classifier's rules."""
+    stored = act_lr_shapes()[shape]
+    results = EvalResults.open(str(tmp_path / "r.json"), {"model": "m"})
+    results.add("aphq", "w4a4", {"top1": 60.0}, stored)
+    results.save()
+    now = quant_settings(apply_overrides(Config(), ["quant.aphq.drop_prob=0"]), "aphq")
+    assert EvalResults.open(str(tmp_path / "r.json"), {"model": "m"}).plan("aphq", "w4a4", now, False) is False
+    for other in act_lr_shapes().values():
+        assert evaluation_difference(result("aphq", stored), result("aphq", other)) is None
+    assert nondefault_settings("aphq", stored) == nondefault_settings("aphq", now) == ["quant.aphq.drop_prob=0.0"]
+
+
+def test_act_lr_is_still_compared_where_a_classifier_reads_it():
+    """At a nonzero drop_prob the activation scales learn at act_lr: another value is another result."""
+    read = old_style("aphq", ["quant.aphq.drop_prob=0.25"])
+    assert evaluation_difference(result("aphq", read), result("aphq", old_style(
+        "aphq", ["quant.aphq.drop_prob=0.25"], act_lr=1e-4))) is not None
