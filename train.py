@@ -67,8 +67,9 @@ from engine.exit_codes import EXIT_INTERRUPTED
 from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, preempted_line
 from engine.resume import (check_schedule_holds, epoch_position, optimizer_param_names, restore_optimizer,
                            resume_position)
-from engine.snapshots import (check_same_start_on_every_rank, check_same_weights_on_every_rank,
-                              keep_abandoned_checkpoint, keep_missing_snapshot, keep_snapshot, resume_source)
+from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, check_same_weights_on_every_rank,
+                              keep_abandoned_checkpoint, keep_missing_snapshot, keep_snapshot, resume_source,
+                              started_at_step)
 from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, is_inside, save_config_history,
                             start_only_changes, validation_changes)
 from engine.running_stats import average_running_stats
@@ -116,7 +117,8 @@ def main(cfg: Config) -> RunResult:
         # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT
         # request a checkpoint at the next update boundary (engine/preemption.py).
         with claim_on_main_rank(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing, dist), \
-                Preemption(dist.device, distributed=dist.distributed) as preemption:
+                Preemption(dist.device, distributed=dist.distributed,
+                           saves_at=os.path.join(cfg.out_dir, "checkpoint.pt")) as preemption:
             return run_training(cfg, dist, preemption)
 
 
@@ -271,6 +273,7 @@ class Run:
     position: dict  # what engine.resume.epoch_position needs besides the batches consumed
     state: TrainState = dataclasses.field(default_factory=TrainState)
     started_from: Optional[str] = None  # the train.resume file this run descends from (checkpoints record it)
+    started_at: Optional[int] = 0  # the update it began at in out_dir (STARTED_AT_STEP); None: unknown (older file)
     start_weights: Optional[dict] = None  # engine/start_weights.py's record; None: a checkpoint written before it
     resumed_elsewhere: bool = False  # from another file than out_dir/checkpoint.pt (train.resume=PATH)
     validation_changed: bool = False  # resumed with other validation settings than its checkpoint's run validated with
@@ -294,7 +297,8 @@ class Run:
         extra = {**self.start_entry(), "classes": self.loaders.classes, "data_fingerprint": self.loaders.fingerprint,
                  "optimizer_param_names": optimizer_param_names(model, optimizer),
                  "epoch_position": epoch_position(epoch_batches=state.epoch_batches, **self.position),
-                 "resumed_from": self.started_from, "wandb_id": self.wandb_id, "model_drop_sites": MODEL_DROP_SITES,
+                 "resumed_from": self.started_from, STARTED_AT_STEP: self.started_at,
+                 "wandb_id": self.wandb_id, "model_drop_sites": MODEL_DROP_SITES,
                  # which history of metrics.jsonl leads here: a return to this branch takes its records back
                  METRICS_FINGERPRINT: self.logger.fingerprint(state.step) if self.logger is not None else None,
                  **({"cd": self.decay.state_dict()} if self.decay is not None else {})}
@@ -703,6 +707,7 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     if is_inside(resume_path, run.cfg.out_dir):
         run.wandb_id = payload.get("wandb_id") or run.wandb_id
     run.started_from = payload.get("resumed_from") if own else os.path.abspath(resume_path)
+    run.started_at = started_at_step(payload) if own else state.step
     run.resumed_elsewhere = not own
     log.info("resumed from %s at epoch %d, update %d", resume_path, state.epoch, state.step)
 

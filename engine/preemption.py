@@ -107,6 +107,33 @@ class SecondInterrupt(KeyboardInterrupt):
     next update boundary. Its message is the line to end with (train.py's __main__)."""
 
 
+def file_version(path: str | None) -> tuple | None:
+    """Which write of `path` is there (inode, size, mtime), None where there is none."""
+    try:
+        st = os.stat(path) if path is not None else None
+    except OSError:
+        return None
+    return None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def second_interrupt_line(saves: str, saves_at: str | None, at_start: tuple | None) -> str:
+    """What a second Ctrl-C leaves: the stop's write of `saves` is not waited for (nothing says whether it had
+    begun: a write cut is removed, engine/checkpoint.py). Where this run wrote `saves_at` (another file than
+    `at_start`, its `file_version` when the run began) the same command resumes from it; otherwise it starts where
+    this run did: afresh where there is none (a fresh start's logs are archived, engine/run_dir.py), from out_dir's
+    checkpoint.pt, or from train.resume (a roll-back to a snapshot goes back there again)."""
+    line = f"stopped at once by a second interrupt (Ctrl-C), without waiting for the {saves} the first asked for"
+    if saves_at is None:
+        return f"{line}; the same command resumes from the last {saves} written, if any"
+    now = file_version(saves_at)
+    if now is not None and now != at_start:
+        return f"{line}; the same command resumes from {saves_at}, the last one written"
+    if now is not None:
+        return f"{line}; this run wrote none, so the same command starts where this one did"
+    return (f"{line}; none was written in {os.path.dirname(saves_at) or '.'}, so the same command starts where this "
+            f"one did (afresh, or from train.resume)")
+
+
 class Preemption:
     """Records SIGTERM / SIGINT and decides, the same on every rank, when training stops.
 
@@ -115,11 +142,14 @@ class Preemption:
         distributed: whether ranks must agree through an all-reduce.
         repeat_window_s: signals this soon after the first count as the same request.
         saves: what the stop writes, for the line logged after the first signal (by the next `should_stop`).
+        saves_at: its path (train.py's out_dir/checkpoint.pt), for the second interrupt's line: whether the same
+            command resumes from it (written by this run) or starts where this run did. None: not told.
     """
 
     def __init__(self, device: torch.device, distributed: bool = False, repeat_window_s: float = 2.0,
-                 saves: str = "checkpoint.pt") -> None:
-        self.device, self.distributed, self.saves = device, distributed, saves
+                 saves: str = "checkpoint.pt", saves_at: str | None = None) -> None:
+        self.device, self.distributed, self.saves, self.saves_at = device, distributed, saves, saves_at
+        self._saves_at_start = file_version(saves_at)  # which file was there: did this run write another since
         self.repeat_window_s = repeat_window_s
         self.requested = False
         self.first_signal_at: float | None = None
@@ -145,8 +175,7 @@ class Preemption:
             self._unannounced = signum
         elif signum == signal.SIGINT and now - self.first_signal_at > self.repeat_window_s:
             self.restore()
-            raise SecondInterrupt(f"stopped at once by a second interrupt (Ctrl-C): a write of {self.saves} in "
-                                  f"progress is dropped; the same command resumes from the last {self.saves} written")
+            raise SecondInterrupt(second_interrupt_line(self.saves, self.saves_at, self._saves_at_start))
 
     def should_stop(self, step: int = 0, boundary: bool = False) -> bool:
         """True once a stop was requested on any rank; the same answer on every rank.

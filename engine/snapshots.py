@@ -9,7 +9,9 @@
 * Snapshots: with `train.keep_every_epochs=N`, checkpoint.pt of every N-th epoch end is kept as
   `out_dir/snapshots/epoch<E>.pt`, a hard link to the file just written (no copy, no extra disk time;
   a copy where the file system has no hard links). The run never deletes or replaces one. A run killed between
-  the write and the link keeps the snapshot when it resumes at that epoch's end (`keep_missing_snapshot`).
+  the write and the link keeps the snapshot when it resumes at that epoch's end (`keep_missing_snapshot`): one its
+  own settings kept and this folder's run trained to (every checkpoint records the update it began at,
+  `STARTED_AT_STEP`).
 * Every rank finds its resume source itself (out_dir may be a node's own disk by mistake):
   `check_same_start_on_every_rank` refuses ranks that would start from other points.
 * A latest checkpoint that cannot be resumed (zero bytes, truncated, a best.pt copied over it) is a
@@ -42,6 +44,9 @@ log = logging.getLogger(__name__)
 
 TRAINING_KEYS = ("model", "optimizer", "state", "config")  # what training_payload always writes
 CONFIG_SECTIONS = ("model", "data", "optim", "sched", "train")  # of its config, which a resume compares
+# the checkpoints' record of the update this folder's run began at: 0 afresh, train.resume's update (carried by a
+# resume from out_dir's checkpoint.pt, as `resumed_from` is); a checkpoint at that update trained nothing here
+STARTED_AT_STEP = "started_at_step"
 
 
 def read_training_checkpoint(path: str) -> tuple[Optional[dict], str]:
@@ -253,16 +258,34 @@ def keep_snapshot(checkpoint: str, epoch: int, is_main: bool, device: torch.devi
     return path
 
 
+def started_at_step(payload: dict) -> Optional[int]:
+    """The update the run that wrote `payload` began at in its folder (`STARTED_AT_STEP`): 0 for a checkpoint written
+    before the record by a run started afresh (no `resumed_from`), None where unknown (one started from a file)."""
+    if STARTED_AT_STEP in payload:
+        return payload[STARTED_AT_STEP]
+    return 0 if payload.get("resumed_from") is None else None
+
+
+def snapshot_owed(payload: dict, epoch: int) -> bool:
+    """Whether the run that wrote `payload` at the end of epoch `epoch` was to keep it as snapshots/epoch<E>.pt: its
+    own train.keep_every_epochs (not the resumed run's, which may have added it) divides the epoch, and it trained
+    to that end in this folder (a run started from another folder's checkpoint or a snapshot at that very update
+    wrote it without training: that epoch is the other file's, kept there if at all)."""
+    every = payload["config"].get("train", {}).get("keep_every_epochs") or 0
+    start = started_at_step(payload)
+    return bool(every) and epoch % every == 0 and start is not None and start < payload["state"]["step"]
+
+
 def keep_missing_snapshot(checkpoint: str, payload: dict, epoch: int, is_main: bool,
                           device: torch.device) -> Optional[str]:
     """A run killed between the write of checkpoint.pt at the end of a kept epoch (train.keep_every_epochs) and its
     link as snapshots/epoch<E>.pt lost that snapshot for good: the resumed run begins the next epoch. Resumed from
-    `checkpoint` (out_dir's, read as `payload`) at the end of such an epoch `epoch`, keep it now, unless a snapshot
-    of that epoch holds it already: the same file (the link), or its update and weights (a copy, or a checkpoint.pt
-    written again at that update: a validation the stop left to the resumed run). Returns the path kept, or None.
-    Decided on the main rank, every rank taking part (`keep_snapshot`)."""
+    `checkpoint` (out_dir's, read as `payload`) at the end of such an epoch `epoch`, keep it now if that run owed it
+    (`snapshot_owed`), unless a snapshot of that epoch holds it already: the same file (the link), or its update and
+    weights (a copy, or a checkpoint.pt written again at that update: a validation the stop left to the resumed
+    run). Returns the path kept, or None. Decided on the main rank, every rank taking part (`keep_snapshot`)."""
     missing = 0.0
-    if is_main:
+    if is_main and snapshot_owed(payload, epoch):
         folder = os.path.join(os.path.dirname(checkpoint), SNAPSHOTS)
         stem = os.path.join(glob.escape(folder), f"epoch{epoch:04d}")
         point = None

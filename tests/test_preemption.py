@@ -557,12 +557,9 @@ def test_train_py_run_in_this_process_leaves_the_stop_signal_handlers_as_they_we
     assert {s: signal.getsignal(s) for s in before} == before
 
 
-def test_a_second_ctrl_c_during_the_checkpoint_write_ends_train_py_with_one_line_and_exit_130(tmp_path, capsys,
-                                                                                               monkeypatch):
-    """The first Ctrl-C asks for a checkpoint at the next update; a second one more than 2 s later (here inside that
-    checkpoint's write) stops at once. That printed a 30-line traceback of wherever the signal landed, and train.log
-    had no line saying how the run ended. Now one line, on stderr and in train.log, exit code 130 (128 + SIGINT),
-    and no checkpoint.pt half written: its temporary file is removed."""
+def second_ctrl_c_run(tmp_path, capsys, monkeypatch, first_at: int, *overrides: str) -> tuple[int, str, str]:
+    """train.py in this process: a first Ctrl-C after update `first_at` asks for a checkpoint at the next update, a
+    second one more than 2 s later (the repeat window) comes inside that checkpoint's write (which it then drops)."""
     import torch.optim.optimizer as optimizer_module
 
     import engine.checkpoint as checkpoint_module
@@ -571,29 +568,62 @@ def test_a_second_ctrl_c_during_the_checkpoint_write_ends_train_py_with_one_line
 
     def first_ctrl_c(*_):
         updates[0] += 1
-        if updates[0] == 2:
+        if updates[0] == first_at:
             os.kill(os.getpid(), signal.SIGINT)
 
     save = checkpoint_module.torch.save
 
     def slow_save_with_a_second_ctrl_c(obj, f, *args, **kwargs):
-        time.sleep(2.2)  # past the 2 s within which a repeated signal is the same request
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.5)
+        if updates[0] >= first_at:  # the stop's write, not an earlier checkpoint.pt of the run
+            time.sleep(2.2)  # past the 2 s within which a repeated signal is the same request
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
         return save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint_module.torch, "save", slow_save_with_a_second_ctrl_c)
     handle = optimizer_module.register_optimizer_step_post_hook(first_ctrl_c)
     try:
-        code, out, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={tmp_path}"], capsys)
+        return run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={tmp_path / 'run'}", *overrides], capsys)
     except KeyboardInterrupt as e:  # as the process ends on it: a traceback, no line in train.log
         pytest.fail(f"train.py's __main__ let the second interrupt through: {e!r}")
     finally:
         handle.remove()
+        monkeypatch.setattr(checkpoint_module.torch, "save", save)  # the test's own run again writes as usual
+
+
+def test_a_second_ctrl_c_during_the_checkpoint_write_ends_train_py_with_one_line_and_exit_130(tmp_path, capsys,
+                                                                                               monkeypatch,
+                                                                                               debug_config):
+    """The first Ctrl-C asks for a checkpoint at the next update; a second one more than 2 s later (here inside that
+    checkpoint's write) stops at once. That printed a 30-line traceback of wherever the signal landed, and train.log
+    had no line saying how the run ended. Now one line, on stderr and in train.log, exit code 130 (128 + SIGINT),
+    and no checkpoint.pt half written: its temporary file is removed. No checkpoint.pt was written: the line said
+    the same command resumes from the last one, where it starts afresh (as it does: the whole schedule)."""
+    code, out, err = second_ctrl_c_run(tmp_path, capsys, monkeypatch, 2)
+    tmp_path = tmp_path / "run"
     assert code == 130, err[-3000:]
     assert "Traceback" not in err + out
-    line = ("error: stopped at once by a second interrupt (Ctrl-C): a write of checkpoint.pt in progress is "
-            "dropped; the same command resumes from the last checkpoint.pt written")
+    line = ("error: stopped at once by a second interrupt (Ctrl-C), without waiting for the checkpoint.pt the first "
+            f"asked for; none was written in {tmp_path}, so the same command starts where this one did (afresh, or "
+            "from train.resume)")
     assert err.strip().splitlines() == [line]
     assert (tmp_path / "train.log").read_text().rstrip().splitlines()[-1].endswith(line)
     assert sorted(os.listdir(tmp_path)) == ["config.yaml", "metrics.jsonl", "tb", "train.log"]
+    assert train.main(debug_config()).state.step == 8  # the same command: afresh, to the end
+    assert (tmp_path / "archive").is_dir()
+
+
+def test_a_second_ctrl_c_after_the_run_wrote_a_checkpoint_says_the_same_command_resumes_from_it(tmp_path, capsys,
+                                                                                                 monkeypatch,
+                                                                                                 debug_config):
+    """train.ckpt_every_steps=2 wrote checkpoint.pt at update 2; a first Ctrl-C after update 3 and a second inside
+    the stop's write at update 4 leave that file: the line names it, and the same command resumes at update 2."""
+    code, out, err = second_ctrl_c_run(tmp_path, capsys, monkeypatch, 3, "train.ckpt_every_steps=2")
+    tmp_path = tmp_path / "run"
+    assert code == 130, err[-3000:]
+    line = ("error: stopped at once by a second interrupt (Ctrl-C), without waiting for the checkpoint.pt the first "
+            f"asked for; the same command resumes from {tmp_path / 'checkpoint.pt'}, the last one written")
+    assert err.strip().splitlines() == [line]
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["state"]["step"] == 2
+    train.main(debug_config("train.ckpt_every_steps=2"))
+    assert f"resumed from {tmp_path / 'checkpoint.pt'} at epoch 0, update 2" in (tmp_path / "train.log").read_text()

@@ -181,3 +181,58 @@ def test_a_kill_between_an_epochs_checkpoint_and_its_snapshot_keeps_the_snapshot
                           for name in ("killed", "straight"))
         assert kept["state"] == straight["state"], epoch
         assert all(torch.equal(kept["model"][k], straight["model"][k]) for k in straight["model"]), epoch
+
+
+def snapshots_of(out_dir) -> list[str]:
+    folder = out_dir / "snapshots"
+    return sorted(os.listdir(folder)) if folder.is_dir() else []
+
+
+def said_missing(out_dir) -> bool:
+    return "stopped before it kept it" in (out_dir / "train.log").read_text()
+
+
+def test_a_resume_that_adds_keep_every_epochs_at_an_epochs_end_keeps_no_snapshot_of_the_epoch_before(tmp_path,
+                                                                                                      debug_config):
+    """Epoch 1 ended under train.keep_every_epochs=0 (none owed); the resume at its end with keep_every_epochs=1
+    kept it as snapshots/epoch0001.pt anyway, saying the run that wrote checkpoint.pt stopped before keeping it.
+    Snapshots are kept at the ends of epochs the setting was on for: epoch 2's only, and no such warning."""
+    train.main(debug_config("train.max_steps=4"))
+    train.main(debug_config("train.keep_every_epochs=1"))
+    assert snapshots_of(tmp_path / "run") == ["epoch0002.pt"]
+    assert not said_missing(tmp_path / "run")
+
+
+def test_a_run_started_from_another_folders_checkpoint_keeps_no_snapshot_of_the_epoch_it_did_not_train(tmp_path,
+                                                                                                        debug_config,
+                                                                                                        monkeypatch):
+    """Y, started from X's checkpoint.pt at epoch 1's end (train.resume) and stopped there (train.max_steps=4, no
+    update trained), wrote Y/checkpoint.pt at that end; its resume linked it as Y/snapshots/epoch0001.pt, X's epoch.
+    A Y never stopped keeps epoch 2's only. A run started from another folder that trained to a kept epoch's end and
+    was killed before its link still keeps it on resume."""
+    from engine import snapshots
+
+    every = "train.keep_every_epochs=1"
+    train.main(debug_config(every, "train.max_steps=4", name="X"))
+    start = f"train.resume={tmp_path / 'X' / 'checkpoint.pt'}"
+    train.main(debug_config(every, start, name="straight"))  # the reference: Y never stopped
+    train.main(debug_config(every, start, "train.max_steps=4", name="Y"))
+    train.main(debug_config(every, start, name="Y"))
+    assert snapshots_of(tmp_path / "Y") == snapshots_of(tmp_path / "straight") == ["epoch0002.pt"]
+    assert not said_missing(tmp_path / "Y")
+
+    link = snapshots.link_or_copy
+
+    def killed_at_the_second_snapshot(source, target):
+        if target.endswith("epoch0002.pt"):
+            raise Killed
+        return link(source, target)
+
+    monkeypatch.setattr(snapshots, "link_or_copy", killed_at_the_second_snapshot)
+    with pytest.raises(Killed):
+        train.main(debug_config(every, start, name="killed"))
+    assert snapshots_of(tmp_path / "killed") == []
+    monkeypatch.setattr(snapshots, "link_or_copy", link)
+    train.main(debug_config(every, start, name="killed"))
+    assert snapshots_of(tmp_path / "killed") == ["epoch0002.pt"]
+    assert said_missing(tmp_path / "killed")
