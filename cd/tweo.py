@@ -246,11 +246,10 @@ class TWEO:
                 to make the mean over every rank's forwards, as a trainer's loss is; every rank must call
                 `metrics` together then. None: this process's forwards only.
         """
-        if self._window_count:
-            totals = torch.stack([self._window_sum, self._window_sum.new_tensor(float(self._window_count))])
-            penalty_sum, count = (sum_fn(totals) if sum_fn is not None else totals).tolist()
+        penalty_sum, count = self._window_totals(sum_fn)
+        if count:
             self._last_penalty = penalty_sum / count
-            self._window_sum, self._window_count = None, 0
+        self._window_sum, self._window_count = None, 0
         if self._last_penalty is None:
             return {}
         return {"tweo/penalty": self._last_penalty, "tweo/lam": float(self._last_lam)}
@@ -260,21 +259,41 @@ class TWEO:
         which every rank then calls together, as for `metrics`) and the last values: what a trainer's checkpoint
         written between two log steps keeps, so that the resumed run's next `metrics()` is the one of a run never
         stopped (`load_window_state`)."""
-        penalty_sum, count = 0.0, 0.0
-        if self._window_count:
-            totals = torch.stack([self._window_sum, self._window_sum.new_tensor(float(self._window_count))])
-            penalty_sum, count = (sum_fn(totals) if sum_fn is not None else totals).tolist()
+        penalty_sum, count = self._window_totals(sum_fn)
         return {"penalty_sum": penalty_sum, "count": count, "last_penalty": self._last_penalty,
                 "last_lam": self._last_lam}
 
     def load_window_state(self, state: dict, keep_sums: bool = True) -> None:
         """Go on from `window_state`'s `state`. `keep_sums`: this process takes the sums (the main rank, the others
         starting from 0, so that their sum over the ranks is the window's); the last values are taken either way.
-        The sum stays a CPU scalar until the next forward adds to it on the model's device."""
+        The sum goes on the hooked blocks' device, where the next forward adds to it and `sum_fn` reduces it."""
         if keep_sums and state["count"]:
-            self._window_sum = torch.tensor(state["penalty_sum"])
+            self._window_sum = torch.tensor(float(state["penalty_sum"]), device=self._device())
             self._window_count = int(state["count"])
         self._last_penalty, self._last_lam = state["last_penalty"], state["last_lam"]
+
+    def _device(self) -> torch.device:
+        """The hooked blocks' device (that of their first parameter or buffer; CPU for a block of neither)."""
+        for _, block in self.blocks:
+            for tensor in [*block.parameters(), *block.buffers()]:
+                return tensor.device
+        return torch.device("cpu")
+
+    def _window_totals(self, sum_fn: Optional[Callable[[Tensor], Tensor]]) -> tuple[float, float]:
+        """(sum, count) of L_TWEO over the window's forwards, over every rank with `sum_fn`. With `sum_fn` every
+        rank all-reduces, also one of no forward since (zeros): whether a rank joins must not hang on its own
+        count, which differs between ranks after a resume (`load_window_state` gives the carried sums to one)."""
+        # in float64 on every rank: the ranks' tensors must agree in dtype (the zeros of a rank of no forward too),
+        # and a float64 penalty keeps its precision
+        if self._window_count:
+            totals = torch.stack([self._window_sum.double(),
+                                  self._window_sum.new_tensor(float(self._window_count), dtype=torch.float64)])
+        elif sum_fn is not None:
+            totals = torch.zeros(2, dtype=torch.float64, device=self._device())
+        else:
+            return 0.0, 0.0
+        penalty_sum, count = (sum_fn(totals) if sum_fn is not None else totals).tolist()
+        return penalty_sum, count
 
     def remove(self) -> None:
         """Remove every hook (idempotent)."""

@@ -246,6 +246,7 @@ class TrainLoop:
         epoch_t0 = time.perf_counter()
         bar = _progress_bar(total, state.epoch_batches // self.accum_steps, state.epoch, self.epochs, self.progress)
         window = self._window = _Window(self.device)
+        first_step = state.step
         if state.log_window is not None:  # the window the resumed checkpoint cut: go on with its sums
             window.carry_on(state.log_window["loop"], main=self.rank == 0)
             for name, (_, load) in self.window_sources.items():
@@ -302,7 +303,11 @@ class TrainLoop:
                 window.add_update(images_per_update, grad_norm)
                 if bar is not None:
                     bar.update(1)
-                if state.step % self.log_every == 0:
+                # The update that ends the window (a log step, the epoch's last update, a validation's, max_steps)
+                # logs it at once, before a checkpoint of the same update (train.ckpt_every_steps, or one written
+                # after an error) could carry it: a checkpoint carries exactly the updates not yet logged. Logged
+                # after the epoch, that window was in the checkpoint too, and a run resumed there logged it again.
+                if state.step % self.log_every == 0 or self._window_ends(state, total):
                     self._log(state, window, bar, total)
                 if self.ckpt_every and state.step % self.ckpt_every == 0:
                     stage = "save"
@@ -335,6 +340,11 @@ class TrainLoop:
         epoch_done = state.epoch_batches >= total * self.accum_steps
         validated = bool(self.eval_every and state.step % self.eval_every == 0)
         cut = reason == "preempted" and not epoch_done and not validated
+        if state.step == first_step:
+            # no update trained: a window carried from the resumed checkpoint ended at its update (written by a
+            # run that logged it right after, before the loop logged a window as its update ended it): not logged
+            # again, nor carried on (its data_error stays, read by check_finite below)
+            window.updates = 0
         if window.updates and not cut:
             self._log(state, window, None, total)
         window.check_finite(state.step, self.saved_step)  # a host sync: the epoch's kernels have finished
@@ -498,6 +508,13 @@ class TrainLoop:
         a run resumed from it keeps the first update's loss, not that of the first update after the resume."""
         if state.initial_loss is None and self._first_update_done:
             state.initial_loss = all_reduce(self._first_loss).item() / self.world_size
+
+    def _window_ends(self, state: TrainState, updates_in_epoch: int) -> bool:
+        """Whether the update just made ends the log window besides a log step: the epoch's last, a validation's
+        (train.eval_every_steps) or the run's last (train.max_steps), as a run never stopped ends it."""
+        return (state.epoch_batches >= updates_in_epoch * self.accum_steps
+                or bool(self.eval_every and state.step % self.eval_every == 0)
+                or (self.max_steps is not None and state.step >= self.max_steps))
 
     def _save(self, window: "_Window", state: TrainState) -> None:
         window_loss = window.check_finite(state.step, self.saved_step)  # never write a checkpoint from a diverged run

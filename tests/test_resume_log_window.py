@@ -1,0 +1,125 @@
+"""A run resumed from a checkpoint written at the update that ends a log window (train.ckpt_every_steps at the
+epoch's last update, the run then killed in the validation after it) logs that window once, as a run never stopped
+does, and under torchrun the resumed ranks meet in the same collectives (TWEO's window sums) instead of hanging."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import train
+from dist_utils import free_port, init_gloo, leave_and_exit, spawn_within
+from tests.conftest import DEBUG_CONFIG, ROOT
+from tests.test_resume_kills import logged_series
+
+# an epoch of the tiny config is 4 updates: the checkpoint of update 4 (ckpt_every_steps) is the epoch's last update,
+# which ends the window 4-4 (log_every_steps=3); the run is killed in the validation after it
+RUN = ("cd.enabled=false", "log.tensorboard=false", "tweo.enabled=true", "train.log_every_steps=3",
+       "train.ckpt_every_steps=4")
+
+
+class Killed(BaseException):
+    """A kill where no handler of train.py runs (a BaseException its `except Exception` lets through)."""
+
+
+def test_a_resume_from_the_checkpoint_of_the_update_that_ends_a_window_logs_it_once(tmp_path, debug_config,
+                                                                                    monkeypatch):
+    """The checkpoint of update 4 carried the window of update 4, logged right after at the epoch's end; the run
+    resumed there (killed in the validation) logged it a second time, with train/lr 0.0 (no update trained).
+    Reference: the same run straight through, one record per log step."""
+    train.main(debug_config(*RUN, name="straight"))
+    straight = logged_series(tmp_path / "straight")
+    assert [r["step"] for r in straight] == [3, 4, 6, 8]
+
+    validate = train.Run.validate
+
+    def killed_in_validation(self, *args, **kwargs):
+        if self.state.step == 4:
+            raise Killed()
+        return validate(self, *args, **kwargs)
+
+    monkeypatch.setattr(train.Run, "validate", killed_in_validation)
+    with pytest.raises(Killed):
+        train.main(debug_config(*RUN, name="killed"))
+    monkeypatch.setattr(train.Run, "validate", validate)
+    train.main(debug_config(*RUN, name="killed"))
+    assert logged_series(tmp_path / "killed") == straight
+
+
+# train.py under torchrun, every rank exiting at once (no handler runs) in the validation of update 4 with KILLVAL
+DRIVER = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, os.getcwd())
+    import train
+    if os.environ.get("KILLVAL"):
+        validate = train.Run.validate
+        def killed(self, *args, **kwargs):
+            if self.state.step == 4:
+                os._exit(9)
+            return validate(self, *args, **kwargs)
+        train.Run.validate = killed
+    train.main(train.parse_args(sys.argv[1:]))
+""")
+
+
+def torchrun(tmp_path, out_dir, kill: bool) -> int:
+    """Two gloo ranks of DRIVER; a hang is killed (the whole process group) after 240 s and fails the test."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    env = {**{k: v for k, v in os.environ.items() if k != "KILLVAL"}, "OMP_NUM_THREADS": "1",
+           **({"KILLVAL": "1"} if kill else {})}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                             str(free_port()), str(driver), "--config", DEBUG_CONFIG, "train.device=cpu", *RUN,
+                             f"out_dir={out_dir}"], cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"torchrun hung (killed after 240 s):\n{output[-3000:]}")
+    if not kill:
+        assert proc.returncode == 0, output[-3000:]
+    return proc.returncode
+
+
+@pytest.mark.slow  # three torchruns of 2 ranks (about 90 s on a 2-core VM)
+def test_a_resume_under_torchrun_from_the_checkpoint_of_a_window_end_neither_hangs_nor_logs_it_twice(tmp_path):
+    """load_window_state gave the carried TWEO sums to rank 0 only, and TWEO's metrics() all-reduced only where
+    its own count was not 0: the resumed run's first log (before any forward) had rank 0 in an all_reduce rank 1
+    never joined, a hang. Every rank now joins. Reference: the same 2-rank run straight through."""
+    torchrun(tmp_path, tmp_path / "straight", kill=False)
+    straight = logged_series(tmp_path / "straight")
+    assert [r["step"] for r in straight] == [3, 4, 6, 8]
+    assert torchrun(tmp_path, tmp_path / "killed", kill=True) != 0
+    torchrun(tmp_path, tmp_path / "killed", kill=False)
+    assert logged_series(tmp_path / "killed") == straight
+
+
+def _tweo_rank(rank: int, world: int, port: int) -> None:
+    from cd import TWEO
+    from cd_models import tiny_vit
+    from engine.distributed import all_reduce
+
+    init_gloo(rank, world, port, timeout_s=30)
+    tweo = TWEO(tiny_vit())
+    # the resumed run: the carried window (3 forwards over both ranks) goes to rank 0, rank 1 starts from 0
+    tweo.load_window_state({"penalty_sum": 0.6, "count": 3.0, "last_penalty": 0.1, "last_lam": 0.01},
+                           keep_sums=rank == 0)
+    state = tweo.window_state(sum_fn=all_reduce)  # a checkpoint before any forward: every rank calls it
+    assert (state["penalty_sum"], state["count"]) == pytest.approx((0.6, 3.0))
+    assert tweo.metrics(sum_fn=all_reduce)["tweo/penalty"] == pytest.approx(0.2)  # a log before any forward
+    assert tweo.metrics(sum_fn=all_reduce)["tweo/penalty"] == pytest.approx(0.2)  # none since: the last mean
+    leave_and_exit()
+
+
+@pytest.mark.slow  # 2 gloo ranks
+def test_tweo_window_sums_carried_to_one_rank_are_reduced_by_every_rank():
+    """TWEO's metrics() and window_state() all-reduced only on a rank whose own window count was not 0; after a
+    resume only rank 0 holds the carried sums, so rank 0 waited in an all_reduce rank 1 skipped (a hang).
+    Reference: the carried sums, 0.6 over 3 forwards."""
+    spawn_within(_tweo_rank, (2, free_port()), 2, seconds=90)
