@@ -67,23 +67,29 @@ DRIVER = textwrap.dedent("""
 
 
 def torchrun(tmp_path, out_dir, kill: bool) -> int:
-    """Two gloo ranks of DRIVER; a hang is killed (the whole process group) after 240 s and fails the test."""
-    driver = tmp_path / "driver.py"
+    """Two gloo ranks of DRIVER; a hang fails the test after 240 s: SIGTERM to torchrun, which ends its ranks (they
+    run in sessions of their own), then SIGKILL. The output goes to a file, which no rank left over holds open."""
+    driver, log_path = tmp_path / "driver.py", tmp_path / f"torchrun_{out_dir.name}_{kill}.log"
     driver.write_text(DRIVER)
     env = {**{k: v for k, v in os.environ.items() if k != "KILLVAL"}, "OMP_NUM_THREADS": "1",
            **({"KILLVAL": "1"} if kill else {})}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-                             str(free_port()), str(driver), "--config", DEBUG_CONFIG, "train.device=cpu", *RUN,
-                             f"out_dir={out_dir}"], cwd=ROOT, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun hung (killed after 240 s):\n{output[-3000:]}")
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                                 "--master_port", str(free_port()), str(driver), "--config", DEBUG_CONFIG,
+                                 "train.device=cpu", *RUN, f"out_dir={out_dir}"], cwd=ROOT, env=env,
+                                stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            pytest.fail(f"torchrun hung (stopped after 240 s):\n{log_path.read_text()[-3000:]}")
     if not kill:
-        assert proc.returncode == 0, output[-3000:]
+        assert proc.returncode == 0, log_path.read_text()[-3000:]
     return proc.returncode
 
 
