@@ -246,7 +246,6 @@ class TrainLoop:
         epoch_t0 = time.perf_counter()
         bar = _progress_bar(total, state.epoch_batches // self.accum_steps, state.epoch, self.epochs, self.progress)
         window = self._window = _Window(self.device)
-        first_step = state.step
         if state.log_window is not None:  # the window the resumed checkpoint cut: go on with its sums
             window.carry_on(state.log_window["loop"], main=self.rank == 0)
             for name, (_, load) in self.window_sources.items():
@@ -340,11 +339,6 @@ class TrainLoop:
         epoch_done = state.epoch_batches >= total * self.accum_steps
         validated = bool(self.eval_every and state.step % self.eval_every == 0)
         cut = reason == "preempted" and not epoch_done and not validated
-        if state.step == first_step:
-            # no update trained: a window carried from the resumed checkpoint ended at its update (written by a
-            # run that logged it right after, before the loop logged a window as its update ended it): not logged
-            # again, nor carried on (its data_error stays, read by check_finite below)
-            window.updates = 0
         if window.updates and not cut:
             self._log(state, window, None, total)
         window.check_finite(state.step, self.saved_step)  # a host sync: the epoch's kernels have finished
