@@ -67,6 +67,18 @@ class Killed(BaseException):
     """Stands for SIGKILL: nothing after it runs, no handler sees it (not an Exception)."""
 
 
+def killed_at_the_snapshot(name):
+    """engine.snapshots.link_or_copy killed (Killed) as it is about to link snapshots/<name>; others linked."""
+    from engine import snapshots
+    link = snapshots.link_or_copy
+
+    def link_or_die(source, target):
+        if target.endswith(name):
+            raise Killed
+        return link(source, target)
+    return link_or_die
+
+
 def test_a_kill_while_metrics_jsonl_is_cut_back_keeps_the_records_before_the_resume_point(tmp_path, monkeypatch):
     """A resume cuts metrics.jsonl back to its checkpoint's update (the records after it kept in
     metrics.until_step<N>.jsonl). The file was moved aside before the cut one was renamed into place: a kill in
@@ -163,13 +175,7 @@ def test_a_kill_between_an_epochs_checkpoint_and_its_snapshot_keeps_the_snapshot
     run = ("train.keep_every_epochs=1",)
     train.main(debug_config(*run, name="straight"))
     link = snapshots.link_or_copy
-
-    def killed_at_the_first_snapshot(source, target):
-        if target.endswith("epoch0001.pt"):
-            raise Killed
-        return link(source, target)
-
-    monkeypatch.setattr(snapshots, "link_or_copy", killed_at_the_first_snapshot)
+    monkeypatch.setattr(snapshots, "link_or_copy", killed_at_the_snapshot("epoch0001.pt"))
     with pytest.raises(Killed):
         train.main(debug_config(*run, name="killed"))
     assert not os.listdir(tmp_path / "killed" / "snapshots")
@@ -222,13 +228,7 @@ def test_a_run_started_from_another_folders_checkpoint_keeps_no_snapshot_of_the_
     assert not said_missing(tmp_path / "Y")
 
     link = snapshots.link_or_copy
-
-    def killed_at_the_second_snapshot(source, target):
-        if target.endswith("epoch0002.pt"):
-            raise Killed
-        return link(source, target)
-
-    monkeypatch.setattr(snapshots, "link_or_copy", killed_at_the_second_snapshot)
+    monkeypatch.setattr(snapshots, "link_or_copy", killed_at_the_snapshot("epoch0002.pt"))
     with pytest.raises(Killed):
         train.main(debug_config(every, start, name="killed"))
     assert snapshots_of(tmp_path / "killed") == []
