@@ -72,9 +72,9 @@ from engine.snapshots import check_same_weights_on_every_rank
 from engine.train_seeds import SEED_FIELD
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
 from engine.start_weights import recipe_entries
-from engine.distributed import (MainRankWait, OtherRankError, all_reduce, fail_on_every_rank_at_start,
-                                failure_on_every_rank, launcher_environment, process_group, raise_on_every_rank,
-                                run_on_main)
+from engine.distributed import (MainRankWait, OtherRankError, all_reduce, check_main_rank_wait_read,
+                                fail_on_every_rank_at_start, failure_on_every_rank, process_group,
+                                raise_on_every_rank, run_on_main)
 from engine.rank_agreement import SAME_SETTINGS_FIX, check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
@@ -155,11 +155,11 @@ def main(args: argparse.Namespace) -> dict:
             # maxima over other quant.act_max_extra_modules than the file's are another measurement: refused, or
             # with --recompute the file's move to its history (their files aside) instead of being written over
             replaces = results.plan_max_act(cfg.quant.act_max_extra_modules, args.recompute)
-            if args.recompute and not planned(cfg) and not replaces:  # the maxima are measured again by every call
-                raise ConfigError(f"--recompute would be ignored: this evaluation runs no pipeline (pipelines: none), "
-                                  f"and {out} holds no activation maxima over other quant.act_max_extra_modules than "
-                                  f"{json.dumps(sorted(cfg.quant.act_max_extra_modules))} to replace (those of the "
-                                  f"same modules every call measures again); drop it")
+            results.check_recompute_read(  # the maxima are measured again by every call
+                args.recompute, bool(planned(cfg)), replaces,
+                f"activation maxima over other quant.act_max_extra_modules than "
+                f"{json.dumps(sorted(cfg.quant.act_max_extra_modules))} to replace (those of the same modules every "
+                f"call measures again)")
             if cfg.quant.act_max_csv:
                 check_act_max_files(results.data, os.path.splitext(out)[0])
             return results, replaces, [(name, bits) for name, bits in planned(cfg)
@@ -775,10 +775,8 @@ def resolve_config(args: argparse.Namespace):
     # how long the other ranks of a torchrun evaluation wait for rank 0's work (run_on_main): one process waits for
     # no one (run_on_main calls the work directly, no wait group is made)
     waits = [item for item in items if "quant.main_rank_wait_hours" in override_keys(item)]
-    if waits and launcher_environment(joining=False)[1] == 1:
-        raise ConfigError(f"{named.get(waits[0], waits[0])} would be ignored: it is how long the other ranks of an "
-                          f"evaluation under torchrun wait for rank 0 (which quantizes alone), and this is one process "
-                          f"(WORLD_SIZE unset or 1); drop it, or start the evaluation with torchrun")
+    if waits:
+        check_main_rank_wait_read(named.get(waits[0], waits[0]))
     unread = pipeline_options_unread(items, cfg.quant.pipelines)
     if unread:  # e.g. quant.aphq.iters=500 beside --quant repq: the result would not be what the user tuned
         item, pipeline = unread[0]

@@ -73,11 +73,15 @@ def parse_args(argv):
     parser.add_argument("--max-images", type=int, default=None,
                         help="score the first N validation images only (a partial result, marked in the JSON)")
     parser.add_argument("--out", help="result JSON (default: eval_<checkpoint name>.json beside it)")
-    parser.add_argument("--recompute", action="store_true", help="replace results the JSON already has")
+    parser.add_argument("--recompute", action="store_true", help="replace results the JSON already has (its "
+                        "full-precision score, its entries of the pipelines named); refused where it would replace "
+                        "nothing (a bare --quant, and no full-precision score in the JSON)")
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                         help="auto: CUDA if visible (under torchrun, GPU LOCAL_RANK), else the CPU")
-    parser.add_argument("--main-rank-wait-hours", type=float, default=24.0,
-                        help="under torchrun, how long the other ranks wait while rank 0 quantizes (default 24)")
+    # None: not given (refused in one process, where no rank waits); MAIN_RANK_WAIT_HOURS otherwise
+    parser.add_argument("--main-rank-wait-hours", type=float, default=None,
+                        help=f"under torchrun, how long the other ranks wait while rank 0 quantizes (default "
+                             f"{MAIN_RANK_WAIT_HOURS:g}; refused in one process)")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     parser.add_argument("--cfg-options", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help="config overrides as MMDetection's tools take them (the same as bare key=value)")
@@ -91,6 +95,7 @@ def parse_args(argv):
 
 
 QUANT_DEFAULTS = {"bits": ["w4a4"], "calib_images": 1, "calib_seed": 0}
+MAIN_RANK_WAIT_HOURS = 24.0  # --main-rank-wait-hours not given: evaluate.py's quant.main_rank_wait_hours default
 # the option of each pipeline that draws its own training images besides the calibration batch
 SAMPLE_OPTIONS = {"aphq": "recon_images", "gplq": "stage2_images"}
 
@@ -163,6 +168,9 @@ def check_reconstruction_data(given: dict) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.main_rank_wait_hours is not None:  # before any mmdet import: one process waits for no rank
+        from engine.distributed import check_main_rank_wait_read
+        check_main_rank_wait_read("--main-rank-wait-hours")
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, annotation_paths, build_detector,
                                   build_loader, check_annotation_files, check_annotations, check_checkpoint_classes,
                                   check_evaluator_annotations, check_image_folders, check_pipeline,
@@ -221,7 +229,7 @@ def main(argv=None) -> dict:
         on_cpu = args.device == "cpu" or not torch.cuda.is_available()  # where --device puts stage 1
         check_stage1_amp(parse_options(PIPELINES["gplq"].Options, options["gplq"]).amp,
                          torch.device("cpu" if on_cpu else "cuda"), "--quant-options gplq.amp")
-    hours = args.main_rank_wait_hours
+    hours = MAIN_RANK_WAIT_HOURS if args.main_rank_wait_hours is None else args.main_rank_wait_hours
     if WaitHours.violation(hours) is not None or not math.isfinite(hours):  # NaN passes any comparison
         raise DetectionError(f"--main-rank-wait-hours {hours}: give a positive number of hours, "
                              f"{WaitHours.describe()} (a gloo timeout past that overflows)")
@@ -266,6 +274,10 @@ def main(argv=None) -> dict:
 
         def open_results():
             results = EvalResults.open(out, identity)
+            # the full-precision score is scored again only with --recompute (where the file has one)
+            results.check_recompute_read(args.recompute, bool(pipelines), "fp" in results.data,
+                                         "full-precision score to replace (one is scored without --recompute "
+                                         "where the file has none)")
             return results, [(p, b) for p in pipelines for b in bits
                              if results.plan(p, b, settings(args, p, user_options.get(p), test_batch), args.recompute)]
 

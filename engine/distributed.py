@@ -149,6 +149,16 @@ def launcher_environment(joining: bool = True) -> tuple[int, int, int]:
     return rank, world, local_rank
 
 
+def check_main_rank_wait_read(named: str) -> None:
+    """Refuse a main-rank wait that the user gave (`named` as given: evaluate.py's quant.main_rank_wait_hours=N,
+    evaluate_detection.py's --main-rank-wait-hours) to one process: `run_on_main` calls the work directly there and
+    no rank waits, so it would change nothing. Under torchrun (WORLD_SIZE > 1) it is taken."""
+    if launcher_environment(joining=False)[1] == 1:
+        raise ConfigError(f"{named} would be ignored: it is how long the other ranks of an evaluation under torchrun "
+                          f"wait for rank 0 (which quantizes alone), and this is one process (WORLD_SIZE unset or "
+                          f"1); drop it, or start the evaluation with torchrun")
+
+
 @contextlib.contextmanager
 def process_group(device: str = "auto", main_rank_wait: Optional[MainRankWait] = None,
                   failed_at_start: Optional[BaseException] = None) -> Iterator[DistInfo]:

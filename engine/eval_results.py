@@ -41,7 +41,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from configs.loader import unread_options
+from configs.loader import ConfigError, unread_options
 from configs.quant import APHQ_DETECTION, APHQOptions
 
 from .checkpoint import weights_fingerprint
@@ -419,6 +419,16 @@ class EvalResults:
                            f"{json.dumps(before)}, this call measures them over {json.dumps(now)}: give --out another "
                            f"file, or --recompute to replace them (the old ones are kept under 'history', with their "
                            f"CSV and plot)")
+
+    def check_recompute_read(self, recompute: bool, runs_pipeline: bool, replaces: bool, what: str) -> None:
+        """Refuse `recompute` (--recompute) where it would change nothing: no pipeline runs (no entry of the file to
+        run again) and `replaces` is False: the file holds nothing else that this call measures anew only with it.
+        `what` names what the file lacks, for the message (evaluate.py: maxima over other modules; every call
+        measures the full-precision score and the maxima of its own modules again. evaluate_detection.py: a
+        full-precision score; one is scored without --recompute where the file has none)."""
+        if recompute and not runs_pipeline and not replaces:
+            raise ConfigError(f"--recompute would be ignored: this evaluation runs no pipeline (pipelines: none), and "
+                              f"{self.path} holds no {what}; drop it")
 
     def retire_max_act(self, files: dict) -> None:
         """Move the file's activation maxima to `history` (this call's replace them: `plan_max_act`), naming their

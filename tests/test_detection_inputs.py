@@ -553,12 +553,15 @@ def test_a_config_file_given_twice_is_refused_before_any_work(sample, tmp_path, 
 
 
 @pytest.mark.parametrize("hours", ["inf", "nan", "1e300", "3e6", "0"])
-def test_a_main_rank_wait_that_is_no_positive_number_of_hours_is_one_error(mmdet_ready, tmp_path, hours):
+def test_a_main_rank_wait_that_is_no_positive_number_of_hours_is_one_error(mmdet_ready, tmp_path, monkeypatch,
+                                                                           hours):
     """Infinity failed with an OverflowError traceback and NaN with "cannot convert float NaN to integer", naming
     no flag (in datetime.timedelta); 3e6 hours, a valid timedelta, makes gloo's wait group fail under torchrun
-    (its timeout in int64 nanoseconds overflows)."""
+    (its timeout in int64 nanoseconds overflows). Under torchrun: one process refuses the flag whatever its value
+    (tests/test_detection_refusals.py)."""
     from engine.detection import DetectionError
     from evaluate_detection import main
+    monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(DetectionError,
                        match=rf"^--main-rank-wait-hours {re.escape(str(float(hours)))}: give a positive number"):
         main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--quant",
@@ -639,12 +642,19 @@ def test_device_cuda_without_a_visible_gpu_is_refused_first(mmdet_ready, tmp_pat
 
 def test_recompute_scores_the_full_precision_detector_again(sample, tmp_path):
     """--recompute replaces the full-precision score a results file holds (a file whose FP pass is marked by a
-    seconds value no pass takes: -1), and without it the stored score stays."""
+    seconds value no pass takes: -1), and without it the stored score stays. Where no pipeline runs and the file
+    holds no score to replace (none there yet), it would change nothing, and is refused as evaluate.py refuses it:
+    no file written."""
     import json
+    from configs import ConfigError
     from evaluate_detection import main
     out = tmp_path / "eval.json"
     argv = ["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample, "--quant",
             "--max-images", "1", "--out", str(out)]
+    with pytest.raises(ConfigError, match=rf"^--recompute would be ignored: this evaluation runs no pipeline .*"
+                                          rf"{re.escape(str(out))} holds no full-precision score to replace"):
+        main(argv + ["--recompute"])
+    assert not out.exists()
     main(argv)
     stored = json.loads(out.read_text())
     stored["fp"]["seconds"] = -1.0

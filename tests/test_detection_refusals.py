@@ -29,6 +29,30 @@ def test_a_classifier_head_bit_width_is_refused_for_every_detection_pipeline(tmp
     assert not out.exists()
 
 
+def test_a_main_rank_wait_is_refused_in_one_process_and_read_under_torchrun(tmp_path, monkeypatch):
+    """--main-rank-wait-hours is how long the other ranks wait for rank 0 (run_on_main), and one process has none:
+    it was taken and changed nothing. Refused as evaluate.py refuses quant.main_rank_wait_hours, whatever its value,
+    before the config or checkpoint is read (neither exists); under torchrun (WORLD_SIZE 2) it is read: 0 hours
+    meets the value check (which comes before the ranks meet)."""
+    from configs import ConfigError
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    out = tmp_path / "x.json"
+
+    def argv(hours):
+        return ["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "none.pth"), "--data-root",
+                str(tmp_path / "none"), "--out", str(out), "--quant", "--main-rank-wait-hours", hours]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for hours in ("2", "0"):
+        with pytest.raises(ConfigError, match=r"^--main-rank-wait-hours would be ignored: it is how long the other "
+                                              r"ranks .* under torchrun wait for rank 0 .*this is one process"):
+            main(argv(hours))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(DetectionError, match=r"^--main-rank-wait-hours 0.0: give a positive number of hours"):
+        main(argv("0"))
+    assert not out.exists()
+
+
 def test_a_head_bit_width_left_at_its_default_passes_the_head_check():
     """null is the default (the main bit-width for a classifier): it changes nothing and is not refused."""
     from configs.quant import FirstLastOptions
