@@ -134,6 +134,18 @@ def make_folder(root, splits: dict, ext: str = ".png") -> None:
                     os.path.join(root, split, name, f"{i}{ext}"))
 
 
+def hooked_forward(model, x, modules: dict, record) -> None:
+    """One forward of `model` on `x` without gradients, calling `record(name, inputs, output)` for each module of
+    `modules` ({name: module}) as it runs; the hooks are removed after it, however it ends."""
+    handles = [m.register_forward_hook(lambda _, inputs, out, n=n: record(n, inputs, out)) for n, m in modules.items()]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @pytest.fixture(autouse=True)
 def end_run_logging():
     """The log handlers a run's logging setup (engine.runinfo.setup_logging) adds end with the test, as they end with

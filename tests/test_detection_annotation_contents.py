@@ -35,6 +35,15 @@ def _edit(root, split, change):
     return str(path)
 
 
+def _training_refusal(capsys, root, tmp_path, *overrides) -> str:
+    """The one `error:` line scripts/train_detection.py prints for the sample config on the data set `root`, having
+    made no work dir."""
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(root), "--work-dir", str(tmp_path / "w"),
+                               *overrides])
+    assert not (tmp_path / "w").exists()
+    return line
+
+
 def test_unusable_images_match_a_stat_per_name(mmdet_ready, tmp_path):
     """The images named by no file (plain files, one in a subfolder, an absolute path, a symlink: a broken one is
     missing, a folder named like an image, a name not there) and those of 0 bytes (cv2 cannot decode them: a
@@ -128,13 +137,11 @@ def test_a_missing_val_image_is_refused_before_training_naming_it_and_the_count(
     val = sorted(os.listdir(root / "val2017"))
     for name in val[1:3]:
         os.remove(root / "val2017" / name)
-    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(root), "--work-dir", str(tmp_path / "w"),
-                               "train_cfg.max_epochs=1"])
+    line = _training_refusal(capsys, root, tmp_path, "train_cfg.max_epochs=1")
     path = root / "annotations" / "instances_val2017.json"
     assert line == (f"error: --data-root {root}: val_dataloader reads {path}, which lists {len(val)} images, 2 of "
                     f"them not in {root / 'val2017'} (the first: {val[1]}): put the missing images there, or give "
                     "the annotation file of the images that folder holds"), line
-    assert not (tmp_path / "w").exists()
 
 
 def test_an_empty_training_folder_names_its_missing_images_not_a_pipeline_transform(sample, tmp_path, capsys):
@@ -143,7 +150,7 @@ def test_an_empty_training_folder_names_its_missing_images_not_a_pipeline_transf
         (root / "annotations" / "instances_train2017.json").read_text())["images"]]
     for name in os.listdir(root / "train2017"):
         os.remove(root / "train2017" / name)
-    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(root), "--work-dir", str(tmp_path / "w")])
+    line = _training_refusal(capsys, root, tmp_path)
     assert (f"train_dataloader reads {root / 'annotations' / 'instances_train2017.json'}, which lists {len(listed)} "
             f"images, {len(listed)} of them not in {root / 'train2017'} (the first: {listed[0]})") in line, line
     assert "LoadImageFromFile" not in line
@@ -174,13 +181,12 @@ def test_objects_of_categories_beyond_the_classes_are_refused_with_their_count(s
     for split in ("train2017", "val2017"):
         path = _edit(root, split, _third_as(3, "tri"))
         dropped[split] = sum(a["category_id"] == 3 for a in json.loads(open(path).read())["annotations"])
-    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(root), "--work-dir", str(tmp_path / "w")])
+    line = _training_refusal(capsys, root, tmp_path)
     assert line == (f"error: train_dataloader reads {root / 'annotations' / 'instances_train2017.json'}, which lists "
                     f"the categories box, disc, tri where the config's classes are box, disc: {dropped['train2017']} "
                     "objects of tri would be dropped (its CocoDataset drops the objects of other categories): give "
                     "the data set the detector is configured for, or set train_dataloader.dataset.metainfo.classes "
                     "to its categories in the file's order"), line
-    assert not (tmp_path / "w").exists()
     with pytest.raises(DetectionError, match=rf"test_dataloader reads .*instances_val2017.json, which lists the "
                                              rf"categories box, disc, tri .*: {dropped['val2017']} objects of tri "
                                              "would be dropped"):
@@ -197,11 +203,10 @@ def test_a_renamed_class_says_what_the_file_lists_and_what_the_config_expects(sa
         _edit(root, split, _renamed(["square", "disc"]))
     squares = sum(a["category_id"] == 1 for a in json.loads(
         (root / "annotations" / "instances_train2017.json").read_text())["annotations"])
-    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(root), "--work-dir", str(tmp_path / "w")])
+    line = _training_refusal(capsys, root, tmp_path)
     assert (f"which lists the categories square, disc where the config's classes are box, disc: box is not among "
             f"them; label 0 (box) would hold disc's objects; {squares} object{'' if squares == 1 else 's'} of "
             "square would be dropped") in line, line
-    assert not (tmp_path / "w").exists()
 
 
 def test_empty_images_are_refused_before_training_naming_them_and_the_count(sample, tmp_path, capsys):
@@ -213,13 +218,11 @@ def test_empty_images_are_refused_before_training_naming_them_and_the_count(samp
     root = _copy(sample, tmp_path, "coco")
     train = sorted(os.listdir(root / "train2017"))
     (root / "train2017" / train[4]).write_bytes(b"")
-    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(root), "--work-dir", str(tmp_path / "w"),
-                               "train_cfg.max_epochs=1"])
+    line = _training_refusal(capsys, root, tmp_path, "train_cfg.max_epochs=1")
     path = root / "annotations" / "instances_train2017.json"
     assert line == (f"error: --data-root {root}: train_dataloader reads {path}, which lists {len(train)} images, 1 of "
                     f"them an empty file (0 bytes) in {root / 'train2017'} (the first: {train[4]}): copy the empty "
                     "one there again, or give the annotation file of the images that folder holds"), line
-    assert not (tmp_path / "w").exists()
     shutil.copy(os.path.join(sample, "train2017", train[4]), root / "train2017" / train[4])
     val = sorted(os.listdir(root / "val2017"))
     for name in val[1:3]:
@@ -319,11 +322,10 @@ def test_a_training_split_without_objects_is_refused_before_training(sample, tmp
     built ... (ValueError: need at least one array to concatenate)'."""
     root = _copy(sample, tmp_path, "coco")
     path = _edit(root, "train2017", lambda data: data.update(annotations=[]))
-    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", str(root), "--work-dir", str(tmp_path / "w")])
+    line = _training_refusal(capsys, root, tmp_path)
     assert line == (f"error: train_dataloader reads {path}, in which no training image has an object of the config's "
                     "classes (box, disc): a detector would train on none (with filter_cfg.filter_empty_gt, "
                     "MMDetection keeps no image); give the data set's annotation file"), line
-    assert not (tmp_path / "w").exists()
 
 
 def _negatives(root, split, name):

@@ -20,7 +20,7 @@ from quant.smoothquant.smooth import smooth_model
 from quant.spec import ATTENTION, AttentionRule, Bits, QuantSpec
 from device_utils import tensors_of
 from quant_models import perturb_norms
-from tests.conftest import load_script
+from tests.conftest import hooked_forward, load_script
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -448,14 +448,9 @@ def test_smoothing_touches_the_block_norms_only_not_swins_patch_merging():
 
 def _operands(qmodel: nn.Module, x: torch.Tensor) -> dict:
     """{name: (input, output)} of every activation quantizer of `qmodel` on `x` (forward hooks)."""
-    seen, hooks = {}, []
-    for name, quantizer in _activation_quantizers(qmodel).items():
-        if quantizer is not None:
-            hooks.append(quantizer.register_forward_hook(lambda m, a, y, n=name: seen.__setitem__(n, (a[0], y))))
-    with torch.no_grad():
-        qmodel(x)
-    for h in hooks:
-        h.remove()
+    seen = {}
+    quantizers = {name: q for name, q in _activation_quantizers(qmodel).items() if q is not None}
+    hooked_forward(qmodel, x, quantizers, lambda n, inputs, y: seen.__setitem__(n, (inputs[0], y)))
     return seen
 
 

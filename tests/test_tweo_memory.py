@@ -4,17 +4,15 @@ PatchMerging (which normalizes a permuted copy), and one fp32 copy of every bloc
 import torch
 
 from cd_models import tiny_swin, tiny_vit
+from conftest import hooked_forward
 from tweo_memory import main, saved_for_backward  # scripts/ is on pytest's path (pyproject.toml)
 
 
 def output_bytes(model, x, names):
     """name -> bytes of each named block's output in a forward of `model` on `x` (fp32 here)."""
-    sizes, modules = {}, dict(model.named_modules())
-    handles = [modules[n].register_forward_hook(lambda m, a, o, n=n: sizes.update({n: o.numel() * 4})) for n in names]
-    with torch.no_grad():
-        model(x)
-    for h in handles:
-        h.remove()
+    sizes = {}
+    hooked_forward(model, x, {n: model.get_submodule(n) for n in names},
+                   lambda n, inputs, out: sizes.update({n: out.numel() * 4}))
     return sizes
 
 
