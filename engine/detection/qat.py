@@ -16,6 +16,7 @@ from mmengine.runner import Runner
 
 from engine.detection.data_checks import annotation_paths, reading_annotations
 from engine.detection.errors import DetectionError
+from engine.detection.rng_state import RngStateHook
 from engine.distributed import run_on_main
 
 STAGE1_IDENTITY = "gplq_stage1.json"
@@ -83,6 +84,12 @@ def train_activation_qat(student: nn.Module, cfg: Config, settings: Dict[str, An
     # from init_cfg: the backbone from random) and then broadcast every state_dict entry, which fails on the
     # quantizers' non-tensor extra state. Under DDP every rank starts from rank 0's parameters all the same.
     runner._init_model_weights = lambda: None
+    # MMEngine's checkpoints hold no random-number state: a resumed stage 1 drew other RoI samples and flips than
+    # the uninterrupted one (121 of 295 tensors differed after the resumed iteration). The training runs' hook
+    # (and, under torchrun, its gatherer of every rank's state) keeps it, as scripts/train_detection.py registers.
+    keeper = RngStateHook()
+    runner.register_hook(keeper)
+    runner.register_hook(keeper.gatherer)
     start = time.perf_counter()
     if resume and checkpoint_iteration(checkpoint) >= steps:  # a finished stage 1 (a later stage failed): its
         # weights, without another pass (the loop would also draw every batch it skips)
