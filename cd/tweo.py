@@ -230,7 +230,11 @@ class TWEO:
         penalty = torch.stack(self._terms).mean()  # (1/L) sum_l over the blocks
         self._terms = []
         lam = self.lam_at(step)
-        detached = penalty.detach()  # summed on its device: no host sync per forward
+        # summed on its device (no host sync per forward) in float64, where a sum of float32 penalties is exact
+        # (while they span less than 2^(29 - log2 n) in magnitude, n forwards): it does not depend on the order of
+        # the additions, which a resume under DDP changes (`load_window_state`); float64 on the device, as
+        # `_window_totals` always reduced it (no MPS: cpu and cuda have float64)
+        detached = penalty.detach().double()
         self._window_sum = detached if self._window_sum is None else self._window_sum + detached
         self._window_count += 1
         self._last_lam = lam
@@ -268,7 +272,7 @@ class TWEO:
         starting from 0, so that their sum over the ranks is the window's); the last values are taken either way.
         The sum goes on the hooked blocks' device, where the next forward adds to it and `sum_fn` reduces it."""
         if keep_sums and state["count"]:
-            self._window_sum = torch.tensor(float(state["penalty_sum"]), device=self._device())
+            self._window_sum = torch.tensor(float(state["penalty_sum"]), dtype=torch.float64, device=self._device())
             self._window_count = int(state["count"])
         self._last_penalty, self._last_lam = state["last_penalty"], state["last_lam"]
 
@@ -283,10 +287,9 @@ class TWEO:
         """(sum, count) of L_TWEO over the window's forwards, over every rank with `sum_fn`. With `sum_fn` every
         rank all-reduces, also one of no forward since (zeros): whether a rank joins must not hang on its own
         count, which differs between ranks after a resume (`load_window_state` gives the carried sums to one)."""
-        # in float64 on every rank: the ranks' tensors must agree in dtype (the zeros of a rank of no forward too),
-        # and a float64 penalty keeps its precision
+        # in float64 on every rank: the ranks' tensors must agree in dtype (the zeros of a rank of no forward too)
         if self._window_count:
-            totals = torch.stack([self._window_sum.double(),
+            totals = torch.stack([self._window_sum,
                                   self._window_sum.new_tensor(float(self._window_count), dtype=torch.float64)])
         elif sum_fn is not None:
             totals = torch.zeros(2, dtype=torch.float64, device=self._device())

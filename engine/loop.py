@@ -111,7 +111,8 @@ class TrainState:
     unreadable_images: int = 0  # training samples that could not be read, replaced in their batch (all ranks)
     # the sums of the log window a checkpoint cuts (written between two log steps: train.ckpt_every_steps, a stop
     # request), all ranks' (`TrainLoop.checkpoint`): the resumed run goes on with them, so that the window ends, and
-    # is logged, where a run never stopped logs it, with the same numbers; None where no window is open
+    # is logged, where a run never stopped logs it, with the same numbers (the same bits where the sums are exact:
+    # float64 sums of float32 losses and TWEO penalties, `_Window._reset`); None where no window is open
     log_window: Optional[dict] = None
 
     @property
@@ -593,7 +594,12 @@ class _Window:
         self._reset()
 
     def _reset(self):
-        self.loss_sum = torch.zeros((), device=self.device)
+        # in float64, where a sum of float32 losses is exact (while the largest is under 2^(29 - log2 n) times the
+        # smallest nonzero one, n the micro-batches summed), so that it does not depend on the order of the
+        # additions, which a resume under DDP changes (the sum every rank carried, then this rank's own; `carry_on`):
+        # the resumed run logs the window with the bits of a run never stopped. train.device is cpu or cuda, which
+        # both have float64 (MPS has not)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.micro = 0
         self.updates = 0
         self.images = 0
@@ -603,7 +609,7 @@ class _Window:
         self.t0 = time.perf_counter()
 
     def add_loss(self, loss: torch.Tensor) -> None:
-        self.loss_sum += loss.float()
+        self.loss_sum += loss.double()
         self.micro += 1
 
     def add_update(self, images: int, grad_norm: Optional[torch.Tensor]) -> None:
@@ -617,9 +623,8 @@ class _Window:
         rank (the NaN gradient was averaged into all of them), and train/loss is the global mean. One
         collective, which also carries whether a rank failed to load a batch: then every rank raises (that
         rank its own error, the others OtherRankError)."""
-        totals = torch.stack([self.loss_sum, torch.tensor(float(self.micro), device=self.device),
-                              torch.tensor(float(self.unreadable), device=self.device),
-                              torch.tensor(float(self.data_error is not None), device=self.device)])
+        counts = [self.micro, self.unreadable, self.data_error is not None]
+        totals = torch.cat([self.loss_sum.reshape(1), torch.tensor(counts, dtype=torch.float64, device=self.device)])
         loss_sum, micro, unreadable, failed = all_reduce(totals).tolist()
         raise_where_failed(self.data_error, bool(failed), lambda: OtherRankError(
             f"another rank could not load its training batches ({int(failed)} rank(s)); its output says why"))

@@ -129,3 +129,67 @@ def test_tweo_window_sums_carried_to_one_rank_are_reduced_by_every_rank():
     resume only rank 0 holds the carried sums, so rank 0 waited in an all_reduce rank 1 skipped (a hang).
     Reference: the carried sums, 0.6 over 3 forwards."""
     spawn_within(_tweo_rank, (2, free_port()), 2, seconds=90)
+
+
+def test_a_window_carried_over_a_resume_sums_to_the_bits_of_its_exact_mean():
+    """Under DDP a resumed rank 0 adds its own losses after the sum every rank carried, an order of additions other
+    than that of a run never stopped (each rank its own losses, then the ranks' sums). Summed in float32, that moved
+    the logged train/loss in its last bits (2.4032766342163088 resumed against 2.4032764434814453 never stopped,
+    vit_digits on 2 ranks, stopped inside a window). The window now sums in float64, where float32 losses add up
+    exactly, in any order. Here one process takes the ranks' order: losses 0, 2 carried, then 1 and 3. Reference: the
+    exact mean (math.fsum) of the float32 losses, which both windows log."""
+    import math
+
+    import torch
+
+    from engine.loop import _Window
+
+    torch.manual_seed(0)
+    losses = list(torch.rand(4) * 3)  # float32, as a float32 model's loss
+    cpu = torch.device("cpu")
+    straight, carried, resumed = _Window(cpu), _Window(cpu), _Window(cpu)
+    for window, part in ((straight, losses), (carried, losses[0::2])):
+        for loss in part:
+            window.add_loss(loss)
+            window.add_update(2, None)
+    resumed.carry_on(carried.record(), main=True)
+    for loss in losses[1::2]:
+        resumed.add_loss(loss)
+        resumed.add_update(2, None)
+    exact = math.fsum(float(loss) for loss in losses) / 4
+    assert straight.flush(4, None)["train/loss"] == resumed.flush(4, None)["train/loss"] == exact
+
+
+def test_tweo_window_carried_over_a_resume_sums_to_the_bits_of_its_exact_mean():
+    """TWEO's tweo/penalty as train/loss above: `load_window_state` rounded the carried float64 sum to float32 and
+    the forwards added to it in float32, in another order than a run never stopped. Reference: the exact mean
+    (math.fsum) of the forwards' penalties, each as a window of that forward alone logs it."""
+    import math
+
+    import torch
+
+    from cd import TWEO
+    from cd_models import tiny_vit
+
+    model = tiny_vit()
+    torch.manual_seed(0)
+    xs = [torch.randn(2, 3, 32, 32) for _ in range(4)]
+
+    def forwards(tweo, part):
+        for x in part:
+            tweo.aux_loss(model(x).sum())
+
+    with TWEO(model) as tweo:
+        penalties = []
+        for x in xs:
+            forwards(tweo, [x])
+            penalties.append(tweo.metrics()["tweo/penalty"])
+        forwards(tweo, xs)
+        straight = tweo.metrics()["tweo/penalty"]
+        forwards(tweo, xs[0::2])  # the checkpoint's window: every rank's first forwards
+        state = tweo.window_state()
+    with TWEO(model) as tweo:  # the resumed run
+        tweo.load_window_state(state)
+        forwards(tweo, xs[1::2])
+        resumed = tweo.metrics()["tweo/penalty"]
+    assert straight == resumed == math.fsum(penalties) / 4
