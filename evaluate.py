@@ -113,7 +113,7 @@ def main(args: argparse.Namespace) -> dict:
         # the config as resolved (the overrides are in it), and the flags but the paths (a node's own copies)
         flags = {k: v for k, v in vars(args).items() if k not in ("checkpoint", "config", "out", "overrides")}
         check_same_settings_on_every_rank(  # a checkpoint's config is the base of its settings: a node's copy too
-            {**config_to_dict(cfg), "evaluate.py flags": flags}, device, dist.rank,
+            {**config_to_dict(cfg), "evaluate.py flags": flags}, device,
             f"{SAME_SETTINGS_FIX}, and the same --checkpoint file (its config is the base of the settings)"
             if args.checkpoint else SAME_SETTINGS_FIX)
         out = args.out or default_out_path(args.checkpoint, cfg.model.name)

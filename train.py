@@ -112,7 +112,7 @@ def main(cfg: Config) -> RunResult:
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, cfg.train.device)
     with process_group(cfg.train.device) as dist:
-        check_same_settings_on_every_rank(config_to_dict(cfg), dist.device, dist.rank)
+        check_same_settings_on_every_rank(config_to_dict(cfg), dist.device)
         check_device_settings(cfg, dist.device)
         # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT
         # request a checkpoint at the next update boundary (engine/preemption.py).

@@ -3,7 +3,7 @@ own resources aside), a data set's fingerprint, a checkpoint's start (engine/sna
 per check; nothing in one process.
 
     differ = differing_between_ranks({"train": ..., "val": ...}, device)   # the keys whose values differ
-    check_same_settings_on_every_rank(config_to_dict(cfg), device, rank)  # a ConfigError on every rank
+    check_same_settings_on_every_rank(config_to_dict(cfg), device)  # a ConfigError on every rank
 """
 from __future__ import annotations
 
@@ -77,19 +77,20 @@ NODE_SETTINGS = ("data.num_workers", "data.pin_memory", "data.timeout", "log.pro
 SAME_SETTINGS_FIX = "give every node the same checkout of the configs and the same command line"
 
 
-def check_same_settings_on_every_rank(settings: Mapping[str, Any], device: torch.device, rank: int,
+def check_same_settings_on_every_rank(settings: Mapping[str, Any], device: torch.device,
                                       fix: str = SAME_SETTINGS_FIX) -> None:
     """A ConfigError on every rank when the ranks resolved other settings (`settings`: the resolved config by
     section, and an entry point's own options), paths and a node's resources aside (PATH_SETTINGS,
     NODE_SETTINGS): a node whose checkout holds other
     config files, or that was given another command line, would train or score under other settings, or not meet
     the others at the same collectives (another train.max_steps, another validation cadence). One all-reduce,
-    before anything is read or written. `fix`: the error's advice (evaluate.py's settings hold its checkpoint's)."""
+    before anything is read or written. `fix`: the error's advice (evaluate.py's settings hold its checkpoint's).
+    The error's text is the same on every rank (the sections all-reduced; no rank number), so that the entry points
+    print it once (engine.distributed.say_once), not once per rank."""
     compared = {section: dict(value) if isinstance(value, Mapping) else value for section, value in settings.items()}
     for dotted in PATH_SETTINGS + NODE_SETTINGS:
         section, _, key = dotted.rpartition(".")
         (compared.get(section, {}) if section else compared).pop(key, None)
     differ = differing_between_ranks(compared, device)
     if differ:
-        raise ConfigError(f"the processes resolved other settings in {', '.join(differ)} (rank {rank} among them): "
-                          f"{fix}")
+        raise ConfigError(f"the processes resolved other settings in {', '.join(differ)}: {fix}")
