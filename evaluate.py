@@ -940,8 +940,9 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str, fingerp
     (another model.pretrained would be ignored), and the val split must be held out from its training: not the
     folder or token file of its training split, nor a copy of that file (`check_not_trained_on`; `fingerprint`: the
     checkpoint's data_fingerprint), and for the embedded data sets not
-    another data.kjv_val_fraction or data.digits_val_fraction (it would score on text or images it was trained on:
-    the digits split is a seeded stratified split of one set)."""
+    another data.kjv_val_fraction (a larger one would score on text it was trained on, a smaller one on part of the
+    held-out text only) or data.digits_val_fraction (images it was trained on: the digits split is a seeded
+    stratified split of one set)."""
     if cfg.model.pretrained != saved.get("model", {}).get("pretrained", cfg.model.pretrained):
         raise ConfigError(f"model.pretrained={cfg.model.pretrained}: --checkpoint {checkpoint} gives the weights; "
                           f"evaluate other weights with model.pretrained and --config, without --checkpoint")
@@ -949,9 +950,15 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str, fingerp
     trained = saved.get("data", {})
     if (cfg.data.dataset == "kjv" and trained.get("dataset") == "kjv"
             and trained.get("kjv_val_fraction", cfg.data.kjv_val_fraction) != cfg.data.kjv_val_fraction):
-        raise ConfigError(f"data.kjv_val_fraction={cfg.data.kjv_val_fraction}: {checkpoint} was trained on the text "
-                          f"before its last {trained['kjv_val_fraction']}, so another split would score it on text "
-                          f"it was trained on; drop the override")
+        given, held_out = cfg.data.kjv_val_fraction, trained["kjv_val_fraction"]
+        # a larger tail reaches into the training text; a smaller one lies inside the held-out tail, but scores
+        # other text than the split the checkpoint's val numbers (and the tables' rows) were measured on
+        why = (f", so the last {given} would score it on text it was trained on; drop the override" if given > held_out
+               else f" and its last {given} is only part of that held-out text, not the split its val numbers were "
+                    f"measured on; drop the override (to score fewer windows of the held-out text: "
+                    f"data.val_windows=N)")
+        raise ConfigError(f"data.kjv_val_fraction={given}: {checkpoint} was trained on the text before its last "
+                          f"{held_out}{why}")
     if (cfg.data.dataset == "digits" and trained.get("dataset", "digits") == "digits"
             and trained.get("digits_val_fraction", cfg.data.digits_val_fraction) != cfg.data.digits_val_fraction):
         raise ConfigError(f"data.digits_val_fraction={cfg.data.digits_val_fraction}: {checkpoint} was trained on "

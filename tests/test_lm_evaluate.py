@@ -95,11 +95,30 @@ def test_fp32_and_bf16_columns_hold_fp32_and_bf16_whatever_amp_the_quantized_eva
     assert abs(fp32 - bf16) > 5e-6  # bf16 rounding moves the loss by more than the tolerance: a swap shows
 
 
-def test_another_kjv_split_than_the_trained_one_is_refused(kjv_run, tmp_path):
-    with pytest.raises(ConfigError, match=r"data.kjv_val_fraction=0.3: .* text it was trained on"):
-        run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", "data.kjv_val_fraction=0.3",
-                 "--out", str(tmp_path / "r.json"))
-    assert not (tmp_path / "r.json").exists()
+def test_another_kjv_split_than_the_trained_one_is_refused_for_what_it_would_score(kjv_run, tmp_path):
+    """Trained with the last 0.1 held out: a larger fraction reaches into the training text, a smaller one is only
+    part of the held-out text (not the split the val numbers are of); each refusal says which, and neither says
+    the other's reason."""
+    trained = token_stream(DataConfig(dataset="kjv", kjv_val_fraction=0.1), "train").ids
+    held_out = token_stream(DataConfig(dataset="kjv", kjv_val_fraction=0.1), "val").ids
+    larger = token_stream(DataConfig(dataset="kjv", kjv_val_fraction=0.3), "val").ids
+    smaller = token_stream(DataConfig(dataset="kjv", kjv_val_fraction=0.05), "val").ids
+    # the claims, read off the text itself: the last 0.3 starts inside the training text, the last 0.05 is the
+    # held-out text's own tail
+    assert len(larger) > len(held_out) and np.array_equal(larger[:len(larger) - len(held_out)],
+                                                          trained[len(trained) - (len(larger) - len(held_out)):])
+    assert len(smaller) < len(held_out) and np.array_equal(smaller, held_out[len(held_out) - len(smaller):])
+    for fraction, says, not_says in (
+            ("0.3", r"before its last 0.1, so the last 0.3 would score it on text it was trained on; drop the "
+                    r"override$", "part of that held-out text"),
+            ("0.05", r"before its last 0.1 and its last 0.05 is only part of that held-out text, not the split its "
+                     r"val numbers were measured on; drop the override \(to score fewer windows of the held-out "
+                     r"text: data.val_windows=N\)$", "trained on;")):
+        with pytest.raises(ConfigError, match=rf"^data.kjv_val_fraction={fraction}: .*{says}") as refused:
+            run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", f"data.kjv_val_fraction={fraction}",
+                     "--out", str(tmp_path / "r.json"))
+        assert not_says not in str(refused.value)
+        assert not (tmp_path / "r.json").exists()
 
 
 def test_a_character_model_on_token_ids_is_refused(kjv_run, tmp_path):
