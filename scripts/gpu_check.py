@@ -36,12 +36,15 @@ either way):
 
 The JSON holds the device name, torch, timm and CUDA versions, and per stage its status (ok, failed: a
 test failed, error: the stage raised or died, timeout, not_run: the total budget was spent), seconds,
-budget, figures and log file; the stages' full logs are written next to it (`<out stem>_logs/`). Every
+budget, figures and log file; the stages' full logs are written next to it (`<out stem>_logs/`), where a
+stage's figures file (and any temporary of it) an earlier call left is removed before that stage starts. Every
 stage writes its figures whole (a temporary file renamed into place) as soon as it has each; a figures
 file the driver cannot read is kept there and named in the stage's `figures_error` (a stage that ended
 well is then an error). The stage processes get CUBLAS_WORKSPACE_CONFIG=:4096:8 unless it is set
 (PyTorch reads it once, at a process's first cuBLAS call: the deterministic CUDA resume test needs it
 from the start; tests/conftest.py sets it for a plain `pytest -m gpu`).
+The command exits with status 1, after writing the JSON and printing its summary, when a stage is not `ok`
+(a test failed, a stage erred, timed out or was not run); 0 when every stage is `ok`.
 `--smoke` runs every stage small on a CPU (pytest on one test of tests/test_gpu.py: its CPU case runs,
 its CUDA case skips), in under a minute, to show that the script works end to end.
 """
@@ -51,6 +54,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,6 +78,7 @@ BUDGETS = {"pytest": 270, "precision": 60, "overhead": 60, "quant": 100, "aphq_u
 SMOKE_BUDGETS = {"pytest": 60, "precision": 30, "overhead": 30, "quant": 60, "aphq_unit": 30}
 VIT_B = dict(embed_dim=768, depth=12, img_size=224, patch_size=16, num_classes=1000)
 TINY = dict(embed_dim=64, depth=2, img_size=32, patch_size=8, num_classes=10)
+MIN_STAGE_S = 5  # a stage is started only with at least this many seconds of the total budget left
 
 
 class Partial:
@@ -298,11 +303,28 @@ def stage_env() -> dict:
     return env
 
 
+def partial_writes(path: str) -> list[str]:
+    """The temporaries of `path` that a write cut short left (engine.run_dir.partial_path's names,
+    `<path>.partial-<host>-<pid>-<8 hex>`, or an earlier version's without the host): nothing else, whatever
+    its name."""
+    own = re.compile(re.escape(os.path.basename(path)) + r"\.partial-(?:[0-9a-f]{8}-)?\d+-[0-9a-f]{8}")
+    return [cut for cut in glob.glob(glob.escape(path) + ".partial-*") if own.fullmatch(os.path.basename(cut))]
+
+
+def clear_figures(path: str) -> None:
+    """Remove a stage's figures file at `path` and its temporaries, as an earlier call (--overwrite reuses the
+    logs folder) left them: a stage that dies before its first write would otherwise report that call's figures
+    as its own. Both are this script's names in its own logs folder."""
+    for own in [path, *partial_writes(path)]:
+        if os.path.isfile(own) or os.path.islink(own):
+            os.remove(own)
+
+
 def collect_figures(path: str) -> tuple[dict, Optional[str]]:
     """The figures a stage left at `path` (removed once read; {} when it left none) and, when the file cannot be
     read as a JSON object, why: that file is then kept for a look, and the driver goes on with the next stage."""
     # a write cut short by the kill leaves its temporary (partial_path); the last whole version is at `path`
-    for cut in glob.glob(glob.escape(path) + ".partial-*"):
+    for cut in partial_writes(path):
         os.remove(cut)
     if not os.path.exists(path):
         return {}, None
@@ -322,6 +344,7 @@ def launch(stage: str, args, figures_path: str, log_path: str, budget: float) ->
     cmd = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--stage-out", figures_path,
            "--test-timeout", str(args.test_timeout), *(["--smoke"] if args.smoke else [])]
     env = stage_env()
+    clear_figures(figures_path)  # what is read after the stage is then this stage's, or nothing
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -376,8 +399,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="gpu_check.json", help="the JSON of figures (its logs go next to it)")
     p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES), help="default: all")
-    p.add_argument("--total-budget", type=at_least(1, float), default=570.0,
-                   help="seconds for all stages together; a stage gets at most what is left of it")
+    p.add_argument("--total-budget", type=at_least(MIN_STAGE_S, float), default=570.0,
+                   help=f"seconds for all stages together (at least {MIN_STAGE_S}); a stage gets at most what is "
+                        f"left of it, and is not run with under {MIN_STAGE_S} s left")
     p.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
                    help="a stage's own budget (repeatable); defaults in BUDGETS")
     p.add_argument("--test-timeout", type=at_least(1), default=150,
@@ -420,8 +444,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         written.append(True)
 
     for stage in [s for s in STAGES if s in args.stages]:  # the tests first: a later stage's figures mean less
-        left = deadline - time.perf_counter()
-        if left < 5:
+        # the first stage gets the whole total (the parser's floor is MIN_STAGE_S: the microseconds since `start`
+        # must not leave it just under the floor, with nothing run); a later one only what is left
+        left = deadline - time.perf_counter() if report["stages"] else args.total_budget
+        if left < MIN_STAGE_S:
             report["stages"][stage] = {"status": "not_run", "reason": "the total budget was spent"}
             continue
         print(f"[{stage}] up to {min(budgets[stage], left):.0f} s ...", flush=True)
@@ -437,6 +463,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
     print(json.dumps(summary(report), indent=1))
     print(f"wrote {args.out} (logs in {logs})")
     return report
+
+
+def exit_status(report: dict) -> int:
+    """0 when every stage ended `ok`, else 1 (naming those that did not, on stderr)."""
+    bad = {s: e["status"] for s, e in report["stages"].items() if e["status"] != "ok"}
+    if bad:
+        print(f"not ok: {', '.join(f'{s} ({status})' for s, status in bad.items())}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def summary(report: dict) -> dict:
@@ -459,4 +493,4 @@ def summary(report: dict) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status(main()))

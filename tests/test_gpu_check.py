@@ -188,12 +188,67 @@ def test_a_stage_keeps_each_figure_as_soon_as_it_is_measured(tmp_path, monkeypat
     (["--stages", "quant", "quant"], "--stages quant quant: quant given twice"),
     (["--budget", "aphq_unit=30", "--stages", "pytest"], "--budget aphq_unit=30: aphq_unit is not among"),
     (["--budget", "quant=10", "--budget", "quant=20"], "--budget quant=10 and --budget quant=20: two budgets"),
-], ids=["zero-budget", "stage-twice", "budget-of-a-stage-not-run", "two-budgets-for-one-stage"])
+    (["--total-budget", "4.5"], "argument --total-budget: 4.5: must be at least 5"),  # no stage would start
+], ids=["zero-budget", "stage-twice", "budget-of-a-stage-not-run", "two-budgets-for-one-stage", "total-below-floor"])
 def test_stages_and_budgets_that_cannot_be_meant_are_refused(tmp_path, capsys, argv, named):
     out = tmp_path / "gpu_check.json"
     code, _, err = run_entry(SCRIPT, ["--smoke", "--out", str(out), *argv], capsys)
     assert code == 2 and err.startswith("error: ") and named in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists() and not (tmp_path / "gpu_check_logs").exists()
+
+
+def stand_in_stage(tmp_path, monkeypatch, body: str) -> None:
+    """The driver's stage processes replaced by a shell script running `body` ($3 the stage, $5 its figures
+    file): no Python start-up."""
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\n{body}\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(sys, "executable", str(script))
+
+
+def test_figures_an_earlier_call_left_are_not_reported_as_this_call_s(tmp_path, monkeypatch, capsys):
+    """--overwrite reuses the logs folder: a stage that dies before its first write had reported the figures file
+    an earlier call left there as its own. That file and its partial writes (engine.run_dir.partial_path's names)
+    are removed before the stage starts; a file of another name is left alone."""
+    from engine.run_dir import partial_path
+
+    out, logs = tmp_path / "gc.json", tmp_path / "gc_logs"
+    logs.mkdir()
+    out.write_text("{}")
+    stale = logs / "quant.figures.json"
+    stale.write_text('{"pipelines": {"repq": {"ratio_vs_fp": 1.01}}, "note": "stale"}')
+    cut = partial_path(str(stale))
+    with open(cut, "w") as f:
+        f.write('{"note": "stale partial"}')
+    foreign = logs / "quant.figures.json.partial-notes"  # not a name the script writes
+    foreign.write_text("a user's file")
+    stand_in_stage(tmp_path, monkeypatch, 'test -e "$5" && echo "figures file present at start"; exit 2')
+    code, _, err = run_entry(SCRIPT, ["--smoke", *unhurried("quant"), "--stages", "quant", "--out", str(out),
+                                      "--overwrite"], capsys)
+    entry = json.loads(out.read_text())["stages"]["quant"]
+    assert entry["status"] == "error" and entry["figures"] == {} and "present at start" not in entry["log_tail"]
+    assert not stale.exists() and not os.path.exists(cut) and foreign.read_text() == "a user's file"
+    assert code == 1 and "quant (error)" in err
+
+
+@pytest.mark.parametrize("body,stages,expected", [
+    ('printf "{}" > "$5"', ["precision", "overhead"], {"precision": "ok", "overhead": "ok"}),
+    ('test "$3" = precision && exit 1; printf "{}" > "$5"', ["precision", "overhead"],
+     {"precision": "failed", "overhead": "ok"}),
+    ('printf "{}" > "$5"; sleep 6', ["precision", "overhead"], {"precision": "timeout", "overhead": "not_run"}),
+], ids=["all-ok", "a-stage-failed", "timeout-and-not-run"])
+def test_the_exit_status_is_1_unless_every_stage_is_ok(tmp_path, monkeypatch, capsys, body, stages, expected):
+    """Exit 0 only when every stage ended `ok`; the JSON is written either way. The third case: a total budget of
+    the 5 s floor, which the first stage spends."""
+    stand_in_stage(tmp_path, monkeypatch, body)
+    out = tmp_path / "gc.json"
+    argv = unhurried(*stages)
+    if "timeout" in expected.values():
+        argv[argv.index("--total-budget") + 1] = "5"
+    code, _, err = run_entry(SCRIPT, ["--smoke", *argv, "--stages", *stages, "--out", str(out)], capsys)
+    assert {s: e["status"] for s, e in json.loads(out.read_text())["stages"].items()} == expected
+    assert code == (0 if set(expected.values()) == {"ok"} else 1), err
+    assert ("not ok: " in err) == (code == 1)
 
 
 def test_stages_run_in_the_documented_order_whatever_the_order_of_stages(tmp_path, monkeypatch):
