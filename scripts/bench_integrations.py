@@ -1,6 +1,6 @@
 """Step time of each CD integration with and without CD, on the same model, in one run.
 
-    python scripts/bench_integrations.py                          # all frameworks installed, CPU
+    python scripts/bench_integrations.py                          # all frameworks, CPU (the dev extras)
     python scripts/bench_integrations.py --frameworks plain hf --steps 30 --threads 2
     python scripts/bench_integrations.py --norms-every 1 10 100   # CD's update norms on every n-th update
 
@@ -14,11 +14,13 @@ it are untimed too. It prints the median over the `--steps` timed steps of the b
 and CD's cost per step (with - without): an integration whose hook placement cost anything beyond `attach` would
 show a larger cost than the plain loop's. CD computes its update norms (a metric) on every `--norms-every`-th
 update, by default the integrations' (`cd.integrations.NORMS_EVERY`), in the plain loop too; with several values
-the runs with CD take each in turn, one row each, all against the same runs without CD.
+the runs with CD take each in turn, one row each, all against the same runs without CD. A framework whose
+packages are not installed is refused before any run, with the `pip install ".[extra]"` that brings them.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import statistics
 import sys
@@ -205,11 +207,26 @@ def _close_log_files(runner) -> None:
 
 
 RUNS = {"plain": run_plain, "hf": run_hf, "lightning": run_lightning, "mmengine": run_mmengine}
+# the packages each framework's run imports, and the extra of pyproject.toml that installs them
+NEEDS = {"hf": (["transformers", "accelerate"], "hf"), "lightning": (["lightning"], "lightning"),
+         "mmengine": (["mmengine"], "mmengine")}
+
+
+def check_installed(parser: argparse.ArgumentParser, frameworks: list[str], given: bool) -> None:
+    """Refuse, before any run, a framework whose packages are not installed: found missing at its turn, it ended
+    the command in a ModuleNotFoundError traceback after the frameworks before it had been timed."""
+    for name in frameworks:
+        packages, extra = NEEDS.get(name, ([], ""))
+        absent = [p for p in packages if importlib.util.find_spec(p) is None]
+        if absent:
+            chosen = f"--frameworks {' '.join(frameworks)}" if given else "the default --frameworks (all)"
+            parser.error(f"{chosen}: {name} needs {', '.join(absent)}, not installed; pip install \".[{extra}]\", "
+                         f"or leave {name} out of --frameworks")
 
 
 def main(argv=None) -> None:
     parser = OneLineParser(description=first_line(__doc__))
-    parser.add_argument("--frameworks", nargs="+", default=list(RUNS), choices=list(RUNS))
+    parser.add_argument("--frameworks", nargs="+", choices=list(RUNS), help="default: all")
     parser.add_argument("--steps", type=at_least(1), default=15, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=at_least(0), default=3,
                         help="untimed steps before the timed ones, after the first step, which is never timed (it "
@@ -225,6 +242,9 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=at_least(1), default=1,
                         help="torch threads (1: on a busy 2-core VM two OpenMP threads made step times swing 10x)")
     args = parser.parse_args(argv)
+    given = args.frameworks is not None
+    args.frameworks = args.frameworks or list(RUNS)
+    check_installed(parser, args.frameworks, given)
     heads = max(1, args.width // 64)  # build_model's
     if args.width % heads:  # timm's AssertionError traceback otherwise
         parser.error(f"--width {args.width}: its {heads} heads (width // 64) do not divide it; give a multiple of "

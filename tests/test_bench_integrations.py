@@ -27,3 +27,35 @@ def test_sizes_and_threads_it_cannot_time_are_one_error_line_before_any_run(monk
     err = capsys.readouterr().err
     assert refused.value.code == 2 and err.startswith("error: ") and says in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("module", ["transformers", "accelerate", "lightning", "mmengine"])
+@pytest.mark.parametrize("given", [True, False], ids=["named", "default"])
+def test_a_framework_not_installed_is_refused_before_any_run_with_the_extra_that_installs_it(
+        monkeypatch, capsys, module, given):
+    """A framework not installed (transformers, Lightning and MMEngine are extras) ended the command in a
+    ModuleNotFoundError traceback after the frameworks before it were timed. The extra the message names is
+    checked against pyproject.toml's: it installs the missing package."""
+    import re
+    import sys
+    import tomllib
+
+    from tests.conftest import ROOT
+
+    bench = load_script("bench_integrations")
+    monkeypatch.setattr(bench, "_table", None)  # reached: a TypeError, not the refusal
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: find_spec None, import fails
+    framework = {"transformers": "hf", "accelerate": "hf"}.get(module, module)
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as refused:
+            bench.main(["--frameworks", "plain", framework] if given else [])
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert f"{framework} needs {module}, not installed" in err
+    (extra,) = re.findall(r'pip install "\.\[(\w+)\]"', err)
+    with open(f"{ROOT}/pyproject.toml", "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert any(re.match(rf"{module}\b", requirement) for requirement in extras[extra]), (extra, extras[extra])
