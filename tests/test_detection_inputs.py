@@ -901,6 +901,20 @@ def test_gplq_qwt_images_count_against_the_split_only_with_qwt_on(sample, qwt):
         check_image_counts(images, todo, {"gplq": {"qwt": qwt, "stage2_images": 1}}, 9)
 
 
+def test_gplq_without_qwt_runs_on_a_detector(sample, tmp_path):
+    """`--quant-options gplq.qwt=false` was refused ("stage2_train_transform=True: a detector's QwT images get the
+    test pipeline"): at qwt=false the recipe's stage2_train_transform=False is left out (nothing reads it) and the
+    class default came back, and giving it false beside qwt=false is refused as unread. GPLQ without QwT ran on
+    no detector at all; it now trains its stage 1 and fits no block."""
+    from evaluate_detection import main
+    result = main(["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample,
+                   "--out", str(tmp_path / "x.json"), "--quant", "gplq", "--quant-options", "gplq.qwt=false",
+                   "gplq.steps=1", "--max-images", "1", "--device", "cpu"])
+    entry = result["quant"]["gplq"]["w4a4"]
+    assert entry["stage1"]["steps"] == 1 and entry["qwt"]["blocks"] == [] and entry["qwt"]["images"] == 0
+    assert entry["settings"]["options"] == {"qwt": False, "steps": 1}
+
+
 def test_a_checkpoint_saved_from_a_ddp_wrapped_detector_loads_as_the_detector(mmdet_ready, tmp_path):
     """A state_dict saved from the DDP-wrapped model has every key under `module.`: build_detector strips that prefix
     (once, at the start of a key) and loads the same weights as the unwrapped checkpoint's."""

@@ -91,6 +91,9 @@ def test_detector_options_refuse_the_pca_loss_and_an_lsq_start_of_another_batch(
         check_detector_options(dataclasses.replace(detection, pca_weight=0.5), calib_count=2)
     with pytest.raises(ValueError, match="stage2_train_transform=True"):
         check_detector_options(dataclasses.replace(detection, stage2_train_transform=True), calib_count=2)
+    # read only for QwT's images: at qwt=false it is the class default (evaluate_detection.py leaves the recipe's
+    # False out there), which was refused too, so GPLQ without QwT ran on no detector
+    check_detector_options(dataclasses.replace(detection, qwt=False, stage2_train_transform=True), calib_count=2)
 
 
 def test_detector_stage1_identity_holds_every_stage1_option():

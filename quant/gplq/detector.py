@@ -64,7 +64,9 @@ def check_detector_options(options: GPLQOptions, calib_count: Optional[int] = No
     if unused:
         raise ValueError(f"{', '.join(unused)}: a detector is trained without the PCA loss, so the PCA settings "
                          "do not apply; leave them at their defaults")
-    if options.stage2_train_transform:
+    # read only for QwT's images (configs/loader.py READ_ONLY_WHEN): at qwt=false the class default (True) comes
+    # back, evaluate_detection.py's detection_defaults leaving the recipe's False out there, and nothing reads it
+    if options.qwt and options.stage2_train_transform:
         raise ValueError("stage2_train_transform=True: a detector's QwT images get the test pipeline; set it False")
     if calib_count is not None and options.init_images != calib_count:
         raise ValueError(f"init_images={options.init_images} but the calibration batch holds {calib_count} "
