@@ -497,6 +497,17 @@ GPLQ_STAGE1_MOVES = When(("quant.gplq.lr", "quant.gplq.scale_lr"),
                          "quant.gplq.lr is not 0 or quant.gplq.scale_lr is above 0 (stage 1 updates the weights or the "
                          "LSQ scales)",
                          "stage 1 would update nothing; give quant.gplq.steps=0, or a learning rate above 0")
+# quant.gplq.batch_size_per_gpu: the batch of stage 1's loader (read when it makes updates) and, on a classifier, of
+# QwT's passes over its images (quant/gplq/pipeline.py fit_on_images); a detector's QwT feeds one image at a time
+# (quant/gplq/qwt.py fit_block_compensation_streamed), so there only stage 1 reads it. Each is a model's own rule
+# (CLASSIFIER_ONLY, DETECTOR_ONLY): the options alone do not say the model, and evaluate_detection.py hands a
+# detector its recipe's batch of 1 (configs/quant.py GPLQ_DETECTION) whatever the steps
+GPLQ_CLASSIFIER_BATCH_READ = (("quant.gplq.batch_size_per_gpu",),
+                              When(("quant.gplq.steps", "quant.gplq.qwt"), lambda steps, qwt: steps != 0 or qwt,
+                                   "quant.gplq.steps is not 0 (stage 1 trains on its loader) or quant.gplq.qwt is "
+                                   "true (QwT's passes)", "drop it, or give quant.gplq.steps above 0 or "
+                                   "quant.gplq.qwt=true"), None)
+GPLQ_DETECTOR_BATCH_READ = (("quant.gplq.batch_size_per_gpu",), "quant.gplq.steps", (NONZERO,))
 # the stem / head bit-widths of every pipeline that has them (configs/quant.py FirstLastOptions), which
 # quant.first_last=w8a8 replaces (configs/quant.py with_first_last)
 FIRST_LAST_KEYS = tuple(f"quant.{name}.{option}" for name, section in vars(Config().quant).items()
@@ -585,6 +596,7 @@ READ_ONLY_WHEN = [
     (("quant.gplq.stage2_images", "quant.gplq.stage2_train_transform", "quant.gplq.qwt_ridge",
       "quant.gplq.qwt_target"), "quant.gplq.qwt", (True,)),  # stage 2 draws images only for QwT's fits
     (("quant.gplq.matmul_percentile",), "quant.gplq.matmul_operands", (True,)),  # the float matmuls have no range
+    GPLQ_CLASSIFIER_BATCH_READ,  # a classifier's only (CLASSIFIER_ONLY)
     (("quant.repq.round_zero_point",), "quant.repq.reparam", (True,)),  # the LayerNorm fold is its only reader
 ]
 # READ_ONLY_WHEN entries that hold for a classifier's pipeline options only. A config (train.py, evaluate.py) runs
@@ -593,8 +605,11 @@ READ_ONLY_WHEN = [
 # rules (`_section_rules`: parse_options, unread_options) leave them to whoever knows the model: the pipeline
 # (quant/aphq/pipeline.py APHQPipeline.__call__: check_options_read(..., classifier=True)), a result file by its task
 # (engine/eval_results.py read_options)
-CLASSIFIER_ONLY = (APHQ_ACT_LR_READ,)
-DETECTOR_RULES = [rule for rule in READ_ONLY_WHEN if rule not in CLASSIFIER_ONLY]
+CLASSIFIER_ONLY = (APHQ_ACT_LR_READ, GPLQ_CLASSIFIER_BATCH_READ)
+# Rules of a detector's pipeline options alone, which no config (a classifier's) applies: evaluate_detection.py's
+# --quant-options (DETECTOR_RULES)
+DETECTOR_ONLY = (GPLQ_DETECTOR_BATCH_READ,)
+DETECTOR_RULES = [rule for rule in READ_ONLY_WHEN if rule not in CLASSIFIER_ONLY] + list(DETECTOR_ONLY)
 # Keys of a switched-off section that are read all the same: cd.gated_mlp decides which pairs a baseline
 # logs energies for (train.py's pair_energy_source), CD on or off.
 READ_ALWAYS = {"cd.gated_mlp"}

@@ -901,6 +901,22 @@ def test_gplq_qwt_images_count_against_the_split_only_with_qwt_on(sample, qwt):
         check_image_counts(images, todo, {"gplq": {"qwt": qwt, "stage2_images": 1}}, 9)
 
 
+@pytest.mark.parametrize("qwt", [[], ["gplq.qwt=false"]])
+def test_gplq_batch_at_steps_0_is_one_error_line(mmdet_ready, tmp_path, capsys, qwt):
+    """A detector's gplq.batch_size_per_gpu is stage 1's loader batch alone (its QwT feeds one image at a time):
+    at gplq.steps=0, QwT on or off, it was taken and recorded as a setting of the result while nothing read it."""
+    from tests.conftest import run_entry
+    code, _, err = run_entry("evaluate_detection.py", [
+        "--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--out", str(tmp_path / "x.json"),
+        "--quant", "gplq", "--quant-options", "gplq.steps=0", *qwt, "gplq.batch_size_per_gpu=4"], capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: --quant-options gplq.batch_size_per_gpu=4: quant.gplq.batch_size_per_gpu=4 "
+                               "would be ignored: quant.gplq.batch_size_per_gpu is read only when quant.gplq.steps "
+                               "is nonzero"), lines[0]
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_gplq_without_qwt_runs_on_a_detector(sample, tmp_path):
     """`--quant-options gplq.qwt=false` was refused ("stage2_train_transform=True: a detector's QwT images get the
     test pipeline"): at qwt=false the recipe's stage2_train_transform=False is left out (nothing reads it) and the

@@ -96,6 +96,20 @@ def test_detector_options_refuse_the_pca_loss_and_an_lsq_start_of_another_batch(
     check_detector_options(dataclasses.replace(detection, qwt=False, stage2_train_transform=True), calib_count=2)
 
 
+@pytest.mark.parametrize("given", [{"steps": 0}, {"steps": 0, "qwt": False}, {"qwt": False}])
+def test_the_detection_recipe_passes_the_options_rules_with_stage1_or_qwt_off(given):
+    """The recipe's batch_size_per_gpu=1 (GPLQ_DETECTION) is handed to a detector whatever the steps, where the
+    user's batch is refused at steps 0 (configs/loader.py DETECTOR_ONLY): the options' own rules must not refuse
+    the recipe's (a classifier's rule, CLASSIFIER_ONLY, reads it for QwT at steps 0)."""
+    from types import SimpleNamespace
+
+    from evaluate_detection import detection_defaults
+    from quant.pipeline_base import parse_options
+    handed = {**detection_defaults("gplq", SimpleNamespace(calib_images=1), given), **given}
+    assert handed["batch_size_per_gpu"] == 1
+    parse_options(PIPELINES["gplq"].Options, handed)
+
+
 def test_detector_stage1_identity_holds_every_stage1_option():
     model, opts = tiny_vit(depth=1), PIPELINES["gplq"].Options
     base = detector_identity(model, parse_bits("w4a4"), opts(pca_weight=0.0), None)

@@ -55,7 +55,7 @@ def test_the_config_refuses_a_stage1_option_at_steps_0_and_takes_it_with_steps(k
 
 
 def test_the_options_steps_0_reads_are_taken():
-    """Read without updates: the LSQ initialisation (images, seed), the loader's and QwT's batch, the layout; and
+    """Read without updates: the LSQ initialisation (images, seed), QwT's batch (qwt is on), the layout; and
     pca_weight=0, which says what steps 0 does (GPLQ's detection recipe gives it)."""
     load_config([], ["quant.gplq.steps=0", "quant.gplq.pca_weight=0", "quant.gplq.init_images=64",
                      "quant.gplq.seed=3", "quant.gplq.batch_size_per_gpu=8", "quant.gplq.act_granularity=tensor"])
@@ -73,3 +73,44 @@ def test_evaluate_refuses_it_with_one_error_line(tmp_path, capsys):
     lines = err.strip().splitlines()
     assert code != 0 and len(lines) == 1, err
     assert lines[0].startswith("error: quant.gplq.lr=0.001 would be ignored") and "quant.gplq.steps" in lines[0]
+
+
+def test_the_batch_is_unread_at_steps_0_without_qwt_and_refused_there():
+    """batch_size_per_gpu is stage 1's loader batch and QwT's capture batch: at steps 0 with qwt=false neither runs,
+    so the model is the same whatever it says, and it was taken (and recorded as a setting) without a word. With
+    QwT on it is its batch, and taken."""
+    reference, _ = quantize(GPLQOptions(**{**BASE, "qwt": False}))
+    changed, _ = quantize(GPLQOptions(**{**BASE, "qwt": False, "batch_size_per_gpu": 2}))
+    ref, new = reference.state_dict(), changed.state_dict()
+    assert all(torch.equal(ref[k], new[k]) if torch.is_tensor(ref[k]) else ref[k] == new[k] for k in ref)
+    with pytest.raises(ConfigError, match=r"^quant.gplq.batch_size_per_gpu=8 would be ignored: .*quant.gplq.steps=0, "
+                                          r"quant.gplq.qwt=false"):
+        load_config([], ["quant.gplq.steps=0", "quant.gplq.qwt=false", "quant.gplq.batch_size_per_gpu=8"])
+    with pytest.raises(ValueError, match=r"^quant.gplq.batch_size_per_gpu=8 would be ignored"):  # the Python API
+        PIPELINES["gplq"](tiny_vit(), images(2), "w4a4", {"steps": 0, "qwt": False, "batch_size_per_gpu": 8})
+    for taken in (["quant.gplq.steps=0"], ["quant.gplq.steps=1", "quant.gplq.qwt=false"]):
+        assert load_config([], [*taken, "quant.gplq.batch_size_per_gpu=8"]).quant.gplq.batch_size_per_gpu == 8
+
+
+def test_a_split_below_the_default_batch_quantizes_at_steps_0_without_qwt():
+    """At steps 0 no update reads the loader, yet it was built at the default batch (16): a split of fewer images
+    was refused ('the stage-1 training loader is empty'; evaluate.py: 'give at most N'), and the batch to give is
+    refused as unread without QwT. No loader is built there now, and evaluate.py's plan checks no batch."""
+    from quant.plan import too_few_for_a_batch
+    options = GPLQOptions(steps=0, qwt=False, init_images=8)
+    _, report = PIPELINES["gplq"](tiny_vit(), images(8), "w4a4", options, data=cpu_pipeline_data(num_images=8))
+    assert report["stage1"]["steps"] == 0
+    cfg = load_config([], ["quant.gplq.steps=0", "quant.gplq.qwt=false"])
+    assert too_few_for_a_batch(cfg, ["gplq"], 8, "train", 1) is None
+    cfg = load_config([], ["quant.gplq.steps=1", "quant.gplq.qwt=false"])
+    assert too_few_for_a_batch(cfg, ["gplq"], 8, "train", 1).startswith("quant.gplq.batch_size_per_gpu=16: ")
+
+
+def test_evaluate_refuses_the_batch_at_steps_0_without_qwt_with_one_error_line(tmp_path, capsys):
+    code, _, err = run_entry("evaluate.py", [
+        "--config", DEMO_CONFIG, f"model.pretrained={tmp_path / 'w.pt'}", "--quant", "gplq", "--bits", "w4a4",
+        "quant.gplq.steps=0", "quant.gplq.qwt=false", "quant.gplq.batch_size_per_gpu=8",
+        "--out", str(tmp_path / "r.json")], capsys)
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1, err
+    assert lines[0].startswith("error: quant.gplq.batch_size_per_gpu=8 would be ignored") and "qwt" in lines[0]

@@ -48,11 +48,12 @@ import json
 import logging
 import os
 from dataclasses import fields
-from typing import Collection, Optional
+from typing import Collection, Mapping, Optional
 
 import torch
 from torch import nn
 
+from configs.loader import check_options_read
 from configs.quant import GPLQOptions
 from engine.checkpoint import load_checkpoint, weights_fingerprint
 from engine.distributed import OtherRankError, raise_on_every_rank, run_on_main, world_size
@@ -61,7 +62,7 @@ from ..calibrate import Images, calibrate
 from ..convert import quantize_model
 from ..layout import standard_layout
 from ..modes import named_quantizers, set_quant_state
-from ..pipeline_base import Pipeline, PTQResult, StageTimer, isolated_rng, pipeline_report
+from ..pipeline_base import Pipeline, PTQResult, StageTimer, isolated_rng, parse_options, pipeline_report
 from ..pipeline_data import PipelineData, require_data
 from ..ranges import RangeSearch, range_search
 from ..spec import Bits, QuantizerSpec, QuantSpec
@@ -136,6 +137,10 @@ class GPLQPipeline(Pipeline):
                                first_last=options.resolved(bits))
 
     def __call__(self, fp_model, calib_images, bits="w4a4", options=None, data=None) -> PTQResult:
+        # on a classifier (no data.detector_samples) the mapping obeys the classifier's own rules too
+        # (configs/loader.py CLASSIFIER_ONLY: batch_size_per_gpu at steps 0 and qwt=false), as APHQ's __call__
+        if isinstance(options, Mapping) and (data is None or data.detector_samples is None):
+            check_options_read(parse_options(self.Options, options), options, classifier=True)
         # the options become a dataclass before `run`: whether the caller chose pca_images is read here (pca_images.py)
         with given_for_this_call(options):
             return super().__call__(fp_model, calib_images, bits, options, data)
@@ -159,7 +164,9 @@ class GPLQPipeline(Pipeline):
         return {"pca_images": options.pca_images} if read and chosen else {}
 
     def train_batch_sizes(self, options: GPLQOptions) -> dict:
-        return {"batch_size_per_gpu": options.batch_size_per_gpu}  # stage 1's and the teacher PCA's loader
+        # stage 1's and the teacher PCA's loader, built only for updates to make: at steps 0 a split smaller than
+        # the default batch was refused, and at qwt=false the batch to fix it with is refused as unread
+        return {"batch_size_per_gpu": options.batch_size_per_gpu} if options.steps != 0 else {}
 
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: GPLQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
@@ -192,7 +199,8 @@ class GPLQPipeline(Pipeline):
                 for _, q in named_quantizers(model, "activation"):
                     q.make_learnable(scale=True)
                     q.search_label = "LSQ"
-                train_batches = data.train_loader(bs, options.seed)
+                # no update at steps 0 reads a batch (train_batch_sizes)
+                train_batches = data.train_loader(bs, options.seed) if options.steps != 0 else None
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 error = e
             raise_on_every_rank(error, device, lambda: OtherRankError(

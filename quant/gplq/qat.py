@@ -121,7 +121,7 @@ def refuse_other_run(checkpoint: str, saved: dict, config: dict) -> None:
 
 
 def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCAProjection],
-               batches: TrainBatches, settings: Stage1Settings, checkpoint: Optional[str],
+               batches: Optional[TrainBatches], settings: Stage1Settings, checkpoint: Optional[str],
                config: Dict[str, object], preemption: Optional[Preemption] = None) -> Dict[str, object]:
     """Train `student` in place (see module docstring); resume from / write `checkpoint` if given.
 
@@ -130,7 +130,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
         teacher: float model (eval, no grad) on the same device.
         fit_pca: computes the teacher PCA projection (called only when not resuming, with updates to make and
             pca_weight not 0: a resumed run uses the projection stored in the checkpoint).
-        batches: this rank's training loader and sampler.
+        batches: this rank's training loader and sampler; None at `settings.steps` 0 (no update reads it).
         settings: steps, batch, learning rates, loss weight, AMP, logging and checkpoint intervals.
         checkpoint: path of the resumable stage-1 checkpoint (None: none written, no resume).
         config: identity of the run (bits, stage-1 options, float-model fingerprint); a checkpoint
@@ -150,7 +150,8 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
     config = json.loads(json.dumps(config))  # plain types, comparable with a reloaded checkpoint
     device = next(student.parameters()).device
     # every rank learns it, before the DDP wrapper's first collective (where the others would wait for this rank)
-    raise_on_every_rank(ValueError("the stage-1 training loader is empty") if len(batches) == 0 else None, device,
+    empty = batches is not None and len(batches) == 0
+    raise_on_every_rank(ValueError("the stage-1 training loader is empty") if empty else None, device,
                         lambda: OtherRankError("the stage-1 training loader of another rank is empty"))
     world = world_size()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
