@@ -105,10 +105,22 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"timm model names or GPT sizes ({', '.join(GPT_SIZES)}), random weights; default "
                              f"{' '.join(MODELS)}")
     parser.add_argument("--batch", type=at_least(1), default=2)
-    parser.add_argument("--tokens", type=at_least(1), default=None, help="a GPT's sequence length (its context)")
+    parser.add_argument("--tokens", type=at_least(1), default=None,
+                        help="a GPT's sequence length, at most its context (default: its context); needs a GPT "
+                             "among --model")
     parser.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none", help="autocast dtype")
     parser.add_argument("--device", type=torch_device, default="cpu")
     args = parser.parse_args(argv)
+    gpts = [name for name in args.model if name in GPT_SIZES]
+    if args.tokens is not None:  # checked before any model is built: a timm model's input size is its own
+        if not gpts:
+            parser.error(f"--tokens {args.tokens}: sets a GPT's sequence length, and no --model is a GPT "
+                         f"({', '.join(GPT_SIZES)}); drop --tokens, or add a GPT to --model")
+        shortest = min(GPT_SIZES[name]["context"] for name in gpts)
+        if args.tokens > shortest:  # the GPT's forward would raise a ValueError traceback
+            name = next(n for n in gpts if GPT_SIZES[n]["context"] == shortest)
+            parser.error(f"--tokens {args.tokens}: longer than {name}'s context of {shortest} tokens; give at most "
+                         f"{shortest}")
     amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
     print(f"torch {torch.__version__} on {args.device}, batch {args.batch}, amp {args.amp}; saved for backward, "
           f"parameters left out (MiB)")

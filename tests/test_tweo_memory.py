@@ -42,3 +42,23 @@ def test_the_script_prints_a_gpt_s_figures(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[1].startswith("gpt2_nano (2, 8): without TWEO ") and "memory-saving form +0.00 (+0.0%)" in out[1]
     assert out[2] == "  block outputs that only TWEO keeps: 0 of 2, 0.00"
+
+
+def test_tokens_without_a_gpt_or_past_a_gpt_s_context_are_refused_before_any_model_is_built(capsys, monkeypatch):
+    """--tokens sizes a GPT's input only: with timm models alone it was ignored without a word, and past the
+    GPT's context (models/gpt.py GPT_SIZES) it ended in the GPT's ValueError traceback."""
+    import pytest
+
+    import tweo_memory
+    from models.gpt import GPT_SIZES
+
+    monkeypatch.setattr(tweo_memory, "build", None)  # reached: a TypeError, not the refusal
+    context = GPT_SIZES["gpt2_nano"]["context"]
+    for argv, says in [(["--model", "vit_base_patch16_224", "--tokens", "8"], "--tokens 8: sets a GPT's sequence"),
+                       (["--model", "gpt2_nano", "--tokens", str(context + 1)],
+                        f"--tokens {context + 1}: longer than gpt2_nano's context of {context} tokens")]:
+        with pytest.raises(SystemExit) as refused:
+            main(argv)
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and err.startswith("error: ") and says in err, err
+        assert len(err.strip().splitlines()) == 1, err
