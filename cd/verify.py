@@ -412,17 +412,41 @@ def _adapter_hint(root: nn.Module) -> str:
             f"terms beside them: {ADAPTER_FIX}")
 
 
+def _memory(t: Tensor) -> Optional[tuple[int, int, int]]:
+    """(storage address, first byte, end byte) of the memory `t` spans, or None where there is none to compare: a
+    meta tensor's storage address is 0 for every tensor (no memory at all), so two meta matrices would look like
+    one; an FSDP2 shard (DTensor) is compared by its local tensor. The span is from the lowest to the highest element
+    (strides are >= 0 for parameters): two views that interleave without sharing an element count as overlapping,
+    which no layer's weights do."""
+    t = getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+    if t.is_meta or t.numel() == 0:
+        return None
+    size = t.element_size()
+    first = t.storage_offset() * size
+    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * size
+    return t.untyped_storage().data_ptr(), first, last + size
+
+
 def refuse_shared(pairs: Sequence, block_types: dict[str, str]) -> None:
     """Refuse pairs whose decayed matrix W2 is one tensor shared by several blocks (tied weights, one
-    module in two blocks): CD defines one update per matrix and pair, and a shared W2 would get one per
-    block, from each block's W1. A shared W1 (one norm scale feeding two blocks) is fine: it is only read.
+    module in two blocks), or whose memory is shared (two Parameters over one storage, e.g.
+    `nn.Parameter(other.weight.data)`): CD defines one update per matrix and pair, and a shared W2 would get one per
+    block, from each block's W1, the second reading the weights the first already changed. A shared W1 (one norm
+    scale feeding two blocks) is fine: it is only read. Matrices on the meta device are compared as tensors only
+    (`_memory`).
 
     Raises:
         UnsupportedModelError: naming the matrix, both blocks and the first block's type.
     """
     first: dict[int, object] = {}
+    spans: dict[int, list[tuple[int, int, object]]] = {}  # storage address -> (first byte, end byte, pair)
     for p in pairs:
         other = first.setdefault(id(p.downstream), p)
+        memory = _memory(p.downstream) if other is p else None
+        if memory is not None:
+            address, start, end = memory
+            other = next((q for s, e, q in spans.get(address, []) if s < end and start < e), p)
+            spans.setdefault(address, []).append((start, end, p))
         if other is not p:
             raise UnsupportedModelError(
                 f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD: its {p.role} matrix "

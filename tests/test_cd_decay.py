@@ -282,6 +282,22 @@ def test_state_dict_round_trip_and_config_mismatch_warning():
         ColinearityDecay(model, lam=0.02).load_state_dict(state)
 
 
+def test_matrices_that_are_views_of_one_buffer_without_overlap_are_decayed_each_once():
+    """Parameters may share a storage without sharing memory (a checkpoint loaded with assign=True from one mapped
+    file): each is its own matrix, updated once as the reference update says; only overlapping memory is refused."""
+    model = tiny_vit().double()
+    w = model.blocks[0].mlp.fc2.weight
+    buffer = torch.cat([model.blocks[0].mlp.fc2.weight.detach().flatten(),
+                        model.blocks[1].mlp.fc2.weight.detach().flatten()])
+    model.blocks[0].mlp.fc2.weight = torch.nn.Parameter(buffer[:w.numel()].view(w.shape))
+    model.blocks[1].mlp.fc2.weight = torch.nn.Parameter(buffer[w.numel():].view(w.shape))
+    lam, lr = 0.2, 0.5
+    decay = ColinearityDecay(model, lam=lam)
+    P = snapshot(model)
+    decay.apply(lr)
+    _assert_cd_applied(model, P, [lr * lam] * VIT_DEPTH)
+
+
 @pytest.mark.parametrize("saved, changed_setting", [
     ({}, dict(lam=0.02)), ({}, dict(lam_per_role={"fc2": 0.02})), ({}, dict(targets="B")), ({}, dict(mode="loss")),
     (dict(mode="loss"), dict(loss_coef=0.3))])

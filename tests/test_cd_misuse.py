@@ -454,13 +454,22 @@ def test_a_skipped_fp16_step_and_accumulation_still_apply_at_most_once():
 
 # -- rule 3: every refusal states its true cause ---------------------------------------------------------
 
-@pytest.mark.parametrize("tie", ["module", "parameter"])
+@pytest.mark.parametrize("tie", ["module", "parameter", "storage", "overlap"])
 def test_a_matrix_shared_by_two_blocks_is_refused_as_shared(tie):
+    """One tensor in two blocks, or two Parameters over one memory (which the tensor's identity does not show: CD
+    would update that memory once per block, the second update reading what the first wrote), whole or in part."""
     model = tiny_vit()
     if tie == "module":
         model.blocks[1].mlp.fc2 = model.blocks[0].mlp.fc2
-    else:
+    elif tie == "parameter":
         model.blocks[1].attn.proj.weight = model.blocks[0].attn.proj.weight
+    elif tie == "storage":
+        model.blocks[1].attn.proj.weight = torch.nn.Parameter(model.blocks[0].attn.proj.weight.data)
+    else:  # two matrices in one buffer, the second starting in the first's last row
+        w = model.blocks[0].attn.proj.weight
+        buffer = torch.randn(2 * w.numel() - w.shape[1])
+        model.blocks[0].attn.proj.weight = torch.nn.Parameter(buffer[:w.numel()].view(w.shape))
+        model.blocks[1].attn.proj.weight = torch.nn.Parameter(buffer[-w.numel():].view(w.shape))
     with pytest.raises(UnsupportedModelError, match=r"is the same tensor as blocks\.0\.\S+ of block 'blocks\.0' "
                                                     r"\(shared between blocks\)"):
         find_pairs(model)
