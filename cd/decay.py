@@ -29,8 +29,8 @@ from .sharded import any_sharded, block_plans, register_shards, sharded_colinear
 from .update import (PRECISIONS, align_to_task_loss, build_plan, check_tf32_device, colinearity_decay_, is_sharded,
                      known_zero, pair_energy, pair_penalty, resolve_precision)
 from .verify import UnsupportedModelError
-from .wrappers import (closure_then, in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text,
-                       unwrap_model)
+from .wrappers import (check_model, closure_then, in_outer_step, steps_without_hooks, torch_optimizer,
+                       unhooked_step_text, unwrap_model)
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
@@ -170,8 +170,10 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool =
     the meta device (no values to measure) is a ValueError here (`refuse_meta`), and so is gated_mlp=True on a
     model without a gated MLP (`find_pairs`: the switch would change no pair). A source whose model's
     parameters were replaced since (made before fully_shard, load_state_dict(assign=True)) raises a ValueError when
-    called, rather than log the old tensors' energies.
+    called, rather than log the old tensors' energies. A `model` that is no nn.Module (None, a state_dict) is a
+    TypeError (`cd.wrappers.check_model`), not a model without pairs.
     """
+    check_model(model, "pair_energy_source")  # before register_shards walks it
     try:
         register_shards(model)  # FSDP2: the pairs are found on the shards, also after a forward
         pairs = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp, layouts=layouts)
@@ -354,6 +356,7 @@ class ColinearityDecay:
         ValueError: mode='loss' on a model sharded by FSDP2 (the decoupled update is exact there, `cd.sharded`); a
             model whose parameters are on the meta device (`refuse_meta`: no values to update); a setting of the
             wrong type or out of range (`check_settings`), naming it.
+        TypeError: `model` is no nn.Module (None, a state_dict, a list of blocks: `cd.wrappers.check_model`).
     """
 
     def __init__(
@@ -384,6 +387,7 @@ class ColinearityDecay:
         self.layouts = layouts
 
         # diagnostics cover every pair
+        check_model(model, "ColinearityDecay")  # before register_shards walks it
         register_shards(model)  # FSDP2: the pairs are found on the shards, also after a forward
         self.all_pairs: list[Pair] = find_pairs(model, example_input, verify=verify, gated_mlp=gated_mlp,
                                                 layouts=layouts)

@@ -57,7 +57,7 @@ from .unknown_blocks import block_note, unknown_blocks, unpaired_part
 from .values import check_channel_order
 from .verify import (ADAPTER_FIX, UnsupportedModelError, refuse_fsdp1, refuse_shared, refuse_split_devices,
                      verify_pairs)
-from .wrappers import unwrap_model
+from .wrappers import check_model, unwrap_model
 
 ROLES = ("qkv", "proj", "fc1", "fc2", "reduction")
 
@@ -256,9 +256,10 @@ def find_blocks(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[t
     Raises:
         UnsupportedModelError: beside the blocks found, a Transformer block under names no layout has
             (`refuse_unknown_blocks`), which TWEO would otherwise leave out.
+        TypeError: `model` is no nn.Module (`cd.wrappers.check_model`).
     """
     layouts = check_layouts(layouts)
-    root = unwrap_model(model)
+    root = unwrap_model(model, "TWEO (find_blocks)")  # TWEO's first use of its model
     blocks = _matches(root, layouts, merging=False)
     if blocks:  # a model with no known block is refused by the caller, naming what it looked for
         refuse_unknown_blocks(root, layouts)
@@ -798,6 +799,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
 
     Raises:
         TypeError, ValueError: `layouts` is not a non-empty sequence of Layout (`check_layouts`).
+        TypeError: `model` is no nn.Module (None, a state_dict, a list of blocks: `cd.wrappers.check_model`).
         ValueError: `example_input` given with verify=False (`check_example_use`); `verify` or `gated_mlp` is not a
             bool (`check_switches`); gated_mlp=True on a model none of whose blocks has a gated MLP (the switch
             would change no pair).
@@ -813,6 +815,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
     check_switches("find_pairs:", verify=verify, gated_mlp=gated_mlp)
     layouts = check_layouts(layouts)
     check_example_use(example_input, verify, "find_pairs")
+    check_model(model, "find_pairs")  # before refuse_fsdp1 walks it
     refuse_fsdp1(model)
     root = unwrap_model(model)
     pairs: list[Pair] = []

@@ -36,13 +36,29 @@ def _is_module_wrapper(model: nn.Module) -> bool:
         c.__name__ in _WRAPPER_NAMES for c in type(model).__mro__)
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
+def check_model(model: Any, who: str) -> None:
+    """Refuse a `model` that is no nn.Module (None, its state_dict(), a list of its blocks) in one line naming what
+    `who` was given, before the first `.modules()` on it fails deep inside with an AttributeError.
+
+    Raises:
+        TypeError: naming the type given and what to pass.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who} needs the model as a torch.nn.Module (or its DDP/torch.compile wrapper), got "
+                        f"{type(model).__name__}; pass the model itself, not its state_dict() or a list of its parts")
+
+
+def unwrap_model(model: nn.Module, who: str = "CD") -> nn.Module:
     """Strip DDP/DataParallel-style wrappers (`.module`) and torch.compile (`._orig_mod`), in any order.
 
     A wrapper is recognised by its type: torch's DistributedDataParallel (and subclasses such as MMEngine's
     MMDistributedDataParallel), DataParallel, FSDP1's FullyShardedDataParallel and DeepSpeed's DeepSpeedEngine
     hold the model as `.module`; torch.compile's OptimizedModule holds it as `._orig_mod`.
+
+    Raises:
+        TypeError: `model` is no nn.Module (`check_model`, naming `who`).
     """
+    check_model(model, who)
     while True:
         orig = getattr(model, "_orig_mod", None)
         if isinstance(orig, nn.Module):

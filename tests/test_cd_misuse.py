@@ -635,6 +635,19 @@ def test_attach_to_something_else_than_an_optimizer_is_a_type_error():
         ColinearityDecay(model).attach(scheduler_by_mistake)
 
 
+@pytest.mark.parametrize("given", ["None", "state_dict", "list of blocks"])
+@pytest.mark.parametrize("entry", ["find_pairs", "ColinearityDecay", "TWEO", "pair_energy_source"])
+def test_a_model_that_is_no_module_is_a_type_error_naming_what_was_given(entry, given):
+    """Not an AttributeError ('NoneType' object has no attribute 'modules') from deep inside."""
+    import cd
+    model = tiny_vit()
+    arg = {"None": None, "state_dict": model.state_dict(), "list of blocks": list(model.blocks)}[given]
+    got = {"None": "NoneType", "state_dict": "OrderedDict", "list of blocks": "list"}[given]
+    with pytest.raises(TypeError, match=rf"^{entry}.* needs the model as a torch\.nn\.Module .*, got {got}; "
+                                        r"pass the model itself"):
+        getattr(cd, entry)(arg)
+
+
 def test_the_rules_are_documented():
     import os
 
