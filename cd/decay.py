@@ -319,6 +319,41 @@ def config_change(saved: Mapping[str, Any], now: Mapping[str, Any]) -> Optional[
     return text
 
 
+# the keys `ColinearityDecay.state_dict` writes; `steps` only since it was kept (a state saved before has none), and
+# `config` None in the HF callback's restore of a checkpoint of an earlier version (it saved no config)
+_STATE_KEYS, _STATE_KEYS_LATER = ("num_updates", "config"), ("steps",)
+
+
+def _check_state(state: Any) -> None:
+    """Refuse a `state` that `ColinearityDecay.state_dict` did not write: a model's state_dict or another object's
+    would otherwise load as 0 updates without a word, and a negative or non-integer counter be logged as given.
+
+    Raises:
+        TypeError: `state` is no mapping, a counter no integer, `config` no mapping (or None).
+        ValueError: a key it writes is missing or one it does not write is there, a counter is negative.
+    """
+    what = "pass the mapping ColinearityDecay.state_dict() returned"
+    if not isinstance(state, Mapping):
+        raise TypeError(f"ColinearityDecay.load_state_dict: got {type(state).__name__}; {what}")
+    unknown = [k for k in state if k not in _STATE_KEYS + _STATE_KEYS_LATER]
+    missing = [k for k in _STATE_KEYS if k not in state]
+    if unknown or missing:
+        found = f"unknown key(s) {unknown[:3]}{' ...' if len(unknown) > 3 else ''}" if unknown else ""
+        found += ("; " if unknown and missing else "") + (f"no key(s) {missing}" if missing else "")
+        raise ValueError(f"ColinearityDecay.load_state_dict: {found} (it reads {list(_STATE_KEYS + _STATE_KEYS_LATER)}"
+                         f"); {what}")
+    for key in ("num_updates", "steps"):
+        value = state.get(key, 0)
+        # a bool is an int to Python, and a string such as '7' would be taken by int(): neither is a counter
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"ColinearityDecay.load_state_dict: {key} must be an integer, got {value!r}; {what}")
+        if value < 0:
+            raise ValueError(f"ColinearityDecay.load_state_dict: {key} must be >= 0, got {value}; {what}")
+    if state["config"] is not None and not isinstance(state["config"], Mapping):
+        raise TypeError(f"ColinearityDecay.load_state_dict: config must be a mapping, got "
+                        f"{type(state['config']).__name__}; {what}")
+
+
 class ColinearityDecay:
     """Colinearity Decay on the matrix pairs of a pre-norm vision Transformer.
 
@@ -923,11 +958,16 @@ class ColinearityDecay:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the counters; warn if the saved config differs from this object's. `steps` (the updates
-        `norms_every` counts, lr-0 ones too) is that of a state saved before it was kept: `num_updates`."""
-        self.num_updates = int(state.get("num_updates", 0))
+        `norms_every` counts, lr-0 ones too) is that of a state saved before it was kept: `num_updates`.
+
+        Raises:
+            TypeError, ValueError: `state` is not what `state_dict` writes (`_check_state`).
+        """
+        _check_state(state)
+        self.num_updates = int(state["num_updates"])
         self._steps = int(state.get("steps", self.num_updates))
         self._gated_skips = self._round_skip = None
-        saved = state.get("config")
+        saved = state["config"]
         change = config_change(saved, self._config()) if saved is not None else None
         if change is not None:
             warnings.warn(change, stacklevel=2)

@@ -282,6 +282,42 @@ def test_state_dict_round_trip_and_config_mismatch_warning():
         ColinearityDecay(model, lam=0.02).load_state_dict(state)
 
 
+def test_states_of_earlier_versions_load():
+    """What state_dict() wrote before `steps` was kept, and what the HF callback restores from a checkpoint of a
+    version that saved no config (config None)."""
+    decay = ColinearityDecay(tiny_vit(), lam=0.01)
+    config = decay.state_dict()["config"]
+    decay.load_state_dict({"num_updates": 3, "config": config})
+    assert (decay.num_updates, decay.state_dict()["steps"]) == (3, 3)
+    decay.load_state_dict({"num_updates": 4, "steps": 6, "config": None})
+    assert (decay.num_updates, decay.state_dict()["steps"]) == (4, 6)
+
+
+@pytest.mark.parametrize("state, error, match", [
+    ({"foo": 1}, ValueError, r"unknown key\(s\) \['foo'\]; no key\(s\) \['num_updates', 'config'\]"),
+    ("model", ValueError, r"unknown key\(s\) \['cls_token'"),
+    ({"num_updates": 5}, ValueError, r"no key\(s\) \['config'\]"),
+    ({"num_updates": -5, "config": None}, ValueError, "num_updates must be >= 0, got -5"),
+    ({"num_updates": 1, "steps": -1, "config": None}, ValueError, "steps must be >= 0, got -1"),
+    ({"num_updates": "7", "config": None}, TypeError, "num_updates must be an integer, got '7'"),
+    ({"num_updates": 7.0, "config": None}, TypeError, "num_updates must be an integer, got 7.0"),
+    ({"num_updates": True, "config": None}, TypeError, "num_updates must be an integer, got True"),
+    ({"num_updates": 1, "config": "lam=0.01"}, TypeError, "config must be a mapping, got str"),
+    ([("num_updates", 1)], TypeError, "got list"),
+])
+def test_a_state_that_state_dict_did_not_write_is_refused_and_loads_nothing(state, error, match):
+    """A model's state_dict (or any other mapping) loaded as 0 updates without a word, and a negative or string
+    counter was taken as given."""
+    model = tiny_vit()
+    decay = ColinearityDecay(model, lam=0.01)
+    decay.apply(lr=1e-3)
+    state = model.state_dict() if state == "model" else state
+    with pytest.raises(error, match=rf"^ColinearityDecay\.load_state_dict: .*{match}.*; pass the mapping "
+                                    r"ColinearityDecay\.state_dict\(\) returned"):
+        decay.load_state_dict(state)
+    assert decay.metrics()["cd/updates"] == 1
+
+
 def test_matrices_that_are_views_of_one_buffer_without_overlap_are_decayed_each_once():
     """Parameters may share a storage without sharing memory (a checkpoint loaded with assign=True from one mapped
     file): each is its own matrix, updated once as the reference update says; only overlapping memory is refused."""
