@@ -1,11 +1,11 @@
 """The paper's motivation figure (Fig. 1): quantized score against maximum activation, per model and method.
 
 For each result: a circle at (model, quantized score) whose area is proportional to the maximum
-activation, one colour per method (Baseline, CD, TWEO, ...). The paper's reading: TWEO has the smaller
-circles, CD the higher ones, most of all in detection. evaluate.py's results (image classifiers: top-1,
-maxima of a block's modules or of block outputs, --max-act) make the classification panel;
-evaluate_detection.py's (box mAP in %, backbone or head maximum, --det-max-act) the detection panel beside
-it. A detector is named by its first config file, its method by what evaluate_detection.py read from the
+activation, one colour per method (Baseline, CD, TWEO, ...; shades of it for each of its settings, such as two CD
+strengths). The paper's reading: TWEO has the smaller circles, CD the higher ones, most of all in detection.
+evaluate.py's results (image classifiers: top-1, maxima of a block's modules or of block outputs, --max-act) make
+the classification panel; evaluate_detection.py's (box mAP in %, backbone or head maximum, --det-max-act) the
+detection panel beside it. A detector is named by its first config file, its method by what evaluate_detection.py read from the
 checkpoint's training config (CD, TWEO, Noise, Baseline).
 Writes motivation.png and motivation.csv (task, model, method, metric, FP and quantized score, maxima) into
 --out; an existing file is replaced only with --overwrite. A classifier evaluated otherwise than it was trained
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
@@ -35,8 +36,11 @@ from engine.outputs import save_figure, write_csv  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import dagger_note, evaluated_otherwise, nondefault_settings  # noqa: E402
 from compare_act_max import float_settings  # noqa: E402  (scripts/: this folder, as this script runs it)
+from quant import PIPELINES, parse_bits  # noqa: E402
 
 METHOD_COLOURS = {"Baseline": "tab:gray", "CD": "tab:blue", "TWEO": "tab:orange"}
+# the colours of further method families (Noise, CD + TWEO, ...): the tab10 colours the named families leave
+OTHER_COLOURS = ("tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 MAX_AREA = 2000.0  # points^2 of the largest circle in a panel; the others scale with their maximum activation
 FIELDS = ("task", "model", "method", "metric", "fp", "quantized", "max_act", "max_module", "max_block",
           "max_backbone", "max_head")
@@ -118,29 +122,57 @@ def circle_areas(values: list[float]) -> list[float]:
     return [MAX_AREA * v / top if top > 0 else MAX_AREA for v in values]
 
 
+def method_family(method: str) -> str:
+    """A method's label without its settings in parentheses: "CD (lam 0.01)" -> "CD", "CD (lam 0.01) + TWEO" ->
+    "CD + TWEO" (engine.result_table.method_name's labels; a detector's "CD+TWEO" stays as it is)."""
+    return re.sub(r" \([^)]*\)", "", method)
+
+
+def method_colours(methods: list[str]) -> dict[str, tuple]:
+    """{label: RGB}, one colour per distinct label: its family's (METHOD_COLOURS, else the next of OTHER_COLOURS),
+    and where several labels share a colour (two CD strengths of a sweep, "CD (lam 0.005)" and "CD (lam 0.05)"),
+    shades of it from dark to light in the order given, so that no two legend entries look alike."""
+    from matplotlib.colors import to_rgb
+
+    methods = list(dict.fromkeys(methods))
+    families = list(dict.fromkeys(method_family(m) for m in methods))
+    others = [f for f in families if f not in METHOD_COLOURS]
+    base = {**{f: OTHER_COLOURS[k % len(OTHER_COLOURS)] for k, f in enumerate(others)}, **METHOD_COLOURS}
+    colours = {}
+    for colour in dict.fromkeys(base[method_family(m)] for m in methods):
+        mine = [m for m in methods if base[method_family(m)] == colour]
+        rgb = to_rgb(colour)
+        for k, method in enumerate(mine):
+            # -0.3 (towards black) .. +0.5 (towards white); the family's own colour when it is alone
+            t = 0.8 * k / (len(mine) - 1) - 0.3 if len(mine) > 1 else 0.0
+            colours[method] = tuple(c * (1 + t) if t < 0 else c + (1 - c) * t for c in rgb)
+    return colours
+
+
 def draw(rows: list[dict], path: str, title, overwrite: bool) -> None:
-    """One panel per task present, in input order, circles scaled within each panel; `title(task)`."""
+    """One panel per task present, in input order, circles scaled within each panel; `title(task)`. A method has
+    one colour in every panel (`method_colours`)."""
     tasks = list(dict.fromkeys(r["task"] for r in rows))
+    colours = method_colours([r["method"] for r in rows])
     widths = [max(5.0, 1.8 * len({r["model"] for r in rows if r["task"] == t})) for t in tasks]
     fig = new_figure(sum(widths), 4.5)
     axes = fig.subplots(1, len(tasks), squeeze=False, gridspec_kw={"width_ratios": widths})[0]
     for ax, task in zip(axes, tasks):
         mine = [r for r in rows if r["task"] == task]
-        _panel(ax, mine, title(task))
+        _panel(ax, mine, title(task), colours)
     fig.tight_layout()
     save_figure(fig, path, overwrite, dpi=130)
 
 
-def _panel(ax, rows: list[dict], title: str) -> None:
+def _panel(ax, rows: list[dict], title: str, colours: dict[str, tuple]) -> None:
     models = list(dict.fromkeys(r["model"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     areas = circle_areas([r["max_act"] for r in rows])
     for m_index, method in enumerate(methods):
         offset = (m_index - (len(methods) - 1) / 2) * 0.15  # side by side within a model
-        colour = METHOD_COLOURS.get(method.split(" ")[0], f"C{m_index + 3}")
         mine = [(r, a) for r, a in zip(rows, areas) if r["method"] == method]
         ax.scatter([models.index(r["model"]) + offset for r, _ in mine], [r["quantized"] for r, _ in mine],
-                   s=[a for _, a in mine], c=colour, alpha=0.5, edgecolors="k", label=method)
+                   s=[a for _, a in mine], color=colours[method], alpha=0.5, edgecolors="k", label=method)
         for r, _ in mine:
             ax.annotate(f"{r['max_act']:.1f}", (models.index(r["model"]) + offset, r["quantized"]),
                         ha="center", va="center", fontsize=7)
@@ -158,8 +190,10 @@ def _panel(ax, rows: list[dict], title: str) -> None:
 def main(argv=None) -> list[dict]:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", nargs="+", help="JSON files written by evaluate.py or evaluate_detection.py")
-    p.add_argument("--pipeline", default="repq", help="quantization pipeline (default repq, as the paper)")
-    p.add_argument("--bits", default="w4a4")
+    # a name no pipeline has is a usage error, not a result that lacks it (whose fix would be an evaluate.py run)
+    p.add_argument("--pipeline", default="repq", choices=sorted(PIPELINES),
+                   help="quantization pipeline (default repq, as the paper)")
+    p.add_argument("--bits", default="w4a4", help="bit-width of the drawn entries (default w4a4)")
     p.add_argument("--max-act", choices=["module", "block"], default=None,
                    help="which maximum of a classifier sets the circle area (default module)")
     p.add_argument("--det-max-act", choices=["backbone", "head"], default=None,
@@ -167,6 +201,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out", default="results/motivation", help="folder for motivation.png / .csv")
     p.add_argument("--overwrite", action="store_true", help="replace motivation.png / .csv in --out")
     args = p.parse_args(argv)
+    try:  # as --pipeline: 'w4' is no bit-width, not one the results lack
+        parse_bits(args.bits)
+    except ValueError as e:
+        p.error(f"--bits {args.bits}: {e}")
     written = [os.path.join(args.out, n) for n in ("motivation.png", "motivation.csv")]
     try:
         refuse_existing_outputs(written, args.overwrite, inputs=args.results)

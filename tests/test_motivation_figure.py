@@ -72,3 +72,47 @@ def test_motivation_figure_refuses_other_settings_of_the_drawn_entry_and_draws_r
         motivation_figure.main([str(tmp_path / n) for n in ("Baseline.json", "CD.json", "TWEO.json")]
                                + ["--out", str(tmp_path / "fig2")])
     assert not (tmp_path / "fig2").exists()
+
+
+def test_each_method_label_has_a_colour_of_its_own_in_its_familys_hue(tmp_path, monkeypatch):
+    """Two CD strengths of a sweep (or two TWEO settings) were drawn in one blue, two legend entries alike. Every
+    label gets its own face colour; a family's labels keep its hue (shades of tab:blue for CD), and a family given
+    once keeps its colour."""
+    import colorsys
+
+    from matplotlib.colors import to_rgb
+
+    motivation_figure = load_script("motivation_figure")
+    drawn = []
+    monkeypatch.setattr(motivation_figure, "save_figure", lambda fig, path, overwrite, **_: drawn.append(fig))
+    methods = ["Baseline", "CD (lam 0.005)", "CD (lam 0.05)", "TWEO", "TWEO (rescaled)", "Noise", "CD + TWEO"]
+    for method in methods:
+        write_result(tmp_path, method)
+    motivation_figure.main([str(tmp_path / f"{m}.json") for m in methods] + ["--out", str(tmp_path / "fig")])
+    (ax,) = drawn[0].axes
+    face = {c.get_label(): tuple(float(v) for v in c.get_facecolor()[0][:3]) for c in ax.collections}
+    assert sorted(face) == sorted(methods)
+    assert len(set(face.values())) == len(methods), face  # one colour per label
+    assert [label for label, _ in zip(methods, ax.get_legend().get_texts())] == methods
+    assert face["Baseline"] == pytest.approx(to_rgb("tab:gray"))
+
+    def hue(rgb):
+        return colorsys.rgb_to_hsv(*rgb)[0]
+    for family, labels in (("tab:blue", ["CD (lam 0.005)", "CD (lam 0.05)"]),
+                           ("tab:orange", ["TWEO", "TWEO (rescaled)"])):
+        assert [hue(face[label]) for label in labels] == pytest.approx([hue(to_rgb(family))] * 2, abs=1e-6)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--pipeline", "foo"], "argument --pipeline: invalid choice: 'foo'"),  # was 'the results lack foo w4a4'
+    (["--bits", "w4"], "--bits w4: bit-width 'w4' is not of the form 'w4a4'"),
+])
+def test_a_pipeline_or_bit_width_that_none_has_is_a_usage_error(tmp_path, capsys, flags, expected):
+    write_result(tmp_path, "Baseline")
+    with pytest.raises(SystemExit) as done:
+        load_script("motivation_figure").main([str(tmp_path / "Baseline.json"), "--out", str(tmp_path / "fig"),
+                                               *flags])
+    assert done.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert not (tmp_path / "fig").exists()
