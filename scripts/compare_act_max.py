@@ -196,22 +196,26 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--out", required=True, help="output path without extension (.png and .csv)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = parser.parse_args(argv)
+    # values the arguments refuse on their own are usage errors (status 2), as argparse's, before any file is read
     name = os.path.basename(args.out)
     if not name or name.startswith(".") or os.path.isdir(args.out):  # 'DIR/' wrote DIR/.csv and DIR/.png.png
-        sys.exit(f"error: --out {args.out} names a folder, not the path of the two files: give a path without "
-                 f"extension in it, e.g. --out {os.path.join(args.out, 'act_max_compare')}")
+        parser.error(f"--out {args.out} names a folder, not the path of the two files: give a path without "
+                     f"extension in it, e.g. --out {os.path.join(args.out, 'act_max_compare')}")
     if name.endswith((".png", ".csv")):  # 'x.png' wrote x.png.png and x.png.csv
-        sys.exit(f"error: --out {args.out}: give the path without extension (.png and .csv are added), e.g. "
-                 f"--out {os.path.splitext(args.out)[0]}")
+        parser.error(f"--out {args.out}: give the path without extension (.png and .csv are added), e.g. "
+                     f"--out {os.path.splitext(args.out)[0]}")
+    methods = [item.partition("=") for item in args.groups]
+    for item, (method, sep, _) in zip(args.groups, methods):
+        if not method or not sep:
+            parser.error(f"{item!r} is not method=GLOB: give e.g. cd='runs/x/cd_s*/eval_best_act_max.csv'")
+        if [m for m, _, _ in methods].count(method) > 1:  # a second group of one name would replace the first
+            parser.error(f"method {method!r} is given twice; give each group its own name")
     groups = {}
-    for item in args.groups:
-        method, sep, pattern = item.partition("=")
+    for item, (method, _, pattern) in zip(args.groups, methods):
         paths = sorted(glob.glob(pattern))
-        if not sep or not paths:
-            sys.exit(f"error: {item!r} names no act_max CSV: give method=GLOB, e.g. "
-                     f"cd='runs/x/cd_s*/eval_best_act_max.csv'")
-        if method in groups:  # a second group of one name would silently replace the first
-            sys.exit(f"error: method {method!r} is given twice; give each group its own name")
+        if not paths:
+            sys.exit(f"error: {item!r} names no act_max CSV: give method=GLOB of evaluate.py's act_max CSV files, "
+                     f"e.g. cd='runs/x/cd_s*/eval_best_act_max.csv'")
         groups[method] = paths
     seen: dict = {}  # the bytes of each file -> (method, path): one run's maxima must count once
     for method, paths in groups.items():

@@ -687,12 +687,7 @@ def cmd_alignment(args: argparse.Namespace) -> dict:
 
 
 def cmd_remove(args: argparse.Namespace) -> dict:
-    if args.k < 0:
-        raise MechanismError(f"--k {args.k}: give 0 or more directions")
-    try:
-        bits = parse_bits(args.bits)
-    except ValueError as e:
-        raise MechanismError(f"--bits {args.bits}: {e}") from None
+    bits = parse_bits(args.bits)  # its form checked by parse_args
     json_path, png = check_outputs(args.out, OUTPUTS["remove"], args.overwrite)
     start = time.perf_counter()
     loaded = load(args, images=True)
@@ -779,15 +774,11 @@ def distinct_tails(paths: Sequence[str]) -> list[str]:
 
 
 def cmd_energies(args: argparse.Namespace) -> dict:
-    if args.labels == []:  # `--labels` with nothing after it: a list cut off, not "the defaults"
-        raise MechanismError("--labels without a label: give one per model, or drop --labels for the defaults")
     png, csv_path = check_outputs(args.out, OUTPUTS["energies"], args.overwrite)
     models = [load(args)]
     if args.compare:
         models.append(load_compare(args.compare, models[0], args))
-    labels = list(args.labels if args.labels is not None else [m.label for m in models])
-    if len(labels) != len(models):
-        raise MechanismError(f"--labels {' '.join(labels)}: give one label per model ({len(models)})")
+    labels = list(args.labels if args.labels is not None else [m.label for m in models])  # counted by parse_args
     if len(set(labels)) < len(labels):  # e.g. two baselines: tell them apart by where their files are
         labels = [f"{lab} ({where})" for lab, where in zip(labels, distinct_tails([m.source for m in models]))]
     tables = [pair_energies(m.model) for m in models]
@@ -931,7 +922,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     if command in ("surrogate", "remove"):  # the others compute on the CPU
         parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--threads", type=int, help="CPU threads (default: 1 for models under 5M "
+    parser.add_argument("--threads", type=at_least(1), help="CPU threads (default: 1 for models under 5M "
                         "parameters, torch's default otherwise)")
     if command in ("surrogate", "alignment", "remove"):
         parser.add_argument("--blocks", nargs="*", help="0-based block positions or names (default: all)")
@@ -946,7 +937,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--crop", type=at_least(1), default=16,
                             help="strongest directions and FC2 rows shown per detail block (default 16)")
     if command == "remove":
-        parser.add_argument("--k", type=int, default=3, help="remove the top 1..k directions (default 3)")
+        parser.add_argument("--k", type=at_least(0), default=3, help="remove the top 1..k directions (default 3)")
         parser.add_argument("--pipeline", default="repq", choices=["repq", "percentile"])
         parser.add_argument("--bits", default="w4a4")
     if command == "energies":
@@ -965,11 +956,22 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if argv[0] not in COMMANDS:  # a usage error as argparse's own: one `error:` line, status 2
         OneLineParser(prog="mechanism.py").error(f"unknown subcommand {argv[0]!r}; give one of "
                                                  f"{', '.join(COMMANDS)}")
-    args = build_parser(argv[0]).parse_intermixed_args(argv[1:])
+    parser = build_parser(argv[0])
+    args = parser.parse_intermixed_args(argv[1:])
     args.command = argv[0]
-    if args.threads is not None and args.threads < 1:
-        raise MechanismError(f"--threads {args.threads}: give 1 or more")
     move_overrides(args, "blocks", "labels")  # `--blocks 1 2 data.root=x`: data.root=x is an override
+    # a value a flag refuses on its own is a usage error, as argparse's (status 2), before any model is loaded
+    if getattr(args, "blocks", None) == []:  # `--blocks` with nothing after it: a list cut off, not "all"
+        parser.error("--blocks without a block: give 0-based positions or names, or drop --blocks for all")
+    if getattr(args, "labels", None) == []:  # `--labels` with nothing after it: a list cut off, not "the defaults"
+        parser.error("--labels without a label: give one per model, or drop --labels for the defaults")
+    if args.command == "energies" and args.labels is not None and len(args.labels) != 1 + bool(args.compare):
+        parser.error(f"--labels {' '.join(args.labels)}: give one label per model ({1 + bool(args.compare)})")
+    if args.command == "remove":
+        try:
+            parse_bits(args.bits)
+        except ValueError as e:
+            parser.error(f"--bits {args.bits}: {e}")
     return args
 
 

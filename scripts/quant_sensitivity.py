@@ -55,6 +55,7 @@ from engine.preemption import EXIT_PREEMPTED, Preempted  # noqa: E402
 from engine.outputs import write_json  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 from quant.plan import planned  # noqa: E402
+from quant.spec import parse_bits  # noqa: E402
 
 ALL = ["percentile", "repq", "gplq"]
 APHQ_VARIANTS = ("official", "first_last=w8a8")  # the open details that apply to APHQ
@@ -291,6 +292,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing summary JSON")
     parser.epilog = passed_on_epilog(parser, evaluate.build_parser(), "evaluate.py")
     args = parser.parse_args(argv)
+    try:  # a usage error (status 2), as argparse's, not evaluate.py's refusal of the first variant's quant.bits
+        parse_bits(args.bits)
+    except ValueError as e:
+        parser.error(f"--bits {args.bits}: {e}")
     args.bits = args.bits.lower()  # evaluate.py's spelling, the key of its results
     word = next((o for o in args.overrides if "=" not in o), None)
     if word is not None:  # `--bits w4a4 w3a3`: w3a3 lands here, and evaluate.py's --bits list would take it

@@ -67,9 +67,10 @@ def test_means_ranges_and_refusals(tmp_path, capsys):
     write(tmp_path / "deep_s2_act_max.csv", run_rows([1.0, 1.0, 1.0], [1.0] * 3, [1.0] * 3))
     with pytest.raises(SystemExit, match=r"deep_s2_act_max.csv has blocks \[0, 1, 2\].*different models"):
         compare.main([f"a={tmp_path}/[ad]*_s*_act_max.csv", "--out", str(tmp_path / "mixed")])
-    with pytest.raises(SystemExit, match="method 'a' is given twice"):
+    with pytest.raises(SystemExit) as twice:  # a usage error, as argparse's
         compare.main([f"a={tmp_path}/a_s0_act_max.csv", f"a={tmp_path}/b_s0_act_max.csv", "--out",
                       str(tmp_path / "twice")])
+    assert twice.value.code == 2 and "method 'a' is given twice" in capsys.readouterr().err
     # one run as two methods, or a copy of it as a second seed: its maxima would count twice
     (tmp_path / "copy").mkdir()
     (tmp_path / "copy" / "a_s0_act_max.csv").write_bytes((tmp_path / "a_s0_act_max.csv").read_bytes())
@@ -314,13 +315,22 @@ def test_methods_measured_on_other_val_images_under_the_same_root_are_refused(tm
     assert [(r["method"], r["block_mean"]) for r in rows] == [("a", 1.0), ("b", 5.0)]
 
 
-@pytest.mark.parametrize("out, expected", [
-    ("{tmp}/", "names a folder, not the path of the two files"),  # wrote {tmp}/.csv and {tmp}/.png.png
-    ("{tmp}", "names a folder, not the path of the two files"),
-    ("{tmp}/cmp.png", "give the path without extension (.png and .csv are added), e.g. --out {tmp}/cmp"),
+@pytest.mark.parametrize("group, out, expected", [
+    ("cd={tmp}/none.csv", "{tmp}/", "names a folder, not the path of the two files"),  # wrote {tmp}/.csv, .png.png
+    ("cd={tmp}/none.csv", "{tmp}", "names a folder, not the path of the two files"),
+    ("cd={tmp}/none.csv", "{tmp}/cmp.png",
+     "give the path without extension (.png and .csv are added), e.g. --out {tmp}/cmp"),
+    ("{tmp}/none.csv", "{tmp}/cmp", "'{tmp}/none.csv' is not method=GLOB"),
+    ("={tmp}/none.csv", "{tmp}/cmp", "'={tmp}/none.csv' is not method=GLOB"),  # a method without a name
 ])
-def test_an_out_that_is_a_folder_or_has_an_extension_is_refused_before_anything_is_written(tmp_path, out, expected):
-    out, expected = out.format(tmp=tmp_path), expected.format(tmp=tmp_path)
-    with pytest.raises(SystemExit, match=re.escape(expected)):
-        load().main([f"cd={tmp_path / 'none.csv'}", "--out", out])
+def test_an_out_or_a_group_of_another_form_is_a_usage_error_before_anything_is_read(tmp_path, capsys, group, out,
+                                                                                      expected):
+    """Values the arguments refuse on their own exited 1 after parsing; they are usage errors (status 2), as
+    argparse's, in one line."""
+    group, out, expected = (text.format(tmp=tmp_path) for text in (group, out, expected))
+    with pytest.raises(SystemExit) as refused:
+        load().main([group, "--out", out])
+    assert refused.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
     assert list(tmp_path.iterdir()) == []

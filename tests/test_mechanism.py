@@ -399,12 +399,9 @@ def test_a_backbone_without_classifier_is_read_by_alignment_and_energies_but_not
     (["alignment", "--checkpoint", "{ckpt}", "--model", "vit_nano", "--out", "{out}"], "not both"),
     (["alignment", "--model", "vit_nano", "--weights", "no.pth", "--out", "{out}"], "--weights no.pth"),
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--blocks", "7"], "--blocks 7: no such block"),
-    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--k", "-1"], "--k -1"),
-    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--bits", "w4"], "--bits w4"),
     (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--bits", "w4a16"],  # was a ValueError traceback
      "--pipeline repq --bits w4a16: repq quantizes activations"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--compare", "no.pt"], "--compare no.pt"),
-    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--labels", "a", "b"], "one label per model"),
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "optim.lrr=1"], "did you mean 'optim.lr'"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{ckpt}"], "is a file; give a folder"),
     # a setting the subcommand does not read, or one its own flag sets, is refused (each ran ignoring it)
@@ -444,10 +441,6 @@ def test_a_backbone_without_classifier_is_read_by_alignment_and_energies_but_not
     # the flag's own model.name item beside the user's: the flag's refusal, not a key given twice
     (["alignment", "--model", "vit_nano", "--weights", "{ckpt}", "--out", "{out}", "model.name=vit_tiny_patch16_224"],
      "model.name=vit_tiny_patch16_224: `alignment` sets model.name from --model; give --model instead"),
-    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--blocks"],  # ran on every block
-     "--blocks without a block: give 0-based positions or names, or drop --blocks for all"),
-    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--labels"],  # drew the default labels
-     "--labels without a label: give one per model, or drop --labels for the defaults"),
 ])
 def test_user_errors_are_one_error_line(checkpoints, tmp_path, capsys, argv, expected):
     drop_path_yaml = tmp_path / "drop_path.yaml"
@@ -466,6 +459,19 @@ def test_user_errors_are_one_error_line(checkpoints, tmp_path, capsys, argv, exp
     (["figures", "--checkpoint", "{ckpt}", "--out", "{out}"], "unknown subcommand 'figures'"),
     (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--device", "cuda"], "unrecognized arguments: --device"),
     (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--device", "cpu"], "unrecognized arguments: --device"),
+    # a value a flag refuses on its own (these exited 1, after parsing): a usage error as argparse's
+    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--threads", "0"], "--threads: 0: must be at least 1"),
+    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--k", "-1"], "--k: -1: must be at least 0"),
+    (["remove", "--checkpoint", "{ckpt}", "--out", "{out}", "--bits", "w4"],
+     "--bits w4: bit-width 'w4' is not of the form 'w4a4'"),
+    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--labels", "a", "b"],
+     "--labels a b: give one label per model (1)"),
+    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--blocks"],  # ran on every block
+     "--blocks without a block: give 0-based positions or names, or drop --blocks for all"),
+    (["alignment", "--checkpoint", "{ckpt}", "--out", "{out}", "--blocks", "data.root=x"],  # an override, no block
+     "--blocks without a block"),
+    (["energies", "--checkpoint", "{ckpt}", "--out", "{out}", "--labels"],  # drew the default labels
+     "--labels without a label: give one per model, or drop --labels for the defaults"),
 ])
 def test_usage_errors_are_one_error_line_with_status_2(checkpoints, tmp_path, capsys, argv, expected):
     """argparse's own refusals (and an unknown subcommand): the same one line, with argparse's status 2."""

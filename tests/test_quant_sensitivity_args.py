@@ -17,6 +17,20 @@ def test_a_second_bit_width_is_refused_before_anything_runs(tmp_path, capsys):
     assert not (tmp_path / "sens").exists()
 
 
+
+def test_a_bit_width_of_another_form_is_a_usage_error(tmp_path, capsys):
+    """`--bits w4` exited 1 with evaluate.py's refusal of quant.bits, a key the user never gave; a value the flag
+    refuses is a usage error (status 2) naming the flag, before anything runs."""
+    with pytest.raises(SystemExit) as e:
+        load_sensitivity_script().main(["--checkpoint", str(tmp_path / "best.pt"), "--out", str(tmp_path / "sens"),
+                                        "--bits", "w4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ")
+    assert "--bits w4: bit-width 'w4' is not of the form 'w4a4'" in err
+    assert not (tmp_path / "sens").exists()
+
+
 @pytest.mark.parametrize("overrides", [["quant.gplq.steps=5"], ["w3a3"], ["quant.gplq.steps=5", "w8a8"]])
 def test_the_overrides_never_extend_evaluates_bit_widths(tmp_path, overrides):
     """What evaluate.py is given to compute: the one bit-width of --bits and the variant's pipelines, whatever the
