@@ -36,6 +36,7 @@ AMP: fp16 + GradScaler on CUDA, bf16 autocast on CPU (override with --amp).
 """
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import statistics
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `cd`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for bench_quant
+from bench_env import environment  # noqa: E402
 from bench_quant import undivided_heads, vit_heads  # noqa: E402
 from cd import TWEO, ColinearityDecay  # noqa: E402
 from cd.update import _products_in  # noqa: E402
@@ -58,9 +60,13 @@ from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, first_line  # noqa: E402
 from configs.schema import OptimConfig, TrainConfig  # noqa: E402
 from engine.optim import build_optimizer, use_fused  # noqa: E402
-from engine.runinfo import cpu_name  # noqa: E402
 
 METHODS = ("baseline", "cd", "tweo", "tweo_plain")
+# this script's flags that only --protocol step reads (--protocol epochs takes overhead_epochs.py's options, which
+# share --batches, --width-batch, --out and --overwrite): refused there by name, not as "unrecognized arguments"
+STEP_FLAGS = ("--device", "--small", "--widths", "--amp", "--warmup", "--steps", "--threads", "--precision",
+              "--norms-every", "--apply-only")
+_UNSET = object()
 # CD's norms_every in train.py is its log interval (cfg.train.log_every_steps): timed at the schema's default, so that
 # the CD arms run the update that training runs (the norms are a metric, off on the other updates)
 NORMS_EVERY = TrainConfig().log_every_steps
@@ -311,7 +317,7 @@ def plot(rows: list[dict], path: str, has_memory: bool, title: str, overwrite: b
     save_figure(fig, path, overwrite, dpi=120)
 
 
-def apply_only(base: dict, widths: list[int], args, device: str, hw: str) -> dict:
+def apply_only(base: dict, widths: list[int], args, device: str, env: dict) -> dict:
     """`apply` and its floor per width (the model's depth and token count do not matter to CD)."""
     rows = []
     for width in widths:
@@ -321,8 +327,7 @@ def apply_only(base: dict, widths: list[int], args, device: str, hw: str) -> dic
         print(f"  dim {width:5d}  {row['precision']}  apply {row['cd_apply_ms']:8.2f} ms  floor "
               f"{row['cd_floor_ms']:8.2f} ms  apply/floor {row['apply_over_floor']:.2f}", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    report = {"device": device, "hardware": hw, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps,
+    report = {**env, "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps,
               "norms_every": args.norms_every, "model": base, "apply_only": rows}
     try:  # never over an apply.json another command wrote since this one started
         write_json(os.path.join(args.out, "apply.json"), report, args.overwrite, indent=1)
@@ -361,8 +366,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--protocol", choices=["step", "epochs"], default="step",
                         help="step: timed steps in one process (default); epochs: the paper's protocol, "
                              "train.py runs, with scripts/overhead_epochs.py's options")
-    protocol, rest = parser.parse_known_args(argv)
+    # the step flags start unset (argparse gives a default only to what the namespace lacks): given ones show
+    protocol, rest = parser.parse_known_args(argv, argparse.Namespace(**{
+        flag[2:].replace("-", "_"): _UNSET for flag in STEP_FLAGS}))
     if protocol.protocol == "epochs":  # the other options are overhead_epochs.py's
+        given = [flag for flag in STEP_FLAGS if getattr(protocol, flag[2:].replace("-", "_")) is not _UNSET]
+        if given:
+            parser.error(f"{' '.join(given)}: {'a flag' if len(given) == 1 else 'flags'} of --protocol step (timed "
+                         f"steps in one process); --protocol epochs times train.py runs with "
+                         f"scripts/overhead_epochs.py's options: drop {' '.join(given)}, or use --protocol step")
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import overhead_epochs
         argv = sys.argv[1:] if argv is None else list(argv)
@@ -411,12 +423,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
         args.warmup = 5 if args.warmup is None else args.warmup
         args.steps = 20 if args.steps is None else args.steps
 
-    hw = torch.cuda.get_device_name() if device == "cuda" else cpu_name()
+    env = environment(device)  # the same fields as bench_quant.py's and overhead_epochs.py's JSON
+    hw = env["hardware"]
     print(f"device {device} ({hw}), torch {torch.__version__}, timm {timm.__version__}, "
           f"{'' if args.apply_only else f'amp {args.amp}, '}threads {torch.get_num_threads()}, "
           f"warmup {args.warmup}, timed steps {args.steps}, CD norms_every {args.norms_every}")
     if args.apply_only:
-        return apply_only(base, widths, args, device, hw)
+        return apply_only(base, widths, args, device, env)
     rows = run_sweep("batch", [(base, b) for b in batches], args, device)
     rows += run_sweep("width", [(dict(base, embed_dim=w), width_batch) for w in widths], args, device)
     print()
@@ -426,8 +439,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
               "process RSS is not per configuration)")
 
     os.makedirs(args.out, exist_ok=True)
-    report = {"device": device, "hardware": hw, "torch": torch.__version__, "timm": timm.__version__,
-              "amp": args.amp, "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps,
+    report = {**env, "amp": args.amp, "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps,
               "norms_every": args.norms_every, "small": args.small, "model": base,
               "memory": "torch.cuda.max_memory_allocated" if device == "cuda" else "n/a", "rows": rows}
     try:  # never over an output another command wrote since this one started

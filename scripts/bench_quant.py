@@ -11,7 +11,8 @@ the quantized model they produce, whose forward pass is what is timed, has the s
 whatever the counts, but their `calibrate_s` is then not the recipe's (scripts/bench_aphq_block.py
 times APHQ's unit at the official counts). With --out, the JSON is written after the float timing and
 rewritten after each pipeline, each time whole (a temporary file renamed into place): a run stopped at any
-point leaves what it had measured, never a torn file.
+point leaves what it had measured, never a torn file. It records the device, its hardware and the torch / CUDA /
+timm versions, as bench_overhead.py and overhead_epochs.py do (scripts/bench_env.py).
 
     python scripts/bench_quant.py                                    # GPU: ViT-B/16 at 224, batch 256
     python scripts/bench_quant.py --pipelines percentile repq gplq aphq   # all four
@@ -35,6 +36,8 @@ from quant import PIPELINES, PipelineData, parse_bits  # noqa: E402
 from engine import outputs  # noqa: E402
 from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for bench_env
+from bench_env import environment  # noqa: E402
 
 # Iteration counts that make APHQ and GPLQ quantize a ViT-B in seconds on a GPU (see the docstring). APHQ's eq_n
 # is the smallest its check accepts at any width (2 ranges per zero point of a grid of 16): its quantized model
@@ -186,11 +189,11 @@ def main(argv=None) -> dict:
     calib = torch.randn(args.calib, 3, size, size, device=device)
 
     fp = timed_forward(model, x, device, args.repeats, args.warmup)
-    name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-            else f"cpu ({torch.get_num_threads()} threads)")
-    result = {"model": args.model, "overrides": kw, "img_size": size, "bits": args.bits, "device": name,
-              "batch": args.batch, "fp_forward_s": fp, "pipelines": {}}
-    print(f"{args.model} on {name}, batch {args.batch}: float forward {fp * 1e3:.1f} ms")
+    env = environment(device)  # the same fields as bench_overhead.py's and overhead_epochs.py's JSON
+    result = {"model": args.model, "overrides": kw, "img_size": size, "bits": args.bits, **env,
+              "threads": torch.get_num_threads(), "batch": args.batch, "fp_forward_s": fp, "pipelines": {}}
+    print(f"{args.model} on {env['device']} ({env['hardware']}, {torch.get_num_threads()} threads), batch "
+          f"{args.batch}: float forward {fp * 1e3:.1f} ms")
     try:  # the first write: never over a file another command wrote since this one started
         write_json(args.out, result, args.overwrite)
     except RunDirError as e:

@@ -24,7 +24,9 @@ refused before the first run starts. A run that train.py refuses or
 that fails ends the protocol with train.py's error; one stopped by a signal after its checkpoint (train.py's exit
 75, or a launcher's other code where the run's train.log records the stop: torchrun exits 1) ends it with exit 75,
 and the same command continues it; one a signal ended without that record (a second Ctrl-C ends train.py at once,
-without a new checkpoint) ends it with train.py's own exit status. Writes epochs.json and epochs.png.
+without a new checkpoint) ends it with train.py's own exit status. Writes epochs.json (with the device, its
+hardware and the torch / CUDA / timm versions, as bench_overhead.py and bench_quant.py: scripts/bench_env.py) and
+epochs.png.
 
     python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=4" \
         --out results/overhead_epochs data.root=/datasets/imagenet  # the paper's protocol (256 x 4 GPUs = 1024)
@@ -48,6 +50,7 @@ from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.outputs import save_figure, write_json  # noqa: E402
+from bench_env import environment  # noqa: E402  (scripts/)
 from launchers import (ForwardedSignals, launcher_world_size, log_mark,  # noqa: E402  (scripts/)
                        stopped_after_checkpoint)
 METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
@@ -236,11 +239,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     try:
         refuse_existing_outputs(written, args.overwrite)
-        base_model = load_config([os.path.join(ROOT, args.recipe)], list(args.overrides)).model.name
+        recipe_config = load_config([os.path.join(ROOT, args.recipe)], list(args.overrides))
     except (ConfigError, RunDirError) as e:
         sys.exit(f"error: {e}")
-    plan = [("batch", base_model, b) for b in args.batches] + [("width", m, args.width_batch)
-                                                               for m in args.models]
+    plan = [("batch", recipe_config.model.name, b) for b in args.batches] + [("width", m, args.width_batch)
+                                                                             for m in args.models]
     if not plan:
         sys.exit("error: --batches and --models are both empty: there is nothing to measure")
     check_plan(args, plan)
@@ -300,8 +303,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
               f"{fmt(r['epoch_s'], '9.2f')} {fmt(r['epoch_s_after_first'], '9.2f')} {fmt(r['epoch_s_over_baseline'], '7.3f')} "
               f"{fmt(r['peak_mib'], '9.0f')} {fmt(r['peak_mib_over_baseline'], '7.3f')}")
     os.makedirs(args.out, exist_ok=True)
-    report = {"protocol": "epochs", "recipe": args.recipe, "launcher": args.launcher,
-              "global_batch": args.global_batch, "epochs": args.epochs, "runs": args.runs,
+    # the machine this script ran on and the runs' train.device there (the same fields as bench_overhead.py's JSON;
+    # each run's train.log names every rank's device too, where a launcher such as srun runs them on other nodes)
+    import torch
+    device = recipe_config.train.device
+    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    report = {"protocol": "epochs", **environment("cuda" if on_cuda else "cpu"), "recipe": args.recipe,
+              "launcher": args.launcher, "global_batch": args.global_batch, "epochs": args.epochs, "runs": args.runs,
               "overrides": args.overrides, "rows": rows}
     try:  # never over an output another command wrote since this one started
         write_json(written[0], report, args.overwrite, indent=1)

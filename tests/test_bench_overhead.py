@@ -19,6 +19,24 @@ def _bench():
     return load_script("bench_overhead")
 
 
+def expected_environment() -> dict:
+    """The hardware and software fields every benchmark JSON records on this CPU (scripts/bench_env.py), from
+    their sources: the processor's model name as /proc/cpuinfo gives it, and the installed versions."""
+    import platform
+
+    import timm
+    import torch
+
+    names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")] \
+        if os.path.exists("/proc/cpuinfo") else []
+    return {"device": "cpu", "hardware": names[0] if names else platform.processor(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "timm": timm.__version__}
+
+
+def recorded_environment(report: dict) -> dict:
+    return {k: report.get(k, "missing") for k in expected_environment()}
+
+
 def test_bench_overhead_cpu_smoke(tmp_path, capsys):
     """Both sweeps of every method, the plain TWEO form among them, and outputs that are never replaced."""
     bench = _bench()
@@ -29,6 +47,7 @@ def test_bench_overhead_cpu_smoke(tmp_path, capsys):
                                                                     for m in ("baseline", "cd", "tweo", "tweo_plain")}
     assert all(r["step_ms"] > 0 and r["peak_mib"] is None for r in report["rows"])
     assert json.load(open(tmp_path / "overhead.json"))["memory"] == "n/a"
+    assert recorded_environment(json.load(open(tmp_path / "overhead.json"))) == expected_environment()
     assert (tmp_path / "overhead.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "cd/base" in printed and "tweo_plain/base" in printed
@@ -47,6 +66,7 @@ def test_bench_overhead_apply_only(tmp_path):
     (row,) = report["apply_only"]
     assert row["precision"] == "bf16" and row["apply_over_floor"] > 0
     assert json.load(open(tmp_path / "apply.json"))["apply_only"][0]["embed_dim"] == 64
+    assert recorded_environment(json.load(open(tmp_path / "apply.json"))) == expected_environment()
 
 
 def run_commands_with(monkeypatch, run) -> None:
@@ -294,6 +314,8 @@ def test_epochs_protocol_times_each_run_in_its_own_folder(tmp_path, monkeypatch)
     assert (rows["baseline"]["epoch_s"], rows["baseline"]["epoch_s_after_first"]) == (2.0, 1.5)
     assert (rows["cd"]["epoch_s"], rows["cd"]["epoch_s_after_first"]) == (4.0, 3.0)
     assert rows["cd"]["epoch_s_over_baseline"] == 2.0 and rows["baseline"]["epoch_s_over_baseline"] == 1.0
+    # the machine and versions, as bench_overhead.py and bench_quant.py record them (no device or versions before)
+    assert recorded_environment(json.loads((tmp_path / "epochs.json").read_text())) == expected_environment()
     # the same command again: the report is never replaced without --overwrite, and no run starts
     saved = (tmp_path / "epochs.json").read_text()
     with pytest.raises(SystemExit, match=r"epochs\.json.*already exist.*choose another --out or add --overwrite"):
@@ -383,3 +405,28 @@ def test_every_row_says_whether_its_optimizer_was_fused(tmp_path, capsys):
     assert [r["fused"] for r in report["rows"]] == [False] * len(report["rows"])
     assert json.loads((tmp_path / "overhead.json").read_text())["rows"][0]["fused"] is False
     assert capsys.readouterr().out.count("foreach AdamW") == len(report["rows"])
+
+
+def test_a_step_protocol_flag_under_the_epochs_protocol_says_it_belongs_to_the_step_protocol(capsys):
+    """`--protocol epochs --small` was refused as `unrecognized arguments: --small`, though --help lists --small: the
+    flags that only --protocol step reads are named as its. Which flags those are is taken from the two parsers' own
+    --help (this script's flags that overhead_epochs.py does not take), not from the script's list."""
+    import re
+
+    bench = _bench()
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    own = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", capsys.readouterr().out))
+    with pytest.raises(SystemExit):
+        _epochs_script().main(["--help"])
+    epochs = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", capsys.readouterr().out))
+    step_only = own - epochs - {"--help", "--protocol"}
+    assert step_only == set(bench.STEP_FLAGS)
+    values = {"--device": "cpu", "--widths": "64", "--amp": "bf16", "--warmup": "1", "--steps": "1", "--threads": "1",
+              "--precision": "fp32", "--norms-every": "1"}
+    for flag in sorted(step_only):
+        with pytest.raises(SystemExit) as refused:
+            bench.main(["--protocol", "epochs", flag, *([values[flag]] if flag in values else []), "--out", "/nowhere"])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("error: ") and f"{flag}: a flag of --protocol step" in err, err

@@ -63,3 +63,6 @@ def test_out_in_a_folder_not_made_yet_is_made_before_the_timings(tmp_path, monke
     assert folder_at_timing == [True, True]
     assert json.loads(out.read_text())["pipelines"]["percentile"]["ratio_vs_fp"] == 1.0
     assert os.listdir(out.parent) == ["quant.json"]
+    # the machine and versions, as bench_overhead.py and overhead_epochs.py record them ("cpu (1 threads)" before)
+    from tests.test_bench_overhead import expected_environment, recorded_environment
+    assert recorded_environment(json.loads(out.read_text())) == expected_environment()

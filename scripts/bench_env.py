@@ -1,0 +1,24 @@
+"""The hardware and software a benchmark ran on, as the same fields in every benchmark's JSON
+(bench_overhead.py, bench_quant.py, overhead_epochs.py): a figure means little without the machine it was
+measured on."""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for engine
+from engine.runinfo import cpu_name  # noqa: E402
+
+
+def environment(device) -> dict:
+    """device ('cpu', 'cuda', 'cuda:1' or a torch.device): what it runs on and the versions that time it. hardware
+    is the GPU's name on CUDA, the processor's model name on a CPU; cuda is the CUDA version torch was built
+    with (None in a CPU build)."""
+    import timm
+
+    device = torch.device(device)
+    hardware = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    return {"device": str(device), "hardware": hardware, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "timm": timm.__version__}
