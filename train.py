@@ -65,8 +65,8 @@ from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, sch
 from engine.precision import describe_precision, grad_scaler
 from engine.exit_codes import EXIT_INTERRUPTED
 from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, preempted_line
-from engine.resume import (check_schedule_holds, epoch_position, optimizer_param_names, restore_optimizer,
-                           resume_position)
+from engine.resume import (check_schedule_holds, epoch_layout, epoch_position, optimizer_param_names,
+                           restore_optimizer, resume_position)
 from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, check_same_weights_on_every_rank,
                               keep_abandoned_checkpoint, keep_missing_snapshot, keep_snapshot, resume_source,
                               started_at_step)
@@ -499,9 +499,9 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
                      else as_config_error("cd", pair_energy_source, model, cfg.cd.gated_mlp))
     tweo = (as_config_error("tweo", TWEO.from_config, cfg.tweo, model, total_steps=total_steps)
             if cfg.tweo.enabled else None)
-    position = dict(world_size=dist.world_size, batch_size_per_gpu=per_gpu, accum_steps=accum_steps,
-                    updates_per_epoch=updates_per_epoch, train_images=len(loaders.train.loader.dataset),
-                    seed=cfg.train.seed, repeated_aug=1 if task.language else max(cfg.data.repeated_aug, 1))
+    position = epoch_layout(cfg, world_size=dist.world_size, accum_steps=accum_steps,
+                            updates_per_epoch=updates_per_epoch, train_images=len(loaders.train.loader.dataset),
+                            language=task.language)
     run = Run(cfg=cfg, dist=dist, task=task, model=model, loaders=loaders, accum_steps=accum_steps,
               updates_per_epoch=updates_per_epoch, epochs=epochs, total_steps=total_steps,
               per_step_schedule=per_step, optimizer=optimizer, scheduler=scheduler,

@@ -39,8 +39,8 @@ from .checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["optimizer_param_names", "restore_optimizer", "is_group_counter", "epoch_position", "resume_position",
-           "check_schedule_holds"]
+__all__ = ["optimizer_param_names", "restore_optimizer", "is_group_counter", "epoch_position", "epoch_layout",
+           "resume_position", "check_schedule_holds"]
 
 
 def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -122,6 +122,17 @@ def epoch_position(*, epoch_batches: int, batch_size_per_gpu: int, world_size: i
             "batch_size_per_gpu": batch_size_per_gpu, "accum_steps": accum_steps,
             "updates_per_epoch": updates_per_epoch, "train_images": train_images, "seed": seed,
             "repeated_aug": repeated_aug}
+
+
+def epoch_layout(cfg, *, world_size: int, accum_steps: int, updates_per_epoch: int, train_images: int,
+                 language: bool) -> dict:
+    """What `epoch_position` records of a run of config `cfg` besides the batches consumed: train.py's run
+    (`train_images` its training samples, `language` a language model's task) and scripts/sweep.py's check of a
+    checkpoint before its run resumes (the sample count the checkpoint recorded) give it alike. A language model's
+    windows have no repeated augmentation: 1."""
+    return dict(world_size=world_size, batch_size_per_gpu=cfg.train.batch_size_per_gpu, accum_steps=accum_steps,
+                updates_per_epoch=updates_per_epoch, train_images=train_images, seed=cfg.train.seed,
+                repeated_aug=1 if language else max(cfg.data.repeated_aug, 1))
 
 
 def _layout(p: dict) -> str:

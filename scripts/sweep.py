@@ -58,9 +58,10 @@ paper's tables, and no --amp in the commands); tables mark results evaluated und
 a result file only under the autocast it was written with: with --run, a run whose eval_best.json (not older than
 its best.pt) was evaluated under another --amp is refused before anything starts. So, with --run, is a run whose
 checkpoint.pt train.py would not continue with the sweep's settings (a setting edited in the sweep file since it
-trained: cd.lam), and with --evaluate one whose eval_best.json holds an entry the evaluate list now computes with
-other settings (quant.calib_images added): --recompute gives such a run's evaluate.py command --recompute (the old
-entries are kept in the file's history).
+trained: cd.lam) or its length and layout, also with train.allow_changed_config=true (a schedule now shorter than its
+update, another train.batch_size: another number of updates per epoch), and with --evaluate one whose eval_best.json
+holds an entry the evaluate list now computes with other settings (quant.calib_images added): --recompute gives such a
+run's evaluate.py command --recompute (the old entries are kept in the file's history).
 """
 from __future__ import annotations
 
@@ -603,7 +604,7 @@ def main(argv=None) -> int:
             refuse_missing_input_files(runs)
             # settings the sweep file changed since a run trained or was evaluated: train.py and evaluate.py would
             # refuse them at that run's turn, after the runs before it
-            refuse_changed_training_settings(runs, args.sweep)
+            refuse_changed_training_settings(runs, args.sweep, world_size)
             if args.evaluate:
                 plan_changed_evaluations(runs, args.recompute, world_size, args.sweep)
         except ConfigError as e:
@@ -878,14 +879,17 @@ def refuse_results_of_another_autocast(runs: list[dict], eval_amp: Optional[str]
                               f"evaluate the run under --eval-amp {amp}")
 
 
-def refuse_changed_training_settings(runs: list[dict], sweep_path: str) -> None:
+def refuse_changed_training_settings(runs: list[dict], sweep_path: str, world_size: Optional[int]) -> None:
     """train.py continues the checkpoint.pt in a run's folder only with the settings it was written with (train.py's
-    check_resumable, which this runs: train.allow_changed_config=true aside): a run whose settings in the sweep file
-    were changed since (cd.lam of a finished run) was refused at its turn, after the runs before it had trained, or
-    validated and been evaluated again, and the later runs were not started. Refused before anything starts
-    (ConfigError), saying what to do in the sweep's terms (it names out_dir itself). Left to train.py's start, as
-    before: a run with train.resume (which checkpoint it continues depends on both files), and a checkpoint.pt
-    whose config cannot be read (train.py's error names what is wrong with the file)."""
+    check_resumable, which this runs: train.allow_changed_config=true aside) and only where the run's length and
+    layout can continue it (check_resume_length: also with train.allow_changed_config=true): a run whose settings in
+    the sweep file were changed since (cd.lam of a finished run; a shorter sched.epochs) was refused at its turn,
+    after the runs before it had trained, or validated and been evaluated again, and the later runs were not
+    started. Refused before anything starts (ConfigError), saying what to do in the sweep's terms (it names out_dir
+    itself). `world_size`: the processes the launcher starts (None: it does not say, and the checks of the layout
+    are left to train.py). Left to train.py's start, as before: a run with train.resume (which checkpoint it
+    continues depends on both files), and a checkpoint.pt whose config cannot be read (train.py's error names what
+    is wrong with the file)."""
     import torch  # only with --run: printing the commands does not need it
 
     from engine.checkpoint import CheckpointError
@@ -900,17 +904,64 @@ def refuse_changed_training_settings(runs: list[dict], sweep_path: str) -> None:
         if cfg.train.resume or not os.path.isfile(checkpoint):
             continue
         try:  # memory-mapped: the weights are not read
-            saved = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)["config"]
+            payload = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+            saved = payload["config"]
         except Exception:  # noqa: BLE001 - not a checkpoint of train.py: its own refusal at the run's start
             continue
         if not isinstance(saved, dict) or not all(isinstance(saved.get(k), dict) for k in CONFIG_SECTIONS):
             continue  # (engine/snapshots.read_training_checkpoint's test of what a resume compares)
         try:
             check_resumable(saved, cfg, checkpoint, warn=False)  # train.py announces the resume at its turn
-        except CheckpointError as e:
+            check_resume_length(cfg, payload, checkpoint, world_size)
+        except (CheckpointError, ConfigError) as e:
             raise ConfigError(f"sweep run '{run['name']}': train.py would refuse it at its start: {e} (in a sweep, "
                               f"out_dir is out_root/{run['name']}: another out_root in {sweep_path} gives every run "
                               f"a new folder, and a setting of this run goes in its items there)") from e
+
+
+def check_resume_length(cfg, payload: dict, checkpoint: str, world_size: Optional[int]) -> None:
+    """train.py's refusals of a resume that need the run's updates per epoch, which it counts once its data are
+    read, made with its own checks in its order: the schedule reaches the checkpoint's update and train.max_steps is
+    not below it (train.check_resume_point), a poly schedule decays with the checkpoint's power
+    (engine/training_checks.check_poly_power; with train.allow_changed_config=true it only logs, at the run's turn),
+    and the epochs have the checkpoint's number of updates and its position in the epoch falls on a whole update
+    (engine/resume.resume_position: a changed train.batch_size). Fed from the memory-mapped checkpoint: its update,
+    its scheduler state and its epoch_position, whose count of training samples stands for the data (train.py itself
+    compares the data with the checkpoint's). The updates per epoch are those of train.py's loader over that count
+    and `world_size` processes. Nothing is checked where the layout is not known: processes the launcher does not
+    state (None), a checkpoint older than its epoch_position, a batch that does not fit the samples (train.py's
+    refusal, at its start). Raises CheckpointError or ConfigError, train.py's own."""
+    from data import DataError
+    from data.loader import _train_batches
+    from engine.optim import schedule_length
+    from engine.resume import epoch_layout, epoch_position, resume_position
+    from engine.tasks import task_for
+    from engine.training_checks import check_poly_power
+    from train import accumulation_steps, check_resume_point
+
+    recorded = payload.get("epoch_position")
+    if world_size is None or not isinstance(recorded, dict):
+        return
+    accum_steps = accumulation_steps(cfg, world_size)
+    samples = int(recorded["train_images"])
+    try:  # train.py's loader (len: its sampler's full batches per process) over a stand-in of the samples
+        batches = len(_train_batches(cfg.data, range(samples), cfg.train.batch_size_per_gpu, 0, world_size,
+                                     cfg.train.seed, "training samples", "more training samples"))
+    except DataError:
+        return
+    updates_per_epoch = batches // accum_steps
+    if updates_per_epoch == 0:
+        return
+    _, total_steps, _ = schedule_length(cfg.sched, updates_per_epoch)
+    check_resume_point(cfg, payload, checkpoint, total_steps, updates_per_epoch)
+    state = payload["state"]
+    if not cfg.train.allow_changed_config:
+        last = total_steps if cfg.train.max_steps is None else min(total_steps, cfg.train.max_steps)
+        check_poly_power(cfg, payload.get("scheduler"), checkpoint, updates_left=last - int(state["step"]))
+    now = epoch_layout(cfg, world_size=world_size, accum_steps=accum_steps, updates_per_epoch=updates_per_epoch,
+                       train_images=samples, language=task_for(cfg.data.dataset).language)
+    resume_position(recorded, epoch_position(epoch_batches=0, **now), epoch_batches=int(state["epoch_batches"]),
+                    step=int(state["step"]), checkpoint=checkpoint)
 
 
 def plan_changed_evaluations(runs: list[dict], recompute: bool, world_size: Optional[int], sweep_path: str) -> None:

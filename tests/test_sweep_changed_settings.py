@@ -8,6 +8,7 @@ runs were not started. The sweep refuses such a run up front in one line, in its
 evaluate.py's --recompute on to the runs whose result file disagrees. The reference for each refusal is train.py's
 and evaluate.py's own: what the sweep refuses, they refuse, and what it lets through, they take."""
 import logging
+import shutil
 
 import pytest
 import torch
@@ -130,16 +131,75 @@ def test_a_training_setting_changed_since_is_refused_before_anything_starts(trai
 
 # environment: train.max_steps may always change; 4 is run a's length (a stop beyond it train.py refuses at its start)
 @pytest.mark.parametrize("items", [ITEMS, [*ITEMS, "optim.lr=0.01", "train.allow_changed_config=true"],
-                                   [*ITEMS, "train.max_steps=4"]], ids=["same", "allowed", "environment"])
+                                   [*ITEMS, "train.max_steps=4"],
+                                   ["sched.epochs=2", "sched.warmup_epochs=0", "log.tensorboard=false",
+                                    "train.allow_changed_config=true"]],
+                         ids=["same", "allowed", "environment", "longer schedule"])
 def test_settings_train_py_continues_with_are_not_refused(trained, tmp_path, caplog, items):
     """...nor announced: the sweep printed train.py's "resuming with changed settings" before any run had started
     (the run it named was not the next to run), and train.py printed it again at that run's resume."""
     runs = sweep.expand(sweep_file(trained, tmp_path / "s.yaml", items=items), [])
     with caplog.at_level(logging.WARNING):
-        sweep.refuse_changed_training_settings(runs, "s.yaml")
+        sweep.refuse_changed_training_settings(runs, "s.yaml", world_size=1)
     assert "resuming with changed settings" not in caplog.text
     checkpoint = trained / "runs" / "a" / "checkpoint.pt"
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["config"]
     with caplog.at_level(logging.WARNING):
         train.check_resumable(saved, load_config([DEBUG_CONFIG], runs[0]["overrides"]), str(checkpoint))  # continues
     assert ("resuming with changed settings: optim.lr" in caplog.text) == ("optim.lr=0.01" in items)
+
+
+def copied_run(trained, root):
+    """root/runs/a: a copy of the trained run 'a' (its files' times kept: its result file is not older than best.pt),
+    for a test whose train.py reference writes to the run's folder."""
+    shutil.copytree(trained / "runs" / "a", root / "runs" / "a")
+    return root / "runs" / "a"
+
+
+# train.allow_changed_config=true takes the changed settings; the run's length and layout must still continue the
+# checkpoint's 4 updates (1 epoch of 4 updates: 64 samples, 8 per process, 2 accumulation steps)
+@pytest.mark.parametrize("items, says", [
+    (["sched.steps=3", "log.tensorboard=false", "train.allow_changed_config=true"],
+     "is at update 4, beyond the 3 updates of this run's schedule (sched.steps=3)"),
+    ([*ITEMS, "train.batch_size=32", "train.batch_size_per_gpu=16", "train.allow_changed_config=true"],
+     "is at update 4, beyond the 2 updates of this run's schedule (sched.epochs=1, 2 updates each)"),
+    ([*ITEMS, "train.batch_size=8", "sched.min_lr=1e-6", "train.allow_changed_config=true"],
+     "this run has 1 process(es) x 8 per process x 1 accumulation step(s), 8 updates per epoch"),
+], ids=["shorter schedule", "larger batch", "smaller batch"])
+def test_a_resume_the_run_s_length_cannot_continue_is_refused_before_anything_starts(trained, tmp_path, capsys,
+                                                                                      items, says):
+    """check_resumable lets train.allow_changed_config=true through, and train.py refused such a run only once it had
+    counted its data (the schedule shorter than the checkpoint's update, another number of updates per epoch), after
+    the runs before it. The sweep refuses it up front with train.py's own error."""
+    root = tmp_path / "copy"
+    folder = copied_run(trained, root)
+    log = (folder / "train.log").stat()
+    message = refused_at_start(sweep_file(root, tmp_path / "s.yaml", items=items, before=True))
+    assert "train.py would refuse it at its start" in message and says in message
+    assert not (root / "runs" / "b").exists() and (folder / "train.log").stat() == log
+    assert capsys.readouterr().out == ""
+    with pytest.raises(CheckpointError) as refused:  # train.py's own refusal of the run's command, in its words
+        train.main(load_config([DEBUG_CONFIG], [*items, f"out_dir={folder}"]))
+    assert str(refused.value) in message
+
+
+def test_a_poly_run_of_another_power_with_updates_left_is_refused_before_anything_starts(tmp_path, capsys):
+    """A checkpoint whose poly schedule decayed with another power (written before build_scheduler set it) continues
+    only with train.allow_changed_config=true: train.py refused it once it knew the updates left, after the runs
+    before it; the sweep refuses it up front, and lets it through with train.allow_changed_config=true."""
+    items = ["sched.name=poly", "sched.epochs=1", "sched.warmup_epochs=0", "log.tensorboard=false"]
+    folder = tmp_path / "runs" / "a"
+    train.main(load_config([DEBUG_CONFIG], [*items, "train.max_steps=2", f"out_dir={folder}"]))  # 2 of 4 updates
+    payload = torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=False)
+    payload["scheduler"]["power"] = 0.1  # create_scheduler_v2's default, as the earlier code wrote it
+    torch.save(payload, folder / "checkpoint.pt")
+    capsys.readouterr()  # the training's log
+    message = refused_at_start(sweep_file(tmp_path, tmp_path / "s.yaml", items=items, before=True))
+    assert "train.py would refuse it at its start" in message
+    assert not (tmp_path / "runs" / "b").exists() and capsys.readouterr().out == ""
+    with pytest.raises(ConfigError) as refused:  # train.py's own refusal
+        train.main(load_config([DEBUG_CONFIG], [*items, f"out_dir={folder}"]))
+    assert "power 0.1" in str(refused.value) and str(refused.value) in message
+    allowed = sweep.expand(sweep_file(tmp_path, tmp_path / "s.yaml", items=[*items, "train.allow_changed_config=true"]),
+                           [])
+    sweep.refuse_changed_training_settings(allowed, "s.yaml", world_size=1)

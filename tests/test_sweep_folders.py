@@ -571,4 +571,4 @@ def test_a_sweep_without_config_files_checks_its_runs_as_train_py_runs_them(tmp_
     folder = tmp_path / "runs" / "a"
     folder.mkdir(parents=True)
     torch.save({"config": config_to_dict(ran)}, folder / "checkpoint.pt")
-    sweep.refuse_changed_training_settings([run], str(path))  # the run's own settings: no refusal
+    sweep.refuse_changed_training_settings([run], str(path), world_size=1)  # the run's own settings: no refusal
