@@ -75,7 +75,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 import evaluate  # noqa: E402
-from configs.cli import OneLineParser, first_line, move_overrides, passed_on_epilog  # noqa: E402
+from configs.cli import OneLineParser, at_least, first_line, move_overrides, passed_on_epilog  # noqa: E402
 from data import build_eval_loader  # noqa: E402
 from engine.checkpoint import weights_fingerprint  # noqa: E402
 from engine import outputs  # noqa: E402
@@ -476,10 +476,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--official", required=True, help="path of a GoatWu/APHQ-ViT checkout (read only)")
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--bits", nargs="+", default=["w4a4", "w3a3"], help="bit-widths (W = A)")
-    parser.add_argument("--iters", type=int, default=500,
+    parser.add_argument("--iters", type=at_least(0), default=500,
                         help="reconstruction iterations per unit in both (official: 20000); "
                              "0: calibration only")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch CPU threads")
     parser.add_argument("--official-seed", type=int, default=3407, help="torch seed of the official run")
     parser.add_argument("--reference-seed", type=int, default=None,
                         help="also reconstruct ours with this quant.aphq.seed (sampling-noise reference)")
@@ -488,12 +488,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.epilog = passed_on_epilog(parser, evaluate.build_parser(), "evaluate.py")
     args = parser.parse_args(argv)
     move_overrides(args, "bits")  # `--bits w4a4 data.root=d`: data.root=d is an override, as in evaluate.py
+    # values the flags refuse on their own: usage errors (status 2), as argparse's, before any model is read
     if not args.bits:
-        raise UserError("--bits needs at least one bit-width, e.g. --bits w4a4")
-    if args.iters < 0:
-        raise UserError("--iters must be >= 0")
-    if args.threads < 1:
-        raise UserError("--threads must be >= 1")
+        parser.error("--bits needs at least one bit-width, e.g. --bits w4a4")
+    for bits in args.bits:
+        try:
+            b = parse_bits(bits)
+        except ValueError as e:
+            parser.error(f"--bits: {e}")
+        if b.w != b.a:
+            parser.error(f"--bits {bits}: the official configs have equal weight and activation bits")
     args.official = os.path.abspath(args.official)
     return args
 

@@ -164,8 +164,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     parser.add_argument("points", nargs=2, metavar="POINT", help="the two points, e.g. baseline cd10x")
     parser.add_argument("--seeds", type=int, nargs="+", help="the seeds of both points to test (default: all)")
     args = parser.parse_args(argv)
-    if args.points[0] == args.points[1]:
-        raise ReportError(f"{args.points[0]} given twice: give two different points")
+    if args.points[0] == args.points[1]:  # a usage error (status 2), as argparse's: before the sweep is read
+        parser.error(f"{args.points[0]} given twice: give two different points")
     if not os.path.isdir(args.root):
         raise ReportError(f"{args.root}: no such folder; give the sweep's out_root")
     groups = by_point(read_sweep(args.root))

@@ -293,8 +293,10 @@ def main(argv=None) -> str:
     if args.overwrite and not args.out:  # nothing would be replaced: the flag was meant with an --out
         p.error("--overwrite replaces the --out file, and no --out is given: add --out PATH, or drop --overwrite")
     if args.out and os.path.isdir(args.out):  # --overwrite replaces a file, never a folder
-        sys.exit(f"error: --out {args.out} is a folder; give the path of the table's file, e.g. "
-                 f"{os.path.join(args.out, 'table.md')}")
+        p.error(f"--out {args.out} is a folder; give the path of the table's file, e.g. "
+                f"{os.path.join(args.out, 'table.md')}")
+    if args.over_seeds and args.layout == "finetune":  # a usage error: before any result file is read
+        p.error("--over-seeds is for the rows layout (the fine-tuning layout takes one result per cell)")
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite, inputs=args.results)
         results = read_result_files(args.results)
@@ -311,8 +313,6 @@ def main(argv=None) -> str:
         if missing is not None:
             sys.exit(f"error: {path} has no number at {missing}: re-evaluate it with evaluate.py (--recompute for "
                      "a quantized entry)")
-    if args.over_seeds and args.layout == "finetune":
-        sys.exit("error: --over-seeds is for the rows layout (the fine-tuning layout takes one result per cell)")
     refuse_unfinished_runs(args.results, results, args.over_seeds)
     try:
         # rows of one model and method are told apart by their runs, and a run stopped short of one that trained

@@ -128,12 +128,23 @@ def test_argument_errors(tmp_path, fake_official):
     with pytest.raises(xc.UserError, match="--bits"):
         xc.official_config(fake_official, "four")
     assert xc.official_config(fake_official, "w4a4").endswith(os.path.join("configs", "4bit", "best.py"))
-    with pytest.raises(xc.UserError, match="--iters"):
-        xc.parse_args(["--checkpoint", "c", "--official", "o", "--out", "x", "--iters", "-1"])
     given = xc.parse_args(["--checkpoint", "c", "--official", "o", "--out", "x", "--bits", "w4a4", "data.root=d"])
     assert given.bits == ["w4a4"] and given.overrides == ["data.root=d"]  # an override, as in evaluate.py
-    with pytest.raises(xc.UserError, match=r"--bits needs at least one bit-width"):
-        xc.parse_args(["--checkpoint", "c", "--official", "o", "--out", "x", "--bits", "data.root=d"])
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--iters", "-1"], "--iters: -1: must be at least 0"),
+    (["--threads", "0"], "--threads: 0: must be at least 1"),
+    (["--bits", "data.root=d"], "--bits needs at least one bit-width"),  # an override, no bit-width
+    (["--bits", "w4a4", "four"], "--bits: bit-width 'four' is not of the form 'w4a4'"),
+    (["--bits", "w4a8"], "--bits w4a8: the official configs have equal weight and activation bits"),
+])
+def test_values_the_flags_refuse_are_usage_errors(capsys, flags, expected):
+    """They were a UserError after parsing (status 1); a usage error is one line with status 2, before any work."""
+    with pytest.raises(SystemExit) as refused:
+        xc.parse_args(["--checkpoint", "c", "--official", "o", "--out", "x", *flags])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]
 
 
 def test_options_that_differ_from_the_official_run_are_listed(fake_official):

@@ -75,12 +75,20 @@ def test_a_setting_some_chosen_runs_lack_is_named_not_tested(sweep):
     (["baseline", "cd1x"], "has no evaluated runs of point 'cd1x'; its points: baseline, cd10x"),
     (["baseline", "cd10x", "--seeds", "0", "7"], "point baseline has no evaluated run of seed(s) 7"),
     (["baseline", "cd10x", "--seeds", "0"], "point baseline has 1 chosen run(s); a sample std needs two or more"),
-    (["cd10x", "cd10x"], "cd10x given twice"),
 ])
 def test_refusals_name_the_input(sweep, argv, message):
     with pytest.raises(gap_test.ReportError) as refused:
         gap_test.main([str(sweep), *argv])
     assert message in str(refused.value)
+
+
+def test_a_point_given_twice_is_a_usage_error(sweep, capsys):
+    """It was a ReportError (status 1) after parsing; a value the arguments refuse on their own is a usage error."""
+    with pytest.raises(SystemExit) as refused:
+        gap_test.main([str(sweep), "cd10x", "cd10x"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") \
+        and "cd10x given twice: give two different points" in lines[0], lines
 
 
 # (fp top-1, top-1 at W4A4 of both pipelines) per classifier run; the fixture's W3A3 is 20 points below W4A4

@@ -334,7 +334,7 @@ def test_rows_layout_reads_a_language_models_perplexity_not_a_top1(tmp_path):
     assert "| gpt | CD |" in table and "4.25" in table and "5.5" in table
 
 
-def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_replaced(tmp_path):
+def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_replaced(tmp_path, capsys):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for path in (a, b):
         path.write_text(json.dumps(_finetune_result("pets", "CD", 95.0, 94.0)))
@@ -347,10 +347,13 @@ def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_repla
     b.write_text(json.dumps(gpt))
     with pytest.raises(SystemExit, match=r"error: .* has no top-1 \(a language model's result"):
         paper_table.main(["--layout", "finetune", str(b)])
-    with pytest.raises(SystemExit, match=r"error: --out .* is a folder"):  # was an IsADirectoryError traceback
-        paper_table.main([str(a), "--out", str(tmp_path), "--overwrite"])
-    with pytest.raises(SystemExit, match="error: --over-seeds is for the rows layout"):
-        paper_table.main(["--layout", "finetune", "--over-seeds", str(a)])
+    # values the flags refuse on their own: usage errors (status 2, one line), as argparse's (they exited 1)
+    for argv, expected in (([str(a), "--out", str(tmp_path), "--overwrite"], f"--out {tmp_path} is a folder"),
+                           (["--layout", "finetune", "--over-seeds", str(a)], "--over-seeds is for the rows layout")):
+        with pytest.raises(SystemExit) as refused:
+            paper_table.main(argv)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert refused.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0]
     with pytest.raises(SystemExit, match=r"error: --out /proc/table.md: cannot be written"):  # was a traceback
         paper_table.main([str(a), "--out", "/proc/table.md"])
     out = tmp_path / "table.md"
