@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     import timm
     try:
         model = timm.create_model(args.model)
-    except RuntimeError as error:  # timm's unknown model: one line names the input
-        raise SystemExit(f"error: cd_update_memory.py: --model {args.model}: {error}") from None
+    except RuntimeError as error:  # timm's unknown model: a usage error naming the input (status 2), as below
+        parser.error(f"--model {args.model}: {error}")
     try:  # before any output: a model CD finds no pairs in (a CNN) is a usage error, not a traceback below
         find_pairs(model, verify=False)  # the pairs each ColinearityDecay below finds (it passes verify=False)
     except UnsupportedModelError as e:
