@@ -265,14 +265,9 @@ def build_token_eval_loader(cfg: DataConfig, stream: TokenStream, *, context: in
 
 
 def _val_windows(cfg: DataConfig, stream: TokenStream, context: int) -> TokenWindows:
-    """The validation windows of `stream`: data.val_windows of them, or all. The key is "at most" (a recipe's
-    512 fits any split it is given), so more than the split has scores them all; one line says how many,
-    because the number asked for is not the number scored."""
-    windows = TokenWindows(stream, context, train=False, limit=cfg.val_windows)
-    if cfg.val_windows > len(windows):
-        log.info("data.val_windows=%d: %s has %d windows of %d tokens; scoring all %d windows", cfg.val_windows,
-                 stream.source, len(windows), context, len(windows))
-    return windows
+    """The validation windows of `stream`: data.val_windows of them, or all (0); more than the split has are
+    refused (TokenWindows): scored as all of them, the results would name a number of windows never scored."""
+    return TokenWindows(stream, context, train=False, limit=cfg.val_windows)
 
 
 def calibration_window_count(cfg: DataConfig, context: int) -> int:

@@ -18,7 +18,7 @@ Windows: training sample i is the `context + 1` ids from `i * context + offset`,
 sample's seed (data/samplers.py), so every epoch sees each stretch of text at another phase, as nanoGPT's
 random windows do, while order and offsets stay a pure function of (seed, epoch, position) for exact
 resume. Validation windows are disjoint, from offset 0; the ids after the last whole window (fewer than
-`context`) are not scored.
+`context`) are not scored. `data.val_windows` of them (spread evenly), or all; more than the text has are refused.
 """
 from __future__ import annotations
 
@@ -339,6 +339,11 @@ class TokenWindows(Dataset):
             raise ShortTextError(f"{stream.source} has {len(self.ids)} ids, fewer than one "
                                  f"{'training ' if train else ''}window of {context + 1 + extra} "
                                  f"(the model's context of {context} ids + 1 next id{offset})")
+        # more validation windows than the text has would be scored as all of them, while the results named the
+        # number asked for: refused, with the most it can give
+        if limit > self.count and not train:
+            raise DataError(f"data.val_windows={limit}: {stream.source} has {self.count} windows of {context} "
+                            "tokens; give at most that, or 0 for all")
         # evenly spread windows when the validation is limited (data.val_windows)
         self.starts = (np.linspace(0, self.count - 1, limit).round().astype(np.int64) * context
                        if 0 < limit < self.count and not train else None)

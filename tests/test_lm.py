@@ -795,31 +795,31 @@ def test_the_validation_loader_takes_data_val_windows_windows(tmp_path):
     assert val_windows(7) == (7, 7) and val_windows(0) == (99, 99)
 
 
-def test_more_validation_windows_than_the_split_has_scores_all_and_says_how_many(tmp_path, caplog):
-    """data.val_windows is "at most": 500 of a split of 99 windows scores the 99, and one line says so, in
-    training's loaders and in evaluate.py's alone; a number the split can give says nothing."""
+def test_more_validation_windows_than_the_split_has_are_refused_naming_the_most_it_has(tmp_path):
+    """data.val_windows past the split's windows was scored as all of them while the results named the number
+    asked for: refused, in training's loaders and in evaluate.py's alone, naming the most the split gives (1,000 ids
+    hold 99 windows of 10 ids and a next id: 99 * 10 + 1 <= 1,000 < 100 * 10 + 1); that many, and fewer, are taken."""
     from data.loader import build_token_eval_loader, build_token_loaders
 
     for split in ("train", "val"):
         (np.arange(1000, dtype=np.uint16) % 50).tofile(tmp_path / f"{split}.bin")
+    most = max(k for k in range(1, 1000) if k * 10 + 1 <= 1000)
 
-    def said(k, build):
+    def scored(k, build):
         cfg = DataConfig(dataset="tokens", root=str(tmp_path), val_windows=k, num_workers=0)
-        caplog.clear()
-        with caplog.at_level("INFO", logger="data.loader"):
-            if build == "train":
-                val = build_token_loaders(cfg, context=10, batch_size_per_gpu=4, eval_batch_size_per_gpu=8,
-                                          rank=0, world_size=1, seed=0, vocab_size=50).val
-            else:
-                val = build_token_eval_loader(cfg, token_stream(cfg, "val"), context=10, batch_size_per_gpu=8,
-                                              rank=0, world_size=1, vocab_size=50)
-        assert len(val.dataset) == min(k, 99)
-        return [r.getMessage() for r in caplog.records if "val_windows" in r.getMessage()]
+        if build == "train":
+            return len(build_token_loaders(cfg, context=10, batch_size_per_gpu=4, eval_batch_size_per_gpu=8, rank=0,
+                                           world_size=1, seed=0, vocab_size=50).val.dataset)
+        return len(build_token_eval_loader(cfg, token_stream(cfg, "val"), context=10, batch_size_per_gpu=8, rank=0,
+                                           world_size=1, vocab_size=50).dataset)
 
+    val = re.escape(str(tmp_path / "val.bin"))
     for build in ("train", "evaluate"):
-        lines = said(500, build)
-        assert len(lines) == 1 and "data.val_windows=500" in lines[0] and "all 99 windows" in lines[0], lines
-        assert said(99, build) == [] and said(7, build) == []
+        for k in (most + 1, 500):
+            with pytest.raises(DataError, match=rf"^data.val_windows={k}: {val} has {most} windows of 10 tokens; give "
+                                                r"at most that, or 0 for all$"):
+                scored(k, build)
+        assert scored(most, build) == most and scored(7, build) == 7 and scored(0, build) == most
 
 
 def test_the_kjv_split_is_the_texts_head_for_training_and_its_tail_for_validation():
@@ -887,9 +887,9 @@ def test_a_language_model_validation_stopped_midway_gives_no_numbers():
 
 def test_data_val_windows_short_of_all_by_one_scores_that_many():
     """data.val_windows=k below the split's window count scores k distinct windows, even one fewer than all;
-    k of at least the count (or 0) scores every window once."""
+    k of the count (or 0) scores every window once."""
     stream = TokenStream(np.arange(1000, dtype=np.uint16), None, "test")  # 99 windows of 10
-    for limit, want in ((98, 98), (99, 99), (500, 99), (0, 99)):
+    for limit, want in ((98, 98), (99, 99), (0, 99)):
         windows = TokenWindows(stream, 10, train=False, limit=limit)
         assert len(windows) == want, limit
         assert len({int(windows[i][0][0]) for i in range(len(windows))}) == want, limit

