@@ -224,12 +224,14 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
     its evaluation takes the 'evaluate' list last, whose quant.* must pass too, or the run ends at its evaluation.
     Then what train.py refuses once it builds the model and before it reads the data: the model built on the meta
     device (check_model: model.name, model.kwargs, model.img_size against its patches), the model against the task
-    and log.act_max (train.check_model_fits_run), and the data settings (data.check_data_settings: data.auto_augment,
-    mixup's even batch, model.num_classes against the data's classes). `checked`: the model and data settings checked
-    already (expand's runs: a 36-run sweep of seeds builds its model once). With `world_size` (the processes the
-    launcher starts), the global batch must split into them as train.py splits it (train.accumulation_steps). Left to
-    the run's start: what needs the data read or its length counted (files under data.root, a token file's ids,
-    train.max_steps and the cadences beyond the run's updates) and the device (cd.matmul_precision=tf32 off CUDA)."""
+    and log.act_max (train.check_model_fits_run), the quant.act_max_extra_modules of the run and of its evaluation
+    against the model's modules (check_probed_modules), and the data settings (data.check_data_settings:
+    data.auto_augment, mixup's even batch, model.num_classes against the data's classes). `checked`: the model and
+    data settings checked already (expand's runs: a 36-run sweep of seeds builds its model once). With `world_size`
+    (the processes the launcher starts), the global batch must split into them as train.py splits it
+    (train.accumulation_steps). Left to the run's start: what needs the data read or its length counted (files under
+    data.root, a token file's ids, train.max_steps and the cadences beyond the run's updates) and the device
+    (cd.matmul_precision=tf32 off CUDA)."""
     from data import DataError, check_data_settings
     from models import input_size
     from quant.plan import check_quant_plan
@@ -238,17 +240,24 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
     paths = [os.path.join(ROOT, c) for c in configs]
     cfg = load_config(paths, overrides)
     check_before_start(cfg, packages)
-    if eval_overrides:
-        check_quant_plan(load_config(paths, overrides + eval_overrides))
+    evaluated = load_config(paths, overrides + eval_overrides) if eval_overrides else None
+    if evaluated is not None:
+        check_quant_plan(evaluated)
     if world_size is not None:
         accumulation_steps(cfg, world_size)
     checked = set() if checked is None else checked
     key = repr((cfg.model, cfg.data, cfg.log.act_max, cfg.train.batch_size_per_gpu))  # all the checks below read
     # what check_regularizers reads: a sweep of seeds and CD strengths finds the model's pairs once
     regularizers = repr((cfg.model, cfg.cd.enabled and cfg.cd.gated_mlp, cfg.cd.enabled, cfg.tweo.enabled))
-    if key in checked and regularizers in checked:
+    # the modules whose maxima the run's config (train.py) and its evaluation (evaluate.py) measure
+    probed = repr((cfg.model, cfg.quant.act_max_extra_modules,
+                   evaluated.quant.act_max_extra_modules if evaluated is not None else None))
+    if key in checked and regularizers in checked and probed in checked:
         return
     model = check_model(cfg.model)
+    if probed not in checked:
+        check_probed_modules(cfg, evaluated, model)
+        checked.add(probed)
     if key not in checked:
         check_model_fits_run(cfg, model)
         try:
@@ -261,6 +270,28 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
     if regularizers not in checked:
         check_regularizers(cfg, model)
         checked.add(regularizers)
+
+
+def check_probed_modules(cfg, evaluated, model) -> None:
+    """quant.act_max_extra_modules patterns must name modules of the model whose outputs are measured
+    (engine/act_max.check_extra_modules): train.py refuses the run's own once its model is built, before the data are
+    read (its config records them as evaluate.py's defaults), and evaluate.py those of `evaluated` (the run's config
+    under the sweep's evaluate list: None without one) after the training. `model` is check_model's, on the meta
+    device: its module names are the run's, which evaluate.py builds from the checkpoint's config. Raises
+    ConfigError, in their words."""
+    from engine.act_max import check_extra_modules
+    from quant.plan import RECORDED_FOR_EVALUATION
+
+    try:
+        check_extra_modules(model, cfg.quant.act_max_extra_modules)
+    except ConfigError as e:
+        raise ConfigError(f"{e} ({RECORDED_FOR_EVALUATION})") from None
+    if evaluated is not None and evaluated.quant.act_max_extra_modules != cfg.quant.act_max_extra_modules:
+        try:  # set by the evaluate list (a run's own item that it would replace: refused by expand)
+            check_extra_modules(model, evaluated.quant.act_max_extra_modules)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (the sweep's evaluate list: evaluate.py would refuse it after the training)"
+                              ) from None
 
 
 def check_regularizers(cfg, model) -> None:

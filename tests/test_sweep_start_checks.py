@@ -17,7 +17,7 @@ import train
 from configs import ConfigError, load_config
 from data import DataError
 from models import ModelError, build_model
-from tests.conftest import DEMO_CONFIG, ROOT, make_folder
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT, make_folder
 
 import sweep  # noqa: E402  (scripts/, on the path of the tests)
 
@@ -28,7 +28,7 @@ def sweep_file(tmp_path, config: str, b_items: list[str]) -> str:
     """A sweep of `config` in tmp_path/runs: run 'a' as the config is, run 'b' with `b_items`."""
     spec = tmp_path / "s.yaml"
     spec.write_text(f"configs: [{config}]\nout_root: {tmp_path}/runs\n"
-                    f"runs:\n  a: []\n  b: [{', '.join(b_items)}]\n")
+                    f"runs:\n  a: []\n  b: [{', '.join(map(sweep.flow_item, b_items))}]\n")  # quoted where YAML needs
     return str(spec)
 
 
@@ -64,8 +64,11 @@ def train_refusal(tmp_path, config: str, items: list[str]) -> str:
     (DEMO_CONFIG, ["tweo.enabled=true", "model.kwargs.depth=0"]),
     (DEMO_CONFIG, ["cd.enabled=true", "model.name=eva02_tiny_patch14_224", "model.img_size=28",
                    "model.kwargs.depth=1"]),
+    # the modules whose maxima the run's evaluation measures besides its blocks: none, or pass-through ones only
+    (DEMO_CONFIG, ["quant.act_max_extra_modules=[bar.*]"]),
+    (DEMO_CONFIG, ["quant.act_max_extra_modules=[blocks.*.drop_path1]"]),
 ], ids=["kwargs", "img_size", "auto_augment", "classes", "mixup", "gpt_kwargs", "vocabulary", "cd_no_pairs",
-        "tweo_no_blocks", "cd_gated_mlp"])
+        "tweo_no_blocks", "cd_gated_mlp", "extra_module_none", "extra_module_pass_through"])
 def test_a_later_runs_setting_train_py_refuses_at_its_start_is_refused_before_anything(tmp_path, capsys, config,
                                                                                        items):
     message = refused(sweep_file(tmp_path, config, items), capsys)
@@ -144,3 +147,27 @@ def test_the_wandb_package_is_looked_for_only_where_the_commands_run(tmp_path, c
         sweep.main([spec, "--run"])
     assert str(stop.value.code) == f"error: sweep run 'b': {reference.value}"
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("pattern", ["foo.*", "blocks.*.drop_path1"], ids=["none", "pass_through"])
+def test_an_extra_module_of_the_evaluate_list_evaluate_py_refuses_is_refused_before_anything(tmp_path, capsys,
+                                                                                                pattern):
+    """quant.act_max_extra_modules in the sweep's evaluate list reaches evaluate.py only, which refused a pattern
+    naming no module (or only pass-through ones) after the run had trained. The reference is evaluate.py's own
+    refusal of the run's command on a checkpoint of the run's model (tiny.yaml, 1 update)."""
+    import evaluate
+
+    item = f"quant.act_max_extra_modules=[{pattern}]"
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [{DEBUG_CONFIG}]\nout_root: {tmp_path}/runs\nevaluate: ['{item}']\n"
+                    "runs:\n  a: []\n  b: [train.seed=1]\n")
+    with pytest.raises(SystemExit) as stop:
+        sweep.main([str(spec), "--evaluate"])
+    message = str(stop.value.code)
+    assert message.startswith("error: sweep run 'a': ") and "\n" not in message, message
+    assert "the sweep's evaluate list" in message and capsys.readouterr().out == ""
+    out = tmp_path / "trained"
+    train.main(load_config([DEBUG_CONFIG], ["train.max_steps=1", "log.tensorboard=false", f"out_dir={out}"]))
+    with pytest.raises(ConfigError) as reference:
+        evaluate.main(evaluate.parse_args(["--checkpoint", str(out / "best.pt"), "--out", str(out / "e.json"), item]))
+    assert str(reference.value) in message
