@@ -152,13 +152,17 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="", help="optional JSON path")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
+    try:  # a usage error (status 2), as argparse's: 'w4' is no bit-width, not one a pipeline cannot do
+        bits = parse_bits(args.bits)
+    except ValueError as e:
+        p.error(f"--bits {args.bits}: {e}")
     heads = refuse_unbuildable(p, args)
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
         if args.out:  # its folder too: open() after the timings failed on a folder that was not there
             prepare_folder(os.path.dirname(os.path.abspath(args.out)), setting="--out")
         for pipeline in args.pipelines:  # a bit-width a pipeline cannot do: now, not after the float timing
-            PIPELINES[pipeline].validate(parse_bits(args.bits), PIPELINES[pipeline].Options(
+            PIPELINES[pipeline].validate(bits, PIPELINES[pipeline].Options(
                 **(quick_options(pipeline, args.calib) or {})))
     except (RunDirError, ValueError) as e:
         sys.exit(f"error: {e}")

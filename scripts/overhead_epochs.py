@@ -232,6 +232,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("overrides", nargs="*", help="key=value for every run, e.g. data.root=/datasets/imagenet")
     args = p.parse_intermixed_args(argv)
     move_overrides(args, "models")  # `--models vit_small_patch16_224 data.root=/d`: data.root=/d is an override
+    if not args.batches and not args.models:  # a usage error (status 2), as argparse's: before any config is read
+        p.error("--batches and --models are both empty: there is nothing to measure")
     refuse_protocol_keys(args.overrides)
     written = [os.path.join(args.out, n) for n in ("epochs.json", "epochs.png")]
     from configs import ConfigError, load_config
@@ -244,8 +246,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
         sys.exit(f"error: {e}")
     plan = [("batch", recipe_config.model.name, b) for b in args.batches] + [("width", m, args.width_batch)
                                                                              for m in args.models]
-    if not plan:
-        sys.exit("error: --batches and --models are both empty: there is nothing to measure")
     check_plan(args, plan)
     from sweep import unrunnable_launcher  # scripts/: this folder, as this script or bench_overhead.py runs it
     try:

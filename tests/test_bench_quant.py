@@ -66,3 +66,15 @@ def test_out_in_a_folder_not_made_yet_is_made_before_the_timings(tmp_path, monke
     # the machine and versions, as bench_overhead.py and overhead_epochs.py record them ("cpu (1 threads)" before)
     from tests.test_bench_overhead import expected_environment, recorded_environment
     assert recorded_environment(json.loads(out.read_text())) == expected_environment()
+
+
+@pytest.mark.parametrize("bits, says", [
+    ("w4", "--bits w4: bit-width 'w4' is not of the form 'w4a4'"),
+    ("w99a4", "--bits w99a4: bit-width 'w99a4': weight and activation bits must lie in"),
+])
+def test_a_bit_width_the_flag_refuses_is_a_usage_error_before_any_model_is_built(bits, says, capsys, monkeypatch):
+    """A --bits of no bit-width's form exited 1 after parsing (the pipelines' check); a value the flag refuses on its
+    own is a usage error, as argparse's: one line with status 2, before any model is built."""
+    monkeypatch.setattr(bench_quant.timm, "create_model", lambda *a, **k: pytest.fail("a model was built"))
+    code, lines = refusal([*SMALL, "--bits", bits], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines

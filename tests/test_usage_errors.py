@@ -71,6 +71,10 @@ def one_error_line(err: str, prog: str, says: str) -> None:
     ("scripts/paper_table.py", ["r.json", "--layout", "columns"], "paper_table.py",
      "argument --layout: invalid choice: 'columns'"),
     ("scripts/bench_overhead.py", ["--batches", "0"], "bench_overhead.py", "argument --batches: 0: must be at least"),
+    # values a flag refuses on its own, checked after parsing (these exited 1): a usage error as argparse's
+    ("scripts/bench_quant.py", ["--bits", "w4"], "bench_quant.py", "--bits w4: bit-width 'w4' is not of the form"),
+    ("scripts/overhead_epochs.py", ["--batches", "--models"], "overhead_epochs.py",
+     "--batches and --models are both empty: there is nothing to measure"),
     # the optional `overrides` beside it is not named as required (Python 3.11's parse_intermixed_args did)
     ("scripts/sweep.py", [], "sweep.py", "the following arguments are required: sweep; see"),
 ])
