@@ -33,7 +33,7 @@ afresh, that is no file (model.pretrained=hub aside; a path in the folder of an 
 write, is left alone).
 Runs are plain train.py invocations, so a run that stopped resumes when the sweep is started again. Every
 command runs in the repository root: relative paths (out_root, data.root, ...) are relative to it, wherever
-the sweep is started from.
+the sweep is started from; printed, the commands follow a `cd` into it.
 
 With --run, every run ends in one state, listed in a summary at the end: finished (and evaluated), stopped
 at train.max_steps before its schedule ended (the update it reached and its schedule's length, read from its
@@ -641,6 +641,9 @@ def main(argv=None) -> int:
         except ConfigError as e:
             sys.exit(f"error: {e}")
     if not args.run:
+        # the commands' paths (scripts, config files, out_dir) are the repository root's, as --run runs them: pasted
+        # into a shell anywhere else they would miss train.py or write elsewhere
+        console_print(shlex.join(["cd", ROOT]))
         for run in runs:
             for cmd in commands(run, args.launcher, args.evaluate, args.eval_amp):
                 console_print(shlex.join(cmd))

@@ -566,7 +566,7 @@ def test_a_sweep_refuses_an_override_of_a_key_its_runs_set():
 def test_overrides_after_only_are_overrides_not_run_names(capsys):
     lm = os.path.join(ROOT, "configs", "sweeps", "kjv_lm_dose.yaml")
     assert sweep.main([lm, "--only", "baseline_s0", "train.max_steps=5"]) == 0
-    printed = capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr().out.splitlines()[1:]  # after the `cd` into the repository root
     assert len(printed) == 1 and " train.max_steps=5 " in printed[0], printed
     with pytest.raises(SystemExit, match="--only needs the names of runs to keep"):
         sweep.main([lm, "--only", "train.max_steps=5"])

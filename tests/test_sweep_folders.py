@@ -427,8 +427,34 @@ def test_a_sweep_without_out_root_is_refused_in_one_line(tmp_path, capsys):
 
 
 def _printed(capsys) -> list[list[str]]:
-    """The commands a sweep printed, as words."""
-    return [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
+    """The commands a sweep printed, as words, after the `cd` into the repository root where they run."""
+    cd, *commands = capsys.readouterr().out.splitlines()
+    assert shlex.split(cd) == ["cd", ROOT]
+    return [shlex.split(line) for line in commands]
+
+
+def test_printed_commands_run_from_any_folder_as_the_sweep_runs_them(tmp_path):
+    """The printed commands' paths (train.py, the config files, a relative out_dir) are the repository root's, as
+    --run runs them: started elsewhere (`cd /tmp && python /repo/scripts/sweep.py ...`), pasted into a shell there,
+    they found no train.py. A stand-in launcher records where each command runs and with what; the commands are run
+    by a shell in another folder."""
+    record = tmp_path / "record"
+    launcher = tmp_path / "launch"
+    launcher.write_text(f'#!/bin/sh\necho "$PWD $*" >> {record}\n')
+    launcher.chmod(0o755)
+    path = sweep_file(tmp_path, "  a: []\n  b: [configs/method/cd.yaml]\n", out_root="runs/sweeps/mine")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    printed = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sweep.py"), path, "--evaluate",
+                              "--launcher", str(launcher)], cwd=elsewhere, capture_output=True, text=True,
+                             timeout=300, check=True).stdout
+    subprocess.run(["sh", "-e"], input=printed, cwd=elsewhere, check=True, timeout=60, text=True)
+    ran = [line.split() for line in record.read_text().splitlines()]
+    assert [words[1] for words in ran] == ["train.py", "evaluate.py"] * 2
+    for where, script, *args in ran:
+        configs = [a for a, before in zip(args, [None, *args]) if before == "--config"]
+        assert where == ROOT and all(os.path.isfile(os.path.join(where, f)) for f in [script, *configs])
+    assert ran[2][-1] == "out_dir=runs/sweeps/mine/b"  # --run's folder: relative to the repository root
 
 
 @pytest.mark.parametrize("amp", ["bf16", "fp16", "none"])
@@ -549,7 +575,7 @@ def test_printed_commands_are_not_refused_for_a_result_of_another_autocast(tmp_p
     here under another --amp refuses nothing, and the evaluate command carries the --amp given."""
     path = _evaluated_run(tmp_path, "none")
     assert sweep.main([path, "--evaluate", "--eval-amp", "bf16"]) == 0
-    evaluate_line = capsys.readouterr().out.splitlines()[1]
+    evaluate_line = capsys.readouterr().out.splitlines()[2]  # after the `cd` and the train.py command
     assert "evaluate.py" in evaluate_line and "--amp bf16" in evaluate_line
 
 

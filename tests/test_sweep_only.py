@@ -28,7 +28,7 @@ def test_only_checks_the_runs_it_keeps(tmp_path, capsys):
     spec = sweep_file(tmp_path)
     assert [r["name"] for r in sweep.expand(spec, [], only=["a"])] == ["a", "b"]
     assert sweep.main([spec, "--only", "a"]) == 0
-    (command,) = capsys.readouterr().out.splitlines()
+    (_, command) = capsys.readouterr().out.splitlines()  # the `cd` into the repository root, the one command
     assert command.endswith(f"optim.lr=1e-3 out_dir={tmp_path}/runs/a")
     # the run with the unknown key, kept (or every run, without --only): refused, naming it
     for only in (["b"], None):
@@ -125,7 +125,7 @@ def test_the_documented_shrinking_overrides_keep_the_baseline_a_baseline(capsys,
     shrink = ["sched.epochs=1", "sched.warmup_epochs=0.2", "train.max_steps=3", "model.img_size=28",
               "data.num_workers=2", "data.root=kit/fashion_mnist", "model.pretrained=kit/dinov2_s14_half.safetensors"]
     assert sweep.main([path, "--only", "baseline_s0", "cd100x_s0", *shrink]) == 0
-    commands = [shlex.split(line) for line in capsys.readouterr().out.splitlines()]
+    commands = [shlex.split(line) for line in capsys.readouterr().out.splitlines()[1:]]  # after the `cd`
     assert [c[-1].rsplit("/", 1)[1] for c in commands] == ["baseline_s0", "cd100x_s0"]
     baseline, cd100x = (load_config([c[i + 1] for i, w in enumerate(c) if w == "--config"],
                                     [w for w in c[c.index("train.py") + 1:] if "=" in w and not w.startswith("--")])
