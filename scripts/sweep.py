@@ -587,18 +587,20 @@ def main(argv=None) -> int:
     p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
     p.add_argument("--only", nargs="+", help="names of the runs to keep")
     args = p.parse_intermixed_args(argv)
+    # flags the command line refuses on its own: usage errors (one line, status 2, as argparse's), before the sweep
+    # file is read
     if args.eval_amp is not None and not args.evaluate:  # no evaluate.py command would take it
-        sys.exit(f"error: --eval-amp {args.eval_amp} sets the autocast of the evaluate.py commands, which only "
-                 "--evaluate adds: add --evaluate, or drop --eval-amp")
+        p.error(f"--eval-amp {args.eval_amp} sets the autocast of the evaluate.py commands, which only --evaluate "
+                "adds: add --evaluate, or drop --eval-amp")
     if args.recompute and not (args.run and args.evaluate):  # the result files are read where the commands run
-        sys.exit("error: --recompute is passed on to the evaluate.py commands of the runs whose result file holds "
-                 "entries of other settings, which the sweep reads with --run --evaluate only: add "
-                 f"{' '.join(f for f, given in (('--run', args.run), ('--evaluate', args.evaluate)) if not given)}, "
-                 "or drop --recompute (a printed evaluate.py command takes it as any)")
+        p.error("--recompute is passed on to the evaluate.py commands of the runs whose result file holds entries of "
+                "other settings, which the sweep reads with --run --evaluate only: add "
+                f"{' '.join(f for f, given in (('--run', args.run), ('--evaluate', args.evaluate)) if not given)}, "
+                "or drop --recompute (a printed evaluate.py command takes it as any)")
     if args.only:  # `--only a quant.x=1`: --only takes every item after it; key=value ones are overrides
         move_overrides(args, "only")
         if not args.only:
-            sys.exit("error: --only needs the names of runs to keep")
+            p.error("--only needs the names of runs to keep (its key=value words are overrides for every run)")
     try:
         shlex.split(args.launcher)
         # a launcher that cannot be started stopped the sweep on a FileNotFoundError traceback, without its

@@ -568,8 +568,9 @@ def test_overrides_after_only_are_overrides_not_run_names(capsys):
     assert sweep.main([lm, "--only", "baseline_s0", "train.max_steps=5"]) == 0
     printed = capsys.readouterr().out.splitlines()[1:]  # after the `cd` into the repository root
     assert len(printed) == 1 and " train.max_steps=5 " in printed[0], printed
-    with pytest.raises(SystemExit, match="--only needs the names of runs to keep"):
+    with pytest.raises(SystemExit) as stop:  # a usage error (status 2), as argparse's
         sweep.main([lm, "--only", "train.max_steps=5"])
+    assert stop.value.code == 2 and "--only needs the names of runs to keep" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("where", ["command line", "run"])

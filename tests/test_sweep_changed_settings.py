@@ -108,9 +108,10 @@ def test_recompute_without_run_and_evaluate_is_refused(trained, tmp_path, capsys
     """The files are read where the commands run: a printed command would carry it for no reason known."""
     with pytest.raises(SystemExit) as stop:
         sweep.main([sweep_file(trained, tmp_path / "s.yaml"), *flags])
-    message = str(stop.value.code)
-    assert message.startswith("error: --recompute ") and "\n" not in message
-    assert capsys.readouterr().out == ""
+    assert stop.value.code == 2  # a usage error, as argparse's
+    out, message = capsys.readouterr()
+    assert message.startswith("error: ") and ": --recompute " in message and message.count("\n") == 1
+    assert out == ""
 
 
 @pytest.mark.parametrize("changed, says", [

@@ -492,10 +492,11 @@ def test_eval_amp_without_evaluate_is_refused_in_one_line_naming_both_flags(tmp_
     for run in ([], ["--run"]):
         with pytest.raises(SystemExit) as stop:
             sweep.main([path, "--eval-amp", amp, *run])
-        message = str(stop.value.code)
-        assert message.startswith("error: ") and "\n" not in message
+        assert stop.value.code == 2  # a usage error, as argparse's
+        out, message = capsys.readouterr()
+        assert out == "" and message.startswith("error: ") and message.count("\n") == 1
         assert "--eval-amp" in message and "--evaluate" in message
-    assert capsys.readouterr().out == "" and not (tmp_path / "runs").exists()
+    assert not (tmp_path / "runs").exists()
 
 
 def test_eval_amp_choices_are_evaluate_pys():

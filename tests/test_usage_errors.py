@@ -75,6 +75,14 @@ def one_error_line(err: str, prog: str, says: str) -> None:
     ("scripts/bench_quant.py", ["--bits", "w4"], "bench_quant.py", "--bits w4: bit-width 'w4' is not of the form"),
     ("scripts/overhead_epochs.py", ["--batches", "--models"], "overhead_epochs.py",
      "--batches and --models are both empty: there is nothing to measure"),
+    # flags sweep.py refuses together or alone (these exited 1): usage errors, before the sweep file (absent) is read
+    ("scripts/sweep.py", ["no/such/sweep.yaml", "--eval-amp", "bf16"], "sweep.py",
+     "--eval-amp bf16 sets the autocast of the evaluate.py commands, which only --evaluate adds"),
+    ("scripts/sweep.py", ["no/such/sweep.yaml", "--recompute", "--evaluate"], "sweep.py",
+     "--recompute is passed on to the evaluate.py commands"),
+    ("scripts/sweep.py", ["no/such/sweep.yaml", "--recompute", "--run"], "sweep.py", "add --evaluate, or drop"),
+    ("scripts/sweep.py", ["no/such/sweep.yaml", "--only", "train.max_steps=5"], "sweep.py",
+     "--only needs the names of runs to keep"),
     # the optional `overrides` beside it is not named as required (Python 3.11's parse_intermixed_args did)
     ("scripts/sweep.py", [], "sweep.py", "the following arguments are required: sweep; see"),
 ])
