@@ -412,45 +412,72 @@ def _adapter_hint(root: nn.Module) -> str:
             f"terms beside them: {ADAPTER_FIX}")
 
 
-def _memory(t: Tensor) -> Optional[tuple[int, int, int]]:
-    """(storage address, first byte, end byte) of the memory `t` spans, or None where there is none to compare: a
-    meta tensor's storage address is 0 for every tensor (no memory at all), so two meta matrices would look like
-    one; an FSDP2 shard (DTensor) is compared by its local tensor. The span is from the lowest to the highest element
-    (strides are >= 0 for parameters): two views that interleave without sharing an element count as overlapping,
-    which no layer's weights do."""
+def _memory(t: Tensor) -> Optional[tuple[torch.device, int, int, Tensor]]:
+    """(device, first byte, end byte, tensor) of the memory `t` spans, the bytes absolute addresses (`data_ptr`, so
+    that two storages over one memory, e.g. two `torch.from_numpy` of one array, compare too), or None where there is
+    none to compare: a meta tensor's address is 0 for every tensor (no memory at all), so two meta matrices would look
+    like one; a tensor whose operations run in Python (`__torch_dispatch__`: a wrapper subclass such as torchao's
+    float8 weights or a fake tensor) holds its values in tensors of its own, its storage a placeholder whose address
+    is 0 or refused ('invalid python storage'), so it is compared as a tensor only. An FSDP2 shard (DTensor) is
+    compared by its local tensor. The span is from the lowest to the highest element (strides are >= 0): two views
+    that interleave span overlapping bytes without sharing one (`_share_element` tells)."""
     t = getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
-    if t.is_meta or t.numel() == 0:
+    if t.is_meta or t.numel() == 0 or torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python):
         return None
-    size = t.element_size()
-    first = t.storage_offset() * size
-    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * size
-    return t.untyped_storage().data_ptr(), first, last + size
+    first = t.data_ptr()
+    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * t.element_size()
+    return t.device, first, last + t.element_size(), t
+
+
+def _element_starts(t: Tensor, origin: int) -> Tensor:
+    """The first byte of each element of `t`, from `origin` (an address), sorted: int64 on the CPU, from its size,
+    strides and address alone (its values are not read)."""
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, s in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
+    return (offsets.flatten() * t.element_size() + (t.data_ptr() - origin)).sort().values
+
+
+def _share_element(a: Tensor, b: Tensor) -> bool:
+    """Whether tensors `a` and `b`, whose spans overlap (`_memory`), have a byte in common: an element of `a` starting
+    at x meets one of `b` iff the last element of `b` starting before x + a's element size ends after x (elements
+    of two dtypes may meet without starting at one byte). Built only for overlapping spans, which no layer's weights
+    have: views of one buffer interleaved (`big[:, i, :]`) overlap in span and share no element."""
+    origin = min(a.data_ptr(), b.data_ptr())
+    xs, ys = _element_starts(a, origin), _element_starts(b, origin)
+    below = torch.searchsorted(ys, xs + a.element_size()) - 1  # the last element of b starting before x's end
+    met = below >= 0
+    return bool((ys[below[met]] + b.element_size() > xs[met]).any())
 
 
 def refuse_shared(pairs: Sequence, block_types: dict[str, str]) -> None:
     """Refuse pairs whose decayed matrix W2 is one tensor shared by several blocks (tied weights, one
-    module in two blocks), or whose memory is shared (two Parameters over one storage, e.g.
+    module in two blocks), or whose memory is shared in part or whole (two Parameters over one memory, e.g.
     `nn.Parameter(other.weight.data)`): CD defines one update per matrix and pair, and a shared W2 would get one per
     block, from each block's W1, the second reading the weights the first already changed. A shared W1 (one norm
-    scale feeding two blocks) is fine: it is only read. Matrices on the meta device are compared as tensors only
-    (`_memory`).
+    scale feeding two blocks) is fine: it is only read. Views of one buffer without a common element are separate
+    matrices. Matrices on the meta device, or whose values live in Python (wrapper tensor subclasses), are compared
+    as tensors only (`_memory`).
 
     Raises:
         UnsupportedModelError: naming the matrix, both blocks and the first block's type.
     """
     first: dict[int, object] = {}
-    spans: dict[int, list[tuple[int, int, object]]] = {}  # storage address -> (first byte, end byte, pair)
+    spans: dict[torch.device, list[tuple[int, int, Tensor, object]]] = {}  # (first byte, end byte, tensor, pair)
     for p in pairs:
         other = first.setdefault(id(p.downstream), p)
+        how = "is the same tensor as"
         memory = _memory(p.downstream) if other is p else None
         if memory is not None:
-            address, start, end = memory
-            other = next((q for s, e, q in spans.get(address, []) if s < end and start < e), p)
-            spans.setdefault(address, []).append((start, end, p))
+            device, start, end, t = memory
+            other = next((q for s, e, u, q in spans.get(device, []) if s < end and start < e and _share_element(t, u)),
+                         p)
+            spans.setdefault(device, []).append((start, end, t, p))
+            how = "shares memory with"
         if other is not p:
             raise UnsupportedModelError(
                 f"block '{p.block}' ({block_types.get(p.block, '?')}) is not supported by CD: its {p.role} matrix "
-                f"{p.name} is the same tensor as {other.name} of block '{other.block}' (shared between blocks); "
+                f"{p.name} {how} {other.name} of block '{other.block}' (shared between blocks); "
                 "CD decays each matrix as the W2 of one pair. Give each block its own copy, or train without CD")
 
 

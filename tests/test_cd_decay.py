@@ -334,6 +334,65 @@ def test_matrices_that_are_views_of_one_buffer_without_overlap_are_decayed_each_
     _assert_cd_applied(model, P, [lr * lam] * VIT_DEPTH)
 
 
+def test_matrices_that_are_interleaved_views_of_one_buffer_are_decayed_each_once():
+    """Views of one buffer whose bytes interleave (block b's matrix big[:, b, :], a buffer of shape (out, blocks,
+    in)) span overlapping memory and share no element: separate matrices, each updated once as the reference says."""
+    model = tiny_vit().double()
+    w = model.blocks[0].attn.proj.weight
+    big = torch.stack([model.blocks[b].attn.proj.weight.detach() for b in range(VIT_DEPTH)], dim=1)  # (out, 2, in)
+    for b in range(VIT_DEPTH):
+        model.blocks[b].attn.proj.weight = torch.nn.Parameter(big[:, b, :])
+    views = [model.blocks[b].attn.proj.weight for b in range(VIT_DEPTH)]
+    assert views[1].data_ptr() < views[0].data_ptr() + w.nbytes  # their spans overlap
+    lam, lr = 0.2, 0.5
+    decay = ColinearityDecay(model, lam=lam)
+    P = snapshot(model)
+    decay.apply(lr)
+    _assert_cd_applied(model, P, [lr * lam] * VIT_DEPTH)
+
+
+class _Wrapped(torch.Tensor):
+    """A minimal wrapper tensor subclass (as torchao's float8 weights, fake tensors): its values are in `inner`,
+    its own storage a placeholder without an address (its data pointer refused)."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device,
+                                                   strides=inner.stride(), requires_grad=inner.requires_grad)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda x: x.inner if isinstance(x, _Wrapped) else x  # noqa: E731
+        out = func(*torch.utils._pytree.tree_map(unwrap, args),
+                   **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        return _Wrapped(out) if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) else out
+
+
+def test_a_weight_that_is_a_wrapper_tensor_subclass_is_decayed_as_the_reference_says():
+    """A wrapper subclass has no memory of its own to compare for sharing (its storage's data pointer is refused):
+    CD compares it as a tensor, builds, and updates its values (in `inner`) as the reference does."""
+    model = tiny_vit().double()
+    for block in model.blocks:
+        for linear in (block.attn.proj, block.mlp.fc2):
+            linear.weight = torch.nn.Parameter(_Wrapped(linear.weight.detach().clone()))
+    with pytest.raises(RuntimeError, match="invalid python storage"):
+        model.blocks[0].mlp.fc2.weight.untyped_storage().data_ptr()
+    lam, lr = 0.2, 0.5
+    decay = ColinearityDecay(model, lam=lam)
+    assert len(decay.pairs) == 4 * VIT_DEPTH
+    P = {name: (p.inner if isinstance(p, _Wrapped) else p).detach().clone() for name, p in model.named_parameters()}
+    decay.apply(lr)
+    expected = {}
+    for i in range(VIT_DEPTH):
+        ref_block_update(P, f"blocks.{i}", lr * lam, expected)
+    params = {name: p.inner if isinstance(p, _Wrapped) else p for name, p in model.named_parameters()}
+    for name, want in expected.items():
+        torch.testing.assert_close(params[name].detach(), want, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("saved, changed_setting", [
     ({}, dict(lam=0.02)), ({}, dict(lam_per_role={"fc2": 0.02})), ({}, dict(targets="B")), ({}, dict(mode="loss")),
     (dict(mode="loss"), dict(loss_coef=0.3))])

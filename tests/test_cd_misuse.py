@@ -3,14 +3,17 @@ optimizer changes, at most once per real step, and every refusal states its true
 from __future__ import annotations
 
 import copy
+import itertools
 import re
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from cd import ColinearityDecay, UnsupportedModelError, find_pairs, pair_energy_source
+from cd.verify import _share_element
 from cd_integration_refs import assert_matches_reference, reference_run, vit_pairs
 from cd_models import changed, snapshot, tiny_swin, tiny_vit
 
@@ -454,25 +457,55 @@ def test_a_skipped_fp16_step_and_accumulation_still_apply_at_most_once():
 
 # -- rule 3: every refusal states its true cause ---------------------------------------------------------
 
-@pytest.mark.parametrize("tie", ["module", "parameter", "storage", "overlap"])
+@pytest.mark.parametrize("tie", ["module", "parameter", "storage", "overlap", "interleaved", "numpy"])
 def test_a_matrix_shared_by_two_blocks_is_refused_as_shared(tie):
     """One tensor in two blocks, or two Parameters over one memory (which the tensor's identity does not show: CD
-    would update that memory once per block, the second update reading what the first wrote), whole or in part."""
+    would update that memory once per block, the second update reading what the first wrote), whole or in part,
+    also through two storages over one memory (two torch.from_numpy of one array)."""
     model = tiny_vit()
+    w = model.blocks[0].attn.proj.weight
+    rows, cols = w.shape
     if tie == "module":
         model.blocks[1].mlp.fc2 = model.blocks[0].mlp.fc2
     elif tie == "parameter":
         model.blocks[1].attn.proj.weight = model.blocks[0].attn.proj.weight
     elif tie == "storage":
         model.blocks[1].attn.proj.weight = torch.nn.Parameter(model.blocks[0].attn.proj.weight.data)
-    else:  # two matrices in one buffer, the second starting in the first's last row
-        w = model.blocks[0].attn.proj.weight
-        buffer = torch.randn(2 * w.numel() - w.shape[1])
+    elif tie == "overlap":  # two matrices in one buffer, the second starting in the first's last row
+        buffer = torch.randn(2 * w.numel() - cols)
         model.blocks[0].attn.proj.weight = torch.nn.Parameter(buffer[:w.numel()].view(w.shape))
         model.blocks[1].attn.proj.weight = torch.nn.Parameter(buffer[-w.numel():].view(w.shape))
-    with pytest.raises(UnsupportedModelError, match=r"is the same tensor as blocks\.0\.\S+ of block 'blocks\.0' "
+    elif tie == "interleaved":  # rows 0, 2, 4, ... and 1, 4, 7, ... of one buffer: rows 4, 10, ... in both
+        buffer = torch.randn(3 * rows, cols)
+        model.blocks[0].attn.proj.weight = torch.nn.Parameter(buffer[0::2][:rows])
+        model.blocks[1].attn.proj.weight = torch.nn.Parameter(buffer[1::3][:rows])
+    else:  # two numpy views of one array (two storages), overlapping in all but one row
+        array = np.random.default_rng(0).standard_normal(w.numel() + cols).astype(np.float32)
+        model.blocks[0].attn.proj.weight = torch.nn.Parameter(torch.from_numpy(array[:w.numel()]).view(w.shape))
+        model.blocks[1].attn.proj.weight = torch.nn.Parameter(torch.from_numpy(array[cols:]).view(w.shape))
+    how = "is the same tensor as" if tie in ("module", "parameter") else "shares memory with"
+    with pytest.raises(UnsupportedModelError, match=rf"{how} blocks\.0\.\S+ of block 'blocks\.0' "
                                                     r"\(shared between blocks\)"):
         find_pairs(model)
+
+
+def _bytes(t):
+    """The addresses of every byte of `t`'s elements, walked index by index."""
+    size = t.element_size()
+    return {t.data_ptr() + size * sum(i * s for i, s in zip(index, t.stride())) + k
+            for index in itertools.product(*map(range, t.shape)) for k in range(size)}
+
+
+@pytest.mark.parametrize("second", [
+    lambda b: b.view(3, 2, 4)[:, 1, :], lambda b: b[20:].view(torch.float16)[::2],  # no byte in common
+    lambda b: b[1:23:2], lambda b: b.view(6, 4).t()[1], lambda b: b[2:].view(torch.float64)[::3],
+    lambda b: b[1:].view(torch.float16)[::4], lambda b: b[1:].view(torch.float16)[1::4]])  # the last: none aligned
+def test_matrices_with_overlapping_spans_share_memory_where_a_byte_is_in_both(second):
+    """`_share_element` (run where two matrices' spans overlap) against the bytes of each element, walked one by one:
+    interleaved views share none, and views of other dtypes can meet without starting at one byte."""
+    buffer = torch.zeros(24)
+    first, other = buffer.view(3, 2, 4)[:, 0, :], second(buffer)
+    assert _share_element(first, other) == _share_element(other, first) == bool(_bytes(first) & _bytes(other))
 
 
 def test_a_norm_shared_by_two_blocks_is_a_valid_upstream():
