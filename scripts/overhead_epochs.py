@@ -25,8 +25,9 @@ that fails ends the protocol with train.py's error; one stopped by a signal afte
 75, or a launcher's other code where the run's train.log records the stop: torchrun exits 1) ends it with exit 75,
 and the same command continues it; one a signal ended without that record (a second Ctrl-C ends train.py at once,
 without a new checkpoint) ends it with train.py's own exit status. Writes epochs.json (with the device, its
-hardware and the torch / CUDA / timm versions, as bench_overhead.py and bench_quant.py: scripts/bench_env.py) and
-epochs.png.
+hardware and the torch / CUDA / timm versions, the fields of bench_overhead.py and bench_quant.py: scripts/bench_env.py;
+each as the runs' train.logs record it, not this process's, which may run where they do not, e.g. srun from a head
+node without a GPU) and epochs.png.
 
     python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=4" \
         --out results/overhead_epochs data.root=/datasets/imagenet  # the paper's protocol (256 x 4 GPUs = 1024)
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import statistics
 import sys
@@ -50,7 +52,6 @@ from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.outputs import save_figure, write_json  # noqa: E402
-from bench_env import environment  # noqa: E402  (scripts/)
 from launchers import (ForwardedSignals, launcher_world_size, log_mark,  # noqa: E402  (scripts/)
                        stopped_after_checkpoint)
 METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
@@ -65,6 +66,43 @@ PROTOCOL_KEYS = {"model.name": "--models", "train.batch_size": "--global-batch",
                  "train.batch_size_per_gpu": "--batches / --width-batch", "sched.epochs": "--epochs",
                  "sched.warmup_epochs": "", "train.eval_every_epochs": "", "train.seed": "--runs",
                  "out_dir": "--out", "cd.enabled": "--methods", "tweo.enabled": "--methods", "tweo.form": "--methods"}
+
+
+# The environment line each job of a run writes at the top of its train.log (engine/runinfo.py describe_environment,
+# after setup_logging's "time logger level" prefix; only rank 0 writes the file): its versions, and the device it
+# trained on, a GPU's name or "cpu (<model name>, <n> threads)". A resumed run holds one such line per job.
+RUN_ENVIRONMENT = re.compile(r"^\S+ \S+ INFO commit \S+, torch (\S+), timm (\S+), python \S+, \d+ process\(es\), "
+                             r"rank \d+ on (.+)$")
+CPU_DEVICE = re.compile(r"cpu \((.*), \d+ threads\)")
+
+
+def run_environment(logs: list[str]) -> dict:
+    """bench_env.environment's fields (device, hardware, torch, cuda, timm) of the runs whose train.logs are `logs`,
+    as every job of theirs recorded them: not this process's, which may run where the runs do not (srun from a head
+    node without a GPU, where asking CUDA for the device's name raises). A field is the one value the jobs state,
+    their values joined by '; ' where they differ, None where no job states one (a log lost, or of another
+    version). cuda, which the line lacks, is this process's CUDA build where every job ran this process's torch
+    build (the same version string; the protocol's runs start from this installation), else None. Never raises:
+    the report is written after all the runs."""
+    import torch
+
+    found: dict = {"device": [], "hardware": [], "torch": [], "timm": []}
+    for log in logs:
+        try:  # train.py writes UTF-8 (backslashreplace); a damaged byte elsewhere must not hide the lines
+            with open(log, encoding="utf-8", errors="replace") as f:
+                matches = [m for m in map(RUN_ENVIRONMENT.match, f) if m]
+        except OSError:
+            continue
+        for m in matches:
+            cpu = CPU_DEVICE.fullmatch(m.group(3))
+            for key, value in (("device", "cpu" if cpu else "cuda"), ("hardware", cpu.group(1) if cpu else m.group(3)),
+                               ("torch", m.group(1)), ("timm", m.group(2))):
+                if value not in found[key]:
+                    found[key].append(value)
+    joined = {key: "; ".join(values) if values else None for key, values in found.items()}
+    cuda = torch.version.cuda if found["torch"] == [torch.__version__] else None
+    return {"device": joined["device"], "hardware": joined["hardware"], "torch": joined["torch"], "cuda": cuda,
+            "timm": joined["timm"]}
 
 
 def refuse_protocol_keys(overrides: list[str]) -> None:
@@ -256,7 +294,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         sys.exit(f"error: --launcher {args.launcher!r}: {launcher_problem}")
     check_run_folders(args, plan)
     from overhead_run_folders import write_launcher  # scripts/, as for reuse_problem
-    rows = []
+    rows, logs = [], []
     # SIGINT / SIGTERM reach the running train.py, and this script waits while it writes its checkpoint
     # (subprocess.run killed it 0.25 s after Ctrl-C, mid-write, and the run's last epoch was lost)
     with ForwardedSignals(cwd=ROOT) as signals:
@@ -286,6 +324,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
                         print(line, file=sys.stderr, flush=True)
                         sys.exit(code)
                     runs.append(epoch_costs(os.path.join(out_dir, "metrics.jsonl")))
+                    logs.append(log)
                 rows.append({"sweep": sweep, "model": model, "batch": batch, "method": method,
                              **summarise(runs)})
     for row in rows:
@@ -303,12 +342,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
               f"{fmt(r['epoch_s'], '9.2f')} {fmt(r['epoch_s_after_first'], '9.2f')} {fmt(r['epoch_s_over_baseline'], '7.3f')} "
               f"{fmt(r['peak_mib'], '9.0f')} {fmt(r['peak_mib_over_baseline'], '7.3f')}")
     os.makedirs(args.out, exist_ok=True)
-    # the machine this script ran on and the runs' train.device there (the same fields as bench_overhead.py's JSON;
-    # each run's train.log names every rank's device too, where a launcher such as srun runs them on other nodes)
-    import torch
-    device = recipe_config.train.device
-    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    report = {"protocol": "epochs", **environment("cuda" if on_cuda else "cpu"), "recipe": args.recipe,
+    # the machine the runs trained on, as their train.logs record it (the same fields as bench_overhead.py's JSON):
+    # this process's train.device guess raised without a GPU here (srun from a head node) and lost the report, or
+    # named the head node's processor
+    report = {"protocol": "epochs", **run_environment(logs), "recipe": args.recipe,
               "launcher": args.launcher, "global_batch": args.global_batch, "epochs": args.epochs, "runs": args.runs,
               "overrides": args.overrides, "rows": rows}
     try:  # never over an output another command wrote since this one started

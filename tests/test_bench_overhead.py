@@ -110,6 +110,8 @@ def test_epochs_protocol_reads_epoch_times_of_real_runs(tmp_path, monkeypatch):
     assert rows["tweo_plain"]["epoch_s_over_baseline"] == pytest.approx(
         rows["tweo_plain"]["epoch_s"] / rows["baseline"]["epoch_s"])
     assert (out / "epochs.json").exists() and (out / "epochs.png").stat().st_size > 0
+    # the runs' own machine and versions, from their train.logs: this CPU's, where they ran
+    assert recorded_environment(json.load(open(out / "epochs.json"))) == expected_environment()
 
 
 def test_epochs_protocol_refuses_a_launcher_it_cannot_start_before_the_first_run(tmp_path):
@@ -314,13 +316,80 @@ def test_epochs_protocol_times_each_run_in_its_own_folder(tmp_path, monkeypatch)
     assert (rows["baseline"]["epoch_s"], rows["baseline"]["epoch_s_after_first"]) == (2.0, 1.5)
     assert (rows["cd"]["epoch_s"], rows["cd"]["epoch_s_after_first"]) == (4.0, 3.0)
     assert rows["cd"]["epoch_s_over_baseline"] == 2.0 and rows["baseline"]["epoch_s_over_baseline"] == 1.0
-    # the machine and versions, as bench_overhead.py and bench_quant.py record them (no device or versions before)
-    assert recorded_environment(json.loads((tmp_path / "epochs.json").read_text())) == expected_environment()
+    # the machine and versions are the runs' own (their train.logs), as bench_overhead.py and bench_quant.py's fields:
+    # the stand-in writes no train.log, so none is known, and this process's are no stand-in for them
+    assert recorded_environment(json.loads((tmp_path / "epochs.json").read_text())) == dict.fromkeys(
+        expected_environment())
     # the same command again: the report is never replaced without --overwrite, and no run starts
     saved = (tmp_path / "epochs.json").read_text()
     with pytest.raises(SystemExit, match=r"epochs\.json.*already exist.*choose another --out or add --overwrite"):
         epochs.main(argv)
     assert (tmp_path / "epochs.json").read_text() == saved and len(started) == 4
+
+
+def logged_job(out_dir: str, device: str, gpu_name: str = "") -> None:
+    """One job's environment line in the train.log of `out_dir`, written by train.py's own logging
+    (engine/runinfo.py) for one process on `device`; a CUDA device's name is `gpu_name` (CUDA answers it there:
+    this machine need not have a GPU)."""
+    import logging
+    from unittest import mock
+
+    import torch
+
+    from engine.distributed import DistInfo
+    from engine.runinfo import log_environment, setup_logging
+    try:
+        with mock.patch.object(torch.cuda, "get_device_name", lambda device=None: gpu_name):
+            setup_logging(out_dir, is_main=True)
+            log_environment(logging.getLogger("train"), DistInfo(0, 1, 0, torch.device(device)))
+    finally:
+        for handler in [h for h in logging.getLogger().handlers if getattr(h, "_cd_run", False)]:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
+
+def test_the_epochs_report_names_the_device_its_runs_trained_on(tmp_path, monkeypatch):
+    """epochs.json's device and hardware were this process's, worked out from train.device after all the runs:
+    with train.device=cuda and no GPU here (srun from a head node), asking CUDA for the device's name raised after
+    the results table and no epochs.json / epochs.png was written; with auto, the head node's processor was named.
+    They are the runs' own, as each job's train.log records them (a GPU whose name CUDA does not give here)."""
+    import timm
+    import torch
+
+    gpu = "NVIDIA Stand-in GPU 80GB"
+
+    def stand_in(cmd, cwd):
+        out = next(a.split("=", 1)[1] for a in cmd if a.startswith("out_dir="))
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write("".join(json.dumps({"epoch/train_seconds": s}) + "\n" for s in (2.0, 1.0)))
+        logged_job(out, "cuda", gpu)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    run_commands_with(monkeypatch, stand_in)
+    report = _epochs_script().main(["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8",
+                                    "--models", "--methods", "baseline", "--epochs", "2", "--runs", "2", "--out",
+                                    str(tmp_path), "train.device=cuda"])
+    runs = {"device": "cuda", "hardware": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "timm": timm.__version__}
+    assert recorded_environment(json.loads((tmp_path / "epochs.json").read_text())) == runs
+    assert recorded_environment(report) == runs and (tmp_path / "epochs.png").stat().st_size > 0
+
+
+def test_the_runs_environment_is_every_job_s_and_none_where_no_job_states_it(tmp_path):
+    """A run resumed on another GPU, a run on a CPU and a lost log: each field lists the jobs' distinct values in
+    order; where no log states one, every field is None, not this process's."""
+    epochs = _epochs_script()
+    gpu_run, cpu_run = tmp_path / "gpu", tmp_path / "cpu"
+    gpu_run.mkdir(), cpu_run.mkdir()
+    logged_job(str(gpu_run), "cuda", "GPU A")
+    logged_job(str(gpu_run), "cuda", "GPU B")  # resumed elsewhere
+    logged_job(str(cpu_run), "cpu")
+    lost = str(tmp_path / "lost" / "train.log")
+    env = epochs.run_environment([str(gpu_run / "train.log"), str(cpu_run / "train.log"), lost])
+    assert (env["device"], env["hardware"]) == ("cuda; cpu", f"GPU A; GPU B; {expected_environment()['hardware']}")
+    assert (env["torch"], env["timm"]) == (expected_environment()["torch"], expected_environment()["timm"])
+    assert epochs.run_environment([lost]) == dict.fromkeys(expected_environment())
 
 
 def test_reported_step_times_are_medians_and_the_ratios_are_to_the_baseline(monkeypatch):
