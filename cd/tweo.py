@@ -53,6 +53,15 @@ SCHEDULES = ("constant", "cosine")
 FORMS = ("memory_saving", "plain")
 
 
+def _window_dtype(device: torch.device) -> torch.dtype:
+    """The dtype TWEO sums the log window's penalties in on `device`: float64, where a sum of float32 penalties is
+    exact (while they span less than 2^(29 - log2 n) in magnitude, n forwards), so it does not depend on the order of
+    the additions, which a resume under DDP changes (`TWEO.load_window_state`). MPS has no float64: there float32, as
+    the penalty itself, so that `TWEO` (a public API, called in users' own loops) runs on Apple GPUs, its window's
+    sum then exact only up to float32 rounding."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 class _PowerMean(torch.autograd.Function):
     """mean((|a| * k)^p) in fp32, saving only `a` (no fp32 or |a|^p copies kept for backward)."""
 
@@ -230,11 +239,8 @@ class TWEO:
         penalty = torch.stack(self._terms).mean()  # (1/L) sum_l over the blocks
         self._terms = []
         lam = self.lam_at(step)
-        # summed on its device (no host sync per forward) in float64, where a sum of float32 penalties is exact
-        # (while they span less than 2^(29 - log2 n) in magnitude, n forwards): it does not depend on the order of
-        # the additions, which a resume under DDP changes (`load_window_state`); float64 on the device, as
-        # `_window_totals` always reduced it (no MPS: cpu and cuda have float64)
-        detached = penalty.detach().double()
+        # summed on its device (no host sync per forward), in float64 where the device has it (`_window_dtype`)
+        detached = penalty.detach().to(_window_dtype(penalty.device))
         self._window_sum = detached if self._window_sum is None else self._window_sum + detached
         self._window_count += 1
         self._last_lam = lam
@@ -272,7 +278,8 @@ class TWEO:
         starting from 0, so that their sum over the ranks is the window's); the last values are taken either way.
         The sum goes on the hooked blocks' device, where the next forward adds to it and `sum_fn` reduces it."""
         if keep_sums and state["count"]:
-            self._window_sum = torch.tensor(float(state["penalty_sum"]), dtype=torch.float64, device=self._device())
+            device = self._device()
+            self._window_sum = torch.tensor(float(state["penalty_sum"]), dtype=_window_dtype(device), device=device)
             self._window_count = int(state["count"])
         self._last_penalty, self._last_lam = state["last_penalty"], state["last_lam"]
 
@@ -287,12 +294,13 @@ class TWEO:
         """(sum, count) of L_TWEO over the window's forwards, over every rank with `sum_fn`. With `sum_fn` every
         rank all-reduces, also one of no forward since (zeros): whether a rank joins must not hang on its own
         count, which differs between ranks after a resume (`load_window_state` gives the carried sums to one)."""
-        # in float64 on every rank: the ranks' tensors must agree in dtype (the zeros of a rank of no forward too)
+        # in the sum's dtype (`_window_dtype`) on every rank: the ranks' tensors must agree in dtype (the zeros of a
+        # rank of no forward too)
         if self._window_count:
-            totals = torch.stack([self._window_sum,
-                                  self._window_sum.new_tensor(float(self._window_count), dtype=torch.float64)])
+            totals = torch.stack([self._window_sum, self._window_sum.new_tensor(float(self._window_count))])
         elif sum_fn is not None:
-            totals = torch.zeros(2, dtype=torch.float64, device=self._device())
+            device = self._device()
+            totals = torch.zeros(2, dtype=_window_dtype(device), device=device)
         else:
             return 0.0, 0.0
         penalty_sum, count = (sum_fn(totals) if sum_fn is not None else totals).tolist()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from cd import TWEO, tweo_penalty
-from cd.tweo import plain_tweo_penalty
+from cd.tweo import _window_dtype, plain_tweo_penalty
 from cd_models import tiny_swin, tiny_vit
 
 
@@ -367,6 +367,31 @@ def test_the_logged_penalty_is_the_mean_over_the_forwards_since_the_last_call_an
         merged = tweo.metrics(sum_fn=lambda t: seen.append(t.clone()) or t.add_(other_rank.to(t)))
         assert seen[0][1].item() == 1.0  # this rank's count since the last call
         assert math.isclose(merged["tweo/penalty"], (mine + 1.5) / 4, rel_tol=1e-6)
+    finally:
+        tweo.remove()
+
+
+
+@pytest.mark.parametrize("device, dtype", [("cpu", torch.float64), ("cuda:1", torch.float64), ("mps", torch.float32)])
+def test_the_window_sums_in_float64_where_the_device_has_it(device, dtype):
+    """The log window's penalty sum is float64 (exact for float32 penalties in any order), but float32 on MPS, which
+    has no float64: TWEO (public, called in users' own loops) ran there before its sum was float64. Without an MPS
+    device here, only the choice by device type is checked (and that TWEO takes it, below, on the CPU)."""
+    assert _window_dtype(torch.device(device)) == dtype
+
+
+def test_aux_loss_a_resume_and_the_all_reduce_sum_in_the_devices_window_dtype():
+    """aux_loss, the sums a resume carries and the totals all-reduced (also a rank's zeros) take `_window_dtype`."""
+    model = tiny_vit()
+    tweo = TWEO(model, lam=0.01)
+    try:
+        _block_outputs(model, [b for _, b in tweo.blocks], torch.randn(2, 3, 32, 32))
+        tweo.aux_loss(torch.ones(()), step=0)
+        tweo.load_window_state(tweo.window_state())
+        seen = []
+        tweo.metrics(sum_fn=lambda t: seen.append(t.dtype) or t)
+        tweo.metrics(sum_fn=lambda t: seen.append(t.dtype) or t)  # a rank of no forward since: zeros
+        assert seen == [_window_dtype(torch.device("cpu"))] * 2
     finally:
         tweo.remove()
 
