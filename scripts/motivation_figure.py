@@ -202,7 +202,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--overwrite", action="store_true", help="replace motivation.png / .csv in --out")
     args = p.parse_args(argv)
     try:  # as --pipeline: 'w4' is no bit-width, not one the results lack
-        parse_bits(args.bits)
+        # the results' key: evaluate.py names a bit-width by its parsed form (quant/plan.py), so w04a4 or "W4A4 " is
+        # w4a4 there, which lowercasing alone missed
+        bits = str(parse_bits(args.bits))
     except ValueError as e:
         p.error(f"--bits {args.bits}: {e}")
     written = [os.path.join(args.out, n) for n in ("motivation.png", "motivation.csv")]
@@ -222,12 +224,11 @@ def main(argv=None) -> list[dict]:
         if given is not None and not present:
             sys.exit(f"error: {flag} {given}: no {kind}'s result is given, so it would change nothing; drop it")
     args.max_act, args.det_max_act = args.max_act or "module", args.det_max_act or "backbone"
-    bits = args.bits.lower()
     lacking = [(path, r) for path, r in zip(args.results, results) if bits not in r["quant"].get(args.pipeline, {})]
     if lacking:  # every result asked for is drawn, or none: a missing circle would look like a finding
         tool = "evaluate_detection.py" if is_detection(lacking[0][1]) else "evaluate.py"
-        sys.exit(f"error: {len(lacking)} of the {len(results)} results lack {args.pipeline} {args.bits} (e.g. "
-                 f"{lacking[0][0]}); run {tool} --quant {args.pipeline} --bits {args.bits} on their checkpoints, "
+        sys.exit(f"error: {len(lacking)} of the {len(results)} results lack {args.pipeline} {bits} (e.g. "
+                 f"{lacking[0][0]}); run {tool} --quant {args.pipeline} --bits {bits} on their checkpoints, "
                  "or leave them out")
     try:
         rows = points(args.results, results, args.pipeline, bits, args.max_act, args.det_max_act)
@@ -248,7 +249,7 @@ def main(argv=None) -> list[dict]:
     which = {"classification": args.max_act, "detection": args.det_max_act}
     try:  # never over a file another command wrote since this one started
         write_csv(written[1], rows, FIELDS, args.overwrite, restval="")  # a † in a model name
-        draw(rows, written[0], lambda task: f"{task}, {args.pipeline} {args.bits.upper()}: circle area ~ "
+        draw(rows, written[0], lambda task: f"{task}, {args.pipeline} {bits.upper()}: circle area ~ "
                                             f"{which[task]} max activation", args.overwrite)
     except RunDirError as e:
         sys.exit(f"error: {e}")

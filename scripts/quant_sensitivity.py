@@ -293,10 +293,11 @@ def main(argv=None) -> dict:
     parser.epilog = passed_on_epilog(parser, evaluate.build_parser(), "evaluate.py")
     args = parser.parse_args(argv)
     try:  # a usage error (status 2), as argparse's, not evaluate.py's refusal of the first variant's quant.bits
-        parse_bits(args.bits)
+        # evaluate.py's name of the bit-width, the key of its results: the parsed form (quant/plan.py), so w04a4 or
+        # "W4A4 " is w4a4 there, which lowercasing alone missed
+        args.bits = str(parse_bits(args.bits))
     except ValueError as e:
         parser.error(f"--bits {args.bits}: {e}")
-    args.bits = args.bits.lower()  # evaluate.py's spelling, the key of its results
     word = next((o for o in args.overrides if "=" not in o), None)
     if word is not None:  # `--bits w4a4 w3a3`: w3a3 lands here, and evaluate.py's --bits list would take it
         parser.error(f"{word!r} is not a key=value override; --bits takes one bit-width per invocation: run the "

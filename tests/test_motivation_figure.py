@@ -116,3 +116,18 @@ def test_a_pipeline_or_bit_width_that_none_has_is_a_usage_error(tmp_path, capsys
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
     assert not (tmp_path / "fig").exists()
+
+
+@pytest.mark.parametrize("bits", ["w04a4", " W4A4 "])
+def test_a_bit_width_spelled_otherwise_draws_the_entry_evaluate_named_by_its_parsed_form(tmp_path, capsys, bits):
+    """--bits w04a4 (or " W4A4 ") is w4a4 to parse_bits, and evaluate.py names its result's entry w4a4 (quant/plan.py:
+    the parsed form); the key was the text lowercased, so the results were said to lack the entry and the error sent
+    the user to `evaluate.py --bits w04a4`, which writes w4a4 again. The entry is drawn; one lacking is named by the
+    name evaluate.py gives it."""
+    motivation_figure = load_script("motivation_figure")
+    write_result(tmp_path, "Baseline")
+    rows = motivation_figure.main([str(tmp_path / "Baseline.json"), "--out", str(tmp_path / "fig"), "--bits", bits])
+    assert [(r["method"], r["quantized"]) for r in rows] == [("Baseline", 80.0)]  # the w4a4 entry written above
+    with pytest.raises(SystemExit) as lacking:
+        motivation_figure.main([str(tmp_path / "Baseline.json"), "--out", str(tmp_path / "fig8"), "--bits", "W08a8"])
+    assert "lack repq w8a8 " in str(lacking.value.code) and "--bits w8a8 on their" in str(lacking.value.code)

@@ -72,3 +72,23 @@ def test_a_variant_computed_with_other_settings_in_out_is_refused_with_this_comm
     load_script("quant_sensitivity").main(["--checkpoint", synthetic_checkpoint, "--out", str(out),
                                            "quant.calib_images=8"])
     assert "official.json" in evaluations
+
+
+def test_a_bit_width_spelled_otherwise_reads_the_entries_evaluate_names_by_its_parsed_form(synthetic_checkpoint,
+                                                                                        tmp_path, monkeypatch):
+    """--bits w04a4 is w4a4 to parse_bits, and evaluate.py names its results' entries by the parsed form
+    (quant/plan.py): the table was read at the text lowercased, 'w04a4', a KeyError after the first evaluation.
+    evaluate.main stands in with its own resolved config's bit-widths (quant.plan.planned) as the entries' names."""
+    from quant.plan import planned
+
+    def named_as_evaluate_names_them(args):
+        cfg, _ = evaluate.resolve_config(args)
+        return {"quant": {p: {bits: {"top1": 50.0}} for p, bits in planned(cfg)}}
+
+    monkeypatch.setattr(evaluate, "main", named_as_evaluate_names_them)
+    out = tmp_path / "sens"
+    out.mkdir()
+    table = load_script("quant_sensitivity").main(["--checkpoint", synthetic_checkpoint, "--out", str(out), "--bits",
+                                                   "w04a4"])
+    assert table["official"] and all(v == 50.0 for row in table.values() for v in row.values())
+    assert json.loads((out / "sensitivity_w4a4.json").read_text())["bits"] == "w4a4"
