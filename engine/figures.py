@@ -18,3 +18,10 @@ def new_figure(width: float, height: float):
     fig = Figure(figsize=(width, height))
     FigureCanvasAgg(fig)
     return fig
+
+
+def colour_rgb(colour: str) -> tuple[float, float, float]:
+    """A matplotlib colour ("tab:gray", "#1f77b4", "C3") as an (r, g, b) tuple in [0, 1], for plots that shade one."""
+    with stop_signals_blocked():
+        from matplotlib.colors import to_rgb
+    return to_rgb(colour)

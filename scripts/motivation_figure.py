@@ -31,7 +31,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import ResultsError, first_difference, missing_number, read_result_files  # noqa: E402
-from engine.figures import new_figure  # noqa: E402
+from engine.figures import colour_rgb, new_figure  # noqa: E402
 from engine.outputs import save_figure, write_csv  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import dagger_note, evaluated_otherwise, nondefault_settings  # noqa: E402
@@ -132,8 +132,6 @@ def method_colours(methods: list[str]) -> dict[str, tuple]:
     """{label: RGB}, one colour per distinct label: its family's (METHOD_COLOURS, else the next of OTHER_COLOURS),
     and where several labels share a colour (two CD strengths of a sweep, "CD (lam 0.005)" and "CD (lam 0.05)"),
     shades of it from dark to light in the order given, so that no two legend entries look alike."""
-    from matplotlib.colors import to_rgb
-
     methods = list(dict.fromkeys(methods))
     families = list(dict.fromkeys(method_family(m) for m in methods))
     others = [f for f in families if f not in METHOD_COLOURS]
@@ -141,7 +139,7 @@ def method_colours(methods: list[str]) -> dict[str, tuple]:
     colours = {}
     for colour in dict.fromkeys(base[method_family(m)] for m in methods):
         mine = [m for m in methods if base[method_family(m)] == colour]
-        rgb = to_rgb(colour)
+        rgb = colour_rgb(colour)
         for k, method in enumerate(mine):
             # -0.3 (towards black) .. +0.5 (towards white); the family's own colour when it is alone
             t = 0.8 * k / (len(mine) - 1) - 0.3 if len(mine) > 1 else 0.0
