@@ -454,9 +454,10 @@ def pipeline_options(items, pipelines) -> dict:
     evaluate.py's `quant.PIPELINE.KEY=VALUE` (configs/loader.py: types, ranges, close matches of a typo). A
     pipeline that is not run is refused (its option would be ignored), a word naming no pipeline (a config
     override typed after the flag) as such, and so are aphq.calib_images and gplq.init_images (the calibration
-    batch is --calib-images)."""
+    batch is --calib-images). An option that the others leave unread (configs/loader.py DETECTOR_RULES: gplq.lr
+    or gplq.batch_size_per_gpu at gplq.steps=0) is refused in whatever order the items come."""
     import difflib
-    from configs.loader import DETECTOR_RULES, apply_overrides
+    from configs.loader import DETECTOR_RULES, IgnoredOverrideError, apply_overrides, check_keys_read
     from configs.schema import Config
     from quant import PIPELINES
     typed = Config()
@@ -478,14 +479,27 @@ def pipeline_options(items, pipelines) -> dict:
             raise ValueError(f"--quant-options {key}: the calibration images are --calib-images")
         if option in by_pipeline.get(name, {}):  # one item after the other: the later would replace the earlier
             raise ValueError(f"--quant-options {key} is given twice; keep one")
-        try:
-            # a detector's rules: aphq.act_lr is read at aphq.drop_prob=0 (the neck's units run without QDrop)
-            apply_overrides(typed, [f"quant.{item}"], rules=DETECTOR_RULES)
+        try:  # typed and checked item by item; whether it is read, below, once all are in
+            apply_overrides(typed, [f"quant.{item}"], rules=())
         except ValueError as e:  # configs.loader.ConfigError, in the schema's names (quant.aphq.iters ...)
-            raise ValueError(f"--quant-options {item}: " + str(e).replace("command line: ", "")
-                             .replace("'quant.", "'")) from None
+            raise ValueError(f"--quant-options {item}: " + _schema_words(e)) from None
         by_pipeline.setdefault(name, {})[option] = getattr(getattr(typed.quant, name), option)
+    # Every option against the others at once: checked as each item came, batch_size_per_gpu before steps=0 met the
+    # default steps and was taken (a rule of a detector's, DETECTOR_ONLY, which no later check of the mapping
+    # applies). A detector's rules: aphq.act_lr is read at aphq.drop_prob=0 (the neck's units run without QDrop)
+    given = {f"quant.{name}.{option}": value for name, chosen in by_pipeline.items()
+             for option, value in chosen.items()}
+    try:
+        check_keys_read(typed, given, rules=DETECTOR_RULES)
+    except IgnoredOverrideError as e:  # it starts `quant.KEY=VALUE would be ignored`: the item given for KEY
+        item = next(item for item in items if str(e).startswith(f"quant.{item.partition('=')[0]}="))
+        raise ValueError(f"--quant-options {item}: " + _schema_words(e)) from None
     return by_pipeline
+
+
+def _schema_words(error: Exception) -> str:
+    """A config error about a --quant-options item, without the config's own source word (command line)."""
+    return str(error).replace("command line: ", "").replace("'quant.", "'")
 
 
 def detection_defaults(name: str, args, given: Optional[dict] = None) -> dict:

@@ -105,24 +105,24 @@ def test_recon_images_is_checked_against_the_split_only_where_it_is_drawn(iters,
 
 
 @pytest.mark.parametrize("given, named", [
-    (["aphq.recon_images=16", "aphq.data_seed=7"], "aphq.recon_images=16 aphq.data_seed=7 with aphq.iters=0: "
-                                                   "read only by the reconstruction, which iters=0 skips (the "
-                                                   "calibration batch is --calib-images, --calib-seed); drop them"),
     (["aphq.data_seed=7"], "aphq.data_seed=7 with aphq.iters=0: read only by the reconstruction, which iters=0 "
                            "skips (the calibration batch is --calib-images, --calib-seed); drop it")])
 def test_reconstruction_image_options_given_with_zero_iterations_are_refused(monkeypatch, given, named):
     """They were recorded in the result's settings.options though iters=0 reads neither; the detection defaults
-    (recon_images 256, data_seed 0) are not the user's and pass. (Given after aphq.iters=0, recon_images is
-    refused as the options are read: the next test.)"""
+    (recon_images 256, data_seed 0) are not the user's and pass. (recon_images is refused by the config rule: the
+    next test.)"""
     assert _checks_of_main(monkeypatch, ["--quant-options", *given, "aphq.iters=0"]) == (
         f"--quant-options {named}, or give aphq.iters>0")
     assert _checks_of_main(monkeypatch, ["--quant-options", "aphq.iters=0"]) is None
     assert _checks_of_main(monkeypatch, ["--quant-options", "aphq.iters=1", *given]) is None
 
 
-def test_recon_images_given_after_zero_iterations_is_refused_by_the_config_rule(monkeypatch):
-    """--quant-options are read item by item by the config's rules (configs/loader.py READ_ONLY_WHEN): a
-    recon_images after aphq.iters=0 is refused there, naming the flag, as evaluate.py refuses the override."""
-    assert _checks_of_main(monkeypatch, ["--quant-options", "aphq.iters=0", "aphq.recon_images=16"]).startswith(
+@pytest.mark.parametrize("given", [["aphq.iters=0", "aphq.recon_images=16"],
+                                   ["aphq.recon_images=16", "aphq.data_seed=7", "aphq.iters=0"]])
+def test_recon_images_given_with_zero_iterations_is_refused_by_the_config_rule(monkeypatch, given):
+    """--quant-options are read together by the config's rules (configs/loader.py READ_ONLY_WHEN): a recon_images
+    beside aphq.iters=0, before or after it, is refused there, naming the flag, as evaluate.py refuses the
+    override."""
+    assert _checks_of_main(monkeypatch, ["--quant-options", *given]).startswith(
         "--quant-options aphq.recon_images=16: quant.aphq.recon_images=16 would be ignored: quant.aphq.recon_images "
         "is read only when quant.aphq.iters is above 0")

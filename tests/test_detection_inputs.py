@@ -902,13 +902,17 @@ def test_gplq_qwt_images_count_against_the_split_only_with_qwt_on(sample, qwt):
 
 
 @pytest.mark.parametrize("qwt", [[], ["gplq.qwt=false"]])
-def test_gplq_batch_at_steps_0_is_one_error_line(mmdet_ready, tmp_path, capsys, qwt):
+@pytest.mark.parametrize("steps_first", [True, False])
+def test_gplq_batch_at_steps_0_is_one_error_line(mmdet_ready, tmp_path, capsys, qwt, steps_first):
     """A detector's gplq.batch_size_per_gpu is stage 1's loader batch alone (its QwT feeds one image at a time):
-    at gplq.steps=0, QwT on or off, it was taken and recorded as a setting of the result while nothing read it."""
+    at gplq.steps=0, QwT on or off, it was taken and recorded as a setting of the result while nothing read it.
+    Given before gplq.steps=0 it was taken still (each item was checked against the defaults of those after it)."""
     from tests.conftest import run_entry
+    given = [*qwt, "gplq.batch_size_per_gpu=4"]
+    given = ["gplq.steps=0", *given] if steps_first else [*given, "gplq.steps=0"]
     code, _, err = run_entry("evaluate_detection.py", [
         "--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--out", str(tmp_path / "x.json"),
-        "--quant", "gplq", "--quant-options", "gplq.steps=0", *qwt, "gplq.batch_size_per_gpu=4"], capsys)
+        "--quant", "gplq", "--quant-options", *given], capsys)
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(lines) == 1, err
     assert lines[0].startswith("error: --quant-options gplq.batch_size_per_gpu=4: quant.gplq.batch_size_per_gpu=4 "
