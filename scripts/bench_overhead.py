@@ -337,16 +337,14 @@ def apply_only(base: dict, widths: list[int], args, device: str, env: dict) -> d
     return report
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
-    parser = OneLineParser(description=first_line(__doc__))
+def step_flags() -> OneLineParser:
+    """The flags only --protocol step reads (STEP_FLAGS), as a parent parser: main's parser and the one that reads
+    an epochs command line (epochs_protocol) take them from it."""
+    parser = OneLineParser(add_help=False)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         choices=["cuda", "cpu"])
     parser.add_argument("--small", action="store_true", help="small models and batches (CPU smoke run)")
-    parser.add_argument("--batches", type=at_least(1), nargs="+",
-                        help="sweep (a) batch sizes (default 32 64 128 256)")
     parser.add_argument("--widths", type=at_least(1), nargs="+", help="sweep (b) embed dims (default 384 768 1024)")
-    parser.add_argument("--width-batch", type=at_least(1),
-                        help="sweep (b) batch size (default 256 as in the paper; ViT-L at 256 needs ~80 GB)")
     parser.add_argument("--amp", choices=["fp16", "bf16", "none"], help="default: fp16 on CUDA, bf16 on CPU")
     parser.add_argument("--warmup", type=at_least(0), default=None, help="untimed steps per configuration")
     parser.add_argument("--steps", type=at_least(1), default=None,
@@ -360,27 +358,51 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--apply-only", action="store_true",
                         help="only `apply` against its product floor per width (no training steps: "
                              "ViT-B-sized CD on a CPU in a minute)")
-    parser.add_argument("--out", default="results/overhead",
-                        help="output folder for overhead.json / overhead.png")
-    parser.add_argument("--overwrite", action="store_true", help="replace this script's files in --out")
+    return parser
+
+
+def protocol_flag() -> OneLineParser:
+    parser = OneLineParser(add_help=False)
     parser.add_argument("--protocol", choices=["step", "epochs"], default="step",
                         help="step: timed steps in one process (default); epochs: the paper's protocol, "
                              "train.py runs, with scripts/overhead_epochs.py's options")
+    return parser
+
+
+def epochs_protocol(argv: Optional[list[str]], step: OneLineParser, protocol: OneLineParser) -> dict:
+    """--protocol epochs: overhead_epochs.py, whose parser reads the command line with its own forms (--batches with
+    no value skips its sweep, which --protocol step's parser refused) and --protocol; a step flag is named as
+    --protocol step's, not as 'unrecognized arguments'."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import overhead_epochs
     # the step flags start unset (argparse gives a default only to what the namespace lacks): given ones show
-    protocol, rest = parser.parse_known_args(argv, argparse.Namespace(**{
+    reader = overhead_epochs.build_parser(add_help=False, parents=[protocol, step])  # -h: overhead_epochs.py's help
+    given_flags, _ = reader.parse_known_args(argv, argparse.Namespace(**{
         flag[2:].replace("-", "_"): _UNSET for flag in STEP_FLAGS}))
-    if protocol.protocol == "epochs":  # the other options are overhead_epochs.py's
-        given = [flag for flag in STEP_FLAGS if getattr(protocol, flag[2:].replace("-", "_")) is not _UNSET]
-        if given:
-            parser.error(f"{' '.join(given)}: {'a flag' if len(given) == 1 else 'flags'} of --protocol step (timed "
-                         f"steps in one process); --protocol epochs times train.py runs with "
-                         f"scripts/overhead_epochs.py's options: drop {' '.join(given)}, or use --protocol step")
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import overhead_epochs
-        argv = sys.argv[1:] if argv is None else list(argv)
-        drop = {i for i, a in enumerate(argv) if a == "--protocol"}
-        drop |= {i + 1 for i in drop} | {i for i, a in enumerate(argv) if a.startswith("--protocol=")}
-        return overhead_epochs.main([a for i, a in enumerate(argv) if i not in drop])
+    given = [flag for flag in STEP_FLAGS if getattr(given_flags, flag[2:].replace("-", "_")) is not _UNSET]
+    if given:
+        reader.error(f"{' '.join(given)}: {'a flag' if len(given) == 1 else 'flags'} of --protocol step (timed "
+                     f"steps in one process); --protocol epochs times train.py runs with "
+                     f"scripts/overhead_epochs.py's options: drop {' '.join(given)}, or use --protocol step")
+    return overhead_epochs.main(argv, parents=[protocol])
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    step, protocol = step_flags(), protocol_flag()
+    # which protocol first, each command line then read by its own parser: --protocol epochs takes
+    # overhead_epochs.py's options. The step flags beside --protocol: an abbreviation (--pr) means what it means to
+    # both parsers (ambiguous with --precision), not --protocol alone.
+    chosen, _ = OneLineParser(add_help=False, parents=[protocol, step]).parse_known_args(argv)
+    if chosen.protocol == "epochs":
+        return epochs_protocol(argv, step, protocol)
+    parser = OneLineParser(description=first_line(__doc__), parents=[protocol, step])
+    parser.add_argument("--batches", type=at_least(1), nargs="+",
+                        help="sweep (a) batch sizes (default 32 64 128 256)")
+    parser.add_argument("--width-batch", type=at_least(1),
+                        help="sweep (b) batch size (default 256 as in the paper; ViT-L at 256 needs ~80 GB)")
+    parser.add_argument("--out", default="results/overhead",
+                        help="output folder for overhead.json / overhead.png")
+    parser.add_argument("--overwrite", action="store_true", help="replace this script's files in --out")
     args = parser.parse_args(argv)
     if args.apply_only:  # no training step: a flag of the steps would be dropped without a word
         unused = [flag for flag, value in (("--amp", args.amp), ("--batches", args.batches),

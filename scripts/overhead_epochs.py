@@ -251,8 +251,10 @@ def plot(rows: list[dict], path: str, title: str, overwrite: bool) -> None:
     save_figure(fig, path, overwrite, dpi=120)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
-    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(**kwargs) -> OneLineParser:
+    """This script's command line; `kwargs` go to the parser (bench_overhead.py reads an epochs command line with
+    these forms, its step flags beside them: parents, add_help)."""
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
     p.add_argument("--recipe", default="configs/pretrain/vit_b.yaml", help="train.py config of every run")
     p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
     p.add_argument("--global-batch", type=at_least(1), default=1024, help="train.batch_size (the paper: 1024)")
@@ -268,6 +270,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--out", default="results/overhead_epochs")
     p.add_argument("--overwrite", action="store_true", help="replace epochs.json / epochs.png in --out")
     p.add_argument("overrides", nargs="*", help="key=value for every run, e.g. data.root=/datasets/imagenet")
+    return p
+
+
+def main(argv: Optional[list[str]] = None, parents: tuple = ()) -> dict:
+    """`parents`: parsers of flags this command line may hold besides its own (bench_overhead.py's --protocol)."""
+    p = build_parser(parents=list(parents))
     args = p.parse_intermixed_args(argv)
     move_overrides(args, "models")  # `--models vit_small_patch16_224 data.root=/d`: data.root=/d is an override
     if not args.batches and not args.models:  # a usage error (status 2), as argparse's: before any config is read

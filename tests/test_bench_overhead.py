@@ -392,6 +392,35 @@ def test_the_runs_environment_is_every_job_s_and_none_where_no_job_states_it(tmp
     assert epochs.run_environment([lost]) == dict.fromkeys(expected_environment())
 
 
+def test_epochs_protocol_reads_its_command_line_with_overhead_epochs_forms(tmp_path, monkeypatch, capsys):
+    """`--batches` with no value is overhead_epochs.py's 'skip the sweep' (its --help), but `--protocol epochs
+    --batches --models vit_nano` was refused by --protocol step's parser ('expected at least one argument') before
+    overhead_epochs.py read it. It runs the width sweep alone, as overhead_epochs.py itself does with that command
+    line (the runs: a stand-in for train.py); `--protocol epochs --help` lists overhead_epochs.py's options."""
+    started = []
+
+    def stand_in(cmd, cwd):
+        out = next(a.split("=", 1)[1] for a in cmd if a.startswith("out_dir="))
+        started.append(os.path.relpath(out, tmp_path))
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write("".join(json.dumps({"epoch/train_seconds": s}) + "\n" for s in (2.0, 1.0)))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    run_commands_with(monkeypatch, stand_in)
+    argv = ["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "--models", "vit_nano",
+            "--width-batch", "8", "--methods", "baseline", "--epochs", "2", "--runs", "1"]
+    direct = _epochs_script().main(argv + ["--out", str(tmp_path / "direct")])
+    report = _bench().main(["--protocol", "epochs", *argv, "--out", str(tmp_path / "bench")])
+    assert [(r["sweep"], r["model"], r["batch"]) for r in report["rows"]] == [("width", "vit_nano", 8)]
+    assert report["rows"] == direct["rows"]
+    assert started == [f"{out}/runs/vit_nano_bs8_baseline_run0" for out in ("direct", "bench")]
+    with pytest.raises(SystemExit) as shown:
+        _bench().main(["--protocol", "epochs", "--help"])
+    printed = capsys.readouterr().out
+    assert shown.value.code == 0 and "--models" in printed and "--protocol" in printed
+
+
 def test_reported_step_times_are_medians_and_the_ratios_are_to_the_baseline(monkeypatch):
     """Scripted timings in place of the clock: each row's step_ms is the median of its timed steps (not the mean
     or the slowest), CD's apply and floor are the medians of their own interleaved timings, and the table's
