@@ -59,7 +59,8 @@ a result file only under the autocast it was written with: with --run, a run who
 its best.pt) was evaluated under another --amp is refused before anything starts. So, with --run, is a run whose
 checkpoint.pt train.py would not continue with the sweep's settings (a setting edited in the sweep file since it
 trained: cd.lam) or its length and layout, also with train.allow_changed_config=true (a schedule now shorter than its
-update, another train.batch_size: another number of updates per epoch), and with --evaluate one whose eval_best.json
+update, another train.batch_size: another number of updates per epoch; where its data settings changed, the count
+is train.py's, at its turn), and with --evaluate one whose eval_best.json
 holds an entry the evaluate list now computes with other settings (quant.calib_images added): --recompute gives such a
 run's evaluate.py command --recompute (the old entries are kept in the file's history).
 """
@@ -962,21 +963,32 @@ def check_resume_length(cfg, payload: dict, checkpoint: str, world_size: Optiona
     (engine/training_checks.check_poly_power; with train.allow_changed_config=true it only logs, at the run's turn),
     and the epochs have the checkpoint's number of updates and its position in the epoch falls on a whole update
     (engine/resume.resume_position: a changed train.batch_size). Fed from the memory-mapped checkpoint: its update,
-    its scheduler state and its epoch_position, whose count of training samples stands for the data (train.py itself
-    compares the data with the checkpoint's). The updates per epoch are those of train.py's loader over that count
-    and `world_size` processes. Nothing is checked where the layout is not known: processes the launcher does not
-    state (None), a checkpoint older than its epoch_position, a batch that does not fit the samples (train.py's
-    refusal, at its start). Raises CheckpointError or ConfigError, train.py's own."""
+    its scheduler state and its epoch_position, whose count of training samples stands for the data where the run's
+    data section is the checkpoint's. The updates per epoch are those of train.py's loader over that count and
+    `world_size` processes. Nothing is checked where the layout is not known: processes the launcher does not state
+    (None), a checkpoint older than its epoch_position, a data section changed since (train.allow_changed_config=true:
+    data.synthetic_train_size, data.train_split, a validation fraction or data.root may change the count, which
+    only train.py's reading of the data tells), a batch that does not fit the samples (train.py's refusal, at its
+    start). Raises CheckpointError or ConfigError, train.py's own."""
+    from configs import config_to_dict
     from data import DataError
     from data.loader import _train_batches
     from engine.optim import schedule_length
     from engine.resume import epoch_layout, epoch_position, resume_position
+    from engine.run_dir import config_changes
     from engine.tasks import task_for
     from engine.training_checks import check_poly_power
     from train import accumulation_steps, check_resume_point
 
     recorded = payload.get("epoch_position")
     if world_size is None or not isinstance(recorded, dict):
+        return
+    # the recorded count is of the checkpoint's data: another data section (a changed setting train.py reads, or
+    # data.root, where another copy may hold other images) may read another number of training samples, and with it
+    # other updates per epoch and another schedule; counting them means reading the data, train.py's at its start
+    now = config_to_dict(cfg)
+    if (any(c.startswith("data.") for c in config_changes(payload["config"], now))
+            or payload["config"]["data"].get("root") != now["data"]["root"]):
         return
     accum_steps = accumulation_steps(cfg, world_size)
     samples = int(recorded["train_images"])

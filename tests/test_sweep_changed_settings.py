@@ -6,7 +6,9 @@ file only entries computed with the settings it holds: a changed cd.lam, or a qu
 again (and after evaluate.py had loaded the model), with advice (--out, out_dir) that a sweep does not take; the later
 runs were not started. The sweep refuses such a run up front in one line, in its own terms; --recompute passes
 evaluate.py's --recompute on to the runs whose result file disagrees. The reference for each refusal is train.py's
-and evaluate.py's own: what the sweep refuses, they refuse, and what it lets through, they take."""
+and evaluate.py's own: what the sweep refuses, they refuse, and what it lets through, they take (but for the updates
+per epoch of a run whose data settings changed: train.py counts them once it has read the data, and refuses them at
+the run's turn)."""
 import logging
 import shutil
 
@@ -130,31 +132,39 @@ def test_a_training_setting_changed_since_is_refused_before_anything_starts(trai
         train.main(load_config([DEBUG_CONFIG], [*ITEMS, changed, f"out_dir={folder}"]))
 
 
-# environment: train.max_steps may always change; 4 is run a's length (a stop beyond it train.py refuses at its start)
-@pytest.mark.parametrize("items", [ITEMS, [*ITEMS, "optim.lr=0.01", "train.allow_changed_config=true"],
-                                   [*ITEMS, "train.max_steps=4"],
-                                   ["sched.epochs=2", "sched.warmup_epochs=0", "log.tensorboard=false",
-                                    "train.allow_changed_config=true"]],
-                         ids=["same", "allowed", "environment", "longer schedule"])
-def test_settings_train_py_continues_with_are_not_refused(trained, tmp_path, caplog, items):
-    """...nor announced: the sweep printed train.py's "resuming with changed settings" before any run had started
-    (the run it named was not the next to run), and train.py printed it again at that run's resume."""
-    runs = sweep.expand(sweep_file(trained, tmp_path / "s.yaml", items=items), [])
-    with caplog.at_level(logging.WARNING):
-        sweep.refuse_changed_training_settings(runs, "s.yaml", world_size=1)
-    assert "resuming with changed settings" not in caplog.text
-    checkpoint = trained / "runs" / "a" / "checkpoint.pt"
-    saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["config"]
-    with caplog.at_level(logging.WARNING):
-        train.check_resumable(saved, load_config([DEBUG_CONFIG], runs[0]["overrides"]), str(checkpoint))  # continues
-    assert ("resuming with changed settings: optim.lr" in caplog.text) == ("optim.lr=0.01" in items)
-
-
 def copied_run(trained, root):
     """root/runs/a: a copy of the trained run 'a' (its files' times kept: its result file is not older than best.pt),
     for a test whose train.py reference writes to the run's folder."""
     shutil.copytree(trained / "runs" / "a", root / "runs" / "a")
     return root / "runs" / "a"
+
+
+LONGER = ["sched.epochs=2", "sched.warmup_epochs=0", "log.tensorboard=false", "train.allow_changed_config=true"]
+
+
+# environment: train.max_steps may always change; 4 is run a's length (a stop beyond it train.py refuses at its start).
+# more data: 128 samples in batches of 32 are 4 updates per epoch, as the checkpoint's 64 in batches of 16 (the
+# checkpoint's count of 64 in batches of 32 would be 2, which the sweep refused though train.py continued the run)
+@pytest.mark.parametrize("items", [ITEMS, [*ITEMS, "optim.lr=0.01", "train.allow_changed_config=true"],
+                                   [*ITEMS, "train.max_steps=4"], LONGER,
+                                   [*LONGER, "data.synthetic_train_size=128", "train.batch_size=32",
+                                    "train.batch_size_per_gpu=16"]],
+                         ids=["same", "allowed", "environment", "longer schedule", "more data, larger batch"])
+def test_settings_train_py_continues_with_are_not_refused(trained, tmp_path, caplog, items):
+    """...nor announced: the sweep printed train.py's "resuming with changed settings" before any run had started
+    (the run it named was not the next to run), and train.py printed it again at that run's resume. The reference is
+    train.py's resume of the run's own command, which counts the run's data and continues the checkpoint."""
+    root = tmp_path / "copy"
+    folder = copied_run(trained, root)
+    runs = sweep.expand(sweep_file(root, tmp_path / "s.yaml", items=items), [])
+    with caplog.at_level(logging.WARNING):
+        sweep.refuse_changed_training_settings(runs, "s.yaml", world_size=1)
+    assert "resuming with changed settings" not in caplog.text
+    assert runs[0]["overrides"][-1] == f"out_dir={folder}"
+    with caplog.at_level(logging.INFO):
+        train.main(load_config([DEBUG_CONFIG], runs[0]["overrides"]))  # continues
+    assert f"resumed from {folder / 'checkpoint.pt'} at epoch 1, update 4" in caplog.text
+    assert ("resuming with changed settings" in caplog.text) == ("train.allow_changed_config=true" in items)
 
 
 # train.allow_changed_config=true takes the changed settings; the run's length and layout must still continue the
@@ -166,7 +176,14 @@ def copied_run(trained, root):
      "is at update 4, beyond the 2 updates of this run's schedule (sched.epochs=1, 2 updates each)"),
     ([*ITEMS, "train.batch_size=8", "sched.min_lr=1e-6", "train.allow_changed_config=true"],
      "this run has 1 process(es) x 8 per process x 1 accumulation step(s), 8 updates per epoch"),
-], ids=["shorter schedule", "larger batch", "smaller batch"])
+    # the data settings as they were (data.pin_memory: how batches are copied), so the checkpoint's count is the run's
+    ([*ITEMS, "data.pin_memory=false", "train.batch_size=32", "train.batch_size_per_gpu=16",
+      "train.allow_changed_config=true"], "is at update 4, beyond the 2 updates of this run's schedule"),
+    (["sched.epochs=2", "sched.warmup_epochs=0", "log.tensorboard=false", "data.pin_memory=false",
+      "train.batch_size=32", "train.batch_size_per_gpu=16", "train.allow_changed_config=true"],
+     "this run has 1 process(es) x 16 per process x 2 accumulation step(s), 2 updates per epoch of 64"),
+], ids=["shorter schedule", "larger batch", "smaller batch", "larger batch, data environment",
+        "longer schedule, larger batch"])
 def test_a_resume_the_run_s_length_cannot_continue_is_refused_before_anything_starts(trained, tmp_path, capsys,
                                                                                       items, says):
     """check_resumable lets train.allow_changed_config=true through, and train.py refused such a run only once it had
