@@ -638,12 +638,16 @@ def unread_by_rules(cfg: Any, keys: Iterable[str], rules: Sequence = READ_ONLY_W
             yield key, decider, read_with, value
 
 
-def _section_rules(section: str, classifier: bool = False) -> list:
+def _section_rules(section: str, classifier: bool = False, detector: bool = False) -> list:
     """The READ_ONLY_WHEN entries whose keys and deciding keys all lie in the config section `section`; those of
-    CLASSIFIER_ONLY only for `classifier` options (the options alone do not say which model they quantize)."""
+    CLASSIFIER_ONLY only for `classifier` options (the options alone do not say which model they quantize), and
+    for a `detector`'s the DETECTOR_RULES ones instead (CLASSIFIER_ONLY's left out, DETECTOR_ONLY's in)."""
+    if classifier and detector:
+        raise ValueError("options quantize a classifier or a detector, not both")
     prefix = section + "."
-    return [rule for rule in READ_ONLY_WHEN if (classifier or rule not in CLASSIFIER_ONLY)
-            and all(key.startswith(prefix) for key in (*rule[0], *decider_keys(rule[1])))]
+    rules = DETECTOR_RULES if detector else [rule for rule in READ_ONLY_WHEN
+                                             if classifier or rule not in CLASSIFIER_ONLY]
+    return [rule for rule in rules if all(key.startswith(prefix) for key in (*rule[0], *decider_keys(rule[1])))]
 
 
 def _in_section(section: str, options: Any) -> dict:
@@ -711,16 +715,17 @@ def check_options_read(options: Any, given: Iterable[str], classifier: bool = Fa
                         rules=_section_rules(section, classifier))
 
 
-def unread_options(section: str, options: dict, classifier: bool = False) -> set[str]:
+def unread_options(section: str, options: dict, classifier: bool = False, detector: bool = False) -> set[str]:
     """The names among `options` ({name: value} of the config section `section`, e.g. quant.aphq: a result file's
     recorded pipeline options) that the READ_ONLY_WHEN entries whose keys and deciding keys all lie in that section
     say are unread under these very values (recon_images at iters=0); CLASSIFIER_ONLY's too for `classifier`
-    options (act_lr at drop_prob=0), as `check_options_read`. A rule whose deciding option `options` lacks or
-    holds in a form the rule cannot weigh (a file older than the option) decides nothing: its keys stay. A deciding
-    option is never unread by its own rule."""
+    options (act_lr at drop_prob=0), as `check_options_read`; for a `detector`'s the DETECTOR_RULES that
+    evaluate_detection.py --quant-options applies (batch_size_per_gpu at steps=0, DETECTOR_ONLY). A rule whose
+    deciding option `options` lacks or holds in a form the rule cannot weigh (a file older than the option) decides
+    nothing: its keys stay. A deciding option is never unread by its own rule."""
     prefix = section + "."
     found = unread_by_rules(_in_section(section, options), [prefix + name for name in options],
-                            _section_rules(section, classifier), undecided=True)
+                            _section_rules(section, classifier, detector), undecided=True)
     return {key[len(prefix):] for key, decider, _, _ in found if key not in decider_keys(decider)}
 
 

@@ -107,9 +107,11 @@ def read_options(pipeline: str, options: dict, detector: bool = False) -> dict:
     """`options` ({name: value} of `pipeline`'s quant.<pipeline> section) without those that the config's rules
     say are unread under the others (configs/loader.py unread_options: quant.aphq.recon_images at iters=0): the
     result is the same whatever they hold, and no command sets them (an override of an unread key is refused).
-    Options of a classifier (evaluate.py's, the default) by every rule, those of a `detector` without the
-    classifier's own (configs/loader.py CLASSIFIER_ONLY: a detector's neck reads quant.aphq.act_lr at drop_prob=0)."""
-    unread = unread_options(f"quant.{pipeline}", options, classifier=not detector)
+    Options of a classifier (evaluate.py's, the default) by every rule, those of a `detector` by the rules its
+    --quant-options obey (configs/loader.py DETECTOR_RULES: without the classifier's own, CLASSIFIER_ONLY, as a
+    detector's neck reads quant.aphq.act_lr at drop_prob=0; with its own, DETECTOR_ONLY, as an entry written before
+    they refused quant.gplq.batch_size_per_gpu at steps=0 holds it)."""
+    unread = unread_options(f"quant.{pipeline}", options, classifier=not detector, detector=detector)
     return {name: value for name, value in options.items() if name not in unread}
 
 

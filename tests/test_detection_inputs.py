@@ -921,6 +921,27 @@ def test_gplq_batch_at_steps_0_is_one_error_line(mmdet_ready, tmp_path, capsys, 
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_result_recording_the_batch_at_steps_0_is_extended(sample, tmp_path):
+    """Before gplq.batch_size_per_gpu was refused at gplq.steps=0 on a detector (configs/loader.py DETECTOR_ONLY),
+    result files recorded it there; such a file could no longer be extended ('computed with other settings
+    (options.batch_size_per_gpu 2 -> None)', and giving the batch again is refused as unread). Its entry compares
+    by the rules the command line applies: the stored w4a4 is kept as it was, and w8a8 is added beside it."""
+    import json
+
+    from evaluate_detection import main
+    out = tmp_path / "x.json"
+    argv = ["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", sample,
+            "--out", str(out), "--quant", "gplq", "--quant-options", "gplq.steps=0", "gplq.qwt=false",
+            "--max-images", "1", "--device", "cpu"]
+    main([*argv, "--bits", "w4a4"])
+    old = json.loads(out.read_text())  # as written before the refusal: the batch recorded beside steps=0
+    old["quant"]["gplq"]["w4a4"]["settings"]["options"]["batch_size_per_gpu"] = 2
+    out.write_text(json.dumps(old))
+    result = main([*argv, "--bits", "w4a4", "w8a8"])
+    assert result["quant"]["gplq"]["w4a4"] == old["quant"]["gplq"]["w4a4"]
+    assert result["quant"]["gplq"]["w8a8"]["settings"]["options"] == {"steps": 0, "qwt": False}
+
+
 def test_gplq_without_qwt_runs_on_a_detector(sample, tmp_path):
     """`--quant-options gplq.qwt=false` was refused ("stage2_train_transform=True: a detector's QwT images get the
     test pipeline"): at qwt=false the recipe's stage2_train_transform=False is left out (nothing reads it) and the
