@@ -66,7 +66,7 @@ from engine.precision import describe_precision, grad_scaler
 from engine.exit_codes import EXIT_INTERRUPTED
 from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, preempted_line
 from engine.resume import (check_schedule_holds, epoch_layout, epoch_position, optimizer_param_names,
-                           restore_optimizer, resume_position)
+                           restore_optimizer, resume_position, same_val_windows)
 from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, check_same_weights_on_every_rank,
                               keep_abandoned_checkpoint, keep_missing_snapshot, keep_snapshot, resume_source,
                               started_at_step)
@@ -181,7 +181,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
                     checkpoint=(resume_path, payload) if resume_path is not None else None)
     if resume_path is not None:
         resume_run(run, resume_path, payload)
-        other_validation = validation_changes(payload["config"], config_to_dict(cfg))
+        other_validation = validation_changes(payload["config"], as_scored(payload["config"], cfg))
         # of out_dir's metrics.jsonl only: another folder's checkpoint describes that folder's records
         metrics_fingerprint = payload.get(METRICS_FINGERPRINT) if is_inside(resume_path, cfg.out_dir) else None
         if kept := keep_abandoned_checkpoint(cfg.out_dir, resume_path, run.state.step, dist.is_main, dist.device):
@@ -965,13 +965,22 @@ def validate(task, model: nn.Module, ema, loader, device: torch.device, amp: str
     return metrics
 
 
+def as_scored(saved: dict, current: Config) -> dict:
+    """`current` as a dict, with the data.val_windows of the checkpoint's config `saved` where both score the same
+    windows (engine/resume.py same_val_windows: e.g. 0 now, 64 recorded when the text had 38): no change to compare."""
+    current_d = config_to_dict(current)
+    if "val_windows" in saved.get("data", {}) and same_val_windows(saved, current):
+        current_d["data"]["val_windows"] = saved["data"]["val_windows"]
+    return current_d
+
+
 def check_resumable(saved: dict, current: Config, source: str, warn: bool = True) -> None:
     """The checkpoint `source` (out_dir's checkpoint.pt or the train.resume file) must be of the same model
     and data set; other settings that change what the run computes may differ only with
     train.allow_changed_config=true (paths, logging and train.max_steps may always change:
     engine/run_dir.py ENVIRONMENT_KEYS), logged as such unless `warn` is False (a sweep's check before its runs
     start: the resume it would announce is the run's own, at its turn)."""
-    current_d = config_to_dict(current)
+    current_d = as_scored(saved, current)
     # model.img_size null is the model's own size: null and that size (vit_nano's 32) name one model
     trained_size, size = saved["model"].get("img_size"), current.model.img_size
     if (trained_size is None) != (size is None) and own_img_size(current.model) == (trained_size or size):

@@ -19,6 +19,8 @@ sample's seed (data/samplers.py), so every epoch sees each stretch of text at an
 random windows do, while order and offsets stay a pure function of (seed, epoch, position) for exact
 resume. Validation windows are disjoint, from offset 0; the ids after the last whole window (fewer than
 `context`) are not scored. `data.val_windows` of them (spread evenly), or all; more than the text has are refused.
+Runs and checkpoints written before that refusal may record more (the key was "at most" then), which scored all
+of them: `scored_val_windows` is what a recorded value scored, for comparing it with another (engine/resume.py).
 """
 from __future__ import annotations
 
@@ -322,6 +324,18 @@ def check_vocabulary(stream: TokenStream, vocab_size: int, ids: Optional[np.ndar
             raise layout
         raise VocabularyError(f"{stream.source} holds ids up to {size - 1}, model.num_classes={vocab_size} embeds "
                               f"0..{vocab_size - 1}", size)
+
+
+def scored_val_windows(limit: int, available: int) -> int:
+    """How many windows data.val_windows=`limit` scores of a val text of `available`: `limit` below that, else all
+    of them: 0, the count itself, and a value past it, which runs before its refusal scored as all. The windows are a
+    function of this count and the text (evenly spread), so two values of one count score the same windows."""
+    return limit if 0 < limit < available else available
+
+
+def val_window_count(cfg: DataConfig, context: int) -> int:
+    """The validation windows of `context` ids that `cfg`'s val split holds: all that data.val_windows can take."""
+    return TokenWindows(token_stream(cfg, "val"), context, train=False).count
 
 
 class TokenWindows(Dataset):

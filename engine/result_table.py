@@ -23,6 +23,7 @@ import os
 from typing import Optional, Sequence
 
 from configs import Config
+from data.text import scored_val_windows
 from quant import PIPELINES, bits_order
 from quant.plan import pipeline_options
 
@@ -366,9 +367,23 @@ def data_changed(result: dict) -> list[str]:
     text = lambda value: value if isinstance(value, str) else json.dumps(value)
     plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples as lists, as in the file
     found = [f"data.{key}={text(value)} (trained with {text(recipe[f'data.{key}'])})" for key, value in scored.items()
-             if f"data.{key}" in recipe and plain(value) != plain(recipe[f"data.{key}"])]
+             if f"data.{key}" in recipe and plain(value) != plain(recipe[f"data.{key}"])
+             and not (key == "val_windows" and same_windows_scored(recipe[f"data.{key}"], value, result.get("images")))]
     root = data_root_changed(result)
     return found + ([root] if root else [])
+
+
+def same_windows_scored(trained, evaluated, scored) -> bool:
+    """Whether the run's data.val_windows=`trained` validated on the windows a result scored with `evaluated`
+    (`scored` of them: its "images"). The windows are a function of their count and the text (data/text.py
+    scored_val_windows), so values of one count are the same windows; the text's count is known where the
+    evaluation scored all of it: `evaluated` 0, or past the count (a result written before that was refused). There
+    the run's 0, that count or more (a run written before more was refused scored all) are the same windows, e.g.
+    64 trained on a text of 38 and evaluated with 0. An evaluation of N > 0 that scored N leaves the count unknown
+    (N or more), so no other value is known to be the same there."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (trained, evaluated, scored)):
+        return False
+    return (evaluated == 0 or evaluated > scored) and scored_val_windows(trained, scored) == scored
 
 
 def data_root_changed(result: dict) -> Optional[str]:

@@ -27,20 +27,28 @@ at that update:
   an epoch with another number of updates (the step counter would no longer match the schedule), or a
   mid-epoch change of what orders the samples (seed, repeated augmentation, the number of training samples) is
   refused with a CheckpointError that names the cause and the fix.
+* validation windows (`same_val_windows`): a language model's `data.val_windows` is compared by the windows it
+  scores, not by its number: 0, the text's count and (in a run written before more were refused) a value past it
+  all score every window.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
 import torch
+
+from data.folder import DataError
+from data.text import TOKEN_DATASETS, scored_val_windows, val_window_count
+from models import ModelError, build_model, input_size
 
 from .checkpoint import CheckpointError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["optimizer_param_names", "restore_optimizer", "is_group_counter", "epoch_position", "epoch_layout",
-           "resume_position", "check_schedule_holds"]
+           "resume_position", "check_schedule_holds", "same_val_windows"]
 
 
 def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -182,3 +190,30 @@ def resume_position(saved: Optional[dict], now: dict, *, epoch_batches: int, ste
                  "by %d x %d", samples, saved["world_size"], saved["batch_size_per_gpu"], now["world_size"],
                  now["batch_size_per_gpu"])
     return samples // per_batch
+
+
+def same_val_windows(saved: dict, current) -> bool:
+    """Whether the data.val_windows of a checkpoint's config (`saved`, a dict) and of the current Config `current`
+    score the same windows of the val text: the same value, or two of one scored count (data/text.py
+    scored_val_windows). A run written before more windows than the text has were refused recorded e.g. 64 and
+    scored the text's 38; resumed with 0 or 38 it scores those 38 again, which is no change of settings nor of the
+    validation set best.pt was chosen on (train.py check_resumable, run_training), while 64 itself is refused now.
+    The count needs the model's context (a meta build) and the current val text, so it is read only where the values
+    differ on a language model's data with the same val split and data.kjv_val_fraction (else the set is another
+    whatever its windows, and that key says so); where the model or text cannot be read now the values compare as
+    given (the data's own error comes where the run builds it)."""
+    recorded, data = saved.get("data", {}), current.data
+    then, now = recorded.get("val_windows", 0), data.val_windows
+    if then == now:
+        return True
+    if (data.dataset not in TOKEN_DATASETS or recorded.get("dataset") != data.dataset
+            or recorded.get("val_split", data.val_split) != data.val_split
+            or recorded.get("kjv_val_fraction", data.kjv_val_fraction) != data.kjv_val_fraction):
+        return False
+    try:
+        with torch.device("meta"):
+            context = input_size(build_model(dataclasses.replace(current.model, pretrained="")))
+        available = val_window_count(data, context)
+    except (DataError, ModelError, RuntimeError):
+        return False
+    return scored_val_windows(then, available) == scored_val_windows(now, available)

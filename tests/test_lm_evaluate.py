@@ -508,6 +508,67 @@ def test_more_val_windows_than_the_held_out_text_has_are_refused_by_evaluate_and
     assert not (out / "checkpoint.pt").exists()
 
 
+def test_a_run_written_when_val_windows_was_at_most_resumes_and_evaluates_on_the_windows_it_scored(tmp_path):
+    """A run written before more val windows than the text has were refused recorded e.g. data.val_windows=200 and
+    scored all of a text's 124 (here: a run of 0 whose checkpoints and config.yaml record 200, as it wrote them).
+    200 is refused now; resumed with 0 or 124 (the same windows) the resume was refused as 'written with other
+    settings (data.val_windows: 200 -> 0)', with train.allow_changed_config=true best.pt was retired as scored on
+    another validation set, and evaluate.py marked the row † 'evaluated with data.val_windows=0 (trained with 200)'.
+    The same windows are no change; another number of windows (16) still is."""
+    import yaml
+
+    root = token_folder(tmp_path / "tokens")
+    most = _most_windows(np.fromfile(root / "val.bin", dtype=np.uint16))
+    assert most == 124  # (4,000 - 1) // 32: what the old run scored under its 200
+    out = tmp_path / "run"
+    common = [f"out_dir={out}", "data.dataset=tokens", f"data.root={root}", "log.tensorboard=false"]
+    train.main(load_config([NANO], common + ["data.val_windows=0", "train.max_steps=6"]))
+    for name in ("checkpoint.pt", "best.pt"):  # the old run's record of the value it was given
+        payload = torch.load(out / name, map_location="cpu", weights_only=True)
+        payload["config"]["data"]["val_windows"] = 200
+        torch.save(payload, out / name)
+    recorded = yaml.safe_load((out / "config.yaml").read_text())
+    recorded["data"]["val_windows"] = 200
+    (out / "config.yaml").write_text(yaml.safe_dump(recorded))
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for name in ("checkpoint.pt", "best.pt", "config.yaml", "metrics.jsonl"):
+        (kept / name).write_bytes((out / name).read_bytes())
+    old_best = (out / "best.pt").read_bytes()
+
+    def restore():
+        for name in ("checkpoint.pt", "best.pt", "config.yaml", "metrics.jsonl"):
+            (out / name).write_bytes((kept / name).read_bytes())
+        for extra in out.glob("best.until_step*.pt"):
+            extra.unlink()
+
+    with pytest.raises(DataError, match=r"^data.val_windows=200: .*val.bin has 124 windows of 32 tokens"):
+        train.main(load_config([NANO], common + ["data.val_windows=200"]))  # as new runs are
+    with pytest.raises(CheckpointError, match=r"other settings \(data.val_windows: 200 -> 16\)"):
+        train.main(load_config([NANO], common + ["data.val_windows=16"]))  # 16 of the 124: other windows
+    for given in (0, most):
+        restore()
+        run = train.main(load_config([NANO], common + [f"data.val_windows={given}"]))
+        # best.pt, scored on these windows, stays the run's best until a better one (not retired at the resume)
+        assert run.state.step == 12 and not list(out.glob("best.until_step*.pt"))
+        assert run.state.best_step in (6, 12)
+        if run.state.best_step == 6:
+            assert (out / "best.pt").read_bytes() == old_best
+    restore()
+    run = train.main(load_config([NANO], common + ["data.val_windows=16", "train.allow_changed_config=true"]))
+    assert run.state.step == 12 and (out / "best.until_step6.pt").read_bytes() == old_best  # another set: retired
+
+    best = str(kept / "best.pt")
+    results = {k: run_eval("--checkpoint", best, "--quant", f"data.val_windows={k}",
+                           "--out", str(tmp_path / f"{k}.json")) for k in (0, 16)}
+    assert results[0]["recipe"]["data.val_windows"] == 200 and results[0]["images"] == most
+    assert result_table.evaluated_otherwise(results[0]) is None
+    assert result_table.evaluated_otherwise(results[16]) == "data.val_windows=16 (trained with 200)"
+    # a run that scored 16 of the 124, evaluated on all of them: other windows, marked
+    assert result_table.data_changed({**results[0], "recipe": {**results[0]["recipe"], "data.val_windows": 16}}) == \
+        ["data.val_windows=0 (trained with 16)"]
+
+
 def test_a_truncated_checkpoint_is_named_as_such(kjv_run, tmp_path):
     cut = tmp_path / "cut.pt"
     cut.write_bytes(kjv_run.read_bytes()[:5000])
