@@ -37,7 +37,7 @@ from quant.aphq.pipeline import APHQPipeline  # noqa: E402
 from quant.aphq.reconstruct import ReconSettings, reconstruct_unit  # noqa: E402
 from quant.spec import Bits  # noqa: E402
 from quant.units import capture_unit, find_units, model_logits  # noqa: E402
-from engine.runinfo import cpu_name  # noqa: E402
+from bench_env import environment  # noqa: E402
 from engine.outputs import write_json  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
@@ -123,8 +123,7 @@ def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -
     hessian_batch_s = time.perf_counter() - start
 
     base = {"model": args.model, "img_size": args.img_size, "overrides": kw, "block": args.block,
-            "batch": args.batch, "device": str(device), "cpu": cpu_name(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+            "batch": args.batch, **environment(device), "threads": torch.get_num_threads()}
 
     def figures(stamps: list[float]) -> dict:
         """The result so far: the Hessian batch, and the reconstruction iterations once one is timed."""

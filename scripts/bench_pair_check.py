@@ -25,7 +25,8 @@ from cd import UnsupportedModelError, find_pairs  # noqa: E402
 from cd.values import probe_input  # noqa: E402
 from cd.verify import example_input, verify_pairs  # noqa: E402
 from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
-from engine.runinfo import cpu_name  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for bench_env
+from bench_env import environment  # noqa: E402
 
 
 DEFAULT_MODEL = "vit_base_patch16_224"
@@ -84,14 +85,13 @@ def main(argv: list[str]) -> dict:
             model(*sample_args, **sample_kwargs)
 
     result = {
-        "model": name, "device": str(args.device), "cpu": cpu_name(), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "pairs": len(pairs),
+        "model": name, **environment(args.device), "threads": torch.get_num_threads(), "pairs": len(pairs),
         "find_pairs_s": median_seconds(lambda: find_pairs(model), args.repeats, args.device),
         "meta_check_s": median_seconds(lambda: verify_pairs(model, pairs, {}), args.repeats, args.device),
         "no_check_s": median_seconds(lambda: find_pairs(model, verify=False), args.repeats, args.device),
         "forward_s": median_seconds(plain_forward, args.repeats, args.device),
     }
-    print(f"{name} on {result['device']} ({result['cpu']}, torch {result['torch']}, {result['threads']} threads), "
+    print(f"{name} on {result['device']} ({result['hardware']}, torch {result['torch']}, {result['threads']} threads), "
           f"{len(pairs)} pairs, median of {args.repeats}: find_pairs {result['find_pairs_s']:.3f} s, meta check "
           f"alone {result['meta_check_s']:.3f} s, verify=False {result['no_check_s']:.4f} s; one forward of the "
           f"check's one-sample input {result['forward_s']:.3f} s")

@@ -34,10 +34,11 @@ either way):
     aphq_unit  one APHQ unit's reconstruction iteration and Hessian batch, extrapolated to the official
                counts (scripts/bench_aphq_block.py)
 
-The JSON holds the device name, torch, timm and CUDA versions, and per stage its status (ok, failed: a
-test failed, error: the stage raised or died, timeout, not_run: the total budget was spent), seconds,
-budget, figures and log file; the stages' full logs are written next to it (`<out stem>_logs/`), where a
-stage's figures file (and any temporary of it) an earlier call left is removed before that stage starts. Every
+The JSON holds the device (cuda; cpu under --smoke), its hardware (the GPU's name; under --smoke the processor's)
+and the torch, CUDA and timm versions, the fields of every benchmark's JSON (scripts/bench_env.py), and per stage its
+status (ok, failed: a test failed, error: the stage raised or died, timeout, not_run: the total budget was
+spent), seconds, budget, figures and log file; the stages' full logs are written next to it (`<out stem>_logs/`),
+where a stage's figures file (and any temporary of it) an earlier call left is removed before that stage starts. Every
 stage writes its figures whole (a temporary file renamed into place) as soon as it has each; a figures
 file the driver cannot read is kept there and named in the stage's `figures_error` (a stage that ended
 well is then an error). The stage processes get CUBLAS_WORKSPACE_CONFIG=:4096:8 unless it is set
@@ -71,7 +72,8 @@ sys.path.insert(0, ROOT)
 from configs.cli import OneLineParser, at_least  # noqa: E402
 from engine import outputs  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from engine.runinfo import cpu_name  # noqa: E402
+sys.path.insert(0, HERE)
+from bench_env import environment  # noqa: E402  (scripts/)
 
 # Seconds per stage on one H100; together below 10 minutes with the processes' start-up.
 BUDGETS = {"pytest": 270, "precision": 60, "overhead": 60, "quant": 100, "aphq_unit": 40}
@@ -287,12 +289,6 @@ def run_stage(args) -> int:
 
 
 # ----------------------------------------------------------------------------------- the driver (parent side)
-def device_name(smoke: bool) -> str:
-    if not smoke and torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    return f"cpu ({cpu_name()})"
-
-
 def stage_env() -> dict:
     """The environment of a stage's process: this one's, unbuffered, with cuBLAS's deterministic workspace
     unless one is set. PyTorch reads CUBLAS_WORKSPACE_CONFIG once per process, at its first cuBLAS call:
@@ -425,14 +421,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
         sys.exit(f"error: {e}")
     os.makedirs(logs, exist_ok=True)
 
-    import timm
-
-    report = {"device": device_name(args.smoke), "torch": torch.__version__, "cuda": torch.version.cuda,
-              "timm": timm.__version__, "smoke": args.smoke, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              "stages": {}}
+    # the fields every benchmark's JSON records (scripts/bench_env.py): the device the stages run on (a GPU is
+    # required above, but under --smoke), its hardware (the GPU's or the processor's name) and the versions
+    report = {**environment("cpu" if args.smoke else "cuda"), "smoke": args.smoke,
+              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "stages": {}}
     start = time.perf_counter()
     deadline = start + args.total_budget
-    print(f"gpu_check on {report['device']}, torch {report['torch']}, timm {report['timm']}", flush=True)
+    print(f"gpu_check on {report['device']} ({report['hardware']}), torch {report['torch']}, CUDA {report['cuda']}, "
+          f"timm {report['timm']}", flush=True)
 
     written = []
 
@@ -477,7 +473,8 @@ def summary(report: dict) -> dict:
     """The headline figures, for the console."""
     stages = report["stages"]
     fig = {s: e.get("figures", {}) for s, e in stages.items()}
-    out: dict = {"device": report["device"], "status": {s: e["status"] for s, e in stages.items()}}
+    out: dict = {"device": report["device"], "hardware": report["hardware"],
+                 "status": {s: e["status"] for s, e in stages.items()}}
     if "counts" in fig.get("pytest", {}):
         out["pytest"] = fig["pytest"]["counts"]
     if "fp16_over_bf16" in fig.get("precision", {}):

@@ -23,6 +23,9 @@ def test_bench_aphq_block_cpu_smoke(tmp_path):
     assert result["timed_iters"] == 2 and result["iter_s"] > 0
     assert result["extrapolated"]["unit_s"] >= result["extrapolated"]["reconstruction_s"] > 0
     assert json.load(open(out))["block"] == "blocks.1"
+    # the fields of every benchmark's JSON (scripts/bench_env.py): a "cpu" field and no hardware or CUDA / timm before
+    from tests.test_bench_overhead import expected_environment, recorded_environment
+    assert recorded_environment(json.load(open(out))) == expected_environment() and "cpu" not in result
     args = ["--img-size", "32", "--depth", "2", "--embed-dim", "64", "--block", "blocks.1", "--batch", "4",
             "--images", "8", "--iters", "2", "--threads", "1", "--out", str(out)]
     with pytest.raises(SystemExit, match="error: .*block.json already exist"):  # before any timing

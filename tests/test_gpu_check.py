@@ -33,10 +33,14 @@ def test_smoke_run_writes_every_stage_s_figures(tmp_path, capsys):
     """The command line runs in this process (run_entry: a process of its own would import torch again, seconds);
     each stage it starts is a process of its own, as always."""
     out = tmp_path / "gpu_check.json"
-    code, _, err = run_entry(SCRIPT, ["--smoke", *UNHURRIED, "--out", str(out)], capsys)
+    from tests.test_bench_overhead import expected_environment, recorded_environment
+
+    code, printed, err = run_entry(SCRIPT, ["--smoke", *UNHURRIED, "--out", str(out)], capsys)
     assert code == 0, err[-3000:]
     report = json.loads(out.read_text())
-    assert report["device"].startswith("cpu") and report["torch"] and report["smoke"] is True
+    # the fields of every benchmark's JSON (scripts/bench_env.py): "device" was "cpu (<processor>)", no "hardware"
+    assert recorded_environment(report) == expected_environment() and report["smoke"] is True
+    assert f"gpu_check on cpu ({expected_environment()['hardware']}), torch " in printed
     stages = report["stages"]
     assert {s: e["status"] for s, e in stages.items()} == dict.fromkeys(STAGES, "ok"), {
         s: e.get("log_tail") for s, e in stages.items()}

@@ -176,6 +176,8 @@ def test_bench_pair_check_times_each_part_of_the_check(argv, pairs, capsys):
     assert result["pairs"] == pairs
     assert all(result[k] > 0 for k in ("find_pairs_s", "meta_check_s", "no_check_s", "forward_s"))
     assert f"{pairs} pairs" in capsys.readouterr().out
+    from tests.test_bench_overhead import expected_environment, recorded_environment  # bench_env's fields
+    assert recorded_environment(result) == expected_environment() and "cpu" not in result
 
 
 def test_bench_pair_check_refuses_an_lm_config_that_is_not_one(tmp_path):
