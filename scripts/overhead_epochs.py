@@ -278,6 +278,10 @@ def main(argv: Optional[list[str]] = None, parents: tuple = ()) -> dict:
     p = build_parser(parents=list(parents))
     args = p.parse_intermixed_args(argv)
     move_overrides(args, "models")  # `--models vit_small_patch16_224 data.root=/d`: data.root=/d is an override
+    # the runs start in the repository root (their configs' paths are its), this script reads their folders from
+    # here: a relative --out given elsewhere was trained into under the root and then looked for here (a traceback
+    # after the first run)
+    args.out = os.path.abspath(args.out)
     if not args.batches and not args.models:  # a usage error (status 2), as argparse's: before any config is read
         p.error("--batches and --models are both empty: there is nothing to measure")
     refuse_protocol_keys(args.overrides)

@@ -421,6 +421,31 @@ def test_epochs_protocol_reads_its_command_line_with_overhead_epochs_forms(tmp_p
     assert shown.value.code == 0 and "--models" in printed and "--protocol" in printed
 
 
+def test_a_relative_out_is_the_folder_under_the_directory_the_command_runs_in(tmp_path, monkeypatch):
+    """The runs start in the repository root and this script read their folders from where it ran: a relative
+    --out given elsewhere was trained into under the root, then its metrics.jsonl was looked for here (a traceback
+    after the first run). Both are --out under the directory the command runs in. The stand-in for train.py
+    resolves out_dir from the folder it is started in, as train.py does (writing nothing outside tmp_path)."""
+    trained = []
+
+    def stand_in(cmd, cwd):
+        out = os.path.join(cwd, next(a.split("=", 1)[1] for a in cmd if a.startswith("out_dir=")))
+        trained.append(out)
+        if os.path.commonpath([out, str(tmp_path)]) == str(tmp_path):
+            os.makedirs(out, exist_ok=True)
+            with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+                f.write(json.dumps({"epoch/train_seconds": 1.0}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    run_commands_with(monkeypatch, stand_in)
+    monkeypatch.chdir(tmp_path)
+    report = _epochs_script().main(["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8",
+                                    "--models", "--methods", "baseline", "--epochs", "1", "--runs", "1", "--out",
+                                    "rel"])
+    assert trained == [str(tmp_path / "rel" / "runs" / "vit_nano_bs8_baseline_run0")]
+    assert report["rows"][0]["epoch_s"] == 1.0 and (tmp_path / "rel" / "epochs.json").exists()
+
+
 def test_reported_step_times_are_medians_and_the_ratios_are_to_the_baseline(monkeypatch):
     """Scripted timings in place of the clock: each row's step_ms is the median of its timed steps (not the mean
     or the slowest), CD's apply and floor are the medians of their own interleaved timings, and the table's
