@@ -86,6 +86,18 @@ def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
     return code, out, err
 
 
+def quant_option_refusal(tmp_path, capsys, pipeline: str, *overrides: str, config: str = DEMO_CONFIG) -> str:
+    """The one `error:` line `evaluate.py --quant <pipeline> --bits w4a4 <overrides>` exits with, on weights that
+    do not exist (a refusal of the options must come before the weights file is opened) and no result file."""
+    code, _, err = run_entry("evaluate.py", [
+        "--config", config, f"model.pretrained={tmp_path / 'w.pt'}", "--quant", pipeline, "--bits", "w4a4",
+        *overrides, "--out", str(tmp_path / "r.json")], capsys)
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1, err
+    assert not (tmp_path / "r.json").exists()
+    return lines[0]
+
+
 def run_main(path: str, argv: list[str]) -> int:
     """The exit status of `python path *argv` (path relative to ROOT), its `__main__` block run in this process,
     its output left to the test's capture (run_entry reads it). sys.argv[0] is the script's path relative to the

@@ -7,7 +7,7 @@ import torch
 from device_utils import cpu_pipeline_data
 from quant import PIPELINES
 from quant_models import images, tiny_vit
-from tests.conftest import DEMO_CONFIG, run_entry
+from tests.conftest import quant_option_refusal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -43,10 +43,6 @@ def test_mlp_iterations_at_iters_0_tune_the_relu_mlps():
 
 
 def test_evaluate_refuses_it_with_one_error_line(tmp_path, capsys):
-    code, _, err = run_entry("evaluate.py", [
-        "--config", DEMO_CONFIG, f"model.pretrained={tmp_path / 'w.pt'}", "--quant", "aphq", "--bits", "w4a4",
-        "quant.aphq.iters=0", "quant.aphq.mlp_reconstruct=true", "--out", str(tmp_path / "r.json")], capsys)
-    lines = err.strip().splitlines()
-    assert code != 0 and len(lines) == 1, err
-    assert lines[0].startswith("error: quant.aphq: mlp_reconstruct=True with iters=0 and mlp_iters=null")
-    assert "give mlp_iters above 0" in lines[0]
+    line = quant_option_refusal(tmp_path, capsys, "aphq", "quant.aphq.iters=0", "quant.aphq.mlp_reconstruct=true")
+    assert line.startswith("error: quant.aphq: mlp_reconstruct=True with iters=0 and mlp_iters=null")
+    assert "give mlp_iters above 0" in line

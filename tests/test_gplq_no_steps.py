@@ -11,7 +11,7 @@ from configs.quant import GPLQOptions
 from device_utils import cpu_pipeline_data
 from quant import PIPELINES
 from quant_models import images, tiny_vit
-from tests.conftest import DEMO_CONFIG, run_entry
+from tests.conftest import quant_option_refusal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -67,12 +67,8 @@ def test_the_api_refuses_it_too():
 
 
 def test_evaluate_refuses_it_with_one_error_line(tmp_path, capsys):
-    code, _, err = run_entry("evaluate.py", [
-        "--config", DEMO_CONFIG, f"model.pretrained={tmp_path / 'w.pt'}", "--quant", "gplq", "--bits", "w4a4",
-        "quant.gplq.steps=0", "quant.gplq.lr=1e-3", "--out", str(tmp_path / "r.json")], capsys)
-    lines = err.strip().splitlines()
-    assert code != 0 and len(lines) == 1, err
-    assert lines[0].startswith("error: quant.gplq.lr=0.001 would be ignored") and "quant.gplq.steps" in lines[0]
+    line = quant_option_refusal(tmp_path, capsys, "gplq", "quant.gplq.steps=0", "quant.gplq.lr=1e-3")
+    assert line.startswith("error: quant.gplq.lr=0.001 would be ignored") and "quant.gplq.steps" in line
 
 
 def test_the_batch_is_unread_at_steps_0_without_qwt_and_refused_there():
@@ -107,10 +103,6 @@ def test_a_split_below_the_default_batch_quantizes_at_steps_0_without_qwt():
 
 
 def test_evaluate_refuses_the_batch_at_steps_0_without_qwt_with_one_error_line(tmp_path, capsys):
-    code, _, err = run_entry("evaluate.py", [
-        "--config", DEMO_CONFIG, f"model.pretrained={tmp_path / 'w.pt'}", "--quant", "gplq", "--bits", "w4a4",
-        "quant.gplq.steps=0", "quant.gplq.qwt=false", "quant.gplq.batch_size_per_gpu=8",
-        "--out", str(tmp_path / "r.json")], capsys)
-    lines = err.strip().splitlines()
-    assert code != 0 and len(lines) == 1, err
-    assert lines[0].startswith("error: quant.gplq.batch_size_per_gpu=8 would be ignored") and "qwt" in lines[0]
+    line = quant_option_refusal(tmp_path, capsys, "gplq", "quant.gplq.steps=0", "quant.gplq.qwt=false",
+                                "quant.gplq.batch_size_per_gpu=8")
+    assert line.startswith("error: quant.gplq.batch_size_per_gpu=8 would be ignored") and "qwt" in line

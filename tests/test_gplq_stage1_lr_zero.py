@@ -10,7 +10,7 @@ from configs.quant import GPLQOptions
 from device_utils import cpu_pipeline_data
 from quant import PIPELINES
 from quant_models import images, same_state, tiny_vit
-from tests.conftest import DEMO_CONFIG, run_entry
+from tests.conftest import quant_option_refusal
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,9 +82,5 @@ def test_the_api_refuses_it_too():
 
 
 def test_evaluate_refuses_it_with_one_error_line(tmp_path, capsys):
-    code, _, err = run_entry("evaluate.py", [
-        "--config", DEMO_CONFIG, f"model.pretrained={tmp_path / 'w.pt'}", "--quant", "gplq", "--bits", "w4a4",
-        "quant.gplq.steps=3", "quant.gplq.lr=0", "--out", str(tmp_path / "r.json")], capsys)
-    lines = err.strip().splitlines()
-    assert code != 0 and len(lines) == 1, err
-    assert lines[0].startswith("error: quant.gplq.lr=0 would be ignored") and "quant.gplq.steps=0" in lines[0]
+    line = quant_option_refusal(tmp_path, capsys, "gplq", "quant.gplq.steps=3", "quant.gplq.lr=0")
+    assert line.startswith("error: quant.gplq.lr=0 would be ignored") and "quant.gplq.steps=0" in line

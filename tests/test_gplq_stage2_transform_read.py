@@ -6,7 +6,7 @@ import torch
 
 from configs.loader import ConfigError, load_config
 from data.loader import calibration_images
-from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, run_entry
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, quant_option_refusal
 
 
 def test_synthetic_images_are_the_same_under_both_transforms():
@@ -31,9 +31,6 @@ def test_it_is_taken_where_a_transform_prepares_the_images():
 
 
 def test_evaluate_refuses_it_with_one_error_line(tmp_path, capsys):
-    code, _, err = run_entry("evaluate.py", [
-        "--config", DEBUG_CONFIG, f"model.pretrained={tmp_path / 'w.pt'}", "--quant", "gplq", "--bits", "w4a4",
-        "quant.gplq.stage2_train_transform=false", "--out", str(tmp_path / "r.json")], capsys)
-    lines = err.strip().splitlines()
-    assert code != 0 and len(lines) == 1, err
-    assert lines[0].startswith("error: quant.gplq.stage2_train_transform=false would be ignored")
+    line = quant_option_refusal(tmp_path, capsys, "gplq", "quant.gplq.stage2_train_transform=false",
+                                config=DEBUG_CONFIG)
+    assert line.startswith("error: quant.gplq.stage2_train_transform=false would be ignored")

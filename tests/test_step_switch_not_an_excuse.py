@@ -9,7 +9,7 @@ from configs import load_config
 from configs.loader import ConfigError
 from configs.quant import APHQOptions, GPLQOptions
 from quant.pipeline_base import parse_options
-from tests.conftest import DEMO_CONFIG, run_entry
+from tests.conftest import DEMO_CONFIG, quant_option_refusal
 
 # (the switch given false, the option it leaves unread, the option's value as given)
 STEP_SWITCHES = [
@@ -69,12 +69,7 @@ def test_the_python_api_refuses_it_as_the_config_does(options_type, given, refus
 def test_evaluate_refuses_it_in_one_error_line(tmp_path, capsys):
     """The reported command line: one `error:` line naming the option, before any work (the weights file is
     never opened)."""
-    code, _, err = run_entry("evaluate.py", [
-        "--config", DEMO_CONFIG, f"model.pretrained={tmp_path / 'w.pt'}", "--quant", "gplq", "--bits", "w4a4",
-        "quant.gplq.matmul_operands=false", "quant.gplq.matmul_percentile=0.9", "quant.gplq.steps=0",
-        "--out", str(tmp_path / "r.json")], capsys)
-    lines = err.strip().splitlines()
-    assert code != 0 and len(lines) == 1, err
-    assert lines[0].startswith("error: quant.gplq.matmul_percentile=0.9 would be ignored: quant.gplq.matmul_percentile "
-                               "is read only when quant.gplq.matmul_operands is true, and it is false"), lines[0]
-    assert not (tmp_path / "r.json").exists()
+    line = quant_option_refusal(tmp_path, capsys, "gplq", "quant.gplq.matmul_operands=false",
+                                "quant.gplq.matmul_percentile=0.9", "quant.gplq.steps=0")
+    assert line.startswith("error: quant.gplq.matmul_percentile=0.9 would be ignored: quant.gplq.matmul_percentile "
+                           "is read only when quant.gplq.matmul_operands is true, and it is false"), line
