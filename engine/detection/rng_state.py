@@ -8,13 +8,15 @@ from typing import Optional
 import numpy as np
 import torch
 from mmengine.hooks import Hook
+from mmengine.runner import IterBasedTrainLoop
 
 
-def inexact_resume(world_size: int, train_loader, saved_ranks: int = 1, saved_world: Optional[int] = None
-                   ) -> list[str]:
+def inexact_resume(world_size: int, train_loader, saved_ranks: int = 1, saved_world: Optional[int] = None,
+                   iteration_loop: bool = False) -> list[str]:
     """Why a resumed run of `world_size` processes reading `train_loader`, from a checkpoint holding the
     random-number states of `saved_ranks` ranks and written by a run of `saved_world` ranks (None: not recorded,
-    a checkpoint of an older version), does not continue as the uninterrupted run would; empty where it does."""
+    a checkpoint of an older version), does not continue as the uninterrupted run would; empty where it does.
+    `iteration_loop`: the run trains in MMEngine's IterBasedTrainLoop (GPLQ's stage 1 on a detector), not by epoch."""
     limits = []
     if saved_world is not None and saved_world != world_size:
         per_rank = getattr(train_loader.batch_sampler, "batch_size", None) or train_loader.batch_size or 1
@@ -30,7 +32,10 @@ def inexact_resume(world_size: int, train_loader, saved_ranks: int = 1, saved_wo
                       f"state at the checkpoint (it holds {held}), so their RoI samples and dropout differ, and "
                       "through the averaged gradients every rank's weights")
     workers = getattr(train_loader, "num_workers", 0)
-    if workers > 0 and getattr(train_loader, "persistent_workers", False):
+    # an iteration loop fetches the batches trained before the checkpoint again before its first new one, through
+    # new workers started from the same seeds: they reach the checkpoint with the uninterrupted run's draws
+    # (tests/test_gplq_detector_resume.py, past an epoch's end too); an epoch loop starts its epoch with them
+    if workers > 0 and getattr(train_loader, "persistent_workers", False) and not iteration_loop:
         limits.append(f"the train loader's {workers} persistent worker(s) start over from their first seeds, so "
                       "their augmentation draws (flips, crops) differ; with train_dataloader.persistent_workers=False "
                       "every epoch's workers start from the same seeds in both runs")
@@ -57,13 +62,22 @@ class RngStateHook(Hook):
 
     Where a resume is not exact (`inexact_resume`, logged as a warning when such a run resumes): another number of
     ranks than the checkpoint's (another global batch, in one process too), ranks without their state (above),
-    and persistent loader workers (`persistent_workers=True` and `num_workers` > 0, the
+    and in an epoch loop persistent loader workers (`persistent_workers=True` and `num_workers` > 0, the
     MMDetection COCO configs' setting): MMEngine's `worker_init_fn` seeds each worker once, from (seed, rank,
     worker index), and the augmentation draws in the workers (random flips, crops) go on from there over the
     epochs of an uninterrupted run, while a resumed run's new workers start over from those seeds. Workers that
     are not persistent start from the same seeds every epoch in both runs; with `num_workers=0` the draws are the
     main process's, whose state is restored (exact: tests/test_detection.py in one process,
-    tests/test_detection_distributed_resume.py on 2 ranks)."""
+    tests/test_detection_distributed_resume.py on 2 ranks).
+
+    MMEngine's iteration loop (IterBasedTrainLoop: GPLQ's stage 1 on a detector, engine/detection/qat.py) reaches
+    the checkpoint's position by fetching the batches trained before it again, which draws in this process: their
+    augmentations at `num_workers=0`, and a new iterator's seed at each end of the loader (workers that are not
+    persistent). Restored before that fetch, as in an epoch loop, the state moved on: of the sample detector's 115
+    tensors 111 differed after a stage 1 resumed past an epoch's end at `num_workers=0`, 93 with a worker that is
+    not persistent. There the state is restored after it, right before the first new batch is fetched
+    (`_RestoreAfterSkip`); the workers, persistent or not, fetch the trained batches again from their first seeds
+    and go on as in the uninterrupted run (tests/test_gplq_detector_resume.py)."""
 
     priority = "LOWEST"  # restores after every other hook's before_train, saves after theirs
 
@@ -108,11 +122,22 @@ class RngStateHook(Hook):
     def before_train(self, runner) -> None:
         if runner.iter == 0:  # a new run, seeded by MMEngine
             return
+        loop = getattr(runner, "train_loop", None)
+        iterations = isinstance(loop, IterBasedTrainLoop)
         saved = len(self._loaded_ranks) if self._loaded_ranks else 1
         if runner.rank == 0 and (limits := inexact_resume(runner.world_size, runner.train_dataloader, saved,
-                                                          self._loaded_world)):
+                                                          self._loaded_world, iteration_loop=iterations)):
             runner.logger.warning("this resumed run does not continue exactly as the uninterrupted one would: "
                                   f"{'; '.join(limits)} (docs/operations.md, detection runs)")
+        if iterations:  # after the loop fetched the trained batches again (class docstring)
+            loop.dataloader_iterator = _RestoreAfterSkip(loop.dataloader_iterator, runner.iter,
+                                                         lambda: self._restore_loaded(runner))
+        else:
+            self._restore_loaded(runner)
+
+    def _restore_loaded(self, runner) -> None:
+        """Put back this rank's state at the checkpoint resumed from."""
+        saved = len(self._loaded_ranks) if self._loaded_ranks else 1
         if runner.rank != 0:  # its own state where the checkpoint holds one for this number of ranks
             if saved == runner.world_size:
                 self._restore(self._loaded_ranks[runner.rank])
@@ -131,6 +156,24 @@ class RngStateHook(Hook):
         if self._before_val is not None:
             self._restore(self._before_val)
             self._before_val = None
+
+
+class _RestoreAfterSkip:
+    """MMEngine's iteration loop's data iterator (`iterator`), which calls `restore` once it has handed out `skip`
+    batches (those the loop fetches again to reach the checkpoint's position), right before it fetches the next."""
+
+    def __init__(self, iterator, skip: int, restore) -> None:
+        self.iterator, self.skip, self.restore = iterator, skip, restore
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.skip == 0 and self.restore is not None:
+            restore, self.restore = self.restore, None
+            restore()
+        self.skip -= 1
+        return next(self.iterator)
 
 
 class RankRngStates(Hook):
