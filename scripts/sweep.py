@@ -956,6 +956,20 @@ def refuse_changed_training_settings(runs: list[dict], sweep_path: str, world_si
                               f"a new folder, and a setting of this run goes in its items there)") from e
 
 
+# The data settings the number of training samples depends on (data/loader.py build_dataset, data/text.py
+# token_stream): where one of them changed since the checkpoint, its recorded count is not the run's, and only
+# train.py's reading of the data tells the run's. The others (validation, transforms, mixing, the sampler's
+# data.repeated_aug, which the count below goes through) leave the count as recorded.
+TRAIN_SAMPLE_KEYS = (
+    "data.dataset",  # which data set (train.py refuses another at resume; kept so that the list is whole)
+    "data.root",  # an environment key (not in config_changes): another copy may hold other images or token files
+    "data.train_split",  # the class folder or token file (<root>/<train_split>.bin) trained on
+    "data.synthetic_train_size",  # the synthetic train set's images
+    "data.kjv_val_fraction",  # the embedded text's tail held out: the training text is the rest
+    "data.digits_val_fraction",  # the digits' stratified split: the training images are the rest
+)
+
+
 def check_resume_length(cfg, payload: dict, checkpoint: str, world_size: Optional[int]) -> None:
     """train.py's refusals of a resume that need the run's updates per epoch, which it counts once its data are
     read, made with its own checks in its order: the schedule reaches the checkpoint's update and train.max_steps is
@@ -964,18 +978,18 @@ def check_resume_length(cfg, payload: dict, checkpoint: str, world_size: Optiona
     and the epochs have the checkpoint's number of updates and its position in the epoch falls on a whole update
     (engine/resume.resume_position: a changed train.batch_size). Fed from the memory-mapped checkpoint: its update,
     its scheduler state and its epoch_position, whose count of training samples stands for the data where the run's
-    data section is the checkpoint's. The updates per epoch are those of train.py's loader over that count and
-    `world_size` processes. Nothing is checked where the layout is not known: processes the launcher does not state
-    (None), a checkpoint older than its epoch_position, a data section changed since (train.allow_changed_config=true:
-    data.synthetic_train_size, data.train_split, a validation fraction or data.root may change the count, which
-    only train.py's reading of the data tells), a batch that does not fit the samples (train.py's refusal, at its
-    start). Raises CheckpointError or ConfigError, train.py's own."""
+    settings that size the training data (TRAIN_SAMPLE_KEYS) are the checkpoint's. The updates per epoch are those of
+    train.py's loader over that count and `world_size` processes. Nothing is checked where the layout is not known:
+    processes the launcher does not state (None), a checkpoint older than its epoch_position, a TRAIN_SAMPLE_KEYS
+    setting changed since (train.allow_changed_config=true: data.synthetic_train_size, data.train_split, a
+    validation fraction that sizes the training split or data.root may change the count, which only train.py's
+    reading of the data tells), a batch that does not fit the samples (train.py's refusal, at its start). Raises
+    CheckpointError or ConfigError, train.py's own."""
     from configs import config_to_dict
     from data import DataError
     from data.loader import _train_batches
     from engine.optim import schedule_length
     from engine.resume import epoch_layout, epoch_position, resume_position
-    from engine.run_dir import config_changes
     from engine.tasks import task_for
     from engine.training_checks import check_poly_power
     from train import accumulation_steps, check_resume_point
@@ -983,12 +997,12 @@ def check_resume_length(cfg, payload: dict, checkpoint: str, world_size: Optiona
     recorded = payload.get("epoch_position")
     if world_size is None or not isinstance(recorded, dict):
         return
-    # the recorded count is of the checkpoint's data: another data section (a changed setting train.py reads, or
-    # data.root, where another copy may hold other images) may read another number of training samples, and with it
-    # other updates per epoch and another schedule; counting them means reading the data, train.py's at its start
-    now = config_to_dict(cfg)
-    if (any(c.startswith("data.") for c in config_changes(payload["config"], now))
-            or payload["config"]["data"].get("root") != now["data"]["root"]):
+    # the recorded count is of the checkpoint's data: a changed setting that sizes the training data may read another
+    # number of training samples, and with it other updates per epoch and another schedule; counting them means
+    # reading the data, train.py's at its start. Any other data change (data.synthetic_val_size, a transform) leaves
+    # the count, and the run's length is checked here as without it
+    saved, now = payload["config"]["data"], config_to_dict(cfg)["data"]
+    if any(saved.get(k.split(".", 1)[1]) != now.get(k.split(".", 1)[1]) for k in TRAIN_SAMPLE_KEYS):
         return
     accum_steps = accumulation_steps(cfg, world_size)
     samples = int(recorded["train_images"])

@@ -7,8 +7,8 @@ again (and after evaluate.py had loaded the model), with advice (--out, out_dir)
 runs were not started. The sweep refuses such a run up front in one line, in its own terms; --recompute passes
 evaluate.py's --recompute on to the runs whose result file disagrees. The reference for each refusal is train.py's
 and evaluate.py's own: what the sweep refuses, they refuse, and what it lets through, they take (but for the updates
-per epoch of a run whose data settings changed: train.py counts them once it has read the data, and refuses them at
-the run's turn)."""
+per epoch of a run whose settings that size its training data changed: train.py counts them once it has read the data,
+and refuses them at the run's turn)."""
 import logging
 import shutil
 
@@ -182,8 +182,15 @@ def test_settings_train_py_continues_with_are_not_refused(trained, tmp_path, cap
     (["sched.epochs=2", "sched.warmup_epochs=0", "log.tensorboard=false", "data.pin_memory=false",
       "train.batch_size=32", "train.batch_size_per_gpu=16", "train.allow_changed_config=true"],
      "this run has 1 process(es) x 16 per process x 2 accumulation step(s), 2 updates per epoch of 64"),
+    # data settings changed that do not size the training data (the validation set, the targets' smoothing): the
+    # checkpoint's count of 64 is still the run's, and the sweep counts its updates from it (before, any changed data
+    # setting left them to train.py, which refused the run at its turn)
+    ([*ITEMS, "data.synthetic_val_size=32", "train.batch_size=32", "train.batch_size_per_gpu=16",
+      "train.allow_changed_config=true"], "is at update 4, beyond the 2 updates of this run's schedule"),
+    ([*ITEMS, "data.label_smoothing=0.0", "train.batch_size=32", "train.batch_size_per_gpu=16",
+      "train.allow_changed_config=true"], "is at update 4, beyond the 2 updates of this run's schedule"),
 ], ids=["shorter schedule", "larger batch", "smaller batch", "larger batch, data environment",
-        "longer schedule, larger batch"])
+        "longer schedule, larger batch", "larger batch, validation set", "larger batch, label smoothing"])
 def test_a_resume_the_run_s_length_cannot_continue_is_refused_before_anything_starts(trained, tmp_path, capsys,
                                                                                       items, says):
     """check_resumable lets train.allow_changed_config=true through, and train.py refused such a run only once it had
