@@ -23,7 +23,7 @@ A pair that fails is an error naming the block and its type (`UnsupportedModelEr
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -429,22 +429,25 @@ def _memory(t: Tensor) -> Optional[tuple[torch.device, int, int, Tensor]]:
     return t.device, first, last + t.element_size(), t
 
 
-def _element_starts(t: Tensor, origin: int) -> Tensor:
-    """The first byte of each element of `t`, from `origin` (an address), sorted: int64 on the CPU, from its size,
-    strides and address alone (its values are not read)."""
-    offsets = torch.zeros((), dtype=torch.int64)
+def _element_starts(t: Tensor) -> Tensor:
+    """The address of the first byte of each element of `t`, sorted: int64 on the CPU, from its size, strides and
+    address alone (its values are not read). Absolute (addresses fit in int64) so that one tensor's are built once
+    and compared with every tensor whose span meets it (`refuse_shared`)."""
+    # device="cpu": under torch.set_default_device("meta") these would be meta tensors, which searchsorted and the
+    # comparison in _share_element cannot read (torch.nonzero on meta is refused)
+    offsets = torch.zeros((), dtype=torch.int64, device="cpu")
     for n, s in zip(t.shape, t.stride()):
-        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * s
-    return (offsets.flatten() * t.element_size() + (t.data_ptr() - origin)).sort().values
+        offsets = offsets.unsqueeze(-1) + torch.arange(n, dtype=torch.int64, device="cpu") * s
+    return (offsets.flatten() * t.element_size() + t.data_ptr()).sort().values
 
 
-def _share_element(a: Tensor, b: Tensor) -> bool:
+def _share_element(a: Tensor, b: Tensor, starts: Callable[[Tensor], Tensor] = _element_starts) -> bool:
     """Whether tensors `a` and `b`, whose spans overlap (`_memory`), have a byte in common: an element of `a` starting
     at x meets one of `b` iff the last element of `b` starting before x + a's element size ends after x (elements
     of two dtypes may meet without starting at one byte). Built only for overlapping spans, which no layer's weights
-    have: views of one buffer interleaved (`big[:, i, :]`) overlap in span and share no element."""
-    origin = min(a.data_ptr(), b.data_ptr())
-    xs, ys = _element_starts(a, origin), _element_starts(b, origin)
+    have: views of one buffer interleaved (`big[:, i, :]`) overlap in span and share no element. `starts` gives a
+    tensor's `_element_starts` (`refuse_shared` passes one that builds each tensor's once)."""
+    xs, ys = starts(a), starts(b)
     below = torch.searchsorted(ys, xs + a.element_size()) - 1  # the last element of b starting before x's end
     met = below >= 0
     return bool((ys[below[met]] + b.element_size() > xs[met]).any())
@@ -464,13 +467,24 @@ def refuse_shared(pairs: Sequence, block_types: dict[str, str]) -> None:
     """
     first: dict[int, object] = {}
     spans: dict[torch.device, list[tuple[int, int, Tensor, object]]] = {}  # (first byte, end byte, tensor, pair)
+    # each tensor's element addresses, built once: views interleaved in one buffer (`big[:, b, :]` per block) all
+    # overlap in span, and rebuilding both tensors' for every pair of them was quadratic in the blocks (a ViT-Base
+    # layout took a minute). Keyed by id: every tensor stays alive in `spans` for the whole call.
+    built: dict[int, Tensor] = {}
+
+    def starts(t: Tensor) -> Tensor:
+        if id(t) not in built:
+            built[id(t)] = _element_starts(t)
+        return built[id(t)]
+
     for p in pairs:
         other = first.setdefault(id(p.downstream), p)
         how = "is the same tensor as"
         memory = _memory(p.downstream) if other is p else None
         if memory is not None:
             device, start, end, t = memory
-            other = next((q for s, e, u, q in spans.get(device, []) if s < end and start < e and _share_element(t, u)),
+            other = next((q for s, e, u, q in spans.get(device, []) if s < end and start < e
+                          and _share_element(t, u, starts)),
                          p)
             spans.setdefault(device, []).append((start, end, t, p))
             how = "shares memory with"

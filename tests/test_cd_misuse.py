@@ -6,12 +6,14 @@ import copy
 import itertools
 import re
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+import cd.verify
 from cd import ColinearityDecay, UnsupportedModelError, find_pairs, pair_energy_source
 from cd.verify import _share_element
 from cd_integration_refs import assert_matches_reference, reference_run, vit_pairs
@@ -488,6 +490,42 @@ def test_a_matrix_shared_by_two_blocks_is_refused_as_shared(tie):
                                                     r"\(shared between blocks\)"):
         find_pairs(model)
 
+
+
+def _interleaved_vit():
+    """tiny_vit whose blocks' attn.proj weights are the views big[:, b, :] of one (out, blocks, in) buffer: spans that
+    all overlap, without an element in common."""
+    model = tiny_vit()
+    w = model.blocks[0].attn.proj.weight
+    big = torch.randn(w.shape[0], len(model.blocks), w.shape[1])
+    for b, block in enumerate(model.blocks):
+        block.attn.proj.weight = torch.nn.Parameter(big[:, b, :])
+    return model
+
+
+def test_interleaved_views_are_taken_under_the_default_device_meta():
+    """The element addresses `_share_element` compares are built on the CPU whatever the default device (they were
+    built on the default device: under `meta`, torch.nonzero on meta was refused)."""
+    model = _interleaved_vit()
+    expected = [(p.name, p.upstream_name, p.role) for p in find_pairs(model)]
+    torch.set_default_device("meta")
+    try:
+        pairs = [(p.name, p.upstream_name, p.role) for p in find_pairs(model)]
+    finally:
+        torch.set_default_device(None)
+    assert pairs == expected and sum(role == "proj" for _, _, role in expected) == len(model.blocks)
+
+
+def test_each_matrix_s_element_addresses_are_built_once(monkeypatch):
+    """Views interleaved in one buffer all overlap in span: each one's element addresses are built once per check,
+    not once per pair of them (quadratic in the blocks), and the check still finds no element in common."""
+    built, build = [], cd.verify._element_starts
+    monkeypatch.setattr(cd.verify, "_element_starts", lambda t, *rest: built.append(t) or build(t, *rest))
+    big = torch.zeros(8, 5, 6)
+    pairs = [SimpleNamespace(downstream=big[:, b, :], block=f"blocks.{b}", role="proj", name=f"blocks.{b}.w")
+             for b in range(5)]
+    cd.verify.refuse_shared(pairs, {})
+    assert len(built) == len({id(t) for t in built}) == 5
 
 def _bytes(t):
     """The addresses of every byte of `t`'s elements, walked index by index."""
