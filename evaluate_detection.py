@@ -462,6 +462,9 @@ def pipeline_options(items, pipelines) -> dict:
     from quant import PIPELINES
     typed = Config()
     by_pipeline: dict = {}
+    # spaces around `=` ("gplq.lr =1e-3", a quoted word): the config parser reads the key without them, and so must
+    # the option looked up below and the item an error names (with the space it was an AttributeError traceback)
+    items = ["=".join(part.strip() for part in item.partition("=")[::2]) if "=" in item else item for item in items]
     for item in items:
         key = item.partition("=")[0]
         name, _, option = key.partition(".")

@@ -24,8 +24,8 @@ refuses other settings than those (only train_cfg.max_epochs may change, to exte
 resumes the work dir's own last checkpoint), and a last_checkpoint that points outside the work dir or to a missing
 file. Checkpoints keep the random-number state (engine.detection.RngStateHook), so a resumed run in one process
 without persistent loader workers ends bit for bit where the uninterrupted one does, and so does one under torchrun
-(every rank's state is kept) on the same number of ranks; persistent workers start over from their first seeds, and
-a resume on another number of ranks trains at another global batch: such a resume is not exact, and says so in a
+(every rank's state is kept) on the same number of ranks; in an epoch loop persistent workers start over from their
+first seeds (an iteration loop fetches its trained batches again through them: exact), and a resume on another number of ranks trains at another global batch: such a resume is not exact, and says so in a
 warning (docs/operations.md, "Detection runs"). A resume takes every weight from the checkpoint and reads no
 backbone file (model.backbone.init_cfg's may have moved). Under torchrun every rank checks the data
 and the work dir as it sees them, and one rank's refusal ends every rank. The batch

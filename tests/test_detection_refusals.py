@@ -104,3 +104,22 @@ def test_an_override_value_mmengine_cannot_parse_is_one_error_line(tmp_path, scr
     assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
     assert lines[0].startswith(f"error: {override!r}: the value cannot be parsed") and "key.sub=value" in lines[0]
     assert not work.exists() and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("items, expected", [
+    (["gplq.lr =1e-3"], {"gplq": {"lr": 1e-3}}),
+    (["gplq.steps = 0", " gplq.qwt= false"], {"gplq": {"steps": 0, "qwt": False}}),
+])
+def test_quant_options_with_spaces_around_the_equals_sign_are_read_as_without(items, expected):
+    """A quoted `--quant-options "gplq.lr =1e-3"`: the schema reads the key without its space, and the option is
+    the one without it (it was an AttributeError traceback on `'lr '`)."""
+    from evaluate_detection import pipeline_options
+    assert pipeline_options(items, ["gplq"]) == expected
+
+
+def test_an_unread_option_with_spaces_is_refused_naming_the_item():
+    """The whole-mapping rule check (batch_size_per_gpu at steps=0) names the item it refuses, also where the user
+    typed spaces around `=` (the lookup of the item by its key found none: StopIteration)."""
+    from evaluate_detection import pipeline_options
+    with pytest.raises(ValueError, match=r"^--quant-options gplq\.batch_size_per_gpu=2: .*would be ignored"):
+        pipeline_options(["gplq.batch_size_per_gpu = 2", "gplq.steps=0"], ["gplq"])
