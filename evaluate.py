@@ -57,7 +57,7 @@ from configs import Config, ConfigError, config_from_dict, config_to_dict, layer
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, parse_known, print_config
 from configs.loader import (RefusedValueError, device_of_overrides, dotted_settings, get_key, override_keys,
                             read_yaml_file)
-from configs.schema import (TRAIN_MODE_MODEL_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, DataConfig, ModelConfig,
+from configs.schema import (TRAIN_MODE_MODEL_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, DataConfig,
                             unread_training_settings)
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, check_same_data_on_every_rank, dataset_classes,
@@ -84,7 +84,7 @@ from engine.result_table import markdown_table, method_name
 from engine.tasks import check_model_fits_task, perplexity_text, task_for
 from engine.console import console_print
 from engine.runinfo import exit_with_error, log_environment, setup_logging
-from models import ModelError, build_model, input_size, model_label
+from models import ModelError, build_model, input_size, model_input_size, model_label
 from models.factory import check_recorded_architecture
 from models.hub import hub_data_mismatch
 from models.modules import nonfinite_tensors
@@ -448,13 +448,6 @@ def trained_input_size(payload: Optional[dict], language: bool) -> Optional[int]
     if payload is None or language:
         return None
     return model_input_size(config_from_dict(payload["config"]).model)
-
-
-def model_input_size(model: ModelConfig) -> int:
-    """The input size of the model `model` builds (model.img_size null: the model's own), from a build on the meta
-    device (no weights, no memory; model.pretrained is not loaded)."""
-    with torch.device("meta"):
-        return input_size(build_model(dataclasses.replace(model, pretrained="")))
 
 
 def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, images: int,

@@ -33,7 +33,7 @@ from .folder import (ClassCountError, DataError, build_folder_dataset, check_sam
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
 from .synthetic import SyntheticDataset
 from .text import (TOKEN_DATASETS, TokenStream, TokenWindows, check_vocabulary, token_file, token_file_fingerprint,
-                   token_files_fingerprint, token_stream)
+                   token_files_fingerprint, token_stream, window_count)
 from .transforms import build_transform
 
 log = logging.getLogger(__name__)
@@ -272,7 +272,7 @@ def _val_windows(cfg: DataConfig, stream: TokenStream, context: int) -> TokenWin
 
 def calibration_window_count(cfg: DataConfig, context: int) -> int:
     """How many distinct windows of `context` ids `calibration_windows` can draw from the training split."""
-    return len(TokenWindows(token_stream(cfg, "train"), context, train=False))
+    return window_count(cfg, context, "train")
 
 
 def calibration_windows(cfg: DataConfig, context: int, count: int, seed: int, vocab_size: int) -> torch.Tensor:

@@ -333,9 +333,10 @@ def scored_val_windows(limit: int, available: int) -> int:
     return limit if 0 < limit < available else available
 
 
-def val_window_count(cfg: DataConfig, context: int) -> int:
-    """The validation windows of `context` ids that `cfg`'s val split holds: all that data.val_windows can take."""
-    return TokenWindows(token_stream(cfg, "val"), context, train=False).count
+def window_count(cfg: DataConfig, context: int, split: str) -> int:
+    """The distinct windows of `context` ids `cfg`'s "train" or "val" split holds (evaluation offsets): all that
+    data.val_windows can take of the val split, all that calibration can draw from the training split."""
+    return TokenWindows(token_stream(cfg, split), context, train=False).count
 
 
 class TokenWindows(Dataset):

@@ -33,15 +33,14 @@ at that update:
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Optional
 
 import torch
 
 from data.folder import DataError
-from data.text import TOKEN_DATASETS, scored_val_windows, val_window_count
-from models import ModelError, build_model, input_size
+from data.text import TOKEN_DATASETS, scored_val_windows, window_count
+from models import ModelError, model_input_size
 
 from .checkpoint import CheckpointError
 
@@ -211,9 +210,7 @@ def same_val_windows(saved: dict, current) -> bool:
             or recorded.get("kjv_val_fraction", data.kjv_val_fraction) != data.kjv_val_fraction):
         return False
     try:
-        with torch.device("meta"):
-            context = input_size(build_model(dataclasses.replace(current.model, pretrained="")))
-        available = val_window_count(data, context)
+        available = window_count(data, model_input_size(current.model), "val")
     except (DataError, ModelError, RuntimeError):
         return False
     return scored_val_windows(then, available) == scored_val_windows(now, available)

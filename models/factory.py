@@ -298,6 +298,13 @@ def input_size(model: nn.Module) -> int:
     return int(size[0]) if isinstance(size, (tuple, list)) else int(size)
 
 
+def model_input_size(cfg: ModelConfig) -> int:
+    """The input size of the model `cfg` builds (model.img_size null: the model's own), from a build on the meta
+    device (no weights, no memory; model.pretrained is not loaded)."""
+    with torch.device("meta"):
+        return input_size(build_model(dataclasses.replace(cfg, pretrained="")))
+
+
 def model_label(cfg: ModelConfig) -> str:
     """The model's name in results and tables: the timm / variant name, plus the attention variant when
     it is not timm's softmax, e.g. "vit_base_patch16_224 (kv_bias)"."""
