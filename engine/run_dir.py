@@ -37,6 +37,7 @@ import contextlib
 import datetime
 import errno
 import fcntl
+import glob
 import hashlib
 import logging
 import os
@@ -221,6 +222,14 @@ def _partial_writer(name: str) -> Optional[int]:
         return int(pid) if host in (None, _HOST) else None
     match = _LEGACY_PARTIAL.match(name)
     return int(match.group(2)) if match else None
+
+
+def partial_writes_of(path: str) -> list[str]:
+    """The temporaries `partial_path(path)` names (or an earlier version's, without the host) left beside `path` by
+    writes cut short: nothing else, whatever its name."""
+    base = os.path.basename(path)
+    return [cut for cut in glob.glob(glob.escape(path) + ".partial-*")
+            if _PARTIAL.search(os.path.basename(cut)) and _written_name(os.path.basename(cut)) == base]
 
 
 def _written_name(name: str) -> str:

@@ -52,10 +52,8 @@ its CUDA case skips), in under a minute, to show that the script works end to en
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -71,7 +69,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from configs.cli import OneLineParser, at_least  # noqa: E402
 from engine import outputs  # noqa: E402
-from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
+from engine.run_dir import RunDirError, partial_writes_of, refuse_existing_outputs  # noqa: E402
 sys.path.insert(0, HERE)
 from bench_env import environment  # noqa: E402  (scripts/)
 
@@ -299,19 +297,11 @@ def stage_env() -> dict:
     return env
 
 
-def partial_writes(path: str) -> list[str]:
-    """The temporaries of `path` that a write cut short left (engine.run_dir.partial_path's names,
-    `<path>.partial-<host>-<pid>-<8 hex>`, or an earlier version's without the host): nothing else, whatever
-    its name."""
-    own = re.compile(re.escape(os.path.basename(path)) + r"\.partial-(?:[0-9a-f]{8}-)?\d+-[0-9a-f]{8}")
-    return [cut for cut in glob.glob(glob.escape(path) + ".partial-*") if own.fullmatch(os.path.basename(cut))]
-
-
 def clear_figures(path: str) -> None:
     """Remove a stage's figures file at `path` and its temporaries, as an earlier call (--overwrite reuses the
     logs folder) left them: a stage that dies before its first write would otherwise report that call's figures
     as its own. Both are this script's names in its own logs folder."""
-    for own in [path, *partial_writes(path)]:
+    for own in [path, *partial_writes_of(path)]:
         if os.path.isfile(own) or os.path.islink(own):
             os.remove(own)
 
@@ -320,7 +310,7 @@ def collect_figures(path: str) -> tuple[dict, Optional[str]]:
     """The figures a stage left at `path` (removed once read; {} when it left none) and, when the file cannot be
     read as a JSON object, why: that file is then kept for a look, and the driver goes on with the next stage."""
     # a write cut short by the kill leaves its temporary (partial_path); the last whole version is at `path`
-    for cut in partial_writes(path):
+    for cut in partial_writes_of(path):
         os.remove(cut)
     if not os.path.exists(path):
         return {}, None
