@@ -124,8 +124,7 @@ class RngStateHook(Hook):
             return
         loop = getattr(runner, "train_loop", None)
         iterations = isinstance(loop, IterBasedTrainLoop)
-        saved = len(self._loaded_ranks) if self._loaded_ranks else 1
-        if runner.rank == 0 and (limits := inexact_resume(runner.world_size, runner.train_dataloader, saved,
+        if runner.rank == 0 and (limits := inexact_resume(runner.world_size, runner.train_dataloader, self._saved_ranks,
                                                           self._loaded_world, iteration_loop=iterations)):
             runner.logger.warning("this resumed run does not continue exactly as the uninterrupted one would: "
                                   f"{'; '.join(limits)} (docs/operations.md, detection runs)")
@@ -135,11 +134,15 @@ class RngStateHook(Hook):
         else:
             self._restore_loaded(runner)
 
+    @property
+    def _saved_ranks(self) -> int:
+        """How many ranks' states the checkpoint resumed from holds (1: rank 0's alone, or none)."""
+        return len(self._loaded_ranks) if self._loaded_ranks else 1
+
     def _restore_loaded(self, runner) -> None:
         """Put back this rank's state at the checkpoint resumed from."""
-        saved = len(self._loaded_ranks) if self._loaded_ranks else 1
         if runner.rank != 0:  # its own state where the checkpoint holds one for this number of ranks
-            if saved == runner.world_size:
+            if self._saved_ranks == runner.world_size:
                 self._restore(self._loaded_ranks[runner.rank])
             return
         if self._loaded is None:
