@@ -424,6 +424,34 @@ def test_budget_rule_lowers_the_merged_weight_decay_once_by_the_hooks_lam():
     assert untouched["optim_wrapper"]["optimizer"]["weight_decay"] == 0.05
 
 
+def test_budget_rule_finds_the_hook_in_each_form_mmengine_builds_it_from():
+    """custom_hooks may give the hook's type as its registry name, that name with a registry scope, or the class,
+    and MMEngine builds the hook from each (the reference: HOOKS.build); the rule matched the unscoped name alone,
+    so it refused a config whose one hook was given as the class ("0 ColinearityDecayHooks"), and where a second
+    hook of another lam was given so, lowered the weight decay by the first one's lam instead of refusing."""
+    from mmengine.config import Config
+
+    from cd.integrations.mmengine import ColinearityDecayHook, apply_weight_decay_budget
+
+    def config(*hooks):
+        return Config({"cd_budget": True, "custom_hooks": [dict(type=kind, lam=lam) for kind, lam in hooks],
+                       "optim_wrapper": {"optimizer": {"type": "AdamW", "weight_decay": 0.05}}})
+
+    forms = ["ColinearityDecayHook", "mmengine.ColinearityDecayHook", ColinearityDecayHook]
+    for form in forms:
+        assert type(HOOKS.build(dict(type=form, lam=0.01))) is ColinearityDecayHook  # the reference
+        cfg = config((form, 0.01))
+        apply_weight_decay_budget(cfg)
+        assert cfg.optim_wrapper.optimizer.weight_decay == pytest.approx(0.04, abs=1e-15), form
+    for first in forms:
+        for second in forms:
+            with pytest.raises(ValueError, match=r"with 2 ColinearityDecayHooks of lam \[0\.01, 0\.02\]"):
+                apply_weight_decay_budget(config((first, 0.01), (second, 0.02)))
+    plain = config(("RecordWeights", 0.01))  # another hook is not CD's
+    with pytest.raises(ValueError, match="with 0 ColinearityDecayHooks"):
+        apply_weight_decay_budget(plain)
+
+
 def test_a_dumped_budget_loaded_again_follows_an_override_of_the_lam_or_of_the_weight_decay(tmp_path):
     """The dump of a run (what MMEngine's Runner writes to work_dir) loaded again with overrides, as
     engine.detection.load_config merges them: the record "applied: ..." returned early, so a new lam kept the old

@@ -230,7 +230,8 @@ def apply_weight_decay_budget(cfg: Any) -> None:
     elif budget is not True:
         raise ValueError(f"cd_budget={budget!r}: give True (lower the weight decay by CD's lam, the budget rule) "
                          "or False")
-    hooks = [h for h in cfg.get("custom_hooks") or [] if h.get("type") == CD_HOOK]
+    # the hook as MMEngine builds it from any of its forms: the name, a scoped name, the class
+    hooks = [h for h in cfg.get("custom_hooks") or [] if type_name(h.get("type")) == CD_HOOK]
     default = inspect.signature(ColinearityDecay).parameters["lam"].default
     lams = {h.get("lam", default) for h in hooks}
     if len(lams) != 1:
@@ -261,12 +262,19 @@ def apply_weight_decay_budget(cfg: Any) -> None:
     cfg["cd_budget"] = f"{BUDGET_APPLIED}{weight_decay} - lam {lam} = {optimizer['weight_decay']}"
 
 
+def type_name(kind: Any) -> Optional[str]:
+    """The class name that a config's `type` builds, in each form MMEngine's registries take: a class (its
+    `__name__`), its registry name, or that name with a registry scope ("mmengine.SGD", "mmdet.X": the part after the
+    last "."); None for anything else."""
+    kind = getattr(kind, "__name__", kind)
+    return kind.rpartition(".")[2] if isinstance(kind, str) else None
+
+
 def _l2_decay(optimizer: Any) -> Optional[str]:
     """The type of `optimizer` (optim_wrapper.optimizer) where it is one of torch's L2_DECAY in a form other than the
     decoupled one, else None: AdamW, SGD without momentum, decoupled_weight_decay=True, or a type not known here."""
     kind = optimizer.get("type")
-    kind = getattr(kind, "__name__", kind)  # a class, or its registry name (maybe scoped: "mmengine.SGD")
-    name = kind.rpartition(".")[2] if isinstance(kind, str) else None
+    kind, name = getattr(kind, "__name__", kind), type_name(kind)  # named in a refusal as given, a class by name
     if name not in L2_DECAY or optimizer.get("decoupled_weight_decay") is True:
         return None
     return None if name == "SGD" and not optimizer.get("momentum", 0) else kind
