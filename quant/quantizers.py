@@ -16,6 +16,7 @@ mix of quantized and float values. The calibrated flag is saved with the state d
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -25,6 +26,18 @@ from .functional import fake_quant_log_sqrt2, fake_quant_uniform, qdrop_mix
 from .ranges import RangeSearch, best_per_group, to_rows
 
 MIN_SCALE = 1e-8  # smallest step size: guards constant tensors and learned scales against zero
+MAX_CODE_BITS = 16  # widest code a quantizer takes (QuantizerSpec and the constructors share the check below)
+
+
+def check_code_bits(bits: Any, signed: bool = False) -> None:
+    """Raise ValueError unless `bits` is a code width a quantizer can have: a whole number in [1, 16], at least 2
+    for a signed (symmetric) grid. Outside it the grid is meaningless, and silently so: 0 bits gives an infinite
+    scale (NaN outputs), negative bits a constant, 1 signed bit the grid {-1, 0} with no positive level (scale
+    max|x| / 0), and beyond 16 bits the step falls below MIN_SCALE."""
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or not 1 <= bits <= MAX_CODE_BITS:
+        raise ValueError(f"bits must be a whole number in [1, {MAX_CODE_BITS}], got {bits!r}")
+    if signed and bits < 2:
+        raise ValueError(f"bits={bits}: a symmetric grid needs at least 2 bits (give 2..{MAX_CODE_BITS})")
 
 
 class Quantizer(nn.Module):
@@ -34,7 +47,9 @@ class Quantizer(nn.Module):
     dynamic = False  # True: ranges are computed from each input at run time (nothing to calibrate)
     supports_groups = False  # True: weight ranges per group of input columns (QuantizerSpec.group_size)
 
-    def __init__(self, bits: int, search: RangeSearch) -> None:
+    def __init__(self, bits: int, search: RangeSearch, signed: bool = False) -> None:
+        # here, not only in QuantizerSpec: the constructors are an extension point (quant/README.md) of their own
+        check_code_bits(bits, signed)
         super().__init__()
         self.bits = bits
         self.search = search
@@ -165,7 +180,7 @@ class UniformQuantizer(Quantizer):
     def __init__(self, bits: int, symmetric: bool = False, channel_dim: Optional[int] = None,
                  num_channels: Optional[int] = None, search: RangeSearch = RangeSearch(),
                  device: Optional[torch.device] = None) -> None:
-        super().__init__(bits, search)
+        super().__init__(bits, search, signed=symmetric)
         self.symmetric = symmetric
         self.channel_dim = channel_dim
         if symmetric:
@@ -295,7 +310,7 @@ class DynamicQuantizer(Quantizer):
 
     def __init__(self, bits: int, reduce_dims: Optional[Tuple[int, ...]] = None,
                  device: Optional[torch.device] = None) -> None:
-        super().__init__(bits, RangeSearch("minmax"))
+        super().__init__(bits, RangeSearch("minmax"), signed=True)  # max-abs codes -2^(b-1) .. 2^(b-1) - 1
         del device  # no parameters: the scale lives on the device of each input
         self.reduce_dims = reduce_dims
         self.qmax = 2 ** (bits - 1) - 1

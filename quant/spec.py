@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Optional, Tuple, Type
 
-from .quantizers import Quantizer, UniformQuantizer
+from .quantizers import Quantizer, UniformQuantizer, check_code_bits
 from .ranges import RangeSearch
 
 Granularity = Literal["tensor", "channel", "head", "token"]
@@ -74,11 +74,8 @@ class QuantizerSpec:
     group_size: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if not 1 <= self.bits <= 16:
-            raise ValueError(f"bits must be in [1, 16], got {self.bits}")
-        if self.bits < 2 and (self.symmetric or self.kind.dynamic):
-            # a signed 1-bit grid is {-1, 0}: no positive level, so scale = max|x| / 0 is infinite
-            raise ValueError(f"bits={self.bits}: a symmetric grid needs at least 2 bits")
+        # the constructors' own check, here too so that a layout is refused when built, before any model is converted
+        check_code_bits(self.bits, signed=self.symmetric or self.kind.dynamic)
         if self.granularity not in ("tensor", "channel", "head", "token"):
             raise ValueError(f"unknown granularity {self.granularity!r}")
         if self.granularity == "token" and not self.kind.dynamic:

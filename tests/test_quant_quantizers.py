@@ -451,20 +451,67 @@ def test_per_token_ranges_of_a_calibrated_quantizer_kind_are_refused():
         QuantizerSpec(8, granularity="token")
 
 
-@pytest.mark.parametrize("bits", [0, 17])
+@pytest.mark.parametrize("bits", [0, 17, -2, 33, 4.5, True])
 def test_a_quantizer_spec_outside_1_to_16_bits_is_refused(bits):
     from quant.spec import QuantizerSpec
 
-    with pytest.raises(ValueError, match=f"bits must be in \\[1, 16\\], got {bits}"):
+    with pytest.raises(ValueError, match=f"bits must be a whole number in \\[1, 16\\], got {bits!r}"):
         QuantizerSpec(bits)
+
+
+@pytest.mark.parametrize("bits", [0, -2, 17, 33, 4.5, True])
+def test_quantizer_constructors_refuse_bits_outside_1_to_16(bits):
+    # the constructors are an extension point of their own (quant/README.md), not only reached through QuantizerSpec:
+    # unchecked, 0 bits fitted an infinite scale (NaN outputs), -2 a constant, 33 a step below MIN_SCALE
+    from quant.quantizers import DynamicQuantizer
+
+    for build in (lambda: UniformQuantizer(bits), lambda: UniformQuantizer(bits, symmetric=True),
+                  lambda: LogSqrt2Quantizer(bits), lambda: DynamicQuantizer(bits)):
+        with pytest.raises(ValueError, match=f"bits must be a whole number in \\[1, 16\\], got {bits!r}"):
+            build()
+
+
+def test_quantizer_constructors_refuse_one_signed_bit():
+    # codes -2^0 .. 2^0 - 1 = {-1, 0}: no positive level, so the max-abs scale max|x| / 0 is infinite (NaN outputs)
+    from quant.quantizers import DynamicQuantizer
+
+    for build in (lambda: UniformQuantizer(1, symmetric=True), lambda: DynamicQuantizer(1)):
+        with pytest.raises(ValueError, match="bits=1: a symmetric grid needs at least 2 bits \\(give 2..16\\)"):
+            build()
+
+
+def test_quantizers_at_the_edge_bit_widths_give_the_closed_form_grid():
+    # min/max ranges, so the grids are known by hand: asymmetric b bits: scale (hi - lo) / (2^b - 1), zero point
+    # round(-lo / scale), value (clamp(round(x / s) + z, 0, 2^b - 1) - z) * s; symmetric 2 bits: scale max|x| / 1,
+    # codes -2 .. 1; log-sqrt2 1 bit: codes {0, 1}, i.e. values delta and delta / sqrt(2), 0 below
+    from quant.quantizers import DynamicQuantizer
+
+    x = torch.randn(400, generator=gen(40), dtype=torch.float64).float() * 3
+    xd = x.double().numpy()
+    minmax = RangeSearch("minmax")
+    for bits in (1, 16):
+        s = (xd.max() - xd.min()) / (2 ** bits - 1)
+        z = np.round(-xd.min() / s)
+        want = (np.clip(np.round(xd / s) + z, 0, 2 ** bits - 1) - z) * s
+        got = fitted(UniformQuantizer(bits, search=minmax), x)(x).double().numpy()
+        assert np.allclose(got, want, rtol=0, atol=s * 1e-3 + 1e-6), bits
+    s = np.abs(xd).max()
+    want = np.clip(np.round(xd / s), -2, 1) * s
+    assert np.allclose(fitted(UniformQuantizer(2, symmetric=True, search=minmax), x)(x).double().numpy(), want,
+                       atol=1e-5)
+    assert np.allclose(DynamicQuantizer(2)(x[None]).double().numpy()[0], want, atol=1e-5)
+    p = np.abs(xd)
+    q = np.round(-2 * np.log2(p / p.max()))
+    want = np.where(q >= 2, 0.0, p.max() * 2.0 ** (-q / 2))
+    got = fitted(LogSqrt2Quantizer(1, search=minmax), x.abs())(x.abs()).double().numpy()
+    assert np.allclose(got, want, atol=1e-5) and 0 < (want > 0).sum() < len(want)
+    assert fitted(LogSqrt2Quantizer(16, search=minmax), x.abs()).bits == 16
 
 
 def test_a_one_bit_symmetric_spec_is_refused_as_its_grid_has_no_positive_level():
     from quant.quantizers import DynamicQuantizer
     from quant.spec import QuantizerSpec
 
-    # the grid by hand: codes -2^0 .. 2^0 - 1 = {-1, 0}, so the max-abs scale max|x| / 0 is infinite
-    assert UniformQuantizer(1, symmetric=True).qmax == 0
     # the dynamic kind is symmetric whatever the spec says (its max-abs grid), so it is refused without the flag too
     for kwargs in ({"symmetric": True}, {"symmetric": True, "kind": DynamicQuantizer}, {"kind": DynamicQuantizer}):
         with pytest.raises(ValueError, match="bits=1: a symmetric grid needs at least 2 bits"):
