@@ -247,8 +247,8 @@ def budget_weight_decay(weight_decay: float, lam: float) -> float:
         if not _finite_nonnegative(value):
             raise ValueError(f"CD weight-decay budget: {name} must be a finite number >= 0, got {value!r}")
     wd = weight_decay - lam
-    if wd < -1e-12:
-        raise ValueError(f"CD weight-decay budget: weight_decay {weight_decay} - cd.lam {lam} = {wd} < 0; "
+    if wd < -1e-12:  # {wd:g}: 0.05 - 0.06 is shown as -0.01, not as -0.009999999999999995
+        raise ValueError(f"CD weight-decay budget: weight_decay {weight_decay} - cd.lam {lam} = {wd:g} < 0; "
                          "lower cd.lam, or leave the budget rule out (train.py: cd.budget=false; your own code: keep "
                          "the optimizer's weight decay and do not call budget_weight_decay)")
     return max(wd, 0.0)

@@ -16,7 +16,7 @@ import os
 from types import SimpleNamespace
 from typing import Any, Optional
 
-from cd.decay import check_settings
+from cd.decay import budget_weight_decay, check_settings
 from cd.pairs import ROLES
 from configs import ConfigError
 from engine.optim import POLY_POWER, check_optimizer_settings, lr_rule, peak_lr
@@ -28,10 +28,10 @@ def check_training_settings(cfg: Any) -> None:
     """Refuse (ConfigError, one line naming the key and the fix) a CD setting ColinearityDecay would refuse before
     it looks at the model, an optim.name timm's registry does not have, optim.* settings the optimizer would not be
     built with as written (engine/optim.py `check_optimizer_settings`: optim.name in upper case, optim.fused=true
-    for an optimizer torch has no fused kernel of), the budget rule (cd.budget) beside an
-    optimizer whose weight decay is not decoupled (`check_budget_optimizer`), and a schedule whose ends lie above
-    its peak (`check_schedule_ends`) unless the run may continue a checkpoint, which train.py judges once it has
-    read it (`check_schedule_on_resume`)."""
+    for an optimizer torch has no fused kernel of), the budget rule (cd.budget) beside an optimizer whose weight
+    decay is not decoupled (`check_budget_optimizer`) or with cd.lam above optim.weight_decay (`check_budget`), and
+    a schedule whose ends lie above its peak (`check_schedule_ends`) unless the run may continue a checkpoint, which
+    train.py judges once it has read it (`check_schedule_on_resume`)."""
     if cfg.cd.enabled:
         check_cd_settings(cfg.cd)
     check_optimizer_name(cfg.optim.name)
@@ -41,6 +41,7 @@ def check_training_settings(cfg: Any) -> None:
         raise ConfigError(str(e)) from None
     if cfg.cd.enabled and cfg.cd.budget:
         check_budget_optimizer(cfg.optim.name, cfg.optim.momentum)
+        check_budget(cfg.optim.weight_decay, cfg.cd.lam)
     if not may_resume(cfg):
         check_schedule_ends(cfg)
 
@@ -171,6 +172,16 @@ DECOUPLED_DECAY = ("adabelief", "adafactor", "adafactorbv", "adamuon", "adamw", 
                    "cadafactorbv", "cadamw", "cadanw", "claprop", "clion", "cmars", "cnadamw", "csgdw", "laprop",
                    "lion", "mars", "muon", "nadamuon", "nadamw", "nesterovw", "nmuon", "novogradw", "radabelief",
                    "radamw", "rmsproptfw", "sgdw")
+
+
+def check_budget(weight_decay: float, lam: float) -> None:
+    """train.py's budget rule (budget_weight_decay) on the config's values, now rather than once the model and the
+    data are built (and, in a sweep, after the earlier runs trained): the same call on the same values, so what it
+    refuses here train.py's call would refuse, in the words train.py gives (its section, cd.budget, first)."""
+    try:
+        budget_weight_decay(weight_decay, lam)
+    except ValueError as e:
+        raise ConfigError(f"cd.budget: {e}") from None
 
 
 def check_budget_optimizer(name: str, momentum: float) -> None:

@@ -69,8 +69,32 @@ def test_a_global_batch_must_be_a_multiple_of_the_per_process_batch(batch, per_g
     assert suggested == max(d for d in range(1, per_gpu + 1) if batch % d == 0 and d <= batch)
 
 
+@pytest.mark.parametrize("weight_decay, lam", [("0.05", "0.06"), ("0.001", "0.005"), ("0.05", "0.005"),
+                                               ("0.005", "0.005"), ("0.0", "0.005"), ("0.0", "0.0")])
+def test_a_cd_lam_above_the_weight_decay_under_the_budget_rule_is_refused_before_training(weight_decay, lam):
+    """cd.budget takes cd.lam from optim.weight_decay (wd -> wd - lam): train.py refused a negative result only once
+    the model was built and the data read (a sweep's earlier runs trained first). The reference: the difference of
+    the two values as written, in exact decimal arithmetic; the message shows it without float noise (0.05 - 0.06
+    is -0.01, not -0.009999999999999995)."""
+    from decimal import Decimal
+
+    from engine.training_checks import check_training_settings
+
+    cfg = load_config([TINY, CD], [f"optim.weight_decay={weight_decay}", f"cd.lam={lam}"])
+    left = Decimal(weight_decay) - Decimal(lam)
+    if left >= 0:
+        check_training_settings(cfg)
+        return
+    with pytest.raises(ConfigError) as e:
+        check_training_settings(cfg)
+    message = str(e.value)
+    assert message.startswith("cd.budget: ") and "\n" not in message
+    assert f"weight_decay {weight_decay} - cd.lam {lam} = {left} < 0; lower cd.lam" in message
+
+
 @pytest.mark.parametrize("item, key", [("cd.lam_per_role.fc3=0.02", "cd.lam_per_role.fc3"),
                                        ("optim.name=sgdd", "optim.name"),
+                                       ("cd.lam=0.06", "cd.budget"),  # wd 0.05 - 0.06 < 0
                                        ("train.batch_size=20", "train.batch_size")])
 def test_a_sweep_refuses_a_later_runs_setting_before_the_first_run(tmp_path, item, key):
     path = tmp_path / "sweep.yaml"
