@@ -619,11 +619,21 @@ def test_a_resume_whose_checkpoint_holds_no_state_under_the_callbacks_key_warns_
     callback = ColinearityDecayCallback(module="net", lam=LAM)
     with pytest.warns(UserWarning, match=r"ColinearityDecayCallback: resuming at step 2 with no CD state under "
                                          r"\"ColinearityDecayCallback\{'module': 'net'\}\".*it holds CD state under "
-                                         r"'ColinearityDecayCallback' \(saved by a ColinearityDecayCallback with "
-                                         r"another module=.*starts from 0"):
-        fit(Module(tiny_vit().double(), steps=3), 3, n_batches=1, ckpt_path=tmp_path / "whole.ckpt",
-            callback=callback)
+                                         r"'ColinearityDecayCallback' \(no module=\) \(saved by a "
+                                         r"ColinearityDecayCallback with another module=.*starts from 0"):
+        part = fit(Module(tiny_vit().double(), steps=3), 3, n_batches=1, ckpt_path=tmp_path / "whole.ckpt",
+                   callback=callback)
     assert callback.decay.num_updates == 1  # as the warning says: not restored
+    # the module= named for a key is the one that continues its counter: the default key is no module=, which
+    # "give that module=" said of it too; a part's key names its module=, which restores it
+    part.save_checkpoint(tmp_path / "part.ckpt")
+    with pytest.warns(UserWarning, match=r"no CD state under 'ColinearityDecayCallback' in the checkpoint; it holds "
+                                         r"CD state under \"ColinearityDecayCallback\{'module': 'net'\}\" "
+                                         r"\(module='net'\) \(saved"):
+        fit(Module(tiny_vit().double(), steps=4), 4, n_batches=1, ckpt_path=tmp_path / "part.ckpt")
+    callback = ColinearityDecayCallback(module="net", lam=LAM)
+    fit(Module(tiny_vit().double(), steps=4), 4, n_batches=1, ckpt_path=tmp_path / "part.ckpt", callback=callback)
+    assert callback.decay.num_updates == 2  # the 1 restored, then 1 more
     plain = L.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, precision="64-true")
     plain.fit(Module(tiny_vit().double(), steps=2), image_loader(1))

@@ -682,11 +682,19 @@ def test_a_resume_whose_checkpoint_holds_no_state_under_the_hooks_key_warns_nami
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with pytest.warns(UserWarning, match=r"ColinearityDecayHook: resuming at step 2 with no CD state under "
                                          r"'colinearity_decay:backbone' in the checkpoint; it holds CD state under "
-                                         r"'colinearity_decay' \(saved by a ColinearityDecayHook with another "
-                                         r"module=.*starts from 0"):
+                                         r"'colinearity_decay' \(no module=\) \(saved by a ColinearityDecayHook with "
+                                         r"another module=.*starts from 0"):
         resumed = run(config(tmp_path / "part", iters=4, module="backbone",
                              resume=str(tmp_path / "whole" / "iter_2.pth")))
     assert hook_of(resumed, "ColinearityDecayHook").decay.num_updates == 2  # as the warning says: not restored
+    # the module= named for a key is the one that continues its counter: the default key is no module=, which
+    # "give that module=" said of it too; a part's key names its module=, which restores it
+    with pytest.warns(UserWarning, match=r"no CD state under 'colinearity_decay' in the checkpoint; it holds CD state "
+                                         r"under 'colinearity_decay:backbone' \(module='backbone'\) \(saved"):
+        run(config(tmp_path / "whole_again", iters=6, resume=str(tmp_path / "part" / "iter_4.pth")))
+    continued = run(config(tmp_path / "part_again", iters=6, module="backbone",
+                           resume=str(tmp_path / "part" / "iter_4.pth")))
+    assert hook_of(continued, "ColinearityDecayHook").decay.num_updates == 4  # the 2 restored, then 2 more
     with pytest.warns(UserWarning, match=r"resuming at step 2 with no CD state under 'colinearity_decay' in the "
                                          r"checkpoint; it holds no CD state \(saved by a run without CD\)"):
         run(config(tmp_path / "late", iters=4, resume=str(tmp_path / "plain" / "iter_2.pth")))

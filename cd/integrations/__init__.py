@@ -104,13 +104,16 @@ def name_the_part(message: str, model: torch.nn.Module, argument: str) -> str:
             f"{children[:8]})")
 
 
-def warn_unrestored(who: str, key: str, others: list[str], step: int) -> None:
+def warn_unrestored(who: str, key: str, others: dict[str, Optional[str]], step: int) -> None:
     """Warn that a run resumed at `step` (> 0) restored no CD state under `key`, this callback's or hook's key in the
     checkpoint, while `others` are the keys of the same class's state it holds (saved with another `module=`, whose
-    key differs): CD's counter, and the config it is compared with, start again from nothing, which the warning on a
-    resume with another CD config (`ColinearityDecay.load_state_dict`) would otherwise not tell."""
-    held = (f"it holds CD state under {', '.join(repr(k) for k in others)} (saved by a {who} with another module=, "
-            f"whose key differs): give that module= to continue its counter") if others else \
+    key differs), each with the `module=` that writes it (None: no module=, the class's default key): CD's counter,
+    and the config it is compared with, start again from nothing, which the warning on a resume with another CD
+    config (`ColinearityDecay.load_state_dict`) would otherwise not tell."""
+    # each key with its module=: the default key is written with no module=, which "give that module=" must say
+    named = ", ".join(f"{k!r} ({'no module=' if m is None else f'module={m!r}'})" for k, m in others.items())
+    held = (f"it holds CD state under {named} (saved by a {who} with another module=, whose key differs): give the "
+            f"{who} that module= to continue its counter") if others else \
         "it holds no CD state (saved by a run without CD)"
     warnings.warn(f"{who}: resuming at step {step} with no CD state under {key!r} in the checkpoint; {held}. The "
                   "update counter (cd/updates) starts from 0 and the saved CD config, if any, is not compared with "

@@ -37,6 +37,7 @@ this callback's key (saved with another `module=`, or without CD) warns, naming 
 """
 from __future__ import annotations
 
+import ast
 import re
 from typing import Any, Optional
 
@@ -69,7 +70,7 @@ class ColinearityDecayCallback(Callback):
         self.cd_kwargs = check_cd_arguments(cd_kwargs)
         self.decay: Optional[ColinearityDecay] = None
         self._restored: Optional[dict] = None
-        self._checkpoint_keys: Optional[list[str]] = None
+        self._checkpoint_keys: Optional[dict[str, Optional[str]]] = None  # as on_load_checkpoint finds them
         self._bindings: dict = {}
 
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -161,8 +162,22 @@ class ColinearityDecayCallback(Callback):
         # Lightning hands `load_state_dict` the state under `state_key` alone, which depends on module=: a state
         # saved with another module= would be left unread without a word (on_train_start warns)
         name = type(self).__qualname__  # state_key: the class name, with the module= for a part
-        self._checkpoint_keys = [k for k in checkpoint.get("callbacks") or {}
-                                 if isinstance(k, str) and (k == name or k.startswith(name + "{"))]
+        self._checkpoint_keys = {}  # each of this class's keys with the module= that writes it (None: no module=)
+        for key in checkpoint.get("callbacks") or {}:
+            if key == name:
+                self._checkpoint_keys[key] = None
+            elif isinstance(key, str) and key.startswith(name + "{") and _module_of(key[len(name):]) is not None:
+                self._checkpoint_keys[key] = _module_of(key[len(name):])
+
+
+def _module_of(kwargs: str) -> Optional[str]:
+    """The module= in a state key's kwargs part as `_generate_state_key` writes it (`repr` of a dict:
+    "{'module': 'net'}"), or None where it holds none (a key this class does not write)."""
+    try:
+        module = ast.literal_eval(kwargs).get("module")
+    except (ValueError, TypeError, SyntaxError, AttributeError):  # not a dict's repr
+        return None
+    return module if isinstance(module, str) else None
 
 
 def _lightning_names(message: str, module: str) -> str:

@@ -99,7 +99,8 @@ class ColinearityDecayHook(Hook):
                              "give one of them")
         self.decay: Optional[ColinearityDecay] = None
         self._restored: Optional[dict] = None
-        self._checkpoint_keys: Optional[list[str]] = None  # this class's keys in the checkpoint loaded, if any
+        # this class's keys in the checkpoint loaded, if any, each with the module= that writes it
+        self._checkpoint_keys: Optional[dict[str, Optional[str]]] = None
         self._bindings: dict = {}
 
     def target(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -191,8 +192,9 @@ class ColinearityDecayHook(Hook):
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         self._restored = checkpoint.get(self.checkpoint_key)  # applied in before_train, to a resumed run only
         # the keys of hooks of this class in it: one saved with another module= is not read, and before_train warns
-        self._checkpoint_keys = [k for k in checkpoint if isinstance(k, str) and
-                                 (k == CHECKPOINT_KEY or k.startswith(CHECKPOINT_KEY + ":"))]
+        # (checkpoint_key's forms: the key alone for module=None, else "<key>:<module>")
+        self._checkpoint_keys = {k: None if k == CHECKPOINT_KEY else k[len(CHECKPOINT_KEY) + 1:] for k in checkpoint
+                                 if isinstance(k, str) and (k == CHECKPOINT_KEY or k.startswith(CHECKPOINT_KEY + ":"))}
 
 
 CD_HOOK = ColinearityDecayHook.__name__
