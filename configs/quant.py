@@ -18,7 +18,8 @@ from .constraints import AtLeastOne, NonNegative, Positive, Probability, Range, 
 class FirstLastOptions:
     """Bit-widths of the patch embedding ("stem") and the classifier ("head").
 
-    None follows the main w/a bits, 0 keeps that operand in float. Defaults are the official
+    2..15 bits, None follows the main w/a bits, 0 keeps that operand in float (16, float in a bit-width such as
+    w4a16, is refused here: one spelling of float per setting). Defaults are the official
     RepQ-ViT code: stem weights at w_bits, stem (image) input at 8 bits, head at w_bits / a_bits.
     `quant.first_last=w8a8` sets both to W8A8 for every pipeline (the QwT / RepQ-ViT lab's convention).
     """

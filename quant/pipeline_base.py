@@ -31,7 +31,7 @@ from .calibrate import Images, calibrate
 from .convert import quantize_model
 from .modes import describe, summarize
 from .pipeline_data import PipelineData
-from .spec import Bits, QuantSpec, parse_bits
+from .spec import FLOAT_BITS, Bits, QuantSpec, parse_bits
 
 
 class PTQResult(NamedTuple):
@@ -145,8 +145,11 @@ class Pipeline:
         self.check(bits, options)
         for key in ("stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits"):
             value = getattr(options, key, None)
-            if value not in (None, 0) and not 2 <= value <= 16:
-                raise ValueError(f"{key}={value}: give 2..16 bits, 0 (float) or null (the main bit-width)")
+            # float is 0 here; 16, which means float in a bit-width (spec.Bits: w4a16), would build a real 16-bit grid
+            # that the report's 16 then reads as float: refused, so that 16 has one meaning
+            if value not in (None, 0) and not 2 <= value < FLOAT_BITS:
+                raise ValueError(f"{key}={value}: give 2..{FLOAT_BITS - 1} bits, 0 (float, which a bit-width such as "
+                                 "w4a16 spells 16) or null (the main bit-width)")
         self.layout(bits, options)
 
     def check_task(self, fp_model: nn.Module, detection: bool) -> None:

@@ -624,8 +624,10 @@ def test_another_digits_val_fraction_is_refused_for_a_checkpoint(checkpoint):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["quant.repq.stem_w_bits=40"], "quant.repq: stem_w_bits=40: give 2..16 bits, 0 (float) or null"),
-    (["quant.repq.head_a_bits=1"], "quant.repq: head_a_bits=1: give 2..16 bits"),
+    (["quant.repq.stem_w_bits=40"], "quant.repq: stem_w_bits=40: give 2..15 bits, 0 (float, which a bit-width "
+                                     "such as w4a16 spells 16) or null"),
+    (["quant.repq.head_a_bits=1"], "quant.repq: head_a_bits=1: give 2..15 bits"),
+    (["quant.repq.head_a_bits=16"], "quant.repq: head_a_bits=16: give 2..15 bits"),
     (["quant.percentile.act_percentiles=[1.5]"], "quant.percentile: act_percentiles=[1.5]: each level p must lie in "
                                                  "(0.5, 1]"),
     (["quant.percentile.act_range=percentile", "quant.percentile.act_percentiles=[0.999,0.9999]"],

@@ -109,15 +109,27 @@ def test_an_options_object_is_honoured_like_a_mapping():
 
 
 @pytest.mark.parametrize("key", ["stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits"])
-def test_stem_and_head_bits_accept_2_to_16_and_0(key):
+def test_stem_and_head_bits_accept_2_to_15_and_0(key):
+    # 16 means float in a bit-width (w4a16); here float is 0, and 16 built a real 16-bit grid that the report's
+    # {"a": 16} then read as float: refused, naming the spelling of float
     from configs.quant import PercentileOptions
 
     bits = parse_bits("w4a4")
-    for value in (0, 2, 16):
+    for value in (0, 2, 15):
         PIPELINES["percentile"].validate(bits, PercentileOptions(**{key: value}))
-    for value in (1, 17):
-        with pytest.raises(ValueError, match=key):
+    for value in (1, 16, 17):
+        with pytest.raises(ValueError, match=f"{key}={value}: give 2..15 bits, 0 \\(float, which a bit-width such as "
+                                             "w4a16 spells 16\\) or null"):
             PIPELINES["percentile"].validate(bits, PercentileOptions(**{key: value}))
+
+
+def test_stem_and_head_bits_of_16_are_refused_before_any_quantizer_is_built():
+    # the reviewer's reproducer: it reported head {"w": 4, "a": 16} (float, as --bits reads 16) over a 16-bit grid
+    with pytest.raises(ValueError, match="head_a_bits=16: give 2..15 bits"):
+        PIPELINES["repq"](tiny_vit(), images(2), "w4a4", {"head_a_bits": 16})
+    model, report = PIPELINES["repq"](tiny_vit(), images(2), "w4a4", {"head_a_bits": 15, "stem_w_bits": 0})
+    assert report["head"] == {"w": 4, "a": 15} and model.head.input_quantizer.bits == 15
+    assert report["stem"]["w"] is None and model.patch_embed.proj.weight_quantizer is None
 
 def test_percentile_modes():
     model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w6a6")
