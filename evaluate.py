@@ -67,7 +67,7 @@ from data.loader import same_split_data, split_location, split_reading
 from data.text import FINGERPRINT_HEAD_BYTES, ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
-from engine.eval_results import EvalResults, ResultsError, checkpoint_kind
+from engine.eval_results import EvalResults, ResultsError, check_result_path, checkpoint_kind
 from engine.snapshots import check_same_weights_on_every_rank
 from engine.train_seeds import SEED_FIELD
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
@@ -104,6 +104,8 @@ def main(args: argparse.Namespace) -> dict:
     # Everything that can be wrong with the command is checked before any work (config, pipelines, bits,
     # checkpoint vs model, data, the existing result file), so no finished result is lost to a late error.
     try:  # this node's --checkpoint and --config files, read before the ranks meet
+        if args.out:  # a folder, or the log's name: refused before the weights are read and the log is opened
+            check_out(args.out)
         cfg, payload = resolve_config(args)
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, device_of_overrides(args.overrides))
@@ -117,10 +119,8 @@ def main(args: argparse.Namespace) -> dict:
             f"{SAME_SETTINGS_FIX}, and the same --checkpoint file (its config is the base of the settings)"
             if args.checkpoint else SAME_SETTINGS_FIX)
         out = args.out or default_out_path(args.checkpoint, cfg.model.name)
-        if os.path.basename(out) == EVAL_LOG:  # the log, opened first, would be the file the result is refused by
-            raise RunDirError(f"--out {out}: evaluate.py writes its log to {EVAL_LOG} in the result's folder; give "
-                              f"the result another name (e.g. eval.json)")
         with failure_on_every_rank(device, "making the --out folder"):  # on each node (a read-only one: this rank)
+            check_out(out)  # the default path too (a folder of that name)
             prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # default: beside the checkpoint
             open_eval_log(out, dist.is_main)
         log_environment(log, dist)
@@ -288,6 +288,15 @@ def main(args: argparse.Namespace) -> dict:
             console_print(markdown_table([results.data]))  # its † and ± on an ASCII console, or a closed pipe
             log.info("wrote %s", out)
     return results.data
+
+
+def check_out(out: str) -> None:
+    """Refuse a result path that names a folder (engine.eval_results.check_result_path) or the log's own name (the
+    log, opened first, would be the file the result is refused by); both are told before any work."""
+    check_result_path(out, "--out")
+    if os.path.basename(out) == EVAL_LOG:
+        raise RunDirError(f"--out {out}: evaluate.py writes its log to {EVAL_LOG} in the result's folder; give "
+                          f"the result another name (e.g. eval.json)")
 
 
 def open_eval_log(out: str, is_main: bool) -> None:
@@ -1072,8 +1081,9 @@ def build_parser() -> OneLineParser:
                         help=f"pipelines (default: quant.pipelines); any of {sorted(PIPELINES)}")
     parser.add_argument("--bits", nargs="*", action="extend",
                         help="bit-widths such as w4a4 w6a6 w8a8 (default: quant.bits)")
-    parser.add_argument("--out", help="JSON path (default: eval_<checkpoint>.json next to the checkpoint; "
-                                      "without --checkpoint runs/eval/<model.name>.json)")
+    parser.add_argument("--out", help="JSON file path, its folder made if missing (a folder is refused; default: "
+                                      "eval_<checkpoint>.json next to the checkpoint; without --checkpoint "
+                                      "runs/eval/<model.name>.json)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of the --checkpoint (a "
                         "model.pretrained file is read as its plain weights: refused there)")
     parser.add_argument("--recompute", action="store_true", help="run pipeline/bit-widths that the JSON "

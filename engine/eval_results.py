@@ -527,14 +527,27 @@ def _measured(max_act: dict) -> dict:
     return {k: v for k, v in max_act.items() if k not in ("csv", "plot")}
 
 
+def check_result_path(path: str, flag: str = "--out") -> None:
+    """Refuse a result path (`flag`'s value) that names a folder: one that exists, or one still to be made (the path
+    ends in a separator, or in . / ..). evaluate.py runs it with its arguments, before any work: found at the first
+    write, such a path came after the full-precision and maxima passes, as an error about its lock file. A file path
+    in a folder that does not exist yet is taken (evaluate.py makes the folder)."""
+    example = os.path.join(os.path.normpath(path), "eval.json")
+    if os.path.isdir(path):  # not "move it away": a folder of the user's (a run's) stays where it is
+        raise ResultsError(f"{path} is a folder: give {flag} a file path, e.g. {example}")
+    name = os.path.basename(path)
+    if name in ("", ".", ".."):  # "new/", "new/.": no file name to write
+        raise ResultsError(f"{flag} {path} names a folder (it ends in {name or 'a path separator'}): give {flag} a "
+                           f"file path, e.g. {example}")
+
+
 def _read(path: str, identity: dict, say_moved: bool = True) -> dict:
     """The record at `path` (a new one if there is none), refused if it is of another evaluation. A checkpoint
     recorded at another path is the same one reached otherwise, or moved (`_same_checkpoint`; `say_moved`: log
     the new path taken)."""
     if not os.path.exists(path):
         return {**identity, "quant": {}}
-    if os.path.isdir(path):  # not "move it away": a folder of the user's (a run's) stays where it is
-        raise ResultsError(f"{path} is a folder: give --out a file path, e.g. {os.path.join(path, 'eval.json')}")
+    check_result_path(path)  # a folder made since the command's own check
     try:
         with open(path) as f:
             data = json.load(f)
