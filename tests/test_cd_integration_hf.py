@@ -187,17 +187,32 @@ def test_a_resumed_run_after_a_warmup_from_lr_0_counts_and_computes_norms_as_an_
     assert all(abs(got[k] - want[k]) <= 1e-9 * want[k] for k in norms), [(k, got[k], want[k]) for k in norms]
 
 
-def test_a_checkpoint_without_the_saved_counter_resumes_it_at_the_global_step(tmp_path):
+NO_COUNTER = (r"ColinearityDecayCallback: resuming at step 2 with no CD state under "
+              r"'cd\.integrations\.hf\.ColinearityDecayCallback' in the checkpoint; it holds no CD state \(saved by a "
+              r"run without CD, or by a version of this callback that saved none\)\. The update counter "
+              r"\(cd/updates\) starts at the restored global_step, 2, ")
+
+
+def test_a_checkpoint_without_the_saved_counter_resumes_it_at_the_global_step_with_a_warning(tmp_path):
     """A checkpoint saved before the counter was saved with it (no entry in trainer_state.json's
-    stateful_callbacks): the counter starts at the restored global_step, as it did then."""
-    train(tmp_path, steps=4, save_steps=2, schedule=warmup)
-    path = tmp_path / "checkpoint-2" / "trainer_state.json"
+    stateful_callbacks): the counter starts at the restored global_step, as it did then. A run without CD leaves
+    no entry either, and its resume set the counter to the steps it ran without CD without a word, where
+    Lightning's callback and MMEngine's hook warn: it warns too (both cases read the same), naming both."""
+    train(tmp_path / "old", steps=4, save_steps=2, schedule=warmup)
+    path = tmp_path / "old" / "checkpoint-2" / "trainer_state.json"
     saved = json.loads(path.read_text())
     saved["stateful_callbacks"] = {k: v for k, v in saved["stateful_callbacks"].items() if "ColinearityDecay" not in k}
     path.write_text(json.dumps(saved))
     given = ColinearityDecayCallback(lam=LAM)
-    train(tmp_path, steps=4, resume=str(tmp_path / "checkpoint-2"), callback=given, schedule=warmup)
+    with pytest.warns(UserWarning, match=NO_COUNTER):
+        train(tmp_path / "old", steps=4, resume=str(tmp_path / "old" / "checkpoint-2"), callback=given,
+              schedule=warmup)
     assert given.decay.num_updates == 2 + 2
+    train(tmp_path / "plain", steps=4, save_steps=2, callback=TrainerCallback())  # no CD
+    given = ColinearityDecayCallback(lam=LAM)
+    with pytest.warns(UserWarning, match=NO_COUNTER):
+        train(tmp_path / "plain", steps=4, resume=str(tmp_path / "plain" / "checkpoint-2"), callback=given)
+    assert given.decay.num_updates == 2 + 2  # as the warning says
 
 
 def cd_config(lam: float, lam_per_role: dict | None = None) -> dict:
@@ -246,7 +261,7 @@ def test_a_resume_with_the_same_config_or_an_entry_without_one_warns_nothing_and
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train(tmp_path, steps=4, resume=str(tmp_path / "checkpoint-2"), callback=given, schedule=warmup)
-    assert not [w for w in caught if "CD config" in str(w.message)]
+    assert not [w for w in caught if "CD config" in str(w.message) or "no CD state" in str(w.message)]
     assert given.decay.lam == lam and given.decay.num_updates == 1 + 2  # the saved count, not global_step 2
 
 
@@ -257,8 +272,10 @@ def test_a_resumed_callback_counts_the_restored_steps_as_updates_only_where_cd_u
     for lam, counted in ((LAM, 2), (0.0, 0)):
         model = tiny_gpt2()
         cb = ColinearityDecayCallback(lam=lam)
-        cb.on_train_begin(None, TrainerState(global_step=2), None, model=model,
-                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.warns(UserWarning, match=f"no CD state under .*counter \\(cd/updates\\) starts (at the restored "
+                                             f"global_step, {counted}|from 0 \\(lam=0)"):  # a checkpoint without it
+            cb.on_train_begin(None, TrainerState(global_step=2), None, model=model,
+                              optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         assert cb.decay.num_updates == counted and cb.decay.metrics()["cd/updates"] == counted, lam
 
 

@@ -104,19 +104,21 @@ def name_the_part(message: str, model: torch.nn.Module, argument: str) -> str:
             f"{children[:8]})")
 
 
-def warn_unrestored(who: str, key: str, others: dict[str, Optional[str]], step: int) -> None:
+def warn_unrestored(who: str, key: str, others: dict[str, Optional[str]], step: int,
+                    no_state: str = "saved by a run without CD", counter: str = "starts from 0") -> None:
     """Warn that a run resumed at `step` (> 0) restored no CD state under `key`, this callback's or hook's key in the
     checkpoint, while `others` are the keys of the same class's state it holds (saved with another `module=`, whose
-    key differs), each with the `module=` that writes it (None: no module=, the class's default key): CD's counter,
-    and the config it is compared with, start again from nothing, which the warning on a resume with another CD
-    config (`ColinearityDecay.load_state_dict`) would otherwise not tell."""
+    key differs), each with the `module=` that writes it (None: no module=, the class's default key): CD's counter
+    is not restored (it starts as `counter` says) and there is no saved config to compare, which the warning on a
+    resume with another CD config (`ColinearityDecay.load_state_dict`) would otherwise not tell. `no_state`: what
+    saves a checkpoint that holds none (the Trainer's callback names an earlier version of itself too)."""
     # each key with its module=: the default key is written with no module=, which "give that module=" must say
     named = ", ".join(f"{k!r} ({'no module=' if m is None else f'module={m!r}'})" for k, m in others.items())
     held = (f"it holds CD state under {named} (saved by a {who} with another module=, whose key differs): give the "
             f"{who} that module= to continue its counter") if others else \
-        "it holds no CD state (saved by a run without CD)"
+        f"it holds no CD state ({no_state})"
     warnings.warn(f"{who}: resuming at step {step} with no CD state under {key!r} in the checkpoint; {held}. The "
-                  "update counter (cd/updates) starts from 0 and the saved CD config, if any, is not compared with "
+                  f"update counter (cd/updates) {counter} and the saved CD config, if any, is not compared with "
                   "this one", stacklevel=2)
 
 

@@ -24,9 +24,11 @@ class name, so the Trainer rebuilds nothing from it; with `restore_callback_stat
 that entry as a callback "not included in current configuration", and it is restored all the same). A resumed run
 whose callback has another config (lam, lam_per_role, targets, gated_mlp) warns, as Lightning's callback and
 MMEngine's hook do ("ColinearityDecay: resuming with a different CD config"), and runs with the one given now. A
-checkpoint without that entry (saved by an earlier version of this callback) starts the counter at the restored
-`global_step`, which also counts the steps of lr 0 (a warmup's first) and those fp16 skipped: too high by those
-steps; one whose entry has no config (an earlier version's too) compares none.
+checkpoint without that entry, saved by an earlier version of this callback or by a run without CD (which cannot be
+told apart), starts the counter at the restored `global_step`, as that version did, with a warning (as Lightning's
+callback and MMEngine's hook give on a checkpoint without CD state, where they count from 0): `global_step` also
+counts the steps of lr 0 (a warmup's first), those fp16 skipped and those of a run without CD, so the counter is
+too high by those steps; one whose entry has no config (an earlier version's too) compares none.
 
 The Trainer has no event for a `train()` that raises (Lightning has `on_exception`): the binding of a failed run
 stays on its optimizer, armed if the run stopped between `on_pre_optimizer_step` and the step. Each `train()`
@@ -44,7 +46,7 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from ..decay import _HOOKED, ColinearityDecay, make_step_hooks_run
-from . import OptimizerBinding, bind_optimizers, check_cd_arguments, torch_optimizer
+from . import OptimizerBinding, bind_optimizers, check_cd_arguments, torch_optimizer, warn_unrestored
 
 # the entry of TrainerState.stateful_callbacks that holds the counter and the config:
 # {"num_updates": n, "global_step": step, "config": ColinearityDecay.state_dict()["config"]} (JSON values)
@@ -144,6 +146,14 @@ class ColinearityDecayCallback(TrainerCallback):
             count = saved["num_updates"]
         else:
             count = state.global_step if self.decay._active else self.decay.num_updates
+        if state.global_step > 0 and not saved:
+            # a run without CD leaves no entry either, and the two cannot be told apart: the counter starts where
+            # an earlier version's resume started it (module doc), with the warning Lightning and MMEngine give
+            warn_unrestored(type(self).__name__, COUNTER_KEY, {}, state.global_step,
+                            no_state="saved by a run without CD, or by a version of this callback that saved none",
+                            counter=(f"starts at the restored global_step, {count}, as that version's did (too high "
+                                     "by the steps saved without CD, at lr 0 or skipped by fp16),")
+                            if self.decay._active else "starts from 0 (lam=0: no step makes a CD update)")
         config = saved.get("config")  # a checkpoint of an earlier version has none: None compares nothing
         if isinstance(config, dict):  # trainer_state.json sorts its keys: the decay's order, so that the warning
             own = self.decay.state_dict()["config"]  # reads as Lightning's and MMEngine's (dicts compare equal anyway)
