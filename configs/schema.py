@@ -166,6 +166,23 @@ def unread_training_settings(keys: list[str], method_read: bool) -> list[str]:
 # the timm optimizers built with optim.betas and optim.eps (engine/optim.py)
 ADAM_OPTIMIZERS = ("adamw", "adam", "lamb")
 
+# torch.finfo(torch.float32).max (configs/ imports no torch): torch's optimizers step float32 weights with the lr
+# as a float32 scalar, and one beyond it ended the first update past warmup in a traceback from inside torch ("value
+# cannot be converted to type float without overflow"), after the model and the data were built
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+@dataclass(frozen=True)
+class Float32Range(Range):
+    """A Range below FLOAT32_MAX (high, open) whose message says where that bound comes from."""
+
+    def describe(self) -> str:
+        return f"{Range(self.low, low_open=self.low_open).describe()} and below float32's largest number, {self.high:g}"
+
+
+LearningRate = Float32Range(0, FLOAT32_MAX, low_open=True, high_open=True)  # a peak: > 0, in float32's range
+ScheduleEnd = Float32Range(0, FLOAT32_MAX, high_open=True)  # a warmup start or a final lr: >= 0, in float32's range
+
 
 @dataclass
 class OptimConfig:
@@ -173,8 +190,8 @@ class OptimConfig:
 
     name: str = "adamw"  # a timm optimizer name, in lower case (adamw, sgd, lamb, ...), or lookahead_ and one
     # absolute peak lr; None: lr_base scaled by global batch / lr_base_batch
-    lr: Annotated[Optional[float], Positive] = None
-    lr_base: Annotated[float, Positive] = 5e-4  # peak lr at a global batch of lr_base_batch
+    lr: Annotated[Optional[float], LearningRate] = None
+    lr_base: Annotated[float, LearningRate] = 5e-4  # peak lr at a global batch of lr_base_batch
     lr_base_batch: Annotated[int, AtLeastOne] = 512  # the global batch lr_base refers to
     lr_scaling: Literal["linear", "sqrt"] = "linear"  # how lr_base follows the global batch
     # decoupled (AdamW); not applied to 1-D params, biases, pos_embed, cls_token
@@ -203,8 +220,8 @@ class SchedConfig:
     # the run trains `steps` updates, the lr changes every update, epochs / warmup_epochs are not read.
     steps: Annotated[Optional[int], AtLeastOne] = None
     warmup_steps: Annotated[int, NonNegative] = 0  # with sched.steps: linear warmup over this many updates
-    warmup_lr: Annotated[float, NonNegative] = 1e-6  # absolute (not scaled with the batch)
-    min_lr: Annotated[float, NonNegative] = 1e-5  # absolute (not scaled with the batch)
+    warmup_lr: Annotated[float, ScheduleEnd] = 1e-6  # absolute (not scaled with the batch)
+    min_lr: Annotated[float, ScheduleEnd] = 1e-5  # absolute (not scaled with the batch)
     warmup_prefix: bool = False  # True (Swin): warmup precedes the cosine instead of being inside it
     per_step: bool = False  # True (Swin): the lr changes every optimizer update; False (DeiT): every epoch
 

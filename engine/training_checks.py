@@ -19,6 +19,7 @@ from typing import Any, Optional
 from cd.decay import budget_weight_decay, check_settings
 from cd.pairs import ROLES
 from configs import ConfigError
+from configs.schema import FLOAT32_MAX
 from engine.optim import POLY_POWER, check_optimizer_settings, lr_rule, peak_lr
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,8 @@ def check_training_settings(cfg: Any) -> None:
     it looks at the model, an optim.name timm's registry does not have, optim.* settings the optimizer would not be
     built with as written (engine/optim.py `check_optimizer_settings`: optim.name in upper case, optim.fused=true
     for an optimizer torch has no fused kernel of), the budget rule (cd.budget) beside an optimizer whose weight
-    decay is not decoupled (`check_budget_optimizer`) or with cd.lam above optim.weight_decay (`check_budget`), and
-    a schedule whose ends lie above its peak (`check_schedule_ends`) unless the run may continue a checkpoint, which
+    decay is not decoupled (`check_budget_optimizer`) or with cd.lam above optim.weight_decay (`check_budget`), a
+    peak lr beyond float32 (`check_peak_lr`), and a schedule whose ends lie above its peak (`check_schedule_ends`) unless the run may continue a checkpoint, which
     train.py judges once it has read it (`check_schedule_on_resume`)."""
     if cfg.cd.enabled:
         check_cd_settings(cfg.cd)
@@ -42,8 +43,20 @@ def check_training_settings(cfg: Any) -> None:
     if cfg.cd.enabled and cfg.cd.budget:
         check_budget_optimizer(cfg.optim.name, cfg.optim.momentum)
         check_budget(cfg.optim.weight_decay, cfg.cd.lam)
+    check_peak_lr(cfg)
     if not may_resume(cfg):
         check_schedule_ends(cfg)
+
+
+def check_peak_lr(cfg: Any) -> None:
+    """Refuse a peak learning rate beyond float32, which torch's optimizers step the weights with (an overflow
+    traceback from inside torch at the first update past warmup). The schema bounds optim.lr and optim.lr_base
+    each (configs/schema.py FLOAT32_MAX); here optim.lr_base scaled to the global batch."""
+    peak = peak_lr(cfg.optim, cfg.train.batch_size)
+    if peak >= FLOAT32_MAX:
+        rule = lr_rule(cfg.optim, cfg.train.batch_size)
+        raise ConfigError(f"optim.lr_base={cfg.optim.lr_base:g}: the peak learning rate ({rule}) is not below "
+                          f"float32's largest number, {FLOAT32_MAX:g}; give a smaller optim.lr_base, or optim.lr")
 
 
 def may_resume(cfg: Any) -> bool:

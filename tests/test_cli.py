@@ -64,7 +64,8 @@ def test_help_config_lists_every_key_with_default_type_range_and_help(capsys):
     assert keys_in(out) == LEAVES  # every key once, in schema order
     assert "  sched.epochs = 300  (int, >= 1)\n      total training epochs, warmup included\n" in out
     assert "  train.amp = fp16  (one of none | fp16 | bf16)\n" in out  # choices
-    assert "  optim.lr = null  (float or null, > 0)\n      absolute peak lr" in out  # optional with a range
+    assert ("  optim.lr = null  (float or null, > 0 and below float32's largest number, 3.40282e+38)\n      absolute "
+            "peak lr") in out  # optional with a range
     assert ("  data.mean = [0.485, 0.456, 0.406]  (tuple, 3 finite numbers, each >= 0 and <= 1 (the model's input "
             "tensors are on the 0..1 scale: divide values on the 0..255 scale by 255))\n") in out
     # a continued comment is one help text; a comment above a field is its help when it has none after it

@@ -93,7 +93,7 @@ def test_unknown_key_in_a_file_names_the_file(tmp_path):
     ("model=vit", "is a section"),
     ("optim.lr.x=1", "has no sub-key"),
     ("no_equals_sign", "key=value"),
-    ("optim.lr=-1", r"'optim.lr' must be > 0; got -1"),
+    ("optim.lr=-1", r"'optim.lr' must be > 0 and below float32's largest number, 3.40282e\+38; got -1"),
     ("sched.epochs=0", r"'sched.epochs' must be >= 1; got 0"),
     ("train.batch_size=0", r"'train.batch_size' must be >= 1"),
     ("model.drop_path=1.0", r"must be >= 0 and < 1"),
@@ -111,6 +111,31 @@ def test_unknown_key_in_a_file_names_the_file(tmp_path):
 def test_wrong_values_are_clear_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("key", ["optim.lr", "optim.lr_base", "sched.warmup_lr", "sched.min_lr"])
+@pytest.mark.parametrize("value", ["1e39", "3.5e38", "3.4028234663852886e38", "1e38", "1e-3"])
+def test_a_learning_rate_beyond_float32_is_refused_as_the_config_loads(key, value):
+    """torch steps float32 weights with the lr as a float32 scalar: optim.lr=1e39 passed the config and ended the
+    first update past warmup in a traceback from inside torch ("value cannot be converted to type float without
+    overflow"). The reference: torch's own float32 limit and that same conversion, made here."""
+    import torch
+
+    limit = torch.finfo(torch.float32).max
+    try:
+        torch.zeros(1).add_(torch.ones(1), alpha=float(value))  # the conversion torch's optimizers make of an lr
+        converts = True
+    except RuntimeError:
+        converts = False
+    assert converts is (float(value) <= limit)
+    if float(value) < limit:
+        assert getattr(getattr(load_config(None, [f"{key}={value}"]), key.split(".")[0]), key.split(".")[1]) \
+            == float(value)
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{key}={value}"])
+    assert re.search(rf"'{re.escape(key)}' must be .*below float32's largest number, 3.40282e\+38; got ", str(e.value))
+    assert "\n" not in str(e.value)
 
 
 def test_ranges_let_none_and_boundaries_through():

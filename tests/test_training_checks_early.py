@@ -2,6 +2,7 @@
 train.py before its model and data (and by a sweep before its first run trains), and a global batch that no number
 of processes splits into per-process batches as the config loads."""
 import os
+import re
 import subprocess
 import sys
 
@@ -144,6 +145,28 @@ def test_a_schedule_end_above_the_peak_is_refused_where_the_schedule_would_climb
     with pytest.raises(ConfigError) as e:
         check_training_settings(cfg)
     assert str(e.value).startswith(f"{key}=") and "above the peak learning rate" in str(e.value)
+
+
+@pytest.mark.parametrize("lr_base, lr_base_batch", [("1e38", "1"), ("3e38", "8"), ("1e38", "16"), ("1e-3", "1")])
+def test_a_peak_lr_scaled_beyond_float32_is_refused_before_training(lr_base, lr_base_batch):
+    """optim.lr_base within the schema's float32 bound can still scale (x 16/1 at tiny's batch 16) to a peak torch
+    cannot step the weights with. The reference: torch's conversion of that peak to a float32 scalar."""
+    import torch
+
+    from engine.training_checks import check_training_settings
+
+    cfg = load_config([TINY], [f"optim.lr_base={lr_base}", f"optim.lr_base_batch={lr_base_batch}",
+                               "sched.min_lr=0", "sched.warmup_lr=0"])
+    peak = float(lr_base) * cfg.train.batch_size / int(lr_base_batch)
+    try:
+        torch.zeros(1).add_(torch.ones(1), alpha=peak)
+    except RuntimeError:
+        given = re.escape(f"{float(lr_base):g}")
+        with pytest.raises(ConfigError, match=rf"^optim.lr_base={given}: the peak learning rate .* is not below "
+                                              rf"float32's largest number"):
+            check_training_settings(cfg)
+        return
+    check_training_settings(cfg)
 
 
 def test_schedule_ends_at_the_peak_pass():
