@@ -84,7 +84,9 @@ class DataConfig:
     color_jitter: Annotated[float, NonNegative] = 0.3  # strength; read with auto_augment "" or a "3a" policy
     reprob: Annotated[float, Probability] = 0.25  # random erasing probability
     remode: Literal["pixel", "rand", "const"] = "pixel"  # random erasing fill
-    recount: Annotated[int, AtLeastOne] = 1  # random erasing: regions per image
+    # random erasing: the most regions per image; timm draws each image's count uniformly from 1 to recount and each
+    # region's area scaled by 1/count (recount=3: 1, 2 or 3 regions, each smaller the more there are; not always 3)
+    recount: Annotated[int, AtLeastOne] = 1
     # repeats per sample (RepeatAugSampler), with any number of processes; 0/1: off. At most 64 (batch augmentation
     # studies go to tens; DeiT uses 3): timm's sampler lists len(train set) x repeats indices in every process each
     # epoch (ImageNet-1K at 64: 82 M Python integers, about 3 GB), and an epoch then sees 1/repeats of the images

@@ -421,6 +421,8 @@ def test_random_erasing_fill_and_count_are_read_where_timm_builds_random_erasing
     at data.reprob=0 the two change nothing, and an override of them is refused."""
     from timm.data.random_erasing import RandomErasing
 
+    from configs.cli import field_help
+    from configs.schema import DataConfig
     from data.transforms import build_transform
 
     def erasing(overrides):
@@ -430,6 +432,9 @@ def test_random_erasing_fill_and_count_are_read_where_timm_builds_random_erasing
     assert erasing([]) == []  # the demo's reprob 0
     (built,) = erasing(["data.reprob=0.5", "data.remode=const", "data.recount=3"])
     assert (built.probability, built.mode, built.max_count) == (0.5, "const", 3)
+    # timm draws each image's count from min_count..max_count, each region 1/count of the area: what the help says
+    assert built.min_count == 1
+    assert "uniformly from 1 to recount" in field_help(DataConfig, "recount")
     with pytest.raises(ConfigError, match=r"data.recount=3 would be ignored: data.recount is read only when "
                                           r"data.reprob is nonzero, and it is 0.0"):
         load_config([DEMO_CONFIG], ["data.recount=3"])
