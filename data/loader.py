@@ -211,6 +211,20 @@ def build_train_loader(cfg: DataConfig, *, img_size: int, batch_size_per_gpu: in
                           "more training images")
 
 
+SELECTED_ROUND = 256  # RepeatAugSampler's selected_round, timm's default (DeiT's RASampler: 256)
+
+
+def repeat_aug_share(n: int, world_size: int) -> str:
+    """How timm's RepeatAugSampler (1.0, at selected_round=SELECTED_ROUND and its default selected_ratio, the
+    number of processes) sizes each process's epoch of `n` images, as its __init__ computes it: a set of at least
+    SELECTED_ROUND images rounded down to a multiple of it, over the processes, rounded down; a smaller set over the
+    processes, rounded up. Either is capped at ceil(n x repeats / processes), which at 2 repeats or more is above."""
+    if n >= SELECTED_ROUND:
+        return (f"the {n} images rounded down to a multiple of {SELECTED_ROUND}, over the processes: "
+                f"floor({n // SELECTED_ROUND * SELECTED_ROUND} / {world_size})")
+    return f"a set under {SELECTED_ROUND} images over the processes, rounded up: ceil({n} / {world_size})"
+
+
 def _train_batches(cfg: DataConfig, train_set, batch_size_per_gpu: int, rank: int, world_size: int, seed: int,
                    what: str, more: str) -> TrainBatches:
     """Seeded, sharded full batches of `train_set` (`what` it holds, for messages; `more`: how to get more of it)."""
@@ -218,17 +232,16 @@ def _train_batches(cfg: DataConfig, train_set, batch_size_per_gpu: int, rank: in
     if repeated:
         # DeiT's repeated augmentation; honoured with any number of processes
         base = RepeatAugSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                num_repeats=cfg.repeated_aug)
+                                num_repeats=cfg.repeated_aug, selected_round=SELECTED_ROUND)
     else:
         base = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                   drop_last=True)
     if len(base) < batch_size_per_gpu:
-        # the repeated-augmentation sampler's epoch is not the set's: it (as DeiT's) draws the set rounded down to
-        # a multiple of 256 images, split over the processes, whatever the repeat count
+        # the repeated-augmentation sampler's epoch is not the set's (`repeat_aug_share`)
         plain = len(train_set) // world_size  # what each process would get without it
-        sampler = (f" (data.repeated_aug={cfg.repeated_aug}: timm's RepeatAugSampler draws the set rounded down to "
-                   f"a multiple of 256 per epoch, split over the processes; data.repeated_aug=0 would give each "
-                   f"{plain})" if repeated else "")
+        sampler = (f" (data.repeated_aug={cfg.repeated_aug}: timm's RepeatAugSampler gives each process "
+                   f"{repeat_aug_share(len(train_set), world_size)} per epoch, whatever the repeat count; "
+                   f"data.repeated_aug=0 would give each {plain})" if repeated else "")
         off = ", data.repeated_aug=0" if repeated and plain >= batch_size_per_gpu else ""
         raise DataError(f"{len(train_set)} {what} give each of {world_size} processes {len(base)} "
                         f"per epoch, fewer than one batch of {batch_size_per_gpu}{sampler}: give a smaller "

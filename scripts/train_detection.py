@@ -14,24 +14,25 @@ are evaluate_detection.py's), and so is a method's hook given twice (a fragment 
 
 A work dir that already holds checkpoints is refused unless --resume continues the run in it (MMEngine's
 `last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config dump
-MMEngine writes there (the first --config's name); so is a second command while a run holds the work dir
-(`<work-dir>/.run.lock`, as train.py's out_dir), before it writes anything there. A new run records its merged
-settings, once its runner is built, in `<work-dir>/train_detection_config.json` (a start that fails before its first
-checkpoint, by an exception or Ctrl-C, removes that file and the config dump again, so the corrected command may use
-the same work dir; a SIGTERM, or any signal that ends the process without an exception, leaves both: move them away,
-or give a new work dir, to start it with other settings); --resume
-refuses other settings than those (only train_cfg.max_epochs may change, to extend the schedule), `load_from` (it
-resumes the work dir's own last checkpoint), and a last_checkpoint that points outside the work dir or to a missing
-file. Checkpoints keep the random-number state (engine.detection.RngStateHook), so a resumed run in one process
-without persistent loader workers ends bit for bit where the uninterrupted one does, and so does one under torchrun
-(every rank's state is kept) on the same number of ranks; in an epoch loop persistent workers start over from their
-first seeds (an iteration loop fetches its trained batches again through them: exact), and a resume on another number of ranks trains at another global batch: such a resume is not exact, and says so in a
-warning (docs/operations.md, "Detection runs"). A resume takes every weight from the checkpoint and reads no
-backbone file (model.backbone.init_cfg's may have moved). Under torchrun every rank checks the data
-and the work dir as it sees them, and one rank's refusal ends every rank. The batch
-per GPU is the config's (2 images, 16 in all on 8 GPUs, the official setting); with fewer GPUs add
-`auto_scale_lr.enable=True` to scale the lr. The shipped Swin configs train with fp16 AMP (AmpOptimWrapper), which
-MMEngine runs on a GPU only: on the CPU add `optim_wrapper.type=OptimWrapper` (fp32).
+MMEngine writes there (the first --config's name), and a new run's work dir that holds files no run of this script
+writes (another program's run, such as train.py's checkpoint.pt and metrics.jsonl; as train.py refuses an out_dir of
+this script's files); so is a second command while a run holds the work dir (`<work-dir>/.run.lock`, as train.py's
+out_dir), before it writes anything there. A new run records its merged settings, once its runner is built, in
+`<work-dir>/train_detection_config.json` (a start that fails before its first checkpoint, by an exception or Ctrl-C,
+removes that file and the config dump again, so the corrected command may use the same work dir; a SIGTERM, or any
+signal that ends the process without an exception, leaves both: move them away, or give a new work dir, to start it with
+other settings); --resume refuses other settings than those (only train_cfg.max_epochs may change, to extend the
+schedule), `load_from` (it resumes the work dir's own last checkpoint), and a last_checkpoint that points outside the
+work dir or to a missing file. Checkpoints keep the random-number state (engine.detection.RngStateHook), so a resumed
+run in one process without persistent loader workers ends bit for bit where the uninterrupted one does, and so does one
+under torchrun (every rank's state is kept) on the same number of ranks; in an epoch loop persistent workers start over
+from their first seeds (an iteration loop fetches its trained batches again through them: exact), and a resume on
+another number of ranks trains at another global batch: such a resume is not exact, and says so in a warning
+(docs/operations.md, "Detection runs"). A resume takes every weight from the checkpoint and reads no backbone file
+(model.backbone.init_cfg's may have moved). Under torchrun every rank checks the data and the work dir as it sees them,
+and one rank's refusal ends every rank. The batch per GPU is the config's (2 images, 16 in all on 8 GPUs, the official
+setting); with fewer GPUs add `auto_scale_lr.enable=True` to scale the lr. The shipped Swin configs train with fp16 AMP
+(AmpOptimWrapper), which MMEngine runs on a GPU only: on the CPU add `optim_wrapper.type=OptimWrapper` (fp32).
 """
 from __future__ import annotations
 
@@ -140,8 +141,29 @@ def epoch_loop(train_cfg) -> bool:
         "EpochBasedTrainLoop"
 
 
-def check_work_dir(work_dir: str, resume: bool) -> None:
-    """Refuse to start a new run over an old one's checkpoints, and to resume where there is nothing."""
+# the log folder MMEngine's Runner makes in the work dir at each start, named by its timestamp (Runner.timestamp)
+LOG_FOLDER = re.compile(r"\d{8}_\d{6}")
+
+
+def foreign_files(work_dir: str, dump: str) -> list:
+    """What `work_dir` holds that no run of this script writes there (engine.run_dir.earlier_run_files, less the
+    settings file and its temporary, the config dump `dump`, the Runner's timestamped log folders and the
+    checkpoints, which check_work_dir judges on their own): another program's run (train.py's checkpoint.pt,
+    best.pt, config.yaml, metrics.jsonl), a data set, anything of the user's. Sorted names; [] for no folder."""
+    from engine.run_dir import earlier_run_files
+    if not os.path.isdir(work_dir):
+        return []
+    ours = {SETTINGS_FILE, dump, "last_checkpoint"}
+    return [name for name in earlier_run_files(work_dir)
+            if name not in ours and not name.endswith(".pth")
+            and not re.fullmatch(rf"{re.escape(SETTINGS_FILE)}\.\d+\.tmp", name)  # record_settings' temporary
+            and not (LOG_FOLDER.fullmatch(name) and os.path.isdir(os.path.join(work_dir, name)))]
+
+
+def check_work_dir(work_dir: str, resume: bool, dump: str) -> None:
+    """Refuse to start a new run over an old one's checkpoints or in a folder of files no run of this script wrote
+    (`foreign_files`; `dump`: the name of the Runner's config dump), as train.py refuses an out_dir of another
+    run's files, and to resume where there is nothing."""
     from engine.detection import DetectionError
     if os.path.exists(work_dir) and not os.path.isdir(work_dir):
         raise DetectionError(f"--work-dir {work_dir} is a file: give a folder")
@@ -150,6 +172,12 @@ def check_work_dir(work_dir: str, resume: bool) -> None:
         raise DetectionError(f"--work-dir {work_dir} holds checkpoints of an earlier run "
                              f"({os.path.basename(sorted(checkpoints)[0])}, ...): give --resume to continue it, "
                              "or a new --work-dir")
+    foreign = [] if resume else foreign_files(work_dir, dump)
+    if foreign:  # e.g. train.py's run folder: the detector's checkpoints and logs would be mixed into its files
+        shown = ", ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else "")
+        raise DetectionError(f"--work-dir {work_dir} holds files no run of this script writes ({shown}): another "
+                             "program's run or other data, which a detector's run would mix its checkpoints and "
+                             "logs into; give a new --work-dir, or move them away")
     if resume and not os.path.isfile(os.path.join(work_dir, "last_checkpoint")):
         raise DetectionError(f"--resume: --work-dir {work_dir} has no last_checkpoint to continue from")
 
@@ -446,6 +474,7 @@ def main(argv=None) -> int:
         tell_the_others_at_start(error, join_and_tell, launcher_rank(args.launcher),
                                  launcher_world(args.launcher) if args.launcher != "none" else 1)
     start_process_group(args.launcher, cfg)
+    dump = os.path.basename(cfg.filename)  # the Runner's config dump in the work dir (check_config_dump)
     refusal = None
     try:
         check_hooks(cfg)
@@ -463,7 +492,7 @@ def main(argv=None) -> int:
         if not args.resume:
             check_backbone_init(cfg)
             check_load_from(cfg)
-        check_work_dir(args.work_dir, args.resume)  # before the folder is made: a wrong --resume leaves none behind
+        check_work_dir(args.work_dir, args.resume, dump)  # before the folder is made: a wrong --resume leaves none
     except Exception as e:  # every rank ends, each with one error (a rank's own files may differ from rank 0's)
         refusal = e
     refuse_on_every_rank(refusal)
@@ -471,7 +500,7 @@ def main(argv=None) -> int:
         refusal = settings = resumes_from = None
         try:
             held.enter_context(owning_work_dir(args.work_dir, args.launcher))
-            check_work_dir(args.work_dir, args.resume)  # again: another run may have written there before the lock
+            check_work_dir(args.work_dir, args.resume, dump)  # again: another run may have written there meanwhile
             settings, resumes_from = check_work_dir_files(args, cfg, overrides)
         except Exception as e:
             refusal = e

@@ -422,6 +422,33 @@ def _synthetic(overrides=()):
                               *overrides]).data
 
 
+@pytest.mark.parametrize("n, world, batch", [(12, 1, 16), (12, 5, 4), (100, 3, 40), (300, 8, 64), (600, 7, 80)])
+def test_too_few_images_under_repeated_augmentation_explain_timms_epoch_by_its_own_rule(n, world, batch):
+    """The refusal said timm's RepeatAugSampler "draws the set rounded down to a multiple of 256" for any set: 12
+    images, which that rule would leave none of, gave the one process 12. The message's rule, evaluated, must be the
+    epoch timm's sampler gives (the reference: its len, built here with its own defaults)."""
+    import math
+    import re
+
+    from timm.data.distributed_sampler import RepeatAugSampler
+
+    from data.loader import build_train_loader
+
+    share = len(RepeatAugSampler(range(n), num_replicas=world, rank=0, num_repeats=3))
+    assert share < batch  # the case refused
+    with pytest.raises(DataError) as e:
+        data = load_config(None, ["data.dataset=synthetic", f"data.synthetic_train_size={n}", "data.repeated_aug=3",
+                                  "data.num_workers=0"]).data
+        build_train_loader(data, img_size=8, batch_size_per_gpu=batch, rank=0, world_size=world, seed=0,
+                           num_classes=3)
+    message = str(e.value)
+    assert f"give each of {world} processes {share} per epoch" in message
+    (how, a, b), = re.findall(r"RepeatAugSampler gives each process [^;]*\b(floor|ceil)\((\d+) / (\d+)\) per epoch",
+                              message)
+    assert getattr(math, how)(int(a) / int(b)) == share and int(b) == world
+    assert ("rounded down to a multiple of 256" in message) is (n >= 256)
+
+
 def test_training_shards_are_one_shuffled_epoch_dealt_to_the_ranks():
     """world_size ranks share one permutation of the epoch (seed + epoch), cut to a multiple of world_size
     (drop_last) and dealt round-robin: no image twice in an epoch over all ranks, none left out but the cut."""

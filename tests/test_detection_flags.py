@@ -153,6 +153,33 @@ def test_an_annotation_file_of_no_images_is_one_error_line_naming_it(sample_cfg,
     assert not work.exists()
 
 
+def test_a_new_run_in_another_program_s_run_folder_is_refused_naming_its_files(sample_cfg, debug_config, capsys):
+    """A train.py run folder (checkpoint.pt, best.pt, config.yaml, metrics.jsonl, ...) given as --work-dir was
+    taken: the detector trained into it beside the classifier's files and exited 0, where train.py refuses the
+    converse. Refused before any work, naming every file train.py left there, and the folder is left as it was."""
+    import logging
+    import os
+    import train
+    root, _ = sample_cfg
+    cfg = debug_config("train.max_steps=1", name="classifier")
+    train.main(cfg)
+    logger = logging.getLogger()
+    for handler in [h for h in logger.handlers if getattr(h, "_cd_run", False)]:  # its process would have ended,
+        logger.removeHandler(handler)  # and train.log with it (conftest.end_run_logging)
+        handler.close()
+    left = sorted(os.listdir(cfg.out_dir))  # what a train.py run leaves, read from the folder (the lock is gone)
+
+    def contents():
+        return {name: os.path.isdir(os.path.join(cfg.out_dir, name)) or os.path.getsize(os.path.join(cfg.out_dir, name))
+                for name in os.listdir(cfg.out_dir)}
+    before = contents()
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", root, "--work-dir", cfg.out_dir])
+    assert line.startswith(f"error: --work-dir {cfg.out_dir} holds files no run of this script writes "
+                           f"({', '.join(left)}): "), line
+    assert {"checkpoint.pt", "best.pt", "config.yaml", "metrics.jsonl"} <= set(left)
+    assert contents() == before
+
+
 def test_a_gplq_stage1_folder_that_is_a_file_or_holds_a_broken_identity_is_one_error_naming_it(tmp_path):
     """`<out>_gplq_w4a4_stage1` as a file was a FileExistsError traceback (evaluate_detection.py reports
     ValueErrors only), and a cut-off gplq_stage1.json a JSONDecodeError naming no file; both are left as they were."""
