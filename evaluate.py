@@ -481,20 +481,29 @@ def identity(cfg: Config, args: argparse.Namespace, model: torch.nn.Module, imag
             # a model.pretrained file's position tables that timm resampled to the model's grid (models/pretrained.py)
             **getattr(model, "pretrained_resampled", {}),
             **({"val_names": val_print[cfg.data.val_split]["names_sha256"]} if cfg.data.dataset == "folder" else {}),
-            "data": text_identity(cfg.data) if task_for(cfg.data.dataset).language else {
-                     "dataset": cfg.data.dataset,
-                     "root": os.path.abspath(cfg.data.root) if cfg.data.root else "",
-                     "val_split": cfg.data.val_split,
-                     # what the val images look like to the model: a data.crop_pct override is another
-                     # evaluation, never merged with results of the recipe's crop
-                     "eval_transform": {"img_size": input_size(model), "crop_pct": cfg.data.crop_pct,
-                                        "crop_mode": cfg.data.crop_mode,
-                                        "interpolation": cfg.data.interpolation,
-                                        "mean": list(cfg.data.mean), "std": list(cfg.data.std),
-                                        **({"digits_img_size": cfg.data.digits_img_size,
-                                            "digits_val_fraction": cfg.data.digits_val_fraction}
-                                           if cfg.data.dataset == "digits" else {})}
-                     if cfg.data.dataset != "synthetic" else {}}}
+            "data": data_identity(cfg.data, input_size(model))}
+
+
+def data_identity(data: DataConfig, img_size: int) -> dict:
+    """The data a result's numbers are of, as its file records it (its "data"): the data set, its val split, and each
+    setting of engine.run_dir.VALIDATION_KEYS that the data set reads (configs/loader.py READ_ONLY_WHEN), which the
+    tables compare with the run's recipe (engine/result_table.data_changed: † where another). `img_size`: the
+    model's input size (a language model: its context)."""
+    if task_for(data.dataset).language:
+        return text_identity(data)
+    return {"dataset": data.dataset,
+            "root": os.path.abspath(data.root) if data.root else "",
+            "val_split": data.val_split,
+            # the synthetic val split is that many seeded images (data/synthetic.py): another count is another set
+            **({"synthetic_val_size": data.synthetic_val_size} if data.dataset == "synthetic" else {}),
+            # what the val images look like to the model: a data.crop_pct override is another evaluation, never
+            # merged with results of the recipe's crop
+            "eval_transform": {"img_size": img_size, "crop_pct": data.crop_pct, "crop_mode": data.crop_mode,
+                               "interpolation": data.interpolation, "mean": list(data.mean), "std": list(data.std),
+                               **({"digits_img_size": data.digits_img_size,
+                                   "digits_val_fraction": data.digits_val_fraction}
+                                  if data.dataset == "digits" else {})}
+            if data.dataset != "synthetic" else {}}
 
 
 def act_max_paths(stem: str) -> dict[str, str]:

@@ -71,6 +71,17 @@ NEUTRAL_OPTIONS = {"aphq": ("cache_device", "log_every"), "gplq": ("log_every", 
 LATER_FIELDS = ("checkpoint_kind", "val_names", "annotations_sha256", "pos_embed_resampled",
                 "relative_position_bias_resampled", "img_size_changed")
 
+def take_later_data(result: dict) -> None:
+    """Give `result` (a result file's record) the data settings its "data" holds now and a file written before
+    lacks (LATER_FIELDS' kind, inside "data"): a synthetic result's synthetic_val_size, its image count ("images":
+    the synthetic val split is that many seeded images, data/synthetic.py). Such a file then compares with a newer
+    result of the same images alike, and tables compare its size with its run's (result_table.data_changed)."""
+    data, images = result.get("data"), result.get("images")
+    if (isinstance(data, dict) and data.get("dataset") == "synthetic" and "synthetic_val_size" not in data
+            and isinstance(images, int) and not isinstance(images, bool)):
+        data["synthetic_val_size"] = images
+
+
 # the kinds of file a result can score (`checkpoint_kind`): a run's best.pt and its checkpoint.pt (the latest) hold
 # weights of different updates, so seeds of one kind and of the other are no seeds of one evaluation
 CHECKPOINT_KINDS = {"best.pt": "best", "checkpoint.pt": "latest"}
@@ -568,6 +579,7 @@ def _read(path: str, identity: dict, say_moved: bool = True) -> dict:
     for key in LATER_FIELDS:
         if key in identity and key not in data:
             data[key] = identity[key]
+    take_later_data(data)
     differs = [k for k, v in identity.items() if data.get(k) != v]
     if "checkpoint" in differs and _same_checkpoint(data, identity, differs, path, say_moved):
         differs.remove("checkpoint")
@@ -666,7 +678,7 @@ def read_result_file(path: str, fields: tuple = TABLE_FIELDS, detection: bool = 
     """One evaluate.py JSON with the `fields` its reader needs (by default those of the table and figure
     scripts), or a ResultsError naming it; with `detection`, an evaluate_detection.py JSON (its "task" says so)
     is read with DETECTION_FIELDS instead. A file written before evaluate.py recorded the run's train.seed takes
-    it from its run (`take_run_seed`)."""
+    it from its run (`take_run_seed`), one written before its "data" held a setting takes it (`take_later_data`)."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -679,6 +691,7 @@ def read_result_file(path: str, fields: tuple = TABLE_FIELDS, detection: bool = 
     if not wrong:
         refuse_stale(path, data)
         take_run_seed(path, data)
+        take_later_data(data)
         return data
     raise ResultsError(f"{path} is not a result file of evaluate.py ({_shape(data)}"
                        f"{'; missing or odd: ' + ', '.join(wrong) if isinstance(data, dict) else ''}); give "

@@ -131,3 +131,66 @@ def test_the_sweep_reports_and_paper_table_mark_it_too():
     table = load_script("paper_table").finetune_table([crop]).splitlines()
     assert "| digits | 80.00 / 60.00 / -20.00† |" in table
     assert "† digits CD: evaluated with data.crop_pct=0.5 (trained with 1.0)" in table
+
+
+@pytest.mark.parametrize("dataset", ["synthetic", "digits", "folder", "kjv", "tokens"])
+def test_a_result_records_every_validation_setting_its_data_set_reads(dataset, monkeypatch):
+    """engine.run_dir.VALIDATION_KEYS are the settings that choose the validation set; those the data set reads (the
+    config's rules, configs/loader.py) are what a result's data must hold for the tables to compare it with its run.
+    data.synthetic_val_size was not recorded: a run validated on 16 synthetic images scored on 32 got no mark."""
+    from configs import Config
+    from configs.loader import unread_by_rules
+    from engine.run_dir import VALIDATION_KEYS
+
+    monkeypatch.setattr(evaluate, "token_file_fingerprint", lambda data, split: {"bytes": 1, "head_sha256": "a"})
+    cfg = Config()
+    cfg.data.dataset = dataset
+    unread = {key for key, *_ in unread_by_rules(cfg, VALIDATION_KEYS)}
+    data = evaluate.data_identity(cfg.data, 32)
+    recorded = {**data, **(data.get("eval_transform") or {})}
+    for key in VALIDATION_KEYS:
+        if key not in unread:
+            name = key.split(".", 1)[1]
+            assert name in recorded, (dataset, key)
+            assert json.dumps(recorded[name]) == json.dumps(getattr(cfg.data, name)), (dataset, key)
+
+
+def test_a_synthetic_run_scored_on_another_val_size_is_marked(tmp_path):
+    train.main(load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / 'run'}", "train.max_steps=1", "sched.epochs=1",
+                                            "sched.warmup_epochs=0", "log.tensorboard=false"]))
+    checkpoint = str(tmp_path / "run" / "best.pt")
+    trained = torch.load(checkpoint, map_location="cpu", weights_only=False)["config"]["data"]["synthetic_val_size"]
+    _, lines = _evaluate(checkpoint, tmp_path / "same.json")
+    assert len(lines) == 1 and lines[0].startswith("| vit_nano | Baseline |"), lines
+    saved, lines = _evaluate(checkpoint, tmp_path / "more.json", f"data.synthetic_val_size={2 * trained}")
+    assert saved["images"] == 2 * trained  # the override ran
+    assert lines[0].startswith("| vit_nano† | Baseline |")
+    assert lines[-1] == f"† vit_nano Baseline: evaluated with data.synthetic_val_size={2 * trained} (trained with " \
+                        f"{trained})"
+
+
+def _old_synthetic(images: int) -> dict:
+    """A synthetic result as evaluate.py wrote it before its data recorded data.synthetic_val_size."""
+    return {"model": "vit_nano", "method": "Baseline", "images": images, "fp": {"top1": 25.0},
+            "max_act": {"module": 1.0, "block": 1.0}, "quant": {},
+            "recipe": {"data.dataset": "synthetic", "data.synthetic_val_size": 16},
+            "data": {"dataset": "synthetic", "root": "", "val_split": "val", "eval_transform": {}}}
+
+
+def test_an_older_synthetic_result_is_compared_by_its_image_count(tmp_path):
+    """A file without data.synthetic_val_size is read with its image count (the synthetic val split is that many
+    images): marked where that is not the run's size only, and taken by evaluate.py as the same data."""
+    from engine.eval_results import EvalResults, evaluation_difference, read_result_file
+
+    assert result_table.evaluated_otherwise(_old_synthetic(32)) is None  # read as it is: nothing to compare
+    paths = {}
+    for images in (16, 32):
+        paths[images] = tmp_path / f"{images}.json"
+        paths[images].write_text(json.dumps(_old_synthetic(images)))
+    assert result_table.evaluated_otherwise(read_result_file(str(paths[16]))) is None
+    assert result_table.evaluated_otherwise(read_result_file(str(paths[32]))) == \
+        "data.synthetic_val_size=32 (trained with 16)"
+    new = {**_old_synthetic(16), "data": {**_old_synthetic(16)["data"], "synthetic_val_size": 16}}
+    assert evaluation_difference(read_result_file(str(paths[16])), new) is None
+    identity = {k: new[k] for k in ("model", "images", "data")}
+    assert EvalResults.open(str(paths[16]), identity).data["data"] == new["data"]
