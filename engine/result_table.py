@@ -354,8 +354,8 @@ def data_changed(result: dict) -> list[str]:
     on, another setting of the eval transform (data.crop_pct, crop_mode, interpolation, mean, std,
     digits_img_size), of the val text (data.val_windows) or of the synthetic val split (data.synthetic_val_size;
     a file written before it was recorded takes its image count, eval_results.take_later_data), and data.root where
-    it holds other val data than the run validated on (`data_root_changed`). Results without a recipe (a weights file, an older file) are not
-    compared; the input size is `img_size_changed`'s, the split `evaluated_otherwise`'s."""
+    it holds other val data than the run validated on (`data_root_changed`). Results without a recipe (a weights
+    file, an older file) are not compared; the input size is `img_size_changed`'s, the split `evaluated_otherwise`'s."""
     recipe, data = result.get("recipe"), result.get("data")
     if not isinstance(recipe, dict) or not isinstance(data, dict):
         return []
