@@ -762,6 +762,9 @@ def resolve_config(args: argparse.Namespace):
         raise ConfigError("model.pretrained_strict=false: evaluate.py loads weights only as they are (a "
                           "classifier of another size is refused, not replaced); drop it, or fine-tune "
                           "with train.py first")
+    if args.bits == []:  # `--bits` with no value (an empty shell variable): unlike `--quant`'s, no asked meaning
+        raise ConfigError("--bits names no bit-width: name them (e.g. --bits w4a4 w8a8), or give quant.bits=[] "
+                          "for each pipeline's own (w4a4; rtn and gptq w4a16; smoothquant w8a8)")
     for flag, key, value in (("--quant", "quant.pipelines", args.quant), ("--bits", "quant.bits", args.bits)):
         if value is not None and key in given:  # one of the two would be ignored
             raise ConfigError(f"{flag} and {key}= both say what to run: give one of them")
@@ -1087,7 +1090,8 @@ def build_parser() -> OneLineParser:
                         "checkpoint, or a layer on top of the checkpoint's config")
     # "extend": a repeated flag adds to the list (with "store", `--bits w4a4 --bits w8a8` ran w8a8 alone)
     parser.add_argument("--quant", nargs="*", action="extend",
-                        help=f"pipelines (default: quant.pipelines); any of {sorted(PIPELINES)}")
+                        help=f"pipelines (default: quant.pipelines); any of {sorted(PIPELINES)}; --quant alone: the "
+                             "float evaluation only")
     parser.add_argument("--bits", nargs="*", action="extend",
                         help="bit-widths such as w4a4 w6a6 w8a8 (default: quant.bits)")
     parser.add_argument("--out", help="JSON file path, its folder made if missing (a folder is refused; default: "

@@ -663,6 +663,17 @@ def test_a_pipeline_or_bit_width_named_twice_is_refused(checkpoint, argv, messag
         evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, *argv]))
 
 
+def test_bits_flag_with_no_value_is_refused_and_quant_bits_empty_gives_each_pipelines_own(checkpoint):
+    """`--bits` with no value (an empty shell variable) ran each pipeline at its own default without a word, while
+    `--quant` with none means the float evaluation: refused, naming quant.bits=[] for the defaults, which still runs."""
+    from configs import ConfigError
+    with pytest.raises(ConfigError, match=re.escape("--bits names no bit-width: name them")):
+        evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "percentile", "--bits"]))
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "percentile",
+                                                          "quant.bits=[]"]))
+    assert (cfg.quant.pipelines, cfg.quant.bits) == (["percentile"], [])
+
+
 def test_a_float_evaluation_of_a_run_that_records_bit_widths_runs(checkpoint, tmp_path):
     """A run trained with quant.bits=[w4a4] records them as its evaluation's defaults; `--quant` naming no pipeline
     asks for the float evaluation alone, which was refused as '--bits / quant.bits: w4a4 given', bits this command
