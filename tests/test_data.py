@@ -504,6 +504,52 @@ def test_automatic_worker_count_is_the_process_share_of_its_cpus_less_one_at_mos
     assert worker_count(3) == 3 and worker_count(0) == 0
 
 
+def _deit_seeded(transform, image, seed: int):
+    """`transform(image)` with Python's, NumPy's and torch's generators at `seed` (timm's RandomResizedCrop and
+    RandAugment draw from `random`, RandAugment's op choice from NumPy, random erasing's pixels from torch)."""
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return transform(image)
+
+
+def test_the_default_train_and_eval_transforms_are_deits_pixel_for_pixel():
+    """The schema's default data section builds DeiT's pipelines, output for output: train as DeiT's main.py asks
+    timm for it (create_transform with its arguments: color jitter 0.4, which RandAugment switches off, the
+    rand-m9-mstd0.5-inc1 policy, bicubic, random erasing 0.25 / pixel / 1 region; timm's ImageNet mean and std), eval
+    built from torchvision directly (resize the short side to int(size / 0.875), bicubic; center crop; ImageNet
+    mean / std), under the same seeds, on images that are not square."""
+    from timm.data import create_transform
+    from torchvision import transforms as T
+
+    from data.transforms import build_transform
+
+    size = 64
+    data = load_config(None).data
+    deit_train = create_transform(size, is_training=True, color_jitter=0.4, auto_augment="rand-m9-mstd0.5-inc1",
+                                  interpolation="bicubic", re_prob=0.25, re_mode="pixel", re_count=1)
+    deit_eval = T.Compose([T.Resize(int(size / 0.875), interpolation=T.InterpolationMode.BICUBIC),
+                           T.CenterCrop(size), T.ToTensor(),
+                           T.Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))])
+    train, evaluation = build_transform(data, size, is_training=True), build_transform(data, size, is_training=False)
+    rng = np.random.default_rng(0)
+    erased = 0
+    for width, height in ((96, 80), (70, 120)):
+        gradient = np.linspace(0, 255, width * height * 3).reshape(height, width, 3)
+        pixels = (gradient + rng.integers(0, 60, (height, width, 3))).clip(0, 255).astype(np.uint8)
+        image = Image.fromarray(pixels)
+        for seed in range(16):
+            want = _deit_seeded(deit_train, image, seed)
+            got = _deit_seeded(train, image, seed)
+            assert got.shape == want.shape == (3, size, size) and torch.equal(got, want), (width, seed)
+            erased += int(not torch.equal(want, _deit_seeded(T.Compose(deit_train.transforms[:-1]), image, seed)))
+        want = deit_eval(image)
+        assert want.shape == (3, size, size) and torch.equal(evaluation(image), want)
+    assert 0 < erased < 32  # random erasing (p 0.25) acted on some of the outputs compared, not all
+
+
 def test_every_train_and_eval_transform_setting_reaches_timm():
     """data.interpolation / mean / std / remode / recount / color_jitter / auto_augment (train) and interpolation /
     mean / std / crop_mode (eval) are what the pipelines apply, not timm's defaults (bilinear is timm's own, so
