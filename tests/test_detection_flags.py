@@ -180,6 +180,23 @@ def test_a_new_run_in_another_program_s_run_folder_is_refused_naming_its_files(s
     assert contents() == before
 
 
+def test_a_list_index_under_a_key_the_config_lacks_is_one_error_line_before_any_work(sample_cfg, tmp_path, capsys):
+    """`custom_hooks.0.lam=0.01` on a config without custom_hooks (the sample without a method fragment): MMEngine's
+    merge made custom_hooks a dict keyed '0', and the hooks' check failed on it with an AttributeError traceback."""
+    from mmengine.config import Config
+    merged = Config(dict(model=dict()))
+    merged.merge_from_dict({"custom_hooks.0.lam": 0.01})
+    assert merged.to_dict()["custom_hooks"] == {"0": {"lam": 0.01}}  # what MMEngine makes of it: a dict, no list
+    root, load = sample_cfg
+    assert "custom_hooks" not in load()
+    work = tmp_path / "work"
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", root, "--work-dir", str(work),
+                               "custom_hooks.0.lam=0.01"])
+    assert line.startswith("error: override custom_hooks.0.lam: the config has no custom_hooks, so there is no list "
+                           "to index with 0") and "configs/detection/method/cd.py" in line, line
+    assert not work.exists()
+
+
 def test_a_gplq_stage1_folder_that_is_a_file_or_holds_a_broken_identity_is_one_error_naming_it(tmp_path):
     """`<out>_gplq_w4a4_stage1` as a file was a FileExistsError traceback (evaluate_detection.py reports
     ValueErrors only), and a cut-off gplq_stage1.json a JSONDecodeError naming no file; both are left as they were."""

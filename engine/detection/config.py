@@ -456,6 +456,8 @@ def _check_nested_key(cfg: Config, key: str, value: Any) -> None:
             _check_new_key(node, part, ".".join(parts[:depth]), key)
             return
         else:  # a top-level key of the Runner, or a value (None, a number) that the override replaces whole
+            if depth == 0:
+                _check_no_index(key, parts)
             return
     if isinstance(node, (bool, int, float)) and isinstance(value, str):
         kind = "true or false" if isinstance(node, bool) else "a number"
@@ -467,6 +469,21 @@ def _check_nested_key(cfg: Config, key: str, value: Any) -> None:
             and not isinstance(value, bool) and value < 1):
         # 0 trains nothing (max_epochs) or fails after a whole epoch (val_interval: a modulo by zero)
         raise DetectionError(f"override {key}={value}: give at least 1")
+
+
+def _check_no_index(key: str, parts: list) -> None:
+    """Refuse a list index below a top-level key the config lacks (`parts[0]`): MMEngine's merge builds dicts
+    there, so `custom_hooks.0.lam=0.01` on a config without custom_hooks made custom_hooks {'0': {'lam': 0.01}}, a
+    dict keyed '0' that no reader of a list takes (the hooks' check failed on it with an AttributeError traceback).
+    Below a None or a number of the config the merge itself refuses a dict (load_config names the override)."""
+    index = next((part for part in parts[1:] if part.isdigit()), None)
+    if index is None:
+        return
+    top = parts[0]
+    fragments = " (a method's hook: its fragment, e.g. configs/detection/method/cd.py)" if top == "custom_hooks" else ""
+    raise DetectionError(f"override {key}: the config has no {top}, so there is no list to index with {index} "
+                         f"(MMEngine would make a dict keyed '{index}'); to add {top}, give a config file that sets "
+                         f"it as a later --config{fragments}")
 
 
 def _check_new_key(node: dict, part: str, parent: str, key: str) -> None:
