@@ -68,17 +68,15 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         raise ModelError(f"pretrained weights not found: model.pretrained={path}" + (
             " is a folder; give the weights file in it" if os.path.isdir(path) else
             " is no such file; give the path of a local .pth, .pt or .safetensors weights file"))
-    no_state = (f"model.pretrained={path} holds no state dict (parameter name -> tensor), neither as a whole "
-                f"nor under 'model' / 'state_dict' / 'module': give a weights file")
     try:
         state = load_state_dict(path, use_ema=False)
     except (AttributeError, TypeError, KeyError):  # timm reads e.g. a list as if it were a mapping
-        raise ModelError(no_state) from None
+        raise ModelError(no_state_dict(path)) from None
     except Exception as e:  # torch / safetensors readers raise RuntimeError, pickle and zip errors alike
         raise ModelError(unreadable(path, e)) from None
     state = module_entry(state)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ModelError(no_state)
+        raise ModelError(no_state_dict(path))
     bad = nonfinite_tensors(state)
     if bad:
         raise ModelError(f"model.pretrained={path}: {len(bad)} tensor(s) hold NaN or inf values, e.g. "
@@ -170,11 +168,20 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     model.pretrained_resampled = {key: change for record, _ in tables for key, change in record.items()}
     ema = ema_copy(path)
     log.info("loaded %s%s%s%s", path,
-             f" (raw weights; the file's EMA copy ({ema}) is not used: to start from it, save it as a file of its own, "
-             f"torch.save(torch.load(PATH)['{ema}'], 'ema.pth'), and give that)" if ema else "",
+             f" (raw weights; the file's EMA copy ({ema}) is not used: to start from it, {ema_advice(ema)})"
+             if ema else "",
              f" (new classifier: {', '.join(skipped)})" if skipped else "",
              f" ({len(new_sinks)} attention-sink parameters not in the file keep their zero init)"
              if new_sinks else "")
+
+
+def no_state_dict(path: str) -> str:
+    """The error line for model.pretrained=`path`, a file without raw weights where timm's reader looks for them."""
+    if ema := ema_copy(path):  # an EMA copy alone, which the reader leaves unread (use_ema=False)
+        return (f"model.pretrained={path} holds only an EMA copy of the weights ('{ema}'), no raw weights: to start "
+                f"from it, {ema_advice(ema)}")
+    return (f"model.pretrained={path} holds no state dict (parameter name -> tensor), neither as a whole nor under "
+            f"'model' / 'state_dict' / 'module': give a weights file")
 
 
 def module_entry(state: object) -> object:
@@ -291,9 +298,14 @@ def mapped_payload(path: str) -> object:
 EMA_KEYS = ("state_dict_ema", "model_ema")
 
 
+def ema_advice(entry: str) -> str:
+    """How to start from the EMA copy under a torch file's `entry` (PATH: the file given as model.pretrained)."""
+    return f"save it as a file of its own, torch.save(torch.load(PATH)['{entry}'], 'ema.pth'), and give that"
+
+
 def ema_copy(path: str) -> str:
-    """The entry of the EMA copy of the weights that the torch file `path` holds beside its raw weights ('' for
-    none, and for a safetensors file: it holds one set)."""
+    """The entry of the EMA copy of the weights that the torch file `path` holds, beside its raw weights or alone
+    ('' for none, and for a safetensors file: it holds one set)."""
     payload = mapped_payload(path)
     return next((k for k in EMA_KEYS if isinstance(payload.get(k), dict)), "") if isinstance(payload, dict) else ""
 

@@ -8,7 +8,7 @@ import torch
 
 import train
 from configs import load_config
-from models import build_model
+from models import ModelError, build_model
 
 
 def nano(*overrides):
@@ -59,3 +59,21 @@ def test_a_run_of_train_ema_true_given_as_model_pretrained_names_its_ema_copy(de
     state, line = loaded_line(best, caplog)
     assert same(state, payload["model"]) and "EMA copy (model_ema) is not used" in line, line
     assert run.state.step == 1
+
+
+@pytest.mark.parametrize("ema", ["state_dict_ema", "model_ema"])
+def test_a_file_holding_only_an_ema_copy_is_refused_as_such_and_its_advice_followed_loads_it(ema, tmp_path,
+                                                                                           caplog, monkeypatch):
+    """A file with the EMA copy alone was refused as holding "no state dict ... give a weights file"; the refusal
+    names the copy and gives the same way to start from it as the log line above, which followed loads it."""
+    averaged = weights(1)
+    path = tmp_path / "ema_only.pth"
+    torch.save({ema: averaged, "epoch": 3}, path)
+    with pytest.raises(ModelError) as refused:
+        build_model(nano(f"model.pretrained={path}"))
+    message = str(refused.value)
+    assert message.startswith(f"model.pretrained={path} holds only an EMA copy of the weights ('{ema}')"), message
+    advice = message.split("save it as a file of its own, ")[1].split(", and give that")[0]
+    monkeypatch.chdir(tmp_path)
+    exec(advice.replace("PATH", repr(str(path))), {"torch": torch})  # the advice, as worded
+    assert same(loaded_line(tmp_path / "ema.pth", caplog)[0], averaged)
