@@ -153,6 +153,8 @@ def check_together(cfg: Any) -> list[str]:
         problems.append(problem)
     if (problem := kwargs_without_value_problem(cfg.model)) is not None:
         problems.append(problem)
+    if (problem := tag_without_weights_problem(cfg.model)) is not None:
+        problems.append(problem)
     if (problem := batch_split_problem(cfg.train)) is not None:
         problems.append(problem)
     channels = cfg.model.kwargs.get("in_chans", 3)
@@ -175,6 +177,21 @@ def kwargs_without_value_problem(model: Any) -> Optional[str]:
     spacing = (f" (YAML reads '{key}' as one key without a value: write a space after the colon, "
                f"{{{key.replace(':', ': ', 1)}}})" if ":" in key else "")
     return f"model.kwargs.{key} is null{spacing}: give it a value, or leave the entry out for the model's own default"
+
+
+def tag_without_weights_problem(model: Any) -> Optional[str]:
+    """The refusal of a pretrained tag in model.name (timm's NAME.TAG, e.g. vit_tiny_patch16_224.augreg_in21k)
+    without model.pretrained (`model`: a ModelConfig), or None. The tag names hub weights, which only
+    model.pretrained=hub loads: without it the run starts from random init, recorded under the weights' name. A
+    local file of those weights (model.pretrained=FILE, configs/finetune/vit_b_in21k.yaml's fine-tuning) keeps its
+    tag. Checked where a config is loaded, not where the model is built: a resumed run and an evaluated checkpoint
+    build the model without model.pretrained, to load their own weights into it."""
+    base, dot, tag = model.name.partition(".")
+    if not dot or model.pretrained:
+        return None
+    return (f"model.name={model.name}: the tag '{tag}' selects hub weights, but model.pretrained is empty (the model "
+            f"would start from random init): set model.pretrained=hub (or a local file of those weights), or drop "
+            f"the tag (model.name={base})")
 
 
 def loader_timeout_problem(data: Any) -> Optional[str]:

@@ -652,9 +652,11 @@ def test_defaults_are_the_documented_recipe(key):
 
 def test_an_empty_override_value_is_the_empty_string():
     """`data.auto_augment=` switches the policy off (colour jitter is then read), `model.pretrained=` clears the
-    weights of a recipe: the empty value is "", as in the schema's defaults, not null."""
+    weights of a recipe: the empty value is "", as in the schema's defaults, not null (the recipe's tag in
+    model.name, which names hub weights, goes with them: tests/test_model_tag_weights.py)."""
     cfg = load_config([os.path.join(ROOT, "configs/finetune/vit_b_in21k.yaml")],
-                      ["data.auto_augment=", "data.color_jitter=0.4", "model.pretrained= "])
+                      ["data.auto_augment=", "data.color_jitter=0.4", "model.pretrained= ",
+                       "model.name=vit_base_patch16_224"])
     assert (cfg.data.auto_augment, cfg.data.color_jitter, cfg.model.pretrained) == ("", 0.4, "")
 
 
