@@ -17,6 +17,7 @@ from typing import Callable
 import timm
 import torch
 import torch.nn as nn
+from timm.layers import to_2tuple
 
 from configs.constraints import kwargs_without_value_problem
 from configs.schema import ModelConfig
@@ -26,7 +27,7 @@ from .gpt import GPT, GPT_SIZES, build_gpt
 from .hub import (check_hub_variant, check_hub_weights_fit, check_pretrained_tag, hub_load_failure, hub_new_sinks,
                   hub_resampled)
 from .pretrained import ModelError, load_pretrained
-from .timm_build_args import build_args_problem
+from .timm_build_args import build_args_problem, create_timm_model, rejects_argument
 from .variants import VARIANTS
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,8 @@ def check_patch_grid(model: nn.Module, cfg: ModelConfig) -> None:
     grid_table = getattr(model, "pos_embed", True) is not None or getattr(model, "rope", None) is not None
     if size is None or patch is None or (pads and (getattr(model, "dynamic_img_size", False) or not grid_table)):
         return
+    # per side: timm's PatchEmbed keeps both as (h, w), others one int for both sides (XCiT's patch_size)
+    size, patch = to_2tuple(size), to_2tuple(patch)
     uncovered = [(s, p) for s, p in zip(size, patch) if s % p]
     if uncovered:
         s, p = uncovered[0]
@@ -169,8 +172,13 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     if hub and cfg.pretrained_strict:  # timm would fit the weights to the model (a random classifier), not refuse
         check_hub_weights_fit(cfg, arch, kwargs)
     try:
-        model = timm.create_model(arch, pretrained=hub, **kwargs)
+        model = create_timm_model(arch, kwargs, pretrained=hub)
     except TypeError as e:  # an unknown constructor argument in model.kwargs
+        if rejects_argument(e, "drop_path_rate"):  # above 0 (create_timm_model leaves 0 out): refused, not dropped
+            default = (f"; {ModelConfig.drop_path} is the schema's default, meant for the ViT / Swin recipes, which a "
+                       f"config of such a model must set to 0" if cfg.drop_path == ModelConfig.drop_path else "")
+            raise ModelError(f"model.drop_path={cfg.drop_path}: model '{cfg.name}' ({arch}) has no stochastic depth "
+                             f"(its constructor takes no drop_path_rate); set model.drop_path=0{default}") from e
         raise ModelError(f"model '{cfg.name}' ({arch}) rejected its arguments {kwargs}: {e}") from e
     except Exception as e:
         if hub:  # not fetched (no internet, no cached copy), or fetched but not fitting the model
@@ -181,6 +189,13 @@ def build_model(cfg: ModelConfig) -> nn.Module:
             raise ModelError(f"model '{cfg.name}' ({arch}) rejected its arguments {kwargs}: "
                              f"{e or type(e).__name__}") from e
         raise
+    # timm's building of an encoder without a classifier (qwen3_vit_*_enc, gemma4_vit_*_enc, ...) drops num_classes
+    # (its kwargs_filter): the model's outputs would be features, trained as if they were class scores
+    built = getattr(model, "num_classes", cfg.num_classes)
+    if built != cfg.num_classes:
+        raise ModelError(f"model.num_classes={cfg.num_classes}: model '{cfg.name}' ({arch}) was built with "
+                         f"num_classes={built} (timm's building drops the argument: a feature encoder without a "
+                         f"classifier, whose outputs are no class scores); give a model.name with a classifier")
     check_patch_grid(model, cfg)
     if hub:  # the scored weights are not all the hub's: logged and recorded as a local file's (models/pretrained.py)
         model.pretrained_resampled, lines = hub_resampled(model, arch)
@@ -258,7 +273,7 @@ def check_recorded_architecture(recorded: ModelConfig, model: nn.Module, source:
                 trained = GPT(vocab_size=recorded.num_classes, **kwargs)
             else:
                 arch, kwargs = model_kwargs(dataclasses.replace(recorded, drop=0.0))
-                trained = timm.create_model(arch, **kwargs)
+                trained = create_timm_model(arch, kwargs)
         except Exception:  # noqa: BLE001 - a record this code cannot build (another timm): its shapes were checked
             return
     heads, own = attention_heads(trained), attention_heads(model)

@@ -9,8 +9,14 @@ outside what build_model builds, loads (models/pretrained.py's checks) and recor
 init. The
 arguments with a ModelConfig key of their own (num_classes, pretrained, pretrained_strict, checkpoint_path, ...)
 are models/factory.py's FIRST_CLASS_KEYS.
+
+`create_timm_model` is timm's create_model for those arguments, leaving model.drop_path=0 out for a model without
+stochastic depth (no drop_path_rate argument).
 """
 from __future__ import annotations
+
+import timm
+import torch.nn as nn
 
 _HUB_CONFIG = ("timm's configuration of hub weights, read only when it fetches them; give a local weights file as "
                "model.pretrained=FILE{}, or the weights' tag in model.name (e.g. vit_base_patch16_224.augreg_in21k) "
@@ -59,3 +65,28 @@ def build_args_problem(kwargs: dict) -> str:
     if not given:
         return ""
     return f"model.kwargs.{given[0]}: {TIMM_BUILD_ARGS[given[0]]}"
+
+
+def create_timm_model(arch: str, kwargs: dict, **build) -> nn.Module:
+    """timm.create_model(`arch`, **`build`, **`kwargs`) (`kwargs`: models/factory.py's model_kwargs, which always
+    hold drop_path_rate, model.drop_path's). At drop_path_rate=0 (no stochastic depth) a model that has none, whose
+    constructor takes no such argument (timm's VGG, DenseNet, DLA, HRNet, ...), is built without it: asked is what
+    it is. Where the model takes the argument, 0 is passed rather than left out, which would build the entry point's
+    own rate (timm's fasternet, nextvit and tiny_vit entry points set one). A rate above 0 for a model without the
+    argument raises timm's TypeError (build_model refuses it naming model.drop_path)."""
+    try:
+        return timm.create_model(arch, **build, **kwargs)
+    except TypeError as e:
+        # raised where the constructor's arguments are bound, before its body has built (or drawn) anything
+        if kwargs.get("drop_path_rate") != 0 or not rejects_argument(e, "drop_path_rate"):
+            raise
+    return timm.create_model(arch, **build, **{key: value for key, value in kwargs.items() if key != "drop_path_rate"})
+
+
+def rejects_argument(error: TypeError, name: str) -> bool:
+    """Whether `error` refuses the keyword argument `name`: Python's "got an unexpected keyword argument 'NAME'", or
+    timm's own "got unexpected keyword argument(s): [...]" of constructors that take **kwargs (HRNet, VoVNet),
+    raised before they build anything."""
+    message = str(error)
+    return (f"unexpected keyword argument '{name}'" in message
+            or repr(name) in message.partition("got unexpected keyword argument(s):")[2])

@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 
 from configs import load_config
 from models import VARIANTS, ModelError, build_model, input_size
+from models.factory import own_img_size
 from tests.conftest import DEBUG_CONFIG, run_entry
 
 
@@ -138,6 +139,17 @@ def test_an_input_that_is_not_whole_patches_is_refused(overrides, unseen):
     assert build_model(model_cfg("model.name=vit_nano", "model.img_size=40")).patch_embed.grid_size == (5, 5)
     assert build_model(model_cfg("model.name=vit_nano", "model.img_size=24",
                                  "model.kwargs.patch_size=[8, 6]")).patch_embed.grid_size == (3, 4)
+
+
+def test_a_model_whose_patch_size_is_one_int_builds_and_has_its_own_input_size():
+    """XCiT's patch embedding keeps its patch size as one int (timm's PatchEmbed a pair): the patch-grid check
+    ended every XCiT start, and the resume's check of the model's own input size, in a TypeError traceback."""
+    with torch.device("meta"):
+        model = build_model(model_cfg("model.name=xcit_nano_12_p16_224", "model.img_size=32"))
+        reference = timm.create_model("xcit_nano_12_p16_224")
+    assert model.patch_embed.patch_size == 16 and model.patch_embed.img_size == (32, 32)
+    assert own_img_size(model_cfg("model.name=xcit_nano_12_p16_224", "model.img_size=32")) == \
+        reference.pretrained_cfg["input_size"][1] == 224
 
 
 def test_unknown_model_is_a_clear_error():
