@@ -130,6 +130,71 @@ def test_category_problems_exactly_where_mmdetection_drops_or_mislabels_an_objec
     assert (problem is None) == (name in ("as_is", "unused")), problem
 
 
+def _objects_read(path, images, classes):
+    """How many objects MMDetection's CocoDataset reads from the file at `path` (every image's instances)."""
+    from mmdet.datasets import CocoDataset
+    dataset = CocoDataset(ann_file=path, data_prefix=dict(img=images), metainfo=dict(classes=classes),
+                          test_mode=True, pipeline=[])
+    return sum(len(dataset.get_data_info(i)["instances"]) for i in range(len(dataset)))
+
+
+def _to_image(image_id, every=3):
+    """Every `every`-th object moved to the image `image_id`."""
+    def change(data):
+        for ann in data["annotations"][::every]:
+            ann["image_id"] = image_id
+    return change
+
+
+def _without_first_image(data):
+    data["images"] = data["images"][1:]
+
+
+@pytest.mark.parametrize("name, change", [
+    ("as_is", lambda data: None), ("one", _to_image(99999, every=100)), ("several", _to_image(777)),
+    ("unlisted_image", _without_first_image), ("text_id", _to_image("7", every=100))])
+def test_unlisted_image_problem_exactly_where_mmdetection_reads_fewer_objects_than_the_file_lists(
+        sample, tmp_path, name, change):
+    """An object of an image id the file's images do not have is read by no CocoDataset (nor scored by COCO's
+    evaluation): the problem is named exactly where MMDetection reads fewer objects than the file holds, with the
+    count and the first such id."""
+    from engine.detection import unlisted_image_problem
+    root = _copy(sample, tmp_path, name)
+    path = _edit(root, "val2017", change)
+    data = json.loads(open(path).read())
+    problem = unlisted_image_problem(data["images"], data["annotations"])
+    lost = len(data["annotations"]) - _objects_read(path, str(root / "val2017"), ("box", "disc"))
+    assert (problem is None) == (lost == 0), problem
+    assert (problem is None) == (name == "as_is"), problem
+    if problem:
+        listed = {image["id"] for image in data["images"]}
+        first = next(a["image_id"] for a in data["annotations"] if a["image_id"] not in listed)
+        assert problem.startswith(f"lists {lost} object{'' if lost == 1 else 's'} of ") and \
+            problem.endswith(f"(the first: image_id {first!r})"), problem
+
+
+def test_objects_of_images_the_file_does_not_list_are_refused_by_training_and_evaluation(sample, tmp_path, capsys):
+    """MMDetection's CocoDataset reads the objects of the file's images only: an object of another image_id was
+    neither trained on nor scored, without a word (an evaluation scored a val file of fewer objects than it holds,
+    recorded as the whole set's mAP). Training and evaluation refuse before any work, naming the file, the count
+    and the first id."""
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    root = _copy(sample, tmp_path, "coco")
+    train = _edit(root, "train2017", _to_image(99999, every=100))
+    line = _training_refusal(capsys, root, tmp_path)
+    assert line == (f"error: train_dataloader reads {train}, which lists 1 object of 1 image id that its images do "
+                    "not have (the first: image_id 99999): MMDetection would neither train on nor score those "
+                    "objects; give the data set's whole annotation file, or one without them"), line
+    val = _edit(root, "val2017", _to_image(777))
+    moved = len(json.loads(open(val).read())["annotations"][::3])
+    with pytest.raises(DetectionError, match=rf"^test_dataloader reads {val}, which lists {moved} objects of 1 image "
+                                             r"id that its images do not have \(the first: image_id 777\)"):
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "w.pth"), "--data-root", str(root),
+              "--quant", "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_a_missing_val_image_is_refused_before_training_naming_it_and_the_count(sample, tmp_path, capsys):
     """The val images are read only in the validation after the first epoch: a run trained it, wrote its
     checkpoint and failed with a FileNotFoundError traceback. One error line, before the work dir is made."""

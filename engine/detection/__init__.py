@@ -35,7 +35,8 @@ try:
                                          load_config, loader_arguments, merge_fragment, parse_overrides, read_config,
                                          runner_keys)
     from engine.detection.annotation_contents import (category_problems, dropped_objects, images_with_objects,
-                                                      label_names, scored_images, scored_objects, unusable_images)
+                                                      label_names, scored_images, scored_objects, unlisted_image_problem,
+                                                      unusable_images)
     from engine.detection.data_checks import (annotation_files, annotation_paths, check_annotation_files,
                                               check_annotations, check_evaluator_annotations, check_head_classes,
                                               check_image_folders, check_pipeline, dataset_classes, image_folders,
@@ -58,7 +59,7 @@ __all__ = [
     "CommandReads", "check_hooks", "check_method_hooks", "check_override_keys", "load_config", "loader_arguments",
     "merge_fragment", "parse_overrides", "read_config", "runner_keys",
     "category_problems", "dropped_objects", "images_with_objects", "label_names", "scored_images", "scored_objects",
-    "unusable_images",
+    "unlisted_image_problem", "unusable_images",
     "annotation_files", "annotation_paths", "check_annotation_files", "check_annotations",
     "check_evaluator_annotations", "check_head_classes", "check_image_folders", "check_pipeline",
     "dataset_classes", "image_folders", "loader_datasets", "reading_annotations", "set_data_root",

@@ -35,6 +35,21 @@ def unusable_images(images: Sequence[dict], folder: str) -> Tuple[List[str], Lis
     return missing, empty
 
 
+def unlisted_image_problem(images: Sequence[dict], annotations: Sequence[dict]) -> Optional[str]:
+    """What is wrong with a file whose `annotations` include objects of an image_id none of its `images` has (to
+    follow "{file}, which "), or None where every object's image is listed: MMDetection's CocoDataset reads the
+    objects of each listed image only (pycocotools' imgToAnns, by image id) and COCO's evaluation scores those of
+    the images predicted, so such objects were neither trained on nor scored, without a word (a val file of half
+    its objects so was scored as a whole one)."""
+    listed = {image["id"] for image in images}
+    unlisted = [a["image_id"] for a in annotations if a["image_id"] not in listed]
+    if not unlisted:
+        return None
+    ids = list(dict.fromkeys(unlisted))
+    return (f"lists {len(unlisted)} object{'' if len(unlisted) == 1 else 's'} of {len(ids)} image "
+            f"id{'' if len(ids) == 1 else 's'} that its images do not have (the first: image_id {ids[0]!r})")
+
+
 def label_names(categories: Sequence[dict], classes: Sequence[str]) -> List[str]:
     """The class each label means where MMDetection's CocoDataset and CocoMetric read a file with `categories`
     for the config's `classes`: label i is the i-th of the FILE's categories whose name is a class (pycocotools'

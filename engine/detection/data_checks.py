@@ -15,7 +15,7 @@ from mmengine.config import Config
 from mmdet.registry import DATASETS
 
 from engine.detection.annotation_contents import (category_problems, images_with_objects, scored_images,
-                                                  scored_objects, unusable_images)
+                                                  scored_objects, unlisted_image_problem, unusable_images)
 from engine.detection.errors import DetectionError
 from engine.detection.rng_state import RngStateHook
 
@@ -205,8 +205,9 @@ def _image_folder(dataset: dict) -> Optional[str]:
 def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = None,
                       max_images: Optional[int] = None) -> None:
     """Refuse a COCO annotation file of the loaders `keys` that lists no images, lists images its loader's image
-    folder lacks or holds as empty files, whose categories are not the config's classes in label order
-    (`category_problems`), or that gives no object to score, and a training split (all the files its loader joins)
+    folder lacks or holds as empty files, holds objects of an image id its images lack (`unlisted_image_problem`:
+    MMDetection reads the objects of the listed images only), whose categories are not the config's classes in label
+    order (`category_problems`), or that gives no object to score, and a training split (all the files its loader joins)
     of no object to train on: MMDetection reads an image only when a batch is drawn (a missing val image failed
     with a traceback after a training epoch, an empty training image mid-epoch), drops the objects of other
     categories without a word, and numbers the classes in the file's order (a file with some of them, or with them
@@ -255,6 +256,11 @@ def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = 
                     raise DetectionError(f"{where}{key} reads {path}, which lists {len(images)} images, "
                                          f"{' and '.join(found)}: {fix}, or give the annotation file of the images "
                                          "that folder holds")
+                problem = unlisted_image_problem(images, annotations)
+                if problem:
+                    raise DetectionError(f"{key} reads {path}, which {problem}: MMDetection would neither train on "
+                                         "nor score those objects; give the data set's whole annotation file, or one "
+                                         "without them")
                 problem = category_problems(categories, annotations, classes)
                 if problem:
                     raise DetectionError(f"{key} reads {path}, which {problem}: give the data set the detector is "
