@@ -40,7 +40,6 @@ sets, for GPLQ's stage 1); others are refused, and so is model.backbone.init_cfg
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import os
@@ -52,8 +51,7 @@ import torch
 def parse_args(argv):
     from configs.cli import OneLineParser, first_line
 
-    parser = OneLineParser(description=first_line(__doc__),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=first_line(__doc__))  # one paragraph, wrapped to the terminal
     parser.add_argument("--config", action="append", required=True,
                         help="MMDetection config; repeat to merge fragments in order")
     parser.add_argument("--checkpoint", required=True, help="the detector's MMEngine checkpoint (.pth)")

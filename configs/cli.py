@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import re
 import sys
 import textwrap
 import tokenize
@@ -115,9 +116,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def first_line(doc: Optional[str]) -> str:
-    """The first line of a module's docstring, for a parser's description; "" under `python -OO`, which strips
-    docstrings (a script's `__doc__` is None there)."""
-    return (doc or "").split("\n", 1)[0]
+    """The first paragraph of a module's docstring joined into one line, for a parser's description (its first
+    physical line alone ended a sentence that runs on into the next line mid-way); "" under `python -OO`, which
+    strips docstrings (a script's `__doc__` is None there)."""
+    return " ".join(re.split(r"\n\s*\n", (doc or "").strip(), maxsplit=1)[0].split())
 
 
 def at_least(low: float, kind: type = int):

@@ -50,8 +50,7 @@ from configs.cli import OneLineParser, first_line  # noqa: E402
 
 
 def parse_args(argv):
-    parser = OneLineParser(description=first_line(__doc__),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=first_line(__doc__))  # one paragraph, wrapped to the terminal
     parser.add_argument("--config", action="append", required=True,
                         help="MMDetection config; repeat to merge fragments in order (a method: "
                              "configs/detection/method/*.py)")

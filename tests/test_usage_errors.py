@@ -273,3 +273,18 @@ def test_the_docstring_check_finds_each_use_and_first_line_survives_OO(tmp_path)
         (tmp_path / "s.py").write_text(code)
         assert docstring_uses(str(tmp_path / "s.py")) == found, code
     assert first_line(None) == "" and first_line("One.\n\nMore.") == "One."
+    assert first_line("One sentence\n    over two lines.\n    \nMore.") == "One sentence over two lines."
+
+
+def test_each_description_from_first_line_is_a_whole_sentence():
+    """make_coco_sample.py's, train_detection.py's and evaluate_detection.py's --help descriptions stopped
+    mid-sentence: first_line took the first physical line of a docstring whose first sentence runs on. Each entry
+    point that builds its description so gives one line that ends its sentence and starts with that first line."""
+    from configs.cli import first_line
+    users = [path for path in ENTRY_POINTS if "first_line(__doc__)" in open(os.path.join(ROOT, path)).read()]
+    assert {"scripts/make_coco_sample.py", "scripts/train_detection.py", "evaluate_detection.py"} <= set(users)
+    for path in users:
+        doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, path)).read(), path), clean=False)
+        described = first_line(doc)
+        assert "\n" not in described and described.endswith("."), (path, described)
+        assert described.startswith(doc.strip().splitlines()[0].strip()), (path, described)
