@@ -179,7 +179,7 @@ def main(argv=None) -> dict:
     from engine.checkpoint import weights_fingerprint
     from engine.distributed import (MainRankWait, OtherRankError, fail_on_every_rank_at_start,
                                     failure_on_every_rank, process_group, raise_on_every_rank, run_on_main)
-    from engine.eval_results import EvalResults
+    from engine.eval_results import EvalResults, check_result_path
     from mmengine.dist import sync_random_seed
     from quant import PIPELINES, evaluate_quantized, parse_bits
     from quant.aphq.detector import check_detector_options as check_aphq_options
@@ -197,6 +197,9 @@ def main(argv=None) -> dict:
             raise DetectionError(f"--quant {name} does not quantize detectors; the detection pipelines are "
                                  f"{', '.join(detection)}")
     quant_flags(args, pipelines)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.checkpoint)),
+                                   f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
+    check_result_path(out)  # a folder: refused now, not at the first write after the detector is scored
     try:
         bits = [str(parse_bits(b)) for b in args.bits]
     except ValueError as e:  # as evaluate.py, the message names the flag
@@ -257,8 +260,6 @@ def main(argv=None) -> dict:
             loader = build_loader(cfg, "test", args.max_images, seed)  # under torchrun: this rank's shard
             check_checkpoint_classes(model, loader, args.checkpoint)
             check_pipeline(loader.dataset, "test_dataloader")  # a setting that fails on an image: before scoring
-        out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.checkpoint)),
-                                       f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
         identity = {"task": "detection", "config": [os.path.abspath(p) for p in args.config],
                     "config_sha256": config_hash(cfg),
                     "overrides": list(args.overrides), "checkpoint": os.path.abspath(args.checkpoint),

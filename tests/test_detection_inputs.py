@@ -730,6 +730,21 @@ def test_a_bad_bit_width_names_the_flag_and_an_out_folder_is_not_to_be_moved(sam
               "--out", str(folder)])
 
 
+def test_an_out_naming_a_folder_is_refused_before_the_config_data_or_checkpoint_are_read(tmp_path):
+    """`--out new/` (a folder still to be made) failed at the first write, after the detector was scored; an
+    existing folder only after the detector and test split loaded. The checkpoint here does not exist, so a refusal
+    of anything read later would name it instead; nothing is written."""
+    from engine.eval_results import ResultsError
+    from evaluate_detection import main
+    missing = str(tmp_path / "missing.pth")
+    (tmp_path / "run").mkdir()
+    for out, refused in ((str(tmp_path / "new") + os.sep, "names a folder (it ends in a path separator)"),
+                         (str(tmp_path / "run"), "is a folder: give --out a file path")):
+        with pytest.raises(ResultsError, match=re.escape(refused)):
+            main(["--config", SAMPLE_CONFIG, "--checkpoint", missing, "--quant", "--out", out])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"] and not any((tmp_path / "run").iterdir())
+
+
 def test_the_class_count_check_reads_box_and_mask_heads_only(mmdet_ready):
     """A cascade's box heads are checked each; a head that counts other classes (an HTC semantic head's stuff
     classes) keeps its own count."""
