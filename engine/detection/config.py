@@ -16,7 +16,8 @@ from mmengine.hooks import CheckpointHook, Hook
 from mmengine.registry import init_default_scope
 from mmengine.runner import Runner
 
-from cd.integrations.mmengine import CD_HOOK, TweoHook, WeightNoiseHook, apply_weight_decay_budget  # imports mmengine
+from cd.integrations.mmengine import (CD_HOOK, TweoHook, WeightNoiseHook, apply_weight_decay_budget,  # imports mmengine
+                                      type_name)
 from engine.detection.data_checks import LOADERS, set_data_root
 from engine.detection.errors import DetectionError
 
@@ -160,9 +161,8 @@ def check_method_hooks(cfg: Config, sources: Sequence[str]) -> None:
 
 def _hook_name(hook: Any) -> Optional[str]:
     """The class name a custom_hooks entry builds (`type` as a name, with or without a registry scope, or a
-    class)."""
-    kind = hook.get("type") if isinstance(hook, dict) else None
-    return kind.rsplit(".", 1)[-1] if isinstance(kind, str) else getattr(kind, "__name__", None)
+    class), read as the budget rule reads it (type_name)."""
+    return type_name(hook.get("type")) if isinstance(hook, dict) else None
 
 
 def read_config(path: str) -> Config:
