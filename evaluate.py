@@ -104,7 +104,7 @@ def main(args: argparse.Namespace) -> dict:
     # Everything that can be wrong with the command is checked before any work (config, pipelines, bits,
     # checkpoint vs model, data, the existing result file), so no finished result is lost to a late error.
     try:  # this node's --checkpoint and --config files, read before the ranks meet
-        if args.out:  # a folder, or the log's name: refused before the weights are read and the log is opened
+        if args.out is not None:  # a folder, or the log's name: refused before the weights are read and the log
             check_out(args.out)
         cfg, payload = resolve_config(args)
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
@@ -118,7 +118,7 @@ def main(args: argparse.Namespace) -> dict:
             {**config_to_dict(cfg), "evaluate.py flags": flags}, device,
             f"{SAME_SETTINGS_FIX}, and the same --checkpoint file (its config is the base of the settings)"
             if args.checkpoint else SAME_SETTINGS_FIX)
-        out = args.out or default_out_path(args.checkpoint, cfg.model.name)
+        out = default_out_path(args.checkpoint, cfg.model.name) if args.out is None else args.out
         with failure_on_every_rank(device, "making the --out folder"):  # on each node (a read-only one: this rank)
             check_out(out)  # the default path too (a folder of that name)
             prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # default: beside the checkpoint

@@ -197,8 +197,9 @@ def main(argv=None) -> dict:
             raise DetectionError(f"--quant {name} does not quantize detectors; the detection pipelines are "
                                  f"{', '.join(detection)}")
     quant_flags(args, pipelines)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.checkpoint)),
-                                   f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
+    out = args.out if args.out is not None else os.path.join(  # "" (an unset $OUT) is refused, not the default
+        os.path.dirname(os.path.abspath(args.checkpoint)),
+        f"eval_{os.path.splitext(os.path.basename(args.checkpoint))[0]}.json")
     check_result_path(out)  # a folder: refused now, not at the first write after the detector is scored
     try:
         bits = [str(parse_bits(b)) for b in args.bits]

@@ -472,18 +472,21 @@ class EvalResults:
         runs after the write, still under the lock (evaluate.py writes the maxima files the JSON names: another
         process moving them aside finds them whole, never half-way to being written); its errors go on as they
         come, the file written."""
-        folder = os.path.dirname(os.path.abspath(self.path))
-        tmp = partial_path(self.path)
+        # a path that is a symlink to a file: the file it names is the one written (a rename over the link replaced
+        # the link by a copy and left its file as it was), locked under its own name whichever name a writer gives
+        target = os.path.realpath(self.path)
+        folder = os.path.dirname(target)
+        tmp = partial_path(target)
         with contextlib.ExitStack() as held:
             try:
                 os.makedirs(folder, exist_ok=True)
-                held.enter_context(exclusive_lock(f"{self.path}.lock", wait=True))  # released if this process dies
+                held.enter_context(exclusive_lock(f"{target}.lock", wait=True))  # released if this process dies
                 data = _read(self.path, self.identity, say_moved=False)  # said when it was opened
                 self._maxima_written_meanwhile(data, keep_files)
                 self._merge_into(data)
                 with open(tmp, "w") as f:
                     json.dump(data, f, indent=2, default=str)
-                os.replace(tmp, self.path)
+                os.replace(tmp, target)
             except BaseException as e:  # a full disk, a read-only folder, Ctrl-C: the file stays, the temp goes
                 with contextlib.suppress(OSError):
                     os.remove(tmp)
@@ -542,7 +545,11 @@ def check_result_path(path: str, flag: str = "--out") -> None:
     """Refuse a result path (`flag`'s value) that names a folder: one that exists, or one still to be made (the path
     ends in a separator, or in . / ..). evaluate.py runs it with its arguments, before any work: found at the first
     write, such a path came after the full-precision and maxima passes, as an error about its lock file. A file path
-    in a folder that does not exist yet is taken (evaluate.py makes the folder)."""
+    in a folder that does not exist yet is taken (evaluate.py makes the folder). An empty one (an unset shell
+    variable in --out "$OUT") is refused, not taken for the default path."""
+    if not path:
+        raise ResultsError(f"{flag} is empty: give a file path (e.g. {flag} eval.json), or drop {flag} for the "
+                           f"default beside the checkpoint")
     example = os.path.join(os.path.normpath(path), "eval.json")
     if os.path.isdir(path):  # not "move it away": a folder of the user's (a run's) stays where it is
         raise ResultsError(f"{path} is a folder: give {flag} a file path, e.g. {example}")

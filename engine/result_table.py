@@ -10,7 +10,7 @@ A model marked † has a note below the table that says how it was evaluated: ot
 size, other data or another eval transform than its run's (data.dataset, data.root's val files, data.crop_pct and
 the like), another split, an autocast, or its EMA weights (evaluate.py --ema).
 
-    print(markdown_table([json.load(open(path)) for path in paths], over_seeds=True))
+    print(markdown_table(read_result_files(paths), over_seeds=True))  # engine.eval_results: older files as new
 
 evaluate.py prints one row per call; scripts/paper_table.py, compare_act_max.py, motivation_figure.py and the sweep
 reports (dose_report.py, lm_study.py, gap_test.py) build their tables with the same marks and checks.

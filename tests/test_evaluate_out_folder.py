@@ -52,3 +52,26 @@ def test_a_file_in_a_folder_still_to_be_made_is_taken(checkpoint, tmp_path, caps
                              capsys)
     assert code == 0, err
     assert (tmp_path / name).is_file() and (tmp_path / os.path.dirname(name) / "eval.log").is_file()
+
+
+def test_an_empty_out_is_refused_not_taken_for_the_default_path(tmp_path, capsys):
+    """`--out "$OUT"` with OUT unset wrote eval_best.json beside the checkpoint without a word."""
+    line = _refused(str(tmp_path / "gone.pt"), "", capsys)
+    assert line.startswith("error: --out is empty: give a file path"), line
+    assert _tree(tmp_path) == []
+
+
+def test_an_out_that_is_a_symlink_updates_the_file_it_names_and_keeps_the_link(checkpoint, tmp_path, capsys):
+    """The result was renamed over the link: the link became a plain copy and its file stayed as it was."""
+    target = tmp_path / "results" / "target.json"
+    code, _, err = run_entry("evaluate.py", ["--checkpoint", checkpoint, "--quant", "--out", str(target)], capsys)
+    assert code == 0, err
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    code, _, err = run_entry("evaluate.py", ["--checkpoint", checkpoint, "--quant", "rtn", "--bits", "w8a16",
+                                             "--out", str(link)], capsys)
+    assert code == 0, err
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    import json
+    assert "rtn" in json.loads(target.read_text())["quant"]
+    assert not [p for p in os.listdir(tmp_path / "results") if p.endswith(".lock") or ".partial" in p]
