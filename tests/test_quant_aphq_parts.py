@@ -506,7 +506,7 @@ def test_mlp_reconstruction_loss_clip_and_step_follow_the_recipe(batch_size, lay
     mr = copy.deepcopy(fp)
     x_img, calib_count, p, lr, w_clip = images(8), 3, 0.9, 1e-2, 1.5
     g = torch.Generator().manual_seed(3)
-    h_weights = {f"blocks.{i}": torch.rand(1, 17, 48, generator=g) + 0.5 for i in range(2)}
+    h_weights = {f"blocks.{i}.mlp": torch.rand(1, 17, 48, generator=g) + 0.5 for i in range(2)}
     settings = MLPReconSettings(iters=1, batch_size=batch_size, lr=lr, clip_percentile=p, clip_weight=w_clip,
                                 log_every=0)
     draws = torch.Generator().manual_seed(0)
@@ -533,7 +533,7 @@ def test_mlp_reconstruction_loss_clip_and_step_follow_the_recipe(batch_size, lay
             target = F.linear(F.gelu(pre), block.mlp.fc2.weight, block.mlp.fc2.bias)
             relu = F.linear(pre.clamp(min=0), block.mlp.fc2.weight, block.mlp.fc2.bias)
             clamped = F.linear(pre.clamp(min=0).clamp(max=c), block.mlp.fc2.weight, block.mlp.fc2.bias)
-            h = h_weights[row["unit"]] / h_weights[row["unit"]].mean()
+            h = h_weights[f"{row['unit']}.mlp"] / h_weights[f"{row['unit']}.mlp"].mean()  # the MLP output's APH
             want = (h * (relu - target) ** 2).mean() + w_clip * (h * (clamped - target) ** 2).mean()
         assert row["unit"] == f"blocks.{i}"
         assert row["clip"] == pytest.approx(float(c), rel=1e-5)

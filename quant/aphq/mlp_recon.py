@@ -14,8 +14,10 @@ Per block, in module order (GoatWu/APHQ-ViT `utils/mlp_recon.py`):
 * loss: mean(H * (relu_mlp(x) - target)^2) + alpha * mean(H * (relu_mlp_clamped(x) - target)^2),
   alpha = 2, where the clamped branch clips the fc2 input to [0, c] and c is the p-th percentile of
   the positive fc2 inputs of the original model (p = 0.98, the 4-bit config; the paper says 0.99),
-  measured on the calibration subset (a 1024-image ViT-B fc2 input has 620 M elements); H is the
-  block's APH weight reshaped to the branch output;
+  measured on the calibration subset (a 1024-image ViT-B fc2 input has 620 M elements); H is the APH
+  weight of the block's MLP OUTPUT (`block.mlp`, as officially: the +-eps is added to, and the gradient taken at,
+  the MLP output). Without LayerScale it equals the block output's in exact arithmetic, but a LayerScale (or a
+  norm after the MLP) carries the +-eps to the block output scaled per channel, so the block's weight is not it;
 * Adam on fc1 and fc2 (weights and biases), lr 4e-5 with cosine decay to 0, batch 32. The official optimizer
   also lists norm2, which gets no gradient (the MLP starts at fc1's input), so norm2 is not trained.
 No loss normalisation is stated for MR; we use none (Adam is invariant to a constant loss scale).
@@ -82,7 +84,8 @@ def reconstruct_mlps(fp_model: nn.Module, mr_model: nn.Module, images: torch.Ten
         mr_model: float copy to convert to ReLU and tune.
         images: [N, 3, H, W] reconstruction set; the first `calib_count` give the clip percentile.
         calib_count: images used for the clip percentile.
-        hessian: unit name -> APH weight [1, ...] of that block's output on the original model.
+        hessian: module name -> APH weight [1, ...] of that module's output on the original model; asked for
+            f"{block}.mlp" (the MLP output, as officially), not the block's.
         settings: iterations, batch, lr, clip percentile, clamp-term weight.
         generator: RNG on the model's device for batch indices.
 
@@ -102,7 +105,7 @@ def reconstruct_mlps(fp_model: nn.Module, mr_model: nn.Module, images: torch.Ten
             h = block_fp.mlp.act(block_fp.mlp.fc1(x[:calib_count]))
             positive = h[h > 0]
             clip = quantile(positive, [settings.clip_percentile]) if positive.numel() else h.new_ones(1)
-        weight = normalized_weight(hessian(name).to(device)).reshape(1, *x.shape[1:])
+        weight = normalized_weight(hessian(f"{name}.mlp").to(device)).reshape(1, *target.shape[1:])
         params = [p for m in (block.mlp.fc1, block.mlp.fc2) for p in m.parameters()]
         for p in params:
             p.requires_grad_(True)

@@ -235,13 +235,13 @@ class APHQPipeline(Pipeline):
         # Rademacher probes (model device)
         probe_gen = torch.Generator(device=device).manual_seed(options.seed + 2)
 
-        def hessian(unit: str) -> torch.Tensor:
-            if unit not in hessians:
-                with hessian_seconds(unit, device):
-                    hessians[unit] = perturbation_hessian(frozen, unit, images, fp_logits, bs,
+        def hessian(name: str) -> torch.Tensor:  # a unit's output, or a block MLP's (MR: mlp_recon.py)
+            if name not in hessians:
+                with hessian_seconds(name, device):
+                    hessians[name] = perturbation_hessian(frozen, name, images, fp_logits, bs,
                                                           options.temperature, eps, options.hessian_probe,
                                                           generator=probe_gen)
-            return hessians[unit]
+            return hessians[name]
 
         source, mr_stats = frozen, None
         if options.mlp_reconstruct:
