@@ -51,8 +51,8 @@ from data import (DataError, build_loaders, build_token_loaders, calibration_win
 from data.loader import same_split_data, split_location, split_reading
 from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks
 from engine.best_checkpoint import BestCheckpoint, BestMatch
-from engine.checkpoint import (CheckpointError, class_differences, record_quant_settings, restore_training,
-                               run_checkpoint_config, save_on_main_rank, training_payload)
+from engine.checkpoint import (CheckpointError, CheckpointFile, class_differences, record_quant_settings,
+                               restore_training, run_checkpoint_config, save_on_main_rank, training_payload)
 from engine.distributed import (DistInfo, OtherRankError, all_reduce, fail_on_every_rank_at_start,
                                 failure_on_every_rank, process_group, ranks_apart)
 from engine.divergence import (DivergenceError, DivergenceGuard, best_withheld_line, withheld_max_steps_line,
@@ -217,7 +217,15 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     loop = build_loop(run, preemption)
     loop.saved_step = start_step if resume_path is not None else None  # what a withheld checkpoint keeps
     ranks_apart()  # the checks every rank runs alike are done: a rank's own error from here is printed at once
-    reason, val, train_seconds = train_epochs(run, loop, preemption)
+    try:
+        reason, val, train_seconds = train_epochs(run, loop, preemption)
+    except Exception as error:
+        loop.keep_held(error)  # a write held for an update that will not come (engine/loop.py TrainLoop.checkpoint)
+        raise
+    except BaseException:  # the user's "now" (a second interrupt): the held write is this run's file, never resumed
+        run.checkpoint_file.discard()
+        raise
+    loop.keep_held()  # none is left held where the run ends (its last write is made at once), but never lose one
     return finish(run, preemption, reason, val, start_step, time.perf_counter() - run_started, train_seconds,
                   loop.saved_step)
 
@@ -280,6 +288,11 @@ class Run:
     wandb_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:16])  # kept by a resume in out_dir
     logger: Optional[MetricLogger] = None
     best: Optional[BestCheckpoint] = None
+    # checkpoint.pt, written at once or held back until the next update's loss (engine/loop.py TrainLoop.checkpoint)
+    checkpoint_file: Optional[CheckpointFile] = None
+
+    def __post_init__(self) -> None:
+        self.checkpoint_file = CheckpointFile(self.ckpt_path, self.dist.is_main, self.dist.device)
 
     @property
     def ckpt_path(self) -> str:
@@ -292,7 +305,8 @@ class Run:
         """The checkpoints' record of the weights the run started from ({} where unknown: an older checkpoint's)."""
         return {START_WEIGHTS: self.start_weights} if self.start_weights is not None else {}
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, held: bool = False) -> None:
+        """Write checkpoint.pt from the run's state, or (`held`) hold the write back (`checkpoint_file`)."""
         model, optimizer, state = self.model, self.optimizer, self.state
         extra = {**self.start_entry(), "classes": self.loaders.classes, "data_fingerprint": self.loaders.fingerprint,
                  "optimizer_param_names": optimizer_param_names(model, optimizer),
@@ -302,10 +316,10 @@ class Run:
                  # which history of metrics.jsonl leads here: a return to this branch takes its records back
                  METRICS_FINGERPRINT: self.logger.fingerprint(state.step) if self.logger is not None else None,
                  **({"cd": self.decay.state_dict()} if self.decay is not None else {})}
-        self.save_on_main(lambda: training_payload(model=model, optimizer=optimizer, state=state,
-                                                   config=config_to_dict(self.cfg), ema=self.ema,
-                                                   scaler=self.scaler, scheduler=self.scheduler, extra=extra),
-                          self.ckpt_path)
+        self.checkpoint_file.save(lambda: training_payload(model=model, optimizer=optimizer, state=state,
+                                                           config=config_to_dict(self.cfg), ema=self.ema,
+                                                           scaler=self.scaler, scheduler=self.scheduler, extra=extra),
+                                  held_step=state.step if held else None)
 
     def validate(self, should_stop, keep_best: bool = True, log_result: bool = True) -> Optional[dict]:
         """Validate (a line says so as it starts); with `keep_best`, log the result (unless not `log_result`) and
@@ -772,6 +786,7 @@ def build_loop(run: Run, preemption: Preemption) -> TrainLoop:
         seed=cfg.train.seed, rank=dist.rank, world_size=dist.world_size,
         max_steps=min(run.total_steps, cfg.train.max_steps or sys.maxsize), log_every=cfg.train.log_every_steps,
         ckpt_every=cfg.train.ckpt_every_steps, eval_every=cfg.train.eval_every_steps, save=run.save_checkpoint,
+        checkpoint_file=run.checkpoint_file,
         log=log_step, metric_sources=metric_sources, window_sources=window_sources,
         should_stop=preemption.should_stop, request_stop=preemption.request_stop,
         divergence=(DivergenceGuard(cfg.train.divergence_factor, cfg.train.divergence_windows)
@@ -815,13 +830,19 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
             else:
                 reason = "preempted"  # the signal came during validation
         # not while the loss is high (the divergence guard): the last good checkpoint stays the resume point; but
-        # the write that ends the schedule is made (the run finished: a re-run must not train its end again)
-        saved = loop.checkpoint(state, final=reason != "preempted" and not more_to_train(run, state))
-        if saved and epoch_ended and cfg.train.keep_every_epochs and state.epoch % cfg.train.keep_every_epochs == 0:
-            kept = keep_snapshot(run.ckpt_path, state.epoch, run.dist.is_main, run.dist.device)
-            log.info("epoch %d kept as %s", state.epoch, kept)
+        # the write that ends the schedule is made (the run finished: a re-run must not train its end again). Where
+        # the run goes on, the write waits for the next update's loss on its weights (TrainLoop.checkpoint), and so
+        # does the epoch's snapshot, kept once the write is checkpoint.pt
+        goes_on = (reason != "preempted" and more_to_train(run, state)
+                   and not reached(state.step, cfg.train.max_steps))
+        snapshot = None
+        if epoch_ended and cfg.train.keep_every_epochs and state.epoch % cfg.train.keep_every_epochs == 0:
+            snapshot = (lambda epoch=state.epoch: keep_epoch_snapshot(run, epoch))
+        saved = loop.checkpoint(state, final=reason != "preempted" and not more_to_train(run, state),
+                                goes_on=goes_on, on_kept=snapshot)
         if reason != "preempted" and preemption.should_stop(state.step, boundary=True):
             reason = "preempted"  # the signal came during the writes: do not start another epoch
+            loop.keep_held()  # no update will measure the write held back: it is made as a stop's
         if reason == "preempted" and not saved:
             # exit code 1, not 75: the same command would resume from the kept checkpoint, count the streak from
             # 0 again and, stopped again inside it (a job's time limit), be requeued for ever without progress
@@ -833,6 +854,12 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
             log.info("%s", max_steps_line(state.step, loop.saved_step))
             break
     return reason, val, train_seconds
+
+
+def keep_epoch_snapshot(run: Run, epoch: int) -> None:
+    """Keep checkpoint.pt, just written at the end of `epoch`, as its snapshot (train.keep_every_epochs)."""
+    kept = keep_snapshot(run.ckpt_path, epoch, run.dist.is_main, run.dist.device)
+    log.info("epoch %d kept as %s", epoch, kept)
 
 
 def more_to_train(run: Run, state: TrainState) -> bool:

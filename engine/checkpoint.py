@@ -28,45 +28,108 @@ from .run_dir import partial_path
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "foreign_objects", "training_payload",
-           "restore_training", "save_on_main_rank", "weights_fingerprint", "record_quant_settings"]
+           "restore_training", "save_on_main_rank", "weights_fingerprint", "record_quant_settings", "CheckpointFile"]
 
 
 class CheckpointError(ValueError):
     """A missing, unreadable or incompatible checkpoint."""
 
 
-def save_atomic(payload: dict, path: str) -> None:
+def save_atomic(payload: dict, path: str, held_of: Optional[str] = None) -> None:
     """Write `payload` to `path` through a temporary file and a rename.
 
     On any failure (a full disk, a vanished mount, an interrupt) the temporary file is removed and the
-    previous file at `path` is untouched; write errors become a CheckpointError that says so.
+    previous file at `path` is untouched; write errors become a CheckpointError that says so. `held_of`: `path` is
+    itself the temporary name of a write of that file held back (`CheckpointFile`), written there directly (a write
+    cut short leaves that name, which says what it was written to become: engine/run_dir.remove_partial_writes).
     """
-    tmp = partial_path(path)
+    tmp = path if held_of is not None else partial_path(path)
     try:
         with open(tmp, "wb") as f:
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if held_of is None:
+            os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         if isinstance(e, (OSError, RuntimeError)):
-            raise CheckpointError(_write_failure(path, e)) from e
+            raise CheckpointError(_write_failure(held_of or path, e)) from e
         raise
 
 
-def save_on_main_rank(payload_fn: Callable[[], dict], path: str, is_main: bool, device: torch.device) -> None:
-    """The main rank writes `payload_fn()` to `path` (atomically); if that fails (a full disk), every rank
-    stops with a CheckpointError instead of the others waiting at the next collective."""
+def save_on_main_rank(payload_fn: Callable[[], dict], path: str, is_main: bool, device: torch.device,
+                      held_of: Optional[str] = None) -> None:
+    """The main rank writes `payload_fn()` to `path` (atomically; `held_of`: see save_atomic); if that fails (a full
+    disk), every rank stops with a CheckpointError instead of the others waiting at the next collective."""
     error = None
     if is_main:
         try:
-            save_atomic(payload_fn(), path)
+            save_atomic(payload_fn(), path, held_of)
         except CheckpointError as e:
             error = e
     raise_on_every_rank(error, device,
-                        lambda: CheckpointError(f"rank 0 could not write {path} (its error says why)"))
+                        lambda: CheckpointError(f"rank 0 could not write {held_of or path} (its error says why)"))
+
+
+class CheckpointFile:
+    """A run's checkpoint.pt, written at once or held back. Each update's loss is computed before its step, so the
+    weights a write holds have had no loss measured on them yet: one made where the run goes on (engine/loop.py
+    TrainLoop.checkpoint) is held, written to a file of its own beside checkpoint.pt, and renamed over it once the
+    next update's loss, measured on those weights, has passed the divergence guard (`publish`), or deleted if it
+    has not (`discard`): a diverged update never replaces the last good checkpoint. The held file has a
+    `partial_path` name: never resumed from, and one that a killed run leaves is removed by the next run's claim
+    of out_dir (engine/run_dir.remove_partial_writes). A write of checkpoint.pt itself supersedes a held one
+    (deleted). Every rank keeps the same `held_step` (the same calls on each); the main rank writes the files."""
+
+    def __init__(self, path: str, is_main: bool, device: torch.device) -> None:
+        self.path, self.is_main, self.device = path, is_main, device
+        self.held_step: Optional[int] = None  # the update of the write held back; None when none is
+        self._held: Optional[str] = None  # its file (the main rank's)
+
+    def save(self, payload_fn: Callable[[], dict], held_step: Optional[int] = None) -> None:
+        """Write `payload_fn()` to checkpoint.pt (`held_step` None), or hold it back as the write of update
+        `held_step`; either way a write held before is superseded."""
+        self.discard()
+        if held_step is None:
+            save_on_main_rank(payload_fn, self.path, self.is_main, self.device)
+            return
+        held = partial_path(self.path)
+        save_on_main_rank(payload_fn, held, self.is_main, self.device, held_of=self.path)
+        self._held, self.held_step = held, held_step
+
+    def publish(self, collective: bool = True) -> Optional[int]:
+        """Rename the held write over checkpoint.pt; returns its update (None: none was held). `collective`: a
+        failed rename stops every rank (False on an error path, where the other ranks may be anywhere)."""
+        step, held = self.held_step, self._held
+        self._held = self.held_step = None
+        if step is None:
+            return None
+        error = None
+        if self.is_main:
+            try:
+                os.replace(held, self.path)
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    os.remove(held)
+                error = CheckpointError(f"could not rename {held} to {self.path}: {e}; the previous checkpoint.pt is "
+                                        f"unchanged: re-run the same command to resume from it")
+        if collective:
+            raise_on_every_rank(error, self.device,
+                                lambda: CheckpointError(f"rank 0 could not write {self.path} (its error says why)"))
+        elif error is not None:
+            raise error
+        return step
+
+    def discard(self) -> Optional[int]:
+        """Delete the held write; returns its update (None: none was held)."""
+        step, held = self.held_step, self._held
+        self._held = self.held_step = None
+        if step is not None and self.is_main:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(held)
+        return step
 
 
 def _write_failure(path: str, error: BaseException) -> str:

@@ -23,9 +23,16 @@ out_dir, `kept_text`). The streak is part of the checkpointed TrainState
 (engine/loop.py), but a checkpoint is written only at a streak of 0, so a resumed run counts from 0 at the
 point it resumes from (a checkpoint of older versions may hold a streak above 0: it is counted on; with the
 guard off there is no streak).
+
+Every loss the guard reads was computed before its update's step, so the losses that allow a write never measured the
+weights it holds: where the run goes on, the write of update k is held back (engine/checkpoint.py CheckpointFile,
+engine/loop.py TrainLoop.checkpoint) until update k+1's loss, computed on those weights, is finite and not above the
+threshold, and deleted otherwise (`held_dropped_line`); weights with a NaN or an inf are never written
+(`nonfinite_weights_line`).
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from .exit_codes import EXIT_PREEMPTED
@@ -95,6 +102,24 @@ def withheld_line(step: int, why: str, kept_step: Optional[int]) -> str:
     """The warning of a checkpoint not written at update `step` because the loss is high (`why`)."""
     return (f"checkpoint.pt not written at update {step}: {why} (the divergence guard, train.divergence_factor); "
             f"{kept_text(kept_step)}, and the next checkpoint is written once the loss is back under it")
+
+
+def nonfinite_weights_line(step: int, kept_step: Optional[int]) -> str:
+    """The warning of a checkpoint not written at update `step` because the weights (or the EMA's) hold a NaN or an
+    inf: never written, whatever the guard says (with it off, and at the run's end too)."""
+    return (f"checkpoint.pt not written at update {step}: the weights hold a NaN or an inf (the update diverged; "
+            f"lower optim.lr); {kept_text(kept_step)}")
+
+
+def held_dropped_line(step: int, measured_at: int, loss: float, threshold: Optional[float],
+                      kept_step: Optional[int]) -> str:
+    """The warning of the checkpoint of update `step`, held back (engine/checkpoint.CheckpointFile) until a loss was
+    measured on its weights, deleted: that loss, the mean of update `measured_at` over all ranks, is not finite or
+    above the guard's `threshold` (None: the guard is off)."""
+    why = (f"is {loss:.4g}, above the divergence guard's threshold {threshold:.4g} (train.divergence_factor)"
+           if math.isfinite(loss) and threshold is not None else f"is {loss}")
+    return (f"checkpoint.pt of update {step} not kept: the training loss of its weights, measured at update "
+            f"{measured_at}, {why}; {kept_text(kept_step)}")
 
 
 def withheld_stop_line(step: int, kept_step: Optional[int]) -> str:

@@ -22,7 +22,7 @@ import time
 import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Iterator, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional, Protocol, Tuple
 
 import torch
 import torch.nn as nn
@@ -32,9 +32,13 @@ from cd.wrappers import unwrap_model
 from models.modules import nonfinite_tensors
 
 from .distributed import OtherRankError, all_reduce, raise_on_every_rank, raise_where_failed
-from .divergence import DivergenceError, DivergenceGuard, kept_text, withheld_line, write_withheld
+from .divergence import (DivergenceError, DivergenceGuard, held_dropped_line, kept_text, nonfinite_weights_line,
+                         withheld_line, write_withheld)
 from .precision import autocast
 from .rng import mix_seed, seed_all
+
+if TYPE_CHECKING:
+    from .checkpoint import CheckpointFile
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +161,10 @@ class TrainLoop:
     # the update of the last checkpoint `checkpoint` wrote, or of the one the run resumed from (the caller sets it):
     # what a divergence stop or a withheld write names as kept; None while there is none
     saved_step: Optional[int] = None
+    # checkpoint.pt's file: where `save(held=True)` holds a write back (`checkpoint(goes_on=True)`) until the next
+    # update's loss, measured on the weights it holds, has passed the guard (`_settle_held`); None: `save()` only,
+    # every write made at once
+    checkpoint_file: Optional["CheckpointFile"] = None
     progress: bool = False  # a tqdm bar per epoch (on a terminal only)
     epochs: int = 0  # the run's length in epochs, for the bar's label "epoch N/epochs" as the log lines (0: "epoch N")
     sample_tokens: int = 0  # tokens per sample (a language model's context): also log train/tok_per_s
@@ -184,6 +192,7 @@ class TrainLoop:
         # this rank's last good (images, targets), kept across epochs: what it trains on after a failed batch
         self._stand_in: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self._window: Optional[_Window] = None  # the log window of the last run_epoch, open where a stop cut it
+        self._on_kept: Optional[Callable[[], None]] = None  # what the held write does once it is checkpoint.pt
         # The optimizer holds the hook through a weak reference to the loop. A bound method made loop and
         # optimizer a reference cycle that kept the loop and its DDP wrapper alive after the run, and the
         # wrapper's Reducer kept the process group: destroy_process_group then left gloo's worker threads
@@ -256,6 +265,7 @@ class TrainLoop:
         images_per_update = batch_size_per_gpu * self.accum_steps * self.world_size
         reason = "epoch_end"
         micro = 0
+        held_loss: Optional[torch.Tensor] = None  # this update's loss sum while a held write waits for it
         stage = "data"  # what the loop is doing, for an error: data, step (weights half written) or save
         waiting_since = time.perf_counter()  # the time spent waiting for the loader (train/data_wait)
         try:
@@ -265,6 +275,9 @@ class TrainLoop:
                     break  # the tail that does not fill a whole update
                 if micro == 0:
                     seed_all(mix_seed(self.seed, self.rank, state.step))
+                    # a held checkpoint.pt write holds the weights this update's loss is computed on: its verdict
+                    held_loss = None if self._held_step() is None else torch.zeros((), dtype=torch.float64,
+                                                                                    device=self.device)
                 images = images.to(self.device, non_blocking=True)
                 targets = targets.to(self.device, non_blocking=True)
                 if self.mixup is not None:
@@ -279,6 +292,8 @@ class TrainLoop:
                     scaled = loss / self.accum_steps
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
                 window.add_loss(loss.detach())
+                if held_loss is not None:
+                    held_loss += loss.detach().double()
                 if state.initial_loss is None and not self._first_update_done:
                     # the guard's reference: the first update's loss, the mean over its micro-batches
                     part = loss.detach().float().reshape(1) / self.accum_steps
@@ -287,6 +302,10 @@ class TrainLoop:
                 if not last:
                     waiting_since = time.perf_counter()
                     continue
+                if held_loss is not None:  # the update's loss is complete: the held write's verdict, before its step
+                    stage = "save"
+                    self._settle_held(held_loss, state)
+                    held_loss = None
                 micro = 0
                 stage = "step"
                 steps_before = self._real_steps
@@ -435,6 +454,8 @@ class TrainLoop:
         where the run resumes from. One process writes checkpoint.pt at the last completed update (the
         micro-batches of the unfinished one are read again on resume); under DDP the other ranks may be
         waiting in a collective, so the last checkpoint stays the resume point."""
+        # a write held for this update's loss: made as a write at once would have left checkpoint.pt
+        self.keep_held(error)
         if isinstance(error, _DELIBERATE) or self.save is None:
             return  # these say themselves what was kept
         last = "re-run the same command to resume from the last checkpoint.pt"
@@ -515,10 +536,12 @@ class TrainLoop:
         window_loss = window.check_finite(state.step, self.saved_step)  # never write a checkpoint from a diverged run
         self._settle_skipped_steps(state)
         self._settle_initial_loss(state)
-        self.checkpoint(state, window_loss if window.micro else None)
+        # the run goes on after it: held for the next update's loss (a stop at this update writes at once, over it)
+        self.checkpoint(state, window_loss if window.micro else None, goes_on=True)
 
     def checkpoint(self, state: TrainState, window_loss: Optional[float] = None, final: bool = False,
-                   carry_window: bool = True) -> bool:
+                   carry_window: bool = True, goes_on: bool = False,
+                   on_kept: Optional[Callable[[], None]] = None) -> bool:
         """Write checkpoint.pt from `state` (`save`), unless the divergence guard sees a high loss: a streak of
         high log windows (`state.divergence_streak` > 0), or `window_loss` (the mean loss of the updates since the
         last log step, all ranks) above its threshold. Then nothing is written and a warning names the checkpoint
@@ -526,9 +549,14 @@ class TrainLoop:
         weights written while the loss was under the threshold, not from diverged ones. `final`: the write that
         ends the run's schedule, made all the same (the guard has not stopped the run, so it finished: its
         checkpoint.pt is its last weights, with the streak, not an earlier point a re-run would train from again).
+        Weights (or EMA weights) that hold a NaN or an inf are never written, `final` or not.
+        Those losses were all computed before the update that made the weights written, so `goes_on` (the run
+        trains on after this write: train.ckpt_every_steps, an epoch's end, a validation's update) holds the write
+        back (`checkpoint_file`) until the next update has measured its weights (`_settle_held`): only then does it
+        replace checkpoint.pt and become `saved_step`, and `on_kept` (at once for a write made at once) runs.
         `carry_window`: the log window open since the last log step goes into the checkpoint
-        (TrainState.log_window; not where it holds part of an update). Returns whether checkpoint.pt was written.
-        The same decision on every rank (the streak and the loss are all-reduced values)."""
+        (TrainState.log_window; not where it holds part of an update). Returns whether checkpoint.pt was written
+        (or held back). The same decision on every rank (the streak and the loss are all-reduced values)."""
         if self.save is None:
             return False
         window_high = (state.divergence_streak == 0 and window_loss is not None and self.divergence is not None
@@ -542,6 +570,9 @@ class TrainLoop:
         if write_withheld(state.divergence_streak, final, window_high):
             log.warning("%s", withheld_line(state.step, why, self.saved_step))
             return False
+        if self._weights_not_finite():
+            log.warning("%s", nonfinite_weights_line(state.step, self.saved_step))
+            return False
         if why is not None:  # the final write, made all the same
             log.warning("the run ends at update %d; %s (the divergence guard, train.divergence_factor): "
                         "checkpoint.pt is written all the same, the run's last weights", state.step, why)
@@ -550,12 +581,82 @@ class TrainLoop:
         if carry_window and self._window is not None and self._window.updates:
             state.log_window = {"loop": self._window.record(),
                                 **{name: get() for name, (get, _) in self.window_sources.items()}}
+        held = goes_on and self.checkpoint_file is not None
         try:
-            self.save()
+            if held:
+                self.save(held=True)
+            else:
+                self.save()
         finally:
             state.log_window = None  # only the checkpoint carries it (not best.pt, written from `state` later)
+        self._on_kept = on_kept if held else None  # a write held before at this update is superseded by this one
+        if held:
+            return True
         self.saved_step = state.step
+        if on_kept is not None:
+            on_kept()
         return True
+
+    def _held_step(self) -> Optional[int]:
+        """The update of the checkpoint.pt write held back (`checkpoint(goes_on=True)`), None when none is."""
+        return None if self.checkpoint_file is None else self.checkpoint_file.held_step
+
+    def _settle_held(self, update_loss: torch.Tensor, state: TrainState) -> None:
+        """The update in progress (its step not yet made) computed its loss (`update_loss`: this rank's sum over its
+        micro-batches) on the weights of the held write: publish it (checkpoint.pt, `saved_step`) when that loss,
+        the mean over all ranks (one collective), is finite and not above the divergence guard's threshold; delete
+        it otherwise, with a warning naming the checkpoint kept. The same verdict on every rank."""
+        mean = all_reduce(update_loss.reshape(1)).item() / (self.accum_steps * self.world_size)
+        self._settle_initial_loss(state)
+        high = not math.isfinite(mean) or (self.divergence is not None
+                                           and self.divergence.high(mean, state.initial_loss))
+        on_kept, self._on_kept = self._on_kept, None
+        if high:
+            step = self.checkpoint_file.discard()
+            threshold = (self.divergence.factor * state.initial_loss
+                         if self.divergence is not None and state.initial_loss else None)
+            log.warning("%s", held_dropped_line(step, state.step + 1, mean, threshold, self.saved_step))
+            return
+        self.saved_step = self.checkpoint_file.publish()
+        if on_kept is not None:
+            on_kept()
+
+    def keep_held(self, error: Optional[BaseException] = None) -> None:
+        """The run stops (`error`: fails) before an update measures the held write's weights: no loss will come, so
+        the write is made as the run's last writes are, renamed over checkpoint.pt (after an error this process
+        alone: checkpoint.pt of the last completed update, as a write at once would have left it), unless the
+        error is one that stops a run on purpose (a NaN, the divergence guard): then it is deleted."""
+        if self._held_step() is None:
+            return
+        on_kept, self._on_kept = self._on_kept, None
+        if isinstance(error, _DELIBERATE):
+            self.checkpoint_file.discard()
+            return
+        if error is None:
+            self.saved_step = self.checkpoint_file.publish()
+            if on_kept is not None:
+                on_kept()
+            return
+        try:
+            self.saved_step = self.checkpoint_file.publish(collective=False)
+        except Exception as publish_error:  # noqa: BLE001 - the first error is the one to raise
+            log.error("%s", publish_error)
+
+    def _weights_not_finite(self) -> bool:
+        """Whether the model's parameters or the EMA's hold a NaN or an inf on any rank: one max-norm per tensor
+        (foreach, per device and dtype, no host sync) and one all-reduced flag."""
+        tensors = [p for p in unwrap_model(self.model).parameters()]
+        if isinstance(self.ema, nn.Module):  # timm's ModelEmaV3 (a stand-in with only update() holds no weights)
+            tensors += list(self.ema.parameters())
+        groups: dict = {}
+        for t in tensors:
+            if t.is_floating_point() and t.numel():
+                groups.setdefault((t.device, t.dtype), []).append(t.detach())
+        bad = torch.zeros(1, device=self.device)
+        for group in groups.values():
+            norms = torch.stack(torch._foreach_norm(group, math.inf)).float()
+            bad += (~torch.isfinite(norms)).any().to(self.device, torch.float32)
+        return all_reduce(bad).item() > 0
 
     def _log(self, state: TrainState, window: "_Window", bar, updates_in_epoch: int) -> None:
         metrics = window.flush(state.step, self.saved_step)

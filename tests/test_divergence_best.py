@@ -20,7 +20,7 @@ from engine.checkpoint import load_checkpoint
 from engine.divergence import DivergenceError, withheld_stop_line
 from engine.run_dir import RunDirError
 from engine.tasks import ClassificationTask
-from tests.test_divergence_checkpoints import MICRO_PER_EPOCH, TINY, loss_raised_after
+from tests.test_divergence_checkpoints import EPOCH_2_HIGH, MICRO_PER_EPOCH, TINY, loss_raised_after
 
 # 2 micro-batches per update: the first update's loss is normal, every later one HIGH above it, so the first log
 # window (updates 1-2) is high already: no checkpoint is ever written before the streak
@@ -85,10 +85,10 @@ def test_a_stop_at_max_steps_inside_a_streak_before_any_checkpoint_writes_no_bes
 
 def test_a_validation_inside_a_streak_keeps_the_best_pt_of_the_last_good_checkpoint(debug_config, monkeypatch,
                                                                                    caplog, rising_scores):
-    """Epoch 1 (updates 1-4) normal: validated and checkpointed at update 4. The loss is high from update 5 on, so
+    """Epoch 1 (updates 1-4) normal: validated and checkpointed at update 4. The loss is high from update 6 on, so
     epoch 2 ends at update 8 with a streak of 2, where train.max_steps stops the run: that validation scores higher,
     yet best.pt stays update 4's, the weights of checkpoint.pt, which the guard kept."""
-    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(MICRO_PER_EPOCH))
+    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(EPOCH_2_HIGH))
     cfg = debug_config(*TINY, "train.max_steps=8")
     with caplog.at_level(logging.WARNING):
         result = train.main(cfg)

@@ -25,6 +25,10 @@ from engine.tasks import ClassificationTask
 TINY = ("data.mixup=0", "data.cutmix=0", "sched.epochs=3")
 MICRO_PER_EPOCH = 8
 HIGH = 100.0  # added to the loss from epoch 2 on: far above 3 x ln(4), the loss of a fresh 4-class model
+# the loss raised from update 6 on: update 5's, the first measured on the weights of epoch 1's checkpoint (update 4),
+# is normal, so that checkpoint is kept (engine/loop.py holds a write back until the next update's loss has passed the
+# guard); the log windows of epoch 2 (updates 5-6, 7-8) are high all the same
+EPOCH_2_HIGH = MICRO_PER_EPOCH + 2
 
 
 def loss_raised_after(micro_batches: int):
@@ -55,7 +59,7 @@ def test_a_run_that_diverges_keeps_the_checkpoint_of_before_its_high_windows(deb
     """Windows at updates 2, 4 normal (epoch 1 ends at 4: its checkpoint), 6 and 8 high (epoch 2 ends at 8 with a
     streak of 2: nothing written), 10 high: the third, the stop. checkpoint.pt stays update 4's, streak 0; the error
     names it; the stopping window is in metrics.jsonl with its loss."""
-    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(MICRO_PER_EPOCH))
+    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(EPOCH_2_HIGH))
     cfg = debug_config(*TINY)
     kept = r"Stopping without writing a checkpoint: the last one, of update 4, is kept"
     with pytest.raises(DivergenceError, match=r"for 3 log windows \(now .* at update 10\): the run diverged\. " + kept):
@@ -147,11 +151,11 @@ def test_a_validation_error_during_a_streak_writes_nothing(caplog):
 
 
 def test_a_stop_request_during_a_streak_keeps_the_last_good_checkpoint_and_exits_1(debug_config, monkeypatch):
-    """The loss is high from epoch 2 on (window 6 high: streak 1) and a stop request comes at update 7: checkpoint.pt
+    """The loss is high from update 6 on (window 6 high: streak 1) and a stop request comes at update 7: checkpoint.pt
     stays update 4's, and the run ends with an error (exit code 1), not as preempted (75): a requeue would resume
     from update 4 with the streak at 0 and, stopped inside the streak again, repeat for ever. The same command then
     resumes at update 4 (the loss normal again) and finishes."""
-    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(MICRO_PER_EPOCH))
+    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(EPOCH_2_HIGH))
     monkeypatch.setattr(Preemption, "should_stop", lambda self, step=0, boundary=False: step >= 7)
     cfg = debug_config(*TINY)
     with pytest.raises(DivergenceError, match=r"stopped by a signal at update 7 while the training loss was above the "
@@ -183,7 +187,7 @@ def test_a_run_whose_last_window_is_high_finishes_with_its_last_checkpoint(debug
 def test_a_stop_at_max_steps_during_a_streak_names_the_checkpoint_kept(debug_config, monkeypatch, caplog, max_steps):
     """train.max_steps inside epoch 2 (update 6: streak 1) or at its end (update 8: streak 2): the run stops there
     without writing checkpoint.pt, and its line says that update 4's is kept, not 'checkpoint saved'."""
-    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(MICRO_PER_EPOCH))
+    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(EPOCH_2_HIGH))
     cfg = debug_config(*TINY, f"train.max_steps={max_steps}")
     with caplog.at_level(logging.INFO):
         result = train.main(cfg)

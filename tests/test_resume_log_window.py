@@ -1,6 +1,8 @@
 """A run resumed from a checkpoint written at the update that ends a log window (train.ckpt_every_steps at the
-epoch's last update, the run then killed in the validation after it) logs that window once, as a run never stopped
-does, and under torchrun the resumed ranks meet in the same collectives (TWEO's window sums) instead of hanging."""
+epoch's last update) logs that window once, as a run never stopped does, and under torchrun the resumed ranks meet in
+the same collectives (TWEO's window sums) instead of hanging. The run is killed in update 5: the write of update 4 is
+held back until update 5's loss has measured its weights (engine/loop.py TrainLoop.checkpoint), so a kill before that
+(in the validation of update 4, as these tests killed it first) leaves no checkpoint of update 4 to resume from."""
 from __future__ import annotations
 
 import os
@@ -17,7 +19,7 @@ from tests.conftest import DEBUG_CONFIG, ROOT
 from tests.test_resume_kills import logged_series
 
 # an epoch of the tiny config is 4 updates: the checkpoint of update 4 (ckpt_every_steps) is the epoch's last update,
-# which ends the window 4-4 (log_every_steps=3); the run is killed in the validation after it
+# which ends the window 4-4 (log_every_steps=3); the run is killed in the optimizer step of update 5
 RUN = ("cd.enabled=false", "log.tensorboard=false", "tweo.enabled=true", "train.log_every_steps=3",
        "train.ckpt_every_steps=4")
 
@@ -26,42 +28,46 @@ class Killed(BaseException):
     """A kill where no handler of train.py runs (a BaseException its `except Exception` lets through)."""
 
 
-def test_a_resume_from_the_checkpoint_of_the_update_that_ends_a_window_logs_it_once(tmp_path, debug_config,
-                                                                                    monkeypatch):
+def test_a_resume_from_the_checkpoint_of_the_update_that_ends_a_window_logs_it_once(tmp_path, debug_config):
     """The checkpoint of update 4 carried the window of update 4, logged right after at the epoch's end; the run
-    resumed there (killed in the validation) logged it a second time, with train/lr 0.0 (no update trained).
-    Reference: the same run straight through, one record per log step."""
+    resumed there logged it a second time, with train/lr 0.0 (no update trained). Reference: the same run straight
+    through, one record per log step."""
+    import torch.optim.optimizer as optimizer_module
+
     train.main(debug_config(*RUN, name="straight"))
     straight = logged_series(tmp_path / "straight")
     assert [r["step"] for r in straight] == [3, 4, 6, 8]
 
-    validate = train.Run.validate
+    steps = []
 
-    def killed_in_validation(self, *args, **kwargs):
-        if self.state.step == 4:
+    def killed_in_update_5(*_):
+        steps.append(1)
+        if len(steps) == 5:
             raise Killed()
-        return validate(self, *args, **kwargs)
 
-    monkeypatch.setattr(train.Run, "validate", killed_in_validation)
-    with pytest.raises(Killed):
-        train.main(debug_config(*RUN, name="killed"))
-    monkeypatch.setattr(train.Run, "validate", validate)
-    train.main(debug_config(*RUN, name="killed"))
-    assert logged_series(tmp_path / "killed") == straight
+    handle = optimizer_module.register_optimizer_step_post_hook(killed_in_update_5)
+    try:
+        with pytest.raises(Killed):
+            train.main(debug_config(*RUN, name="killed"))
+    finally:
+        handle.remove()
+    resumed = train.main(debug_config(*RUN, name="killed"))
+    assert logged_series(tmp_path / "killed") == straight and resumed.state.step == 8
 
 
-# train.py under torchrun, every rank exiting at once (no handler runs) in the validation of update 4 with KILLVAL
+# train.py under torchrun, every rank exiting at once (no handler runs) in the optimizer step of update 5 with KILLVAL
 DRIVER = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, os.getcwd())
+    import torch.optim.optimizer as optimizer_module
     import train
     if os.environ.get("KILLVAL"):
-        validate = train.Run.validate
-        def killed(self, *args, **kwargs):
-            if self.state.step == 4:
+        steps = []
+        def killed(*_):
+            steps.append(1)
+            if len(steps) == 5:
                 os._exit(9)
-            return validate(self, *args, **kwargs)
-        train.Run.validate = killed
+        optimizer_module.register_optimizer_step_post_hook(killed)
     train.main(train.parse_args(sys.argv[1:]))
 """)
 

@@ -14,7 +14,7 @@ import torch
 from configs import config_to_dict, load_config
 from engine.checkpoint import load_checkpoint
 from tests.conftest import DEBUG_CONFIG
-from tests.test_divergence_checkpoints import MICRO_PER_EPOCH
+from tests.test_divergence_checkpoints import EPOCH_2_HIGH
 from tests.test_sweep_unsaved_run import summary, sweep_in_process
 
 import sweep  # noqa: E402  (scripts/, on the path of the tests)
@@ -27,7 +27,7 @@ def test_a_real_run_whose_writes_the_guard_withheld_up_to_max_steps_fails_the_sw
     losses of epoch 2 are raised by hand (windows 6 and 8 high: a streak of 2, below the guard's 3), and
     train.max_steps=8 ends the run there with exit 0, update 8's write withheld. The sweep reported it as stopped
     at train.max_steps 'at update 4', evaluated the best.pt of update 4, went on to run b and exited 0."""
-    code, out = sweep_in_process(tmp_path, monkeypatch, capfd, "  a: [train.max_steps=8]\n  b: []\n", MICRO_PER_EPOCH,
+    code, out = sweep_in_process(tmp_path, monkeypatch, capfd, "  a: [train.max_steps=8]\n  b: []\n", EPOCH_2_HIGH,
                                  "[]")
     assert code == 1, out[-3000:]
     lines = summary(out)

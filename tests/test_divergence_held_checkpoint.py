@@ -1,0 +1,115 @@
+"""checkpoint.pt never holds weights that no loss has passed the divergence guard on.
+
+Each update's loss is computed before its step, so the weights a write holds are measured first by the next update's
+loss. A write where the run goes on (train.ckpt_every_steps, an epoch's end) is held back in a file of its own and
+replaces checkpoint.pt only once that loss is finite and under the guard's threshold (engine/loop.py
+TrainLoop.checkpoint, engine/checkpoint.CheckpointFile); weights that hold a NaN or an inf are never written.
+
+The runs resume from a normal checkpoint of update 4 with a learning rate that breaks the next update: the reference is
+that checkpoint's own file, copied before the resume."""
+import logging
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+import train
+from engine.checkpoint import CheckpointFile, load_checkpoint
+from engine.divergence import DivergenceError
+from engine.loop import NonFiniteLossError, TrainLoop, TrainState
+from engine.run_dir import partial_writes_of
+
+# configs/debug/tiny.yaml: 4 updates per epoch; a log window and a checkpoint every update
+EVERY_UPDATE = ("model.drop_path=0.0", "data.mixup=0", "data.cutmix=0", "sched.epochs=6", "sched.warmup_epochs=0",
+                "train.log_every_steps=1", "train.ckpt_every_steps=1")
+
+
+def good_checkpoint_of_update_4(debug_config, tmp_path) -> str:
+    """Train updates 1-4 at the recipe's lr (checkpoint.pt of update 4, its losses normal); return a copy of it."""
+    result = train.main(debug_config(*EVERY_UPDATE, "train.max_steps=4"))
+    assert result.reason == "max_steps" and result.state.step == 4
+    copy = str(tmp_path / "update4.pt")
+    shutil.copyfile(debug_config().out_dir + "/checkpoint.pt", copy)
+    return copy
+
+
+def assert_kept(out_dir: str, reference: str) -> None:
+    """checkpoint.pt is the reference file's update and weights, bit for bit, and no held write is left beside it."""
+    kept, ref = load_checkpoint(os.path.join(out_dir, "checkpoint.pt")), load_checkpoint(reference)
+    assert kept["state"]["step"] == ref["state"]["step"] == 4
+    assert kept["model"].keys() == ref["model"].keys()
+    assert all(torch.equal(kept["model"][k], ref["model"][k]) for k in ref["model"])
+    assert partial_writes_of(os.path.join(out_dir, "checkpoint.pt")) == []
+
+
+def test_the_write_of_an_update_whose_weights_diverge_does_not_replace_the_last_good_checkpoint(debug_config,
+                                                                                               tmp_path, caplog):
+    """Resumed at update 4 with optim.lr=3.0: update 5's loss (on update 4's weights) is normal, so update 5 is
+    written; its weights give a loss far above 3x the first update's at update 6. Before, update 5's write replaced
+    update 4's and the guard's error named it as the checkpoint to lower optim.lr from (diverged weights); now it is
+    deleted, checkpoint.pt stays update 4's and the error names update 4."""
+    reference = good_checkpoint_of_update_4(debug_config, tmp_path)
+    cfg = debug_config(*EVERY_UPDATE, "optim.lr=3.0", "train.allow_changed_config=true")
+    with caplog.at_level(logging.WARNING), pytest.raises(DivergenceError, match="the last one, of update 4, is kept"):
+        train.main(cfg)
+    assert_kept(cfg.out_dir, reference)
+    assert "checkpoint.pt of update 5 not kept: the training loss of its weights, measured at update 6" in caplog.text
+
+
+def test_weights_that_give_a_nan_loss_are_never_kept(debug_config, tmp_path, caplog):
+    """Resumed at update 4 with optim.lr=1e38: update 5 makes huge (finite) weights whose loss at update 6 is NaN.
+    Before, checkpoint.pt was update 5's (weights up to ~1e38) and the NaN error named it as kept."""
+    reference = good_checkpoint_of_update_4(debug_config, tmp_path)
+    cfg = debug_config(*EVERY_UPDATE, "optim.lr=1e38", "train.allow_changed_config=true")
+    kept = "the last one, of update 4, is kept"
+    with caplog.at_level(logging.WARNING), pytest.raises(NonFiniteLossError, match=kept):
+        train.main(cfg)
+    assert_kept(cfg.out_dir, reference)
+    assert "checkpoint.pt of update 5 not kept" in caplog.text
+
+
+def test_a_run_that_diverges_at_its_second_update_keeps_no_checkpoint(debug_config):
+    """optim.lr=3.0 from the start: losses 1.38, then ~125. Before, update 1's write (whose weights give ~125) was
+    kept and named as the point to resume from; now none is, and the error says so."""
+    cfg = debug_config(*EVERY_UPDATE, "optim.lr=3.0")
+    with pytest.raises(DivergenceError, match="none was written yet"):
+        train.main(cfg)
+    assert not os.path.exists(os.path.join(cfg.out_dir, "checkpoint.pt"))
+    assert partial_writes_of(os.path.join(cfg.out_dir, "checkpoint.pt")) == []
+
+
+@pytest.mark.parametrize("where", ["model", "ema"])
+def test_weights_with_a_nan_are_never_written_not_even_at_the_runs_end(where, caplog):
+    """The write that ends the schedule is made during a streak, but never of weights (or EMA weights) with a NaN."""
+    model = torch.nn.Linear(3, 2)
+    ema = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        (model if where == "model" else ema).weight[0, 1] = math.nan
+    saves = []
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=None,
+                     device=torch.device("cpu"), ema=ema, save=lambda: saves.append(1), saved_step=3)
+    with caplog.at_level(logging.WARNING):
+        assert not loop.checkpoint(TrainState(step=5), final=True)
+    assert saves == [] and loop.saved_step == 3
+    assert "checkpoint.pt not written at update 5: the weights hold a NaN or an inf" in caplog.text
+    assert "the last one, of update 3, is kept" in caplog.text
+
+
+def test_a_held_write_is_never_checkpoint_pt_until_published_and_a_left_one_is_a_partial_write(tmp_path):
+    """A held write lies under a partial_path name (never resumed from; one a killed run leaves is removed by the
+    next run's claim of out_dir), replaces checkpoint.pt when published, and a discarded one leaves nothing."""
+    path = str(tmp_path / "checkpoint.pt")
+    writes = CheckpointFile(path, is_main=True, device=torch.device("cpu"))
+    writes.save(lambda: {"step": 1})
+    writes.save(lambda: {"step": 2}, held_step=2)
+    assert torch.load(path)["step"] == 1 and len(partial_writes_of(path)) == 1 and writes.held_step == 2
+    assert writes.publish() == 2
+    assert torch.load(path)["step"] == 2 and partial_writes_of(path) == [] and writes.held_step is None
+    writes.save(lambda: {"step": 3}, held_step=3)
+    assert writes.discard() == 3
+    assert torch.load(path)["step"] == 2 and partial_writes_of(path) == []
+    writes.save(lambda: {"step": 4}, held_step=4)
+    writes.save(lambda: {"step": 4, "final": True})  # a write at once supersedes the held one
+    assert torch.load(path) == {"step": 4, "final": True} and partial_writes_of(path) == []
