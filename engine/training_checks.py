@@ -16,11 +16,13 @@ import os
 from types import SimpleNamespace
 from typing import Any, Optional
 
+import torch
+
 from cd.decay import budget_weight_decay, check_settings
 from cd.pairs import ROLES
 from configs import ConfigError
 from configs.schema import FLOAT32_MAX
-from engine.optim import POLY_POWER, check_optimizer_settings, lr_rule, peak_lr
+from engine.optim import POLY_POWER, build_optimizer, check_optimizer_settings, lr_rule, peak_lr
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +33,9 @@ def check_training_settings(cfg: Any) -> None:
     built with as written (engine/optim.py `check_optimizer_settings`: optim.name in upper case, optim.fused=true
     for an optimizer torch has no fused kernel of), the budget rule (cd.budget) beside an optimizer whose weight
     decay is not decoupled (`check_budget_optimizer`) or with cd.lam above optim.weight_decay (`check_budget`), a
-    peak lr beyond float32 (`check_peak_lr`), and a schedule whose ends lie above its peak (`check_schedule_ends`) unless the run may continue a checkpoint, which
-    train.py judges once it has read it (`check_schedule_on_resume`)."""
+    peak lr the optimizer's first step overflows float32 with (`check_peak_lr`), and a schedule whose ends lie above
+    its peak (`check_schedule_ends`) unless the run may continue a checkpoint, which train.py judges once it has
+    read it (`check_schedule_on_resume`)."""
     if cfg.cd.enabled:
         check_cd_settings(cfg.cd)
     check_optimizer_name(cfg.optim.name)
@@ -49,14 +52,40 @@ def check_training_settings(cfg: Any) -> None:
 
 
 def check_peak_lr(cfg: Any) -> None:
-    """Refuse a peak learning rate beyond float32, which torch's optimizers step the weights with (an overflow
-    traceback from inside torch at the first update past warmup). The schema bounds optim.lr and optim.lr_base
-    each (configs/schema.py FLOAT32_MAX); here optim.lr_base scaled to the global batch."""
+    """Refuse a peak learning rate that the optimizer's first step overflows float32 with (a traceback from inside
+    torch at the first update past warmup, after the model and data were built). The schema bounds optim.lr and
+    optim.lr_base each by float32's range (configs/schema.py FLOAT32_MAX); the scaled peak can pass it, and an
+    optimizer may step with a multiple of the lr: Adam's first step is lr / (1 - beta1), 10 x the lr, so an lr
+    from 3.4e37 overflowed. Which multiple an optimizer takes is its own, so the check is one real step of it, at
+    the peak, on one float32 parameter (`_first_step_overflows`)."""
     peak = peak_lr(cfg.optim, cfg.train.batch_size)
-    if peak >= FLOAT32_MAX:
-        rule = lr_rule(cfg.optim, cfg.train.batch_size)
-        raise ConfigError(f"optim.lr_base={cfg.optim.lr_base:g}: the peak learning rate ({rule}) is not below "
-                          f"float32's largest number, {FLOAT32_MAX:g}; give a smaller optim.lr_base, or optim.lr")
+    if peak < FLOAT32_MAX and not _first_step_overflows(cfg.optim, peak):
+        return
+    key, value = ("optim.lr", cfg.optim.lr) if cfg.optim.lr is not None else ("optim.lr_base", cfg.optim.lr_base)
+    rule = lr_rule(cfg.optim, cfg.train.batch_size)
+    raise ConfigError(f"{key}={value:g}: the first step of optim.name={cfg.optim.name} at the peak learning rate "
+                      f"({rule}) overflows float32, whose largest number is {FLOAT32_MAX:g}; give a smaller {key}")
+
+
+def _first_step_overflows(optim: Any, lr: float) -> bool:
+    """Whether one step of the optimizer `optim` names, at `lr` (its weight decay, betas, momentum), overflows
+    float32 on a parameter and gradient of ones: torch's "value cannot be converted to type float without overflow".
+    Another failure of the step says nothing about the lr (the run reports it where it comes)."""
+    probe = torch.nn.Linear(1, 1, device="cpu")  # no group_matcher: the peak is the largest lr of any layer decay
+    settings = SimpleNamespace(**{**vars(optim), "layer_decay": None, "fused": False})
+    try:
+        optimizer = build_optimizer(probe, settings, lr=lr, weight_decay=optim.weight_decay)
+        for p in probe.parameters():
+            p.grad = torch.ones_like(p)
+        with torch.no_grad():
+            for p in probe.parameters():
+                p.fill_(1.0)
+        optimizer.step()
+    except RuntimeError as e:
+        return "overflow" in str(e)
+    except Exception:  # noqa: BLE001 - not the lr's: left to the run, which names it
+        return False
+    return False
 
 
 def may_resume(cfg: Any) -> bool:

@@ -147,26 +147,43 @@ def test_a_schedule_end_above_the_peak_is_refused_where_the_schedule_would_climb
     assert str(e.value).startswith(f"{key}=") and "above the peak learning rate" in str(e.value)
 
 
-@pytest.mark.parametrize("lr_base, lr_base_batch", [("1e38", "1"), ("3e38", "8"), ("1e38", "16"), ("1e-3", "1")])
-def test_a_peak_lr_scaled_beyond_float32_is_refused_before_training(lr_base, lr_base_batch):
+@pytest.mark.parametrize("overrides", [
+    ["optim.lr_base=1e38", "optim.lr_base_batch=1"], ["optim.lr_base=3e38", "optim.lr_base_batch=8"],
+    ["optim.lr_base=1e38", "optim.lr_base_batch=16"], ["optim.lr_base=1e-3", "optim.lr_base_batch=1"],
+    # Adam steps with lr / (1 - beta1) first: 10 x the lr, within float32's range for the lr itself
+    ["optim.lr=1e37"], ["optim.lr=3.3e37"], ["optim.lr=3.5e37"], ["optim.lr=1e38"],
+    ["optim.lr=1e38", "optim.betas=[0.5,0.999]"], ["optim.lr=2e38", "optim.betas=[0.5,0.999]"],
+    ["optim.name=sgd", "optim.lr=3e38"], ["optim.name=lamb", "optim.lr=3e38"]])
+def test_a_peak_lr_whose_first_step_overflows_is_refused_before_training(overrides):
     """optim.lr_base within the schema's float32 bound can still scale (x 16/1 at tiny's batch 16) to a peak torch
-    cannot step the weights with. The reference: torch's conversion of that peak to a float32 scalar."""
+    cannot step the weights with, and Adam's first step is 10 x the lr (an lr of 3.5e37 ended the first update in
+    a traceback from inside torch). The reference: the tiny model's own optimizer, built as train.py builds it,
+    stepping once at that peak."""
     import torch
 
+    from engine.optim import build_optimizer, peak_lr
     from engine.training_checks import check_training_settings
+    from models import build_model
 
-    cfg = load_config([TINY], [f"optim.lr_base={lr_base}", f"optim.lr_base_batch={lr_base_batch}",
-                               "sched.min_lr=0", "sched.warmup_lr=0"])
-    peak = float(lr_base) * cfg.train.batch_size / int(lr_base_batch)
+    cfg = load_config([TINY], [*overrides, "sched.min_lr=0", "sched.warmup_lr=0"])
+    peak = peak_lr(cfg.optim, cfg.train.batch_size)
+    model = build_model(cfg.model)
     try:
-        torch.zeros(1).add_(torch.ones(1), alpha=peak)
-    except RuntimeError:
-        given = re.escape(f"{float(lr_base):g}")
-        with pytest.raises(ConfigError, match=rf"^optim.lr_base={given}: the peak learning rate .* is not below "
-                                              rf"float32's largest number"):
-            check_training_settings(cfg)
+        optimizer = build_optimizer(model, cfg.optim, lr=peak, weight_decay=cfg.optim.weight_decay)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        overflows = False
+    except RuntimeError as e:
+        assert "overflow" in str(e), e
+        overflows = True
+    if not overflows:
+        check_training_settings(cfg)
         return
-    check_training_settings(cfg)
+    key = "optim.lr" if cfg.optim.lr is not None else "optim.lr_base"
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}=\S+: the first step of optim.name=\w+ at the peak "
+                                          rf"learning rate .* overflows float32"):
+        check_training_settings(cfg)
 
 
 def test_schedule_ends_at_the_peak_pass():
