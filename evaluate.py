@@ -763,8 +763,9 @@ def resolve_config(args: argparse.Namespace):
                           "classifier of another size is refused, not replaced); drop it, or fine-tune "
                           "with train.py first")
     if args.bits == []:  # `--bits` with no value (an empty shell variable): unlike `--quant`'s, no asked meaning
-        raise ConfigError("--bits names no bit-width: name them (e.g. --bits w4a4 w8a8), or give quant.bits=[] "
-                          "for each pipeline's own (w4a4; rtn and gptq w4a16; smoothquant w8a8)")
+        own = "; ".join(f"{name} {p.default_bits}" for name, p in PIPELINES.items())
+        raise ConfigError(f"--bits names no bit-width: name them (e.g. --bits w4a4 w8a8), or give quant.bits=[] "
+                          f"for each pipeline's own ({own})")
     for flag, key, value in (("--quant", "quant.pipelines", args.quant), ("--bits", "quant.bits", args.bits)):
         if value is not None and key in given:  # one of the two would be ignored
             raise ConfigError(f"{flag} and {key}= both say what to run: give one of them")
