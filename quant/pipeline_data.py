@@ -31,6 +31,8 @@ class PipelineData:
         train-split images chosen by `seed`. With train_transform each image carries ONE fixed random
         augmentation that depends on (seed, position) only (APHQ's preloaded optimisation set); with
         train_transform=False the eval transform (RepQ-ViT / QwT calibration convention).
+        Pipelines draw through `draw_train_images`, which refuses a result that is not [count, C, H, W]
+        (fewer images above all).
     train_loader: (batch_size_per_gpu, seed) -> TrainBatches over the train split with the training
         transform, sharded across ranks (GPLQ stage 1, PCA subset). None: pipelines that need it raise.
     work_prefix: path prefix for files a pipeline keeps between runs, e.g. "runs/x/eval_best"; GPLQ
@@ -57,6 +59,19 @@ class PipelineData:
     train_detector: Optional[Callable[[Any, Dict[str, Any], Optional[str]], Dict[str, Any]]] = None
     identity: Optional[Dict[str, Any]] = None
     preemption: Optional[Callable[[str], Any]] = None
+
+    def draw_train_images(self, count: int, seed: int, train_transform: bool, option: str) -> torch.Tensor:
+        """`train_images(count, seed, train_transform)`, refused unless it is a [count, C, H, W] tensor: a provider
+        that has fewer images (a fixed pool sliced `pool[:count]`) would otherwise run the pipeline on those while
+        its report records `count`. `option` names the setting that asked, e.g. "recon_images=1024", for the
+        error. Every pipeline draws its classification images through here (APHQ, GPLQ)."""
+        images = self.train_images(count, seed, train_transform)
+        if isinstance(images, torch.Tensor) and images.dim() == 4 and images.shape[0] == count:
+            return images
+        got = (f"a tensor of shape {list(images.shape)}" if isinstance(images, torch.Tensor)
+               else f"a {type(images).__name__}")
+        raise ValueError(f"{option}: PipelineData.train_images({count}, ...) returned {got}, not {count} images "
+                         f"[{count}, C, H, W]; give a count the data holds, or data that holds {count} images")
 
     def work_path(self, suffix: str) -> Optional[str]:
         """`<work_prefix><suffix>`, or None when there is no work prefix."""

@@ -208,9 +208,13 @@ class APHQPipeline(Pipeline):
         bs = options.batch_size
         # the calibration set is the reconstruction set's first images (data/loader.py calibration_images: the first k
         # of a larger set are the k-image set), so a calibration-only run draws those alone, without augmenting the rest
-        count = options.recon_images if draws_reconstruction_set(options) else options.calib_images
+        if draws_reconstruction_set(options):
+            count = options.recon_images
+            option = f"recon_images={count} (its first calib_images={options.calib_images} the calibration set)"
+        else:
+            count, option = options.calib_images, f"calib_images={options.calib_images}"
         with timer("data", device):
-            images = data.train_images(count, options.data_seed, True)
+            images = data.draw_train_images(count, options.data_seed, True, option)
         calib = images[:options.calib_images]
         with isolated_rng(options.seed, device):
             gen = torch.Generator(device=device).manual_seed(options.seed)  # not the cache's: same draws anywhere

@@ -194,7 +194,8 @@ class GPLQPipeline(Pipeline):
                 model = quantize_model(fp_model, self.layout(bits, options))
                 model.requires_grad_(True)
                 set_quant_state(model, weights=False)  # W32 in stage 1
-                init = data.train_images(options.init_images, options.seed, True)
+                init = data.draw_train_images(options.init_images, options.seed, True,
+                                              f"init_images={options.init_images}")
                 calibrate(model, init)
                 for _, q in named_quantizers(model, "activation"):
                     q.make_learnable(scale=True)
@@ -243,9 +244,9 @@ class GPLQPipeline(Pipeline):
 
         def fit_block(unit: str, reference) -> CompensationFit:
             if "fit" not in found:  # images drawn once, after the weights are quantized
-                found["fit"] = fit_on_images(model, data.train_images(
-                    options.stage2_images, options.seed, options.stage2_train_transform),
-                    options.batch_size_per_gpu, options.qwt_ridge)
+                found["fit"] = fit_on_images(model, data.draw_train_images(
+                    options.stage2_images, options.seed, options.stage2_train_transform,
+                    f"stage2_images={options.stage2_images}"), options.batch_size_per_gpu, options.qwt_ridge)
             return found["fit"](unit, reference)
 
         stage2 = quantize_weights_and_compensate(model, teacher, options, fit_block, timer, device)
