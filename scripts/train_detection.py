@@ -148,13 +148,18 @@ def foreign_files(work_dir: str, dump: str) -> list:
     """What `work_dir` holds that no run of this script writes there (engine.run_dir.earlier_run_files, less the
     settings file and its temporary, the config dump `dump`, the Runner's timestamped log folders and the
     checkpoints, which check_work_dir judges on their own): another program's run (train.py's checkpoint.pt,
-    best.pt, config.yaml, metrics.jsonl), a data set, anything of the user's. Sorted names; [] for no folder."""
+    best.pt, config.yaml, metrics.jsonl), a data set, anything of the user's. Beside a settings file, every
+    top-level *.py file is a config dump too: an earlier start of this script (ended by a SIGTERM before its first
+    checkpoint) may have had another first --config, so its dump has another name than `dump`; whether that run's
+    settings are this one's is check_settings' question. Sorted names; [] for no folder."""
     from engine.run_dir import earlier_run_files
     if not os.path.isdir(work_dir):
         return []
     ours = {SETTINGS_FILE, dump, "last_checkpoint"}
+    dumps = os.path.isfile(os.path.join(work_dir, SETTINGS_FILE))  # a folder of this script's run
     return [name for name in earlier_run_files(work_dir)
             if name not in ours and not name.endswith(".pth")
+            and not (dumps and name.endswith(".py") and os.path.isfile(os.path.join(work_dir, name)))
             and not re.fullmatch(rf"{re.escape(SETTINGS_FILE)}\.\d+\.tmp", name)  # record_settings' temporary
             and not (LOG_FOLDER.fullmatch(name) and os.path.isdir(os.path.join(work_dir, name)))]
 

@@ -180,6 +180,33 @@ def test_a_new_run_in_another_program_s_run_folder_is_refused_naming_its_files(s
     assert contents() == before
 
 
+def test_a_new_run_over_an_earlier_start_of_another_config_file_is_judged_by_its_settings(
+        sample_cfg, tmp_path, monkeypatch, capsys):
+    """An earlier start ended (a SIGTERM) before its first checkpoint leaves its settings file, its timestamped log
+    folder and its config dump, named as ITS first --config. A new run whose first --config has another name was
+    refused as "holds files no run of this script writes (mask_rcnn_swin_sample.py)", though the settings were
+    the same: it starts, leaving the earlier dump as it was, and one of other settings gets check_settings' error."""
+    import os
+    from mmengine.runner import Runner
+    import train_detection
+    root, _ = sample_cfg
+    work = tmp_path / "work"
+    dump = os.path.basename(SAMPLE_CONFIG)
+    argv = ["--data-root", root, "--work-dir", str(work)]
+    monkeypatch.setattr(Runner, "train", lambda runner: None)  # no step, no checkpoint: what a SIGTERM leaves
+    assert train_detection.main(["--config", SAMPLE_CONFIG, *argv]) == 0
+    left = sorted(os.listdir(work))
+    assert len(left) == 3 and left[1:] == [dump, "train_detection_config.json"] and (work / left[0]).is_dir(), left
+    earlier = (work / dump).read_bytes()
+    same = tmp_path / "same_settings.py"  # the sample's settings under another file name
+    same.write_text(f"_base_ = {os.path.abspath(SAMPLE_CONFIG)!r}\n")
+    assert train_detection.main(["--config", str(same), *argv]) == 0
+    assert (work / same.name).is_file() and (work / dump).read_bytes() == earlier
+    line = error_line(capsys, ["--config", str(same), *argv, "train_cfg.max_epochs=3"])
+    assert line == (f"error: --work-dir {work} holds train_detection_config.json of a run with other settings: give "
+                    "a new --work-dir, or move the file away"), line
+
+
 def test_a_list_index_under_a_key_the_config_lacks_is_one_error_line_before_any_work(sample_cfg, tmp_path, capsys):
     """`custom_hooks.0.lam=0.01` on a config without custom_hooks (the sample without a method fragment): MMEngine's
     merge made custom_hooks a dict keyed '0', and the hooks' check failed on it with an AttributeError traceback."""
