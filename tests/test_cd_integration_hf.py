@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from cd.integrations.hf import ColinearityDecayCallback  # noqa: E402
+from cd.integrations.hf import COUNTER_KEY, ColinearityDecayCallback  # noqa: E402
 from cd_integration_refs import assert_matches_reference, gpt2_hf_pairs, reference_run  # noqa: E402
 from cd_models import randomize_norms  # noqa: E402
 
@@ -213,6 +213,24 @@ def test_a_checkpoint_without_the_saved_counter_resumes_it_at_the_global_step_wi
     with pytest.warns(UserWarning, match=NO_COUNTER):
         train(tmp_path / "plain", steps=4, resume=str(tmp_path / "plain" / "checkpoint-2"), callback=given)
     assert given.decay.num_updates == 2 + 2  # as the warning says
+
+
+def test_a_resume_after_steps_run_without_the_callback_continues_the_saved_count_with_a_warning(tmp_path):
+    """Steps 1-2 with CD, 3-4 resumed without the callback (the Trainer carries CD's entry of step 2 forward into
+    checkpoint-4), 5-6 resumed with it: CD made 2 + 2 updates, but the counter became the restored global_step (4,
+    then 6) without a word. It continues from the saved 2 and warns, naming steps 3 to 4."""
+    train(tmp_path / "cd", steps=2, save_steps=2)
+    train(tmp_path / "plain", steps=4, save_steps=2, resume=str(tmp_path / "cd" / "checkpoint-2"),
+          callback=TrainerCallback())
+    carried = json.loads((tmp_path / "plain" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert carried["stateful_callbacks"][COUNTER_KEY]["global_step"] == 2 and carried["global_step"] == 4
+    given = ColinearityDecayCallback(lam=LAM)
+    with pytest.warns(UserWarning, match=r"ColinearityDecayCallback: resuming at step 4 with the CD state under "
+                                         r"'cd\.integrations\.hf\.ColinearityDecayCallback' saved at step 2: steps 3 "
+                                         r"to 4 ran without this callback and made no CD update\. The update counter "
+                                         r"\(cd/updates\) continues from the saved 2$"):
+        train(tmp_path / "plain", steps=6, resume=str(tmp_path / "plain" / "checkpoint-4"), callback=given)
+    assert given.decay.num_updates == 2 + 2
 
 
 def cd_config(lam: float, lam_per_role: dict | None = None) -> dict:

@@ -28,7 +28,10 @@ checkpoint without that entry, saved by an earlier version of this callback or b
 told apart), starts the counter at the restored `global_step`, as that version did, with a warning (as Lightning's
 callback and MMEngine's hook give on a checkpoint without CD state, where they count from 0): `global_step` also
 counts the steps of lr 0 (a warmup's first), those fp16 skipped and those of a run without CD, so the counter is
-too high by those steps; one whose entry has no config (an earlier version's too) compares none.
+too high by those steps; one whose entry has no config (an earlier version's too) compares none. An entry saved at
+an earlier step than the restored `global_step` was carried forward by the Trainer through steps run without this
+callback (a resume without it), which made no CD update: the counter continues from the saved count, with a warning
+naming those steps.
 
 The Trainer has no event for a `train()` that raises (Lightning has `on_exception`): the binding of a failed run
 stays on its optimizer, armed if the run stopped between `on_pre_optimizer_step` and the step. Each `train()`
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from typing import Any, Optional
 
 from transformers import TrainerCallback
@@ -135,15 +139,26 @@ class ColinearityDecayCallback(TrainerCallback):
         self._unbind()
 
     def _restore_counter(self, state) -> None:
-        """The counter of a resumed run: the saved one, when it was saved at the step the Trainer restored;
-        else (a checkpoint without it) the restored global_step, where CD updates at all (lam=0 counts none).
+        """The counter of a resumed run: the saved one (saved at an earlier step than the Trainer restored, the
+        steps between ran without this callback: warned about); else (a checkpoint without it) the restored
+        global_step, where CD updates at all (lam=0 counts none).
         The updates that `norms_every` counts are the restored global_step (the Trainer's update number, which
         its logging_steps count too). A saved config that differs from this decay's is warned about
         (`ColinearityDecay.load_state_dict`)."""
         saved = (state.stateful_callbacks or {}).get(COUNTER_KEY)
         saved = saved if isinstance(saved, dict) else {}
-        if saved.get("global_step") == state.global_step and "num_updates" in saved:
+        if "num_updates" in saved:
             count = saved["num_updates"]
+            at = saved.get("global_step")
+            if at != state.global_step:
+                # the Trainer carries the entry forward through steps run without this callback (a resume
+                # without it), which made no CD update: the saved count is exact, and those steps are named
+                steps = ("the steps after it" if not isinstance(at, int) else f"step {state.global_step}"
+                         if at + 1 == state.global_step else f"steps {at + 1} to {state.global_step}")
+                warnings.warn(f"{type(self).__name__}: resuming at step {state.global_step} with the CD state "
+                              f"under {COUNTER_KEY!r} saved at step {at}: {steps} ran without this callback and "
+                              f"made no CD update. The update counter (cd/updates) continues from the saved {count}",
+                              stacklevel=2)
         else:
             count = state.global_step if self.decay._active else self.decay.num_updates
         if state.global_step > 0 and not saved:
