@@ -495,6 +495,9 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
     scheduler = as_config_error("sched", build_scheduler, optimizer, cfg.sched, updates_per_epoch)
     log.info("%s", describe_precision(cfg.train.amp, device))
     ema = build_ema(model, cfg.train)
+    if ema is not None:  # scored beside the raw weights, which best.pt and the closing lines follow (DeiT's report)
+        log.info("EMA of the weights: decay %g per update%s; scored as val_ema/* at each validation, best.pt chosen "
+                 "by the raw weights", cfg.train.ema_decay, " with timm's warmup" if cfg.train.ema_warmup else "")
     log.info("global batch %d = %d per process x %d processes x %d accumulation steps; %s %s; %s; wd %g; "
              "%d updates per epoch, %d epochs (%d updates)", cfg.train.batch_size, per_gpu, dist.world_size,
              accum_steps, cfg.optim.name, "fused kernel" if use_fused(cfg.optim, device) else "default kernels",
@@ -825,8 +828,10 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
             val = run.validate(preemption.should_stop) or {}
             if val:
                 state.validation_due = False
-                log.info("epoch %d/%d  update %d  %s", state.current_epoch, run.epochs, state.step,
-                         run.task.score_text(val[run.task.score_key]))
+                ema_key = run.task.score_key.replace("val/", "val_ema/", 1)
+                log.info("epoch %d/%d  update %d  %s%s", state.current_epoch, run.epochs, state.step,
+                         run.task.score_text(val[run.task.score_key]),
+                         f"  (EMA: {run.task.score_text(val[ema_key])})" if ema_key in val else "")
             else:
                 reason = "preempted"  # the signal came during validation
         # not while the loss is high (the divergence guard): the last good checkpoint stays the resume point; but

@@ -38,6 +38,20 @@ def test_debug_run_writes_the_documented_files(debug_config):
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in train_records)
 
 
+def test_an_ema_run_says_so_in_train_log_and_prints_its_score_beside_the_raw_one(debug_config):
+    """With train.ema=true, train.log never mentioned the EMA: its decay, and its score (val_ema/top1, in
+    metrics.jsonl only) beside the raw weights' at each validation."""
+    cfg = debug_config("train.ema=true", "train.ema_decay=0.9")
+    train.main(cfg)
+    with open(os.path.join(cfg.out_dir, "train.log")) as f:
+        text = f.read()
+    assert "EMA of the weights: decay 0.9 per update; scored as val_ema/* at each validation" in text
+    scored = [r for r in read_metrics(cfg.out_dir) if "val_ema/top1" in r]
+    lines = re.findall(r"epoch \d+/\d+  update (\d+)  val top-1 ([\d.]+)%  \(EMA: val top-1 ([\d.]+)%\)", text)
+    assert scored and [(int(u), float(raw), float(ema)) for u, raw, ema in lines] == [
+        (r["step"], round(r["val/top1"], 2), round(r["val_ema/top1"], 2)) for r in scored]
+
+
 @pytest.mark.slow  # trains the Swin demo 40 updates (about 30 s)
 def test_demo_config_trains_on_digits(tmp_path):
     # the Swin demo: ViTs with a cls token sit on a loss plateau for their first ~100 updates. Batches of 32, not
