@@ -133,11 +133,11 @@ def check_checkpointing(cfg, work_dir: str) -> None:
 def epoch_loop(train_cfg) -> bool:
     """Whether MMEngine's Runner builds an EpochBasedTrainLoop from `train_cfg` (Runner.build_train_loop): its
     `type`, by name with or without a registry scope, or where it has none its by_epoch."""
+    from cd.integrations.mmengine import type_name
     kind = train_cfg.get("type")
     if kind is None:
         return bool(train_cfg.get("by_epoch", True))
-    return (kind.rsplit(".", 1)[-1] if isinstance(kind, str) else getattr(kind, "__name__", None)) == \
-        "EpochBasedTrainLoop"
+    return type_name(kind) == "EpochBasedTrainLoop"
 
 
 # the log folder MMEngine's Runner makes in the work dir at each start, named by its timestamp (Runner.timestamp)
@@ -354,13 +354,13 @@ def check_amp(cfg) -> None:
     """Refuse an AMP optimizer wrapper (the shipped Swin configs' AmpOptimWrapper: the paper trains with fp16 AMP)
     on a machine without a device MMEngine's AMP runs on: its constructor asserts one when runner.train() builds
     it, after the config dump and the settings file were written, with an AssertionError traceback."""
+    from cd.integrations.mmengine import type_name
     from engine.detection import DetectionError
     from mmengine.device import get_device
     from mmengine.optim import AmpOptimWrapper
-    kind = (cfg.get("optim_wrapper") or {}).get("type")
     # by name (`mmengine.AmpOptimWrapper` too): the registry's look-up imports mmdet.engine, which needs compiled
     # mmcv; a subclass may run elsewhere (a CPU stand-in that skips the assertion) and is left to its constructor
-    name = kind.rsplit(".", 1)[-1] if isinstance(kind, str) else getattr(kind, "__name__", None)
+    name = type_name((cfg.get("optim_wrapper") or {}).get("type"))
     # the devices AmpOptimWrapper.__init__ asserts (mps is not among them)
     if name == AmpOptimWrapper.__name__ and get_device() not in ("cuda", "npu", "mlu", "musa"):
         raise DetectionError(f"optim_wrapper.type={name} trains with AMP, which MMEngine runs on a GPU only, "

@@ -14,6 +14,7 @@ from torch import nn
 from mmengine.config import Config
 from mmdet.registry import MODELS
 
+from cd.integrations.mmengine import type_name
 from engine.checkpoint import is_run_checkpoint
 from engine.detection.errors import DetectionError
 from models.modules import nonfinite_tensors
@@ -208,5 +209,5 @@ def training_method(meta: dict) -> Optional[str]:
             hooks = Config.fromfile(path, import_custom_modules=False).get("custom_hooks") or []
         except Exception:  # noqa: BLE001 - MMEngine executes the text: any failure means "not known"
             return None
-    types = [str(hook.get("type")).rsplit(".", 1)[-1] for hook in hooks if isinstance(hook, dict)]  # mmdet.X
+    types = [type_name(hook.get("type")) for hook in hooks if isinstance(hook, dict)]  # mmdet.X too
     return "+".join(METHOD_HOOKS[t] for t in types if t in METHOD_HOOKS) or "Baseline"
