@@ -61,8 +61,10 @@ def parse_args(argv):
     parser.add_argument("--quant", nargs="*", action="extend", default=None,
                         help="pipelines (default: every pipeline that quantizes detectors); a bare --quant, "
                              "naming none: FP only")
-    # None: not given (a full-precision-only evaluation refuses them); QUANT_DEFAULTS otherwise
-    parser.add_argument("--bits", nargs="+", action="extend", default=None, help="bit-widths (default: w4a4)")
+    # None: not given (a full-precision-only evaluation refuses them); QUANT_DEFAULTS otherwise. "*", not "+": a
+    # --bits left with no bit-width (an empty shell variable, or only key=value words after it) is refused below
+    parser.add_argument("--bits", nargs="*", action="extend", default=None,
+                        help=f"bit-widths (default: {' '.join(QUANT_DEFAULTS['bits'])})")
     parser.add_argument("--calib-images", type=int, default=None,
                         help="training images calibrating the quantizers, one batch (default 1, as RepQ-ViT's)")
     parser.add_argument("--calib-seed", type=int, default=None, help="seed drawing the calibration images (default 0)")
@@ -87,8 +89,9 @@ def parse_args(argv):
     from configs.cli import move_overrides
     move_overrides(args, "quant", "bits")  # as evaluate.py: `--quant test_dataloader.x=1`: an override, FP only
     args.overrides += args.cfg_options  # MMDetection's spelling, after the bare ones as in train_detection.py
-    if args.bits == []:  # `--bits k=v`: no bit-width named, the default as if --bits were not given
-        args.bits = None
+    if args.bits == []:  # `--bits $EMPTY k=v`: unlike a bare --quant's, no asked meaning; the default would run
+        parser.error(f"--bits names no bit-width: name them (e.g. --bits w4a4 w6a6), or drop --bits for the "
+                     f"default ({' '.join(QUANT_DEFAULTS['bits'])})")
     return args
 
 

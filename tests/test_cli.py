@@ -275,6 +275,22 @@ def test_a_repeated_flag_of_the_detection_evaluation_adds_to_its_list():
     assert (args.quant, args.bits, args.quant_options) == ([], None, [])
     assert evaluate_detection.parse_args(common).quant is None  # every detection pipeline
 
+
+@pytest.mark.parametrize("bits", [["--bits"], ["--bits", "val_dataloader.batch_size=1"], ["--bits", "--quant", "repq"]])
+def test_the_detection_evaluation_refuses_a_bits_naming_no_bit_width(bits, capsys):
+    """`--bits $EMPTY k=v` (an unset shell variable) left --bits with no bit-width, which evaluate_detection.py took
+    for --bits not given and ran the default w4a4 without a word (evaluate.py refuses it): one `error:` line, exit 2,
+    before any MMDetection import, naming the fix and the default (w4a4, the paper's and --help's)."""
+    import evaluate_detection
+    loaded = "mmdet" in sys.modules
+    with pytest.raises(SystemExit) as refused:
+        evaluate_detection.parse_args(["--config", "c.py", "--checkpoint", "k.pth", *bits])
+    assert ("mmdet" in sys.modules) == loaded  # refused by the parser, before main imports MMDetection
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ")
+    assert "--bits names no bit-width: name them" in err and "drop --bits for the default (w4a4)" in err
+
+
 def test_train_without_config_says_that_the_default_is_the_digits_demo():
     with pytest.raises(ConfigError, match=r"data.root=/datasets/x would be ignored.*the default config is "
                                           r"configs/demo/vit_digits.yaml \(digits\); pass --config configs/"):
