@@ -149,8 +149,21 @@ class Pipeline:
             # that the report's 16 then reads as float: refused, so that 16 has one meaning
             if value not in (None, 0) and not 2 <= value < FLOAT_BITS:
                 raise ValueError(f"{key}={value}: give 2..{FLOAT_BITS - 1} bits, 0 (float, which a bit-width such as "
-                                 "w4a16 spells 16) or null (the main bit-width)")
+                                 "w4a16 spells 16) or null (the main bit-width)"
+                                 + (self._recorded_float_hint(key, detection) if value == FLOAT_BITS else ""))
         self.layout(bits, options)
+
+    def _recorded_float_hint(self, key: str, detection: bool) -> str:
+        """The fix for a stem / head bit-width of 16, which was taken until it was refused: a run trained then records
+        it in its config, the defaults of `evaluate.py --checkpoint` (and of a resumed train.py), so the user may meet
+        it without having typed it, and needs the override of the full key (a detector's options come from
+        evaluate_detection.py's --quant-options alone, which spells the key there)."""
+        if detection:
+            where = f"--quant-options {self.name}.{key}"
+            return f"; give {where}=0 (float) or {where}={FLOAT_BITS - 1}"
+        where = f"quant.{self.name}.{key}"
+        return (f"; a run's recorded config (evaluate.py --checkpoint) may hold {FLOAT_BITS}, which that run's reports "
+                f"read as float: override {where}=0 (float) or {where}={FLOAT_BITS - 1}")
 
     def check_task(self, fp_model: nn.Module, detection: bool) -> None:
         """Raise ValueError for a model of a task not in `tasks` (engine/tasks.py names; `detection`: the caller's

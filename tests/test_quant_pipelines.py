@@ -1,4 +1,5 @@
 """Pipeline registry, options, reports, first/last-layer bits and frozen quantizers at evaluation."""
+import os
 import time
 
 import numpy as np
@@ -130,6 +131,54 @@ def test_stem_and_head_bits_of_16_are_refused_before_any_quantizer_is_built():
     model, report = PIPELINES["repq"](tiny_vit(), images(2), "w4a4", {"head_a_bits": 15, "stem_w_bits": 0})
     assert report["head"] == {"w": 4, "a": 15} and model.head.input_quantizer.bits == 15
     assert report["stem"]["w"] is None and model.patch_embed.proj.weight_quantizer is None
+
+
+def test_a_stem_or_head_bits_of_16_recorded_by_an_older_run_is_refused_naming_the_override(checkpoint, tmp_path):
+    """A run trained while 16 was taken (it meant float in the reports) records quant.repq.head_a_bits=16 in its
+    config, the defaults of `evaluate.py --checkpoint`: the refusal named 16 as a value the user never typed, and no
+    way out. It says a run's recorded config may hold it and names the overrides of the full key, and each one it
+    names lets the same evaluation through with that value."""
+    import re
+
+    import evaluate
+    from configs import ConfigError
+
+    payload = torch.load(checkpoint, weights_only=True)
+    payload["config"]["quant"]["repq"]["head_a_bits"] = 16  # as such a run's config.yaml and checkpoints hold it
+    recorded = tmp_path / "best.pt"
+    torch.save(payload, recorded)
+    argv = ["--checkpoint", str(recorded), "--quant", "repq", "--bits", "w4a4", "--out", str(tmp_path / "e.json")]
+    with pytest.raises(ConfigError) as refused:
+        evaluate.resolve_config(evaluate.parse_args(argv))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("quant.repq: head_a_bits=16: give 2..15 bits")
+    assert "recorded config" in message and message.count("quant.repq:") == 1
+    fixes = re.findall(r"quant\.repq\.head_a_bits=\d+", message)
+    assert sorted(fixes) == ["quant.repq.head_a_bits=0", "quant.repq.head_a_bits=15"]
+    for fix in fixes:
+        cfg, _ = evaluate.resolve_config(evaluate.parse_args(argv + [fix]))
+        assert cfg.quant.repq.head_a_bits == int(fix.split("=")[1])
+    assert sorted(os.listdir(tmp_path)) == ["best.pt"]  # refused and resolved before any work
+
+
+def test_a_detector_stem_bits_of_16_names_its_quant_options_spelling():
+    """evaluate_detection.py takes pipeline options from --quant-options alone (no recorded config): the refusal of
+    16 names the fix in that flag's spelling, and the options it names are taken."""
+    import re
+
+    from configs.quant import RepQOptions
+    from evaluate_detection import pipeline_options
+    from quant.pipeline_base import parse_options
+
+    with pytest.raises(ValueError) as refused:
+        PIPELINES["repq"].validate(parse_bits("w4a4"), RepQOptions(stem_w_bits=16), detection=True)
+    fixes = re.findall(r"--quant-options (repq\.stem_w_bits=\d+)", str(refused.value))
+    assert sorted(fixes) == ["repq.stem_w_bits=0", "repq.stem_w_bits=15"]
+    assert "recorded config" not in str(refused.value)
+    for fix in fixes:
+        options = parse_options(RepQOptions, pipeline_options([fix], ["repq"])["repq"])
+        PIPELINES["repq"].validate(parse_bits("w4a4"), options, detection=True)
+        assert options.stem_w_bits == int(fix.split("=")[1])
 
 def test_percentile_modes():
     model, _ = PIPELINES["percentile"](tiny_vit(), images(4), "w6a6")
