@@ -57,7 +57,7 @@ from configs import Config, ConfigError, config_from_dict, config_to_dict, layer
 from configs.cli import OneLineParser, add_config_arguments, move_overrides, parse_known, print_config
 from configs.loader import (RefusedValueError, device_of_overrides, dotted_settings, get_key, override_keys,
                             read_yaml_file)
-from configs.schema import (TRAIN_MODE_MODEL_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, DataConfig,
+from configs.schema import (TRAIN_MODE_MODEL_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, DataConfig, ModelConfig,
                             unread_training_settings)
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, check_same_data_on_every_rank, dataset_classes,
@@ -384,16 +384,27 @@ def a_pipeline_trains(cfg: Config) -> bool:
     return any(PIPELINES[name].trains_model for name in cfg.quant.pipelines or ())
 
 
-def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namespace) -> torch.nn.Module:
-    """The float model: checkpoint weights (raw or EMA), or a timm model with model.pretrained weights."""
+def eval_model_config(model: ModelConfig) -> ModelConfig:
+    """`model` to build for evaluation only (eval mode throughout): without dropout or stochastic depth, which
+    act in training only; a model that has none (timm's VGG, GhostNet, ...) refuses a model.drop_path above 0."""
+    return dataclasses.replace(model, drop=0.0, drop_path=0.0)
+
+
+def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namespace,
+                     trains: Optional[bool] = None) -> torch.nn.Module:
+    """The float model: checkpoint weights (raw or EMA), or a timm model with model.pretrained weights. `trains`:
+    whether what runs on it trains it (GPLQ's stage 1), so that its dropout rates act; None: a_pipeline_trains."""
     if payload:  # softmax1 has no parameters of its own: only the config tells it from softmax
         trained = payload["config"].get("model", {}).get("attn", "softmax")
         if trained != cfg.model.attn:
             raise CheckpointError(f"{args.checkpoint} was trained with model.attn={trained}; drop the "
                                   f"model.attn={cfg.model.attn} override")
-    # dropout acts in training only: unless a pipeline trains (GPLQ's stage 1), the model is built without it, so a
-    # run recorded with a rate this code places otherwise, or refuses for its model (model.drop), still evaluates
-    built = cfg.model if a_pipeline_trains(cfg) else dataclasses.replace(cfg.model, drop=0.0)
+    # dropout and stochastic depth act in training only: unless a pipeline trains (GPLQ's stage 1), the model is
+    # built without them (eval mode's DropPath / Dropout are the identity: the same outputs), so a run recorded with
+    # a rate this code places otherwise, or refuses for its model (model.drop), still evaluates, and so does a model
+    # without stochastic depth (vgg, ghostnet) whose config carries the schema's model.drop_path default
+    trains = a_pipeline_trains(cfg) if trains is None else trains
+    built = cfg.model if trains else eval_model_config(cfg.model)
     # a weights file or the hub's is evaluated only as it is (strict: never with a new classifier)
     model = build_model(dataclasses.replace(built, pretrained="") if payload
                         else dataclasses.replace(built, pretrained_strict=True))

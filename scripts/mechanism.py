@@ -86,7 +86,7 @@ from engine import outputs  # noqa: E402
 from engine.outputs import save_figure  # noqa: E402
 from engine.run_dir import RunDirError, config_changes, prepare_folder, refuse_existing_outputs  # noqa: E402
 from engine.result_table import method_name  # noqa: E402
-from evaluate import calibration_set, load_float_model  # noqa: E402
+from evaluate import calibration_set, eval_model_config, load_float_model  # noqa: E402
 from quant.plan import pipeline_options  # noqa: E402
 from models import ModelError, build_model, input_size, is_language_model, model_label  # noqa: E402
 from quant import PIPELINES, evaluate_quantized, parse_bits  # noqa: E402
@@ -386,7 +386,7 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
         cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
         check_overrides(args, cfg)
         check_config_layers(args, payload["config"], args.checkpoint)
-        model = load_float_model(cfg, payload, args)
+        model = load_float_model(cfg, payload, args, trains=False)  # --pipeline's repq / percentile train nothing
         source = os.path.abspath(args.checkpoint)
     elif args.model and args.weights:
         if not os.path.isfile(args.weights):
@@ -402,7 +402,9 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
                                               f"model.pretrained={os.path.abspath(args.weights)}",
                                               f"model.pretrained_strict={strict}"])
         check_overrides(args, cfg)
-        model = build_model(cfg.model)
+        # read in eval mode only: built without dropout / stochastic depth (the schema's model.drop_path default
+        # would refuse a model without it, vgg, ghostnet), as evaluate.py builds one no pipeline trains
+        model = build_model(eval_model_config(cfg.model))
         source = f"{args.model} + weights {os.path.abspath(args.weights)}"
     else:
         raise MechanismError("nothing to load: give --checkpoint runs/<run>/best.pt, or --model NAME "
@@ -451,13 +453,14 @@ def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
         cfg = copy.deepcopy(first.cfg)
         cfg.model = dataclasses.replace(cfg.model, pretrained=os.path.abspath(path),
                                         pretrained_strict=args.command not in READ_NO_CLASSIFIER)
-        loaded = Loaded(cfg, build_model(cfg.model).eval(), os.path.abspath(path), os.path.basename(path))
+        loaded = Loaded(cfg, build_model(eval_model_config(cfg.model)).eval(), os.path.abspath(path),
+                        os.path.basename(path))
     else:
         # the --config layers and overrides of the first model, so that both are read alike
         cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
         check_config_layers(args, payload["config"], path)
         check_same_model(first, cfg, path)
-        model = load_float_model(cfg, payload, argparse.Namespace(ema=args.ema, checkpoint=path))
+        model = load_float_model(cfg, payload, argparse.Namespace(ema=args.ema, checkpoint=path), trains=False)
         loaded = Loaded(cfg, model.eval(), os.path.abspath(path), method_name(cfg))
     # the same weights in another file (a copy, best.pt of a run that ended on its best update beside checkpoint.pt)
     if weights_fingerprint(loaded.model.state_dict()) == weights_fingerprint(first.model.state_dict()):
