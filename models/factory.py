@@ -160,6 +160,17 @@ def check_patch_grid(model: nn.Module, cfg: ModelConfig) -> None:
                          f"{' (all of them)' if s < p else ''}; set model.img_size to a multiple of {whole}")
 
 
+def check_classes_built(model: nn.Module, cfg: ModelConfig, arch: str) -> None:
+    """timm's building of an encoder without a classifier (qwen3_vit_*_enc, gemma4_vit_*_enc, ...) drops num_classes
+    (its kwargs_filter): the model's outputs would be features, trained as if they were class scores. `model`: the
+    model timm built of `arch` for `cfg` (or its meta-device build, the same shapes)."""
+    built = getattr(model, "num_classes", cfg.num_classes)
+    if built != cfg.num_classes:
+        raise ModelError(f"model.num_classes={cfg.num_classes}: model '{cfg.name}' ({arch}) was built with "
+                         f"num_classes={built} (timm's building drops the argument: a feature encoder without a "
+                         f"classifier, whose outputs are no class scores); give a model.name with a classifier")
+
+
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Create the model of `cfg` (a ModelConfig), with its attention variant, and load its pretrained
     weights, if any."""
@@ -171,6 +182,14 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     arch, kwargs = model_kwargs(cfg)
     if hub and cfg.pretrained_strict:  # timm would fit the weights to the model (a random classifier), not refuse
         check_hub_weights_fit(cfg, arch, kwargs)
+    if hub:  # refused before the download of the weights (hundreds of MB for an encoder), on the model's shapes
+        with torch.device("meta"):
+            try:
+                shapes = create_timm_model(arch, kwargs)
+            except Exception:  # noqa: BLE001 - not built on the meta device: the real build's error, or its check
+                shapes = None
+        if shapes is not None:
+            check_classes_built(shapes, cfg, arch)
     try:
         model = create_timm_model(arch, kwargs, pretrained=hub)
     except TypeError as e:  # an unknown constructor argument in model.kwargs
@@ -189,13 +208,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
             raise ModelError(f"model '{cfg.name}' ({arch}) rejected its arguments {kwargs}: "
                              f"{e or type(e).__name__}") from e
         raise
-    # timm's building of an encoder without a classifier (qwen3_vit_*_enc, gemma4_vit_*_enc, ...) drops num_classes
-    # (its kwargs_filter): the model's outputs would be features, trained as if they were class scores
-    built = getattr(model, "num_classes", cfg.num_classes)
-    if built != cfg.num_classes:
-        raise ModelError(f"model.num_classes={cfg.num_classes}: model '{cfg.name}' ({arch}) was built with "
-                         f"num_classes={built} (timm's building drops the argument: a feature encoder without a "
-                         f"classifier, whose outputs are no class scores); give a model.name with a classifier")
+    check_classes_built(model, cfg, arch)
     check_patch_grid(model, cfg)
     if hub:  # the scored weights are not all the hub's: logged and recorded as a local file's (models/pretrained.py)
         model.pretrained_resampled, lines = hub_resampled(model, arch)

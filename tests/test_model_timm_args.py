@@ -14,6 +14,7 @@ from timm.models import _builder, _factory
 from configs.schema import ModelConfig
 from models import ModelError, build_model
 from tests.conftest import DEBUG_CONFIG, run_entry
+from tests.hub_cache import serve_hub_cache
 
 # named parameters of timm's building functions that are not the model's constructor arguments
 _NOT_BUILD_ARGS = {"model_name", "model_cls", "variant", "pretrained", "kwargs"}
@@ -110,3 +111,20 @@ def test_an_encoder_whose_building_drops_num_classes_is_refused_naming_model_num
                                          r"model.name with a classifier"):
         meta_build(name, drop_path=0.0)
     assert meta_build(name.removesuffix("_enc"), drop_path=0.0).num_classes == 10  # the same encoder with a head
+
+
+def test_the_num_classes_refusal_of_hub_weights_comes_before_their_download(tmp_path, monkeypatch):
+    """model.pretrained=hub for such an encoder was refused only once timm had fetched its weights (hundreds of MB):
+    offline, with nothing cached, the fetch failed first and its refusal hid the one that says what to change."""
+    serve_hub_cache(monkeypatch, tmp_path)  # an empty cache, offline: any fetch fails
+    fetched, create = [], timm.create_model
+
+    def recording(name, *args, **kwargs):
+        if kwargs.get("pretrained"):
+            fetched.append(name)
+        return create(name, *args, **kwargs)
+
+    monkeypatch.setattr(timm, "create_model", recording)
+    with pytest.raises(ModelError, match=r"^model.num_classes=10: model 'qwen3_vit_88m_enc' .*num_classes=0 "):
+        build_model(ModelConfig(name="qwen3_vit_88m_enc", num_classes=10, pretrained="hub", drop_path=0.0))
+    assert not fetched

@@ -335,7 +335,8 @@ def test_hub_weights_come_from_timm_and_no_local_file_is_read(monkeypatch):
     monkeypatch.setattr(timm, "create_model", offline)
     # a timm name: the small variants have no hub weights (refused before timm is asked: test_hub_weights_fit.py)
     model = build_model(model_cfg("model.name=vit_tiny_patch16_224", "model.img_size=32", "model.pretrained=hub"))
-    assert asked == [True] and isinstance(model, torch.nn.Module)
+    # one download (beside the build on the meta device that checks the model's classes before it)
+    assert asked.count(True) == 1 and isinstance(model, torch.nn.Module)
 
 
 def test_an_input_of_part_patches_is_accepted_when_timm_pads_it_and_resizes_the_position_table():
