@@ -175,13 +175,36 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
              if new_sinks else "")
 
 
+# the entries that timm's reader (use_ema=False) takes the raw weights from, in its order, then module_entry's
+RAW_KEYS = ("state_dict", "model", "module")
+
+
 def no_state_dict(path: str) -> str:
     """The error line for model.pretrained=`path`, a file without raw weights where timm's reader looks for them."""
-    if ema := ema_copy(path):  # an EMA copy alone, which the reader leaves unread (use_ema=False)
+    payload = mapped_payload(path)
+    entries = payload if isinstance(payload, dict) else {}
+    # the first of them the file has (an entry that is a tensor is a parameter of that name, in a state dict)
+    raw = next((k for k in RAW_KEYS if k in entries and not isinstance(entries[k], torch.Tensor)), "")
+    if not raw and (ema := ema_copy(path)):  # an EMA copy alone, which the reader leaves unread (use_ema=False)
         return (f"model.pretrained={path} holds only an EMA copy of the weights ('{ema}'), no raw weights: to start "
                 f"from it, {ema_advice(ema)}")
+    # raw weights that are no state dict (an EMA copy beside them is not what is wrong): what is wrong with them
+    problem = raw and not_a_state_dict(entries[raw])
     return (f"model.pretrained={path} holds no state dict (parameter name -> tensor), neither as a whole nor under "
-            f"'model' / 'state_dict' / 'module': give a weights file")
+            f"'model' / 'state_dict' / 'module'{f'; its {raw!r} {problem}' if problem else ''}: give a weights file")
+
+
+def not_a_state_dict(entry: object) -> str:
+    """What keeps `entry` (a torch file's entry) from being a state dict, said of it ('is a list'); '' where it is
+    one."""
+    if not isinstance(entry, dict):
+        return f"is a {type(entry).__name__}"
+    others = [k for k, v in entry.items() if not isinstance(v, torch.Tensor)]
+    if not others:
+        return ""
+    first, one = entry[others[0]], len(others) == 1
+    return (f"has {len(others)} entr{'y' if one else 'ies'} of {len(entry)} that hold{'s' if one else ''} no tensor, "
+            f"e.g. {others[0]!r} ({type(first).__name__} {str(first)[:40]})")
 
 
 def module_entry(state: object) -> object:

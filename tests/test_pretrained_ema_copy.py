@@ -77,3 +77,23 @@ def test_a_file_holding_only_an_ema_copy_is_refused_as_such_and_its_advice_follo
     monkeypatch.chdir(tmp_path)
     exec(advice.replace("PATH", repr(str(path))), {"torch": torch})  # the advice, as worded
     assert same(loaded_line(tmp_path / "ema.pth", caplog)[0], averaged)
+
+
+@pytest.mark.parametrize("raw, ema, entry, problem", [
+    ("state_dict", "state_dict_ema", {"_version": 2},
+     "has 1 entry of 33 that holds no tensor, e.g. '_version' (int 2)"),
+    ("model", "model_ema", None, "is a list")])
+def test_a_file_whose_raw_entry_is_no_state_dict_beside_an_ema_copy_is_refused_for_the_raw_entry(
+        raw, ema, entry, problem, tmp_path):
+    """{'state_dict': {..., '_version': 2}, 'state_dict_ema': ...} was refused as holding "only an EMA copy ... no
+    raw weights", though its raw weights are there (with an entry that is no tensor): the refusal is a file's without
+    a state dict, naming the raw entry and what is wrong with it."""
+    plain = weights(0)
+    assert len(plain) == 32  # the count the refusal names, with the one entry that is no tensor
+    path = tmp_path / "both.pth"
+    torch.save({raw: {**plain, **entry} if entry else list(plain.values()), ema: weights(1)}, path)
+    with pytest.raises(ModelError) as refused:
+        build_model(nano(f"model.pretrained={path}"))
+    assert str(refused.value) == (f"model.pretrained={path} holds no state dict (parameter name -> tensor), neither "
+                                  f"as a whole nor under 'model' / 'state_dict' / 'module'; its '{raw}' {problem}: "
+                                  f"give a weights file")
