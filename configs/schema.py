@@ -28,8 +28,8 @@ class ModelConfig:
     # input resolution; None keeps the variant's / timm's default
     img_size: Annotated[Optional[int], AtLeastOne] = None
     # stochastic depth rate (linear over blocks, as in DeiT/Swin); the timm vision models only: a GPT refuses any
-    # other value than 0, this default included, so a language model's config sets 0, as does one of a timm model
-    # without stochastic depth (vgg, densenet, ...: refused above 0)
+    # other value than 0, this default included, so a language model's config sets 0, as does the training config of
+    # a timm model without stochastic depth (vgg, densenet, ...: refused above 0; evaluate.py builds with 0)
     drop_path: Annotated[float, BelowOne] = 0.1
     # dropout after the position embedding, attention output projection and MLP layers of a ViT/DeiT, as DeiT's
     # drop_rate (timm's pos_drop_rate / proj_drop_rate; not timm 1.x's classifier drop_rate); refused for timm's
