@@ -119,6 +119,8 @@ def main(args: argparse.Namespace) -> dict:
             f"{SAME_SETTINGS_FIX}, and the same --checkpoint file (its config is the base of the settings)"
             if args.checkpoint else SAME_SETTINGS_FIX)
         out = default_out_path(args.checkpoint, cfg.model.name) if args.out is None else args.out
+        if os.path.islink(out):  # the JSON, its maxima CSV and plot and eval.log, all beside the file the link names
+            out = os.path.realpath(out)
         with failure_on_every_rank(device, "making the --out folder"):  # on each node (a read-only one: this rank)
             check_out(out)  # the default path too (a folder of that name)
             prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # default: beside the checkpoint

@@ -75,3 +75,6 @@ def test_an_out_that_is_a_symlink_updates_the_file_it_names_and_keeps_the_link(c
     import json
     assert "rtn" in json.loads(target.read_text())["quant"]
     assert not [p for p in os.listdir(tmp_path / "results") if p.endswith(".lock") or ".partial" in p]
+    # the maxima files the JSON names lie beside it (the JSON names them by its own stem), none beside the link
+    named = json.loads(target.read_text())["act_max_files"] if "act_max_files" in target.read_text() else None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.json", "results"], named
