@@ -5,6 +5,7 @@ initialisation and QwT images through the same check."""
 import pytest
 
 import quant.aphq.pipeline as aphq_pipeline
+import quant.gplq.pipeline as gplq_pipeline
 from device_utils import cpu_pipeline_data
 from quant import PIPELINES
 from quant.pipeline_data import PipelineData
@@ -48,10 +49,12 @@ def test_aphq_takes_a_provider_with_exactly_the_images_asked():
 
 @pytest.mark.parametrize("given, named", [({"init_images": 16}, "init_images=16"),
                                           ({"init_images": 8, "stage2_images": 16}, "stage2_images=16")])
-def test_gplq_draws_through_the_same_check(given, named):
+def test_gplq_draws_through_the_same_check(monkeypatch, given, named):
+    # both draws come before stage 1's training (tests/test_gplq_stage2_images_early.py)
+    monkeypatch.setattr(gplq_pipeline, "run_stage1", lambda *a, **k: pytest.fail("GPLQ stage 1 reached"))
     data = cpu_pipeline_data()
     data.train_images = sliced_pool
-    options = {"steps": 0, "init_images": 8, "stage2_images": 8, **given}  # steps=0: straight to the QwT fits
+    options = {"steps": 2, "batch_size_per_gpu": 8, "init_images": 8, "stage2_images": 8, **given}
     with pytest.raises(ValueError, match=rf"^{named}: PipelineData.train_images\(16, ...\) returned a tensor of "
                                          r"shape \[8, 3, 32, 32\]"):
         PIPELINES["gplq"](tiny_vit(), images(8), "w4a4", options, data=data)

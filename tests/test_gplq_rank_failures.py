@@ -91,13 +91,13 @@ def test_pca_on_two_ranks_with_one_empty_or_failing(outcomes):
     assert status == "OtherRankError" and "another rank failed reading its images for the GPLQ PCA" in message
 
 
-def _gplq_outcome(data) -> tuple:
+def _gplq_outcome(data, **options) -> tuple:
     from quant import PIPELINES
     from quant_models import tiny_vit
 
     try:
-        PIPELINES["gplq"](tiny_vit(depth=1), None, "w4a4", dict(steps=2, batch_size_per_gpu=4, init_images=8,
-                                                                pca_images=8, qwt=False), data=data)
+        PIPELINES["gplq"](tiny_vit(depth=1), None, "w4a4", {**dict(steps=2, batch_size_per_gpu=4, init_images=8,
+                                                                   pca_images=8, qwt=False), **options}, data=data)
         return ("ok", "")
     except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
         return (type(e).__name__, str(e))
@@ -119,6 +119,17 @@ def _stage1_outcomes(rank: int) -> dict:
     if rank == 1:  # this rank's stage-1 loader is empty (and so is its PCA's)
         data.train_loader = lambda batch_size, seed: TrainBatches([], None)
     outcomes["empty_loader"] = _gplq_outcome(data)
+    # QwT's images (drawn by rank 0, which runs stage 2) number fewer than stage2_images: refused before stage 1
+    import quant.gplq.pipeline as gplq_pipeline
+    from quant_models import images as images_32px
+    real, stage1_runs = gplq_pipeline.run_stage1, []
+    gplq_pipeline.run_stage1 = lambda *args, **kwargs: stage1_runs.append(1) or real(*args, **kwargs)
+    try:
+        data = cpu_pipeline_data(num_images=16)
+        data.train_images = lambda count, seed, train_transform: images_32px(8)[:count]
+        outcomes["stage2_images"] = (*_gplq_outcome(data, qwt=True, stage2_images=16), len(stage1_runs))
+    finally:
+        gplq_pipeline.run_stage1 = real
     return outcomes
 
 
@@ -145,3 +156,10 @@ def test_gplq_stage1_data_that_fails_on_one_rank_ends_every_rank(outcomes):
     assert rank0["init_images"][0] == "OtherRankError" and "preparing GPLQ stage 1" in rank0["init_images"][1]
     assert rank1["empty_loader"] == ("ValueError", "the stage-1 training loader is empty")
     assert rank0["empty_loader"] == ("OtherRankError", "the stage-1 training loader of another rank is empty")
+    # rank 0's QwT images are too few: its own error, one naming it on rank 1, and no rank started stage 1
+    status, message, stage1_runs = rank0["stage2_images"]
+    assert (status, stage1_runs) == ("ValueError", 0)
+    assert message.startswith("stage2_images=16: PipelineData.train_images(16, ...) returned a tensor of shape "
+                              "[8, 3, 32, 32], not 16 images")
+    status, message, stage1_runs = rank1["stage2_images"]
+    assert (status, stage1_runs) == ("OtherRankError", 0) and "its initialisation images, QwT images" in message

@@ -23,7 +23,8 @@ Stage 2, Weight-PTQ (W32A4 -> W4A4):
 * activation quantizers frozen; weights per output channel, symmetric (paper), RepQ-ViT percentile
   candidates with MSE selection ("MSE-based initialisation", the 79.5 row);
 * QwT (qwt.py): per Transformer block in order, least-squares linear compensation fitted on
-  `stage2_images` (512) images from the quantized + compensated prefix, kept only where it helps.
+  `stage2_images` (512) images from the quantized + compensated prefix, kept only where it helps. The images
+  are drawn before stage 1, so that a count the data cannot give is refused before any training.
 
 A detector (`PipelineData.detector_samples`) goes through detector.py: the detection loss instead of CE + PCA,
 MMDetection's runner for stage 1, QwT on the backbone's blocks.
@@ -202,11 +203,21 @@ class GPLQPipeline(Pipeline):
                     q.search_label = "LSQ"
                 # no update at steps 0 reads a batch (train_batch_sizes)
                 train_batches = data.train_loader(bs, options.seed) if options.steps != 0 else None
+                # QwT's images, drawn now on the rank that runs stage 2 (run_on_main: rank 0), so that a draw the
+                # data refuses (draw_train_images) ends the run before stage 1's training (hours), not after it.
+                # They depend on (count, seed, transform) alone (PipelineData: a seeded pure function, leaving the
+                # global RNG as it was), so stage 1 and the fits are those of a draw after stage 1. Kept on the CPU
+                # (capture_unit moves them batch by batch): 512 images at 224 px are 308 MB that stage 1 does not
+                # take from the accelerator.
+                stage2_images = (data.draw_train_images(options.stage2_images, options.seed,
+                                                        options.stage2_train_transform,
+                                                        f"stage2_images={options.stage2_images}").cpu()
+                                 if options.qwt and _main_rank() else None)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 error = e
             raise_on_every_rank(error, device, lambda: OtherRankError(
-                "another rank failed preparing GPLQ stage 1 (its initialisation images or training loader); its "
-                "output says why"))
+                "another rank failed preparing GPLQ stage 1 (its initialisation images, QwT images or training "
+                "loader); its output says why"))
         lr = options.lr if options.lr is not None else default_lr(bs * world)
         settings = Stage1Settings(steps=options.steps, batch_size_per_gpu=bs, lr=lr,
                                   scale_lr=options.scale_lr if options.scale_lr is not None else lr,
@@ -233,26 +244,23 @@ class GPLQPipeline(Pipeline):
                     if stage1["pca_dims"] is not None else "no PCA loss")
         log.info("GPLQ stage 1: %d updates, lr %.2e, %s [%.1fs]", stage1["steps"], lr, pca_part, stage1["seconds"])
 
-        return run_on_main(lambda: self._stage2(model, teacher, bits, options, data, timer, device, stage1),
+        return run_on_main(lambda: self._stage2(model, teacher, bits, options, stage2_images, timer, device, stage1),
                            f"quantizing gplq {bits} (stage 2)", device)
 
     def _stage2(self, model: nn.Module, teacher: nn.Module, bits: Bits, options: GPLQOptions,
-                data: PipelineData, timer: StageTimer, device: torch.device, stage1: dict) -> tuple:
-        """Freeze the activation quantizers, quantize the weights, QwT (stage2.py); (model, report with the
-        seconds of every stage)."""
-        found = {}
-
-        def fit_block(unit: str, reference) -> CompensationFit:
-            if "fit" not in found:  # images drawn once, after the weights are quantized
-                found["fit"] = fit_on_images(model, data.draw_train_images(
-                    options.stage2_images, options.seed, options.stage2_train_transform,
-                    f"stage2_images={options.stage2_images}"), options.batch_size_per_gpu, options.qwt_ridge)
-            return found["fit"](unit, reference)
-
+                stage2_images: Optional[torch.Tensor], timer: StageTimer, device: torch.device, stage1: dict) -> tuple:
+        """Freeze the activation quantizers, quantize the weights, QwT (stage2.py) on `stage2_images` (drawn
+        before stage 1; None without QwT); (model, report with the seconds of every stage)."""
+        fit_block = fit_on_images(model, stage2_images, options.batch_size_per_gpu, options.qwt_ridge)
         stage2 = quantize_weights_and_compensate(model, teacher, options, fit_block, timer, device)
         report = pipeline_report(self.name, model, bits, options, stage1=stage1, **stage2)
         report["seconds"] = timer.seconds
         return model, report
+
+
+def _main_rank() -> bool:
+    """This process runs what run_on_main runs: rank 0, or the only process."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def fit_on_images(model: nn.Module, images: torch.Tensor, batch_size: int, ridge: float) -> FitBlock:
