@@ -278,7 +278,8 @@ def check_probed_modules(cfg, evaluated, model) -> None:
     (engine/act_max.check_extra_modules): train.py refuses the run's own once its model is built, before the data are
     read (its config records them as evaluate.py's defaults), and evaluate.py those of `evaluated` (the run's config
     under the sweep's evaluate list: None without one) after the training. `model` is check_model's, on the meta
-    device: its module names are the run's, which evaluate.py builds from the checkpoint's config. Raises
+    device: its module names are the run's, which evaluate.py builds from the checkpoint's config, without dropout
+    or stochastic depth (evaluate.eval_model_config: the evaluate list is checked on that build). Raises
     ConfigError, in their words."""
     from engine.act_max import check_extra_modules
     from quant.plan import RECORDED_FOR_EVALUATION
@@ -288,8 +289,11 @@ def check_probed_modules(cfg, evaluated, model) -> None:
     except ConfigError as e:
         raise ConfigError(f"{e} ({RECORDED_FOR_EVALUATION})") from None
     if evaluated is not None and evaluated.quant.act_max_extra_modules != cfg.quant.act_max_extra_modules:
+        from evaluate import eval_model_config
+        # the model as evaluate.py builds it, without stochastic depth or dropout (its modules are Identity there)
+        scored = check_model(eval_model_config(cfg.model))
         try:  # set by the evaluate list (a run's own item that it would replace: refused by expand)
-            check_extra_modules(model, evaluated.quant.act_max_extra_modules)
+            check_extra_modules(scored, evaluated.quant.act_max_extra_modules)
         except ConfigError as e:
             raise ConfigError(f"{e} (the sweep's evaluate list: evaluate.py would refuse it after the training)"
                               ) from None
