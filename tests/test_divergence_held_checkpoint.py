@@ -59,10 +59,11 @@ def test_the_write_of_an_update_whose_weights_diverge_does_not_replace_the_last_
 
 
 def test_weights_that_give_a_nan_loss_are_never_kept(debug_config, tmp_path, caplog):
-    """Resumed at update 4 with optim.lr=1e38: update 5 makes huge (finite) weights whose loss at update 6 is NaN.
-    Before, checkpoint.pt was update 5's (weights up to ~1e38) and the NaN error named it as kept."""
+    """Resumed at update 4 with optim.lr=3e37 (under the lr whose first Adam step overflows float32, refused by
+    training_checks.check_peak_lr): update 5 makes huge (finite) weights whose loss at update 6 is NaN. Before,
+    checkpoint.pt was update 5's (weights up to ~1e38) and the NaN error named it as kept."""
     reference = good_checkpoint_of_update_4(debug_config, tmp_path)
-    cfg = debug_config(*EVERY_UPDATE, "optim.lr=1e38", "train.allow_changed_config=true")
+    cfg = debug_config(*EVERY_UPDATE, "optim.lr=3e37", "train.allow_changed_config=true")
     kept = "the last one, of update 4, is kept"
     with caplog.at_level(logging.WARNING), pytest.raises(NonFiniteLossError, match=kept):
         train.main(cfg)
