@@ -788,7 +788,8 @@ def build_loop(run: Run, preemption: Preemption) -> TrainLoop:
         accum_steps=run.accum_steps, clip_grad=cfg.optim.clip_grad, ema=run.ema, mixup=run.loaders.mixup,
         seed=cfg.train.seed, rank=dist.rank, world_size=dist.world_size,
         max_steps=min(run.total_steps, cfg.train.max_steps or sys.maxsize), log_every=cfg.train.log_every_steps,
-        ckpt_every=cfg.train.ckpt_every_steps, eval_every=cfg.train.eval_every_steps, save=run.save_checkpoint,
+        ckpt_every=cfg.train.ckpt_every_steps, eval_every=cfg.train.eval_every_steps,
+        validates=lambda step, epoch_done: validation_follows(run, step, epoch_done), save=run.save_checkpoint,
         checkpoint_file=run.checkpoint_file,
         log=log_step, metric_sources=metric_sources, window_sources=window_sources,
         should_stop=preemption.should_stop, request_stop=preemption.request_stop,
@@ -804,6 +805,7 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
     validates then). Returns (how it ended, the last validation, seconds spent in updates)."""
     cfg, state = run.cfg, run.state
     val, reason, train_seconds = {}, "finished", 0.0
+    validated_step = None  # the update of this process's last validation
     while state.validation_due or (more_to_train(run, state) and not reached(state.step, cfg.train.max_steps)):
         epoch_ended = False
         if not state.validation_due:
@@ -817,16 +819,19 @@ def train_epochs(run: Run, loop: TrainLoop, preemption: Preemption) -> tuple[str
                 reason = "preempted"  # the signal came at the epoch's last update
             # by the step, not by the loop's reason alone: an epoch that ends at a train.eval_every_steps update or
             # at train.max_steps returns 'epoch_end', and a stop request at such an update 'preempted' (the resumed
-            # run then validates first); the epoch's end alone is validated every train.eval_every_epochs
-            every = cfg.train.eval_every_steps
-            at_step = state.step != step_before and (reached(state.step, cfg.train.max_steps)
-                                                     or bool(every and state.step % every == 0))
-            state.validation_due = (reason in ("max_steps", "validate") or at_step or state.step >= run.total_steps
-                                    or (epoch_ended and (state.epoch % cfg.train.eval_every_epochs == 0
-                                                         or state.epoch == run.epochs)))
+            # run then validates first); the epoch's end alone is validated every train.eval_every_epochs. An epoch
+            # resumed at its last update (a write of that update made before its validation) makes none: its end's
+            # validation, unless the resumed run has just made it (validation_due, TrainLoop.validates)
+            ended = state.epoch if epoch_ended else None
+            state.validation_due = (validation_follows(run, state.step, ended) if state.step != step_before else
+                                    validation_follows(run, None, ended) and validated_step != state.step)
         if state.validation_due and reason != "preempted":
-            val = run.validate(preemption.should_stop) or {}
+            # logged once: a validation the run logged before a write of its update that it resumes from is not
+            # logged again (as in `finish`), unless the resume changed what validation measures
+            logged = run.logger.has_record(state.step, "val/") and not run.validation_changed
+            val = run.validate(preemption.should_stop, log_result=not logged) or {}
             if val:
+                validated_step = state.step
                 state.validation_due = False
                 ema_key = run.task.score_key.replace("val/", "val_ema/", 1)
                 log.info("epoch %d/%d  update %d  %s%s", state.current_epoch, run.epochs, state.step,
@@ -865,6 +870,18 @@ def keep_epoch_snapshot(run: Run, epoch: int) -> None:
     """Keep checkpoint.pt, just written at the end of `epoch`, as its snapshot (train.keep_every_epochs)."""
     kept = keep_snapshot(run.ckpt_path, epoch, run.dist.is_main, run.dist.device)
     log.info("epoch %d kept as %s", epoch, kept)
+
+
+def validation_follows(run: Run, step: Optional[int], epoch_done: Optional[int]) -> bool:
+    """Whether `train_epochs` validates after update `step` (None: no update was made): at every
+    train.eval_every_steps, train.max_steps and the schedule's last update, and where it completes epoch `epoch_done`
+    (1-based; None mid-epoch) every train.eval_every_epochs and the last. The loop records it as due from the update's
+    step on (engine/loop.py TrainLoop.validates)."""
+    cfg, every = run.cfg, run.cfg.train.eval_every_steps
+    at_step = step is not None and (reached(step, cfg.train.max_steps) or bool(every and step % every == 0)
+                                    or step >= run.total_steps)
+    return at_step or (epoch_done is not None and (epoch_done % cfg.train.eval_every_epochs == 0
+                                                   or epoch_done == run.epochs))
 
 
 def more_to_train(run: Run, state: TrainState) -> bool:

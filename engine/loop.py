@@ -109,7 +109,9 @@ class TrainState:
     # weights_fingerprint of the weights best.pt holds for best_value: which write of best.pt the score describes
     # (two branches of a run may validate at the same update); None before the first, or in older checkpoints
     best_fingerprint: Optional[str] = None
-    validation_due: bool = False  # a stop request ended the validation of this point: do it on resume
+    # this update's validation is not done (a stop request ended it, an error, or a write made before it: set from the
+    # update's step on, TrainLoop.validates): do it on resume
+    validation_due: bool = False
     initial_loss: Optional[float] = None  # mean loss of the first update over all ranks (divergence guard)
     divergence_streak: int = 0  # the divergence guard's high log windows in a row, kept across a resume
     unreadable_images: int = 0  # training samples that could not be read, replaced in their batch (all ranks)
@@ -149,6 +151,11 @@ class TrainLoop:
     log_every: int = 50
     ckpt_every: int = 0
     eval_every: int = 0  # end run_epoch with 'validate' every N updates (0: at epoch ends only)
+    # (update, the epoch it completes (1-based) or None) -> whether the caller validates after that update (train.py
+    # validation_follows): such an update is recorded as due (TrainState.validation_due) from its step on, so that a
+    # write of it made before its validation is done (train.ckpt_every_steps, held, made checkpoint.pt by an error in
+    # the validation: keep_held) makes the resumed run validate first; None: the caller records it
+    validates: Optional[Callable[[int, Optional[int]], bool]] = None
     save: Optional[Callable[[], None]] = None  # writes checkpoint.pt from the current state
     log: Optional[Callable[[int, dict], None]] = None  # (step, metrics)
     metric_sources: list = field(default_factory=list)  # callables returning dicts, read at log steps
@@ -318,6 +325,9 @@ class TrainLoop:
                 self._update_lr = max(g["lr"] for g in self.optimizer.param_groups)
                 if self.scheduler is not None and self.per_step_schedule:
                     self.scheduler.step_update(state.step)
+                epoch_done = state.epoch + 1 if state.epoch_batches >= total * self.accum_steps else None
+                if self.validates is not None and self.validates(state.step, epoch_done):
+                    state.validation_due = True  # in every write of this update until the caller validates
                 stage = "data"
                 window.add_update(images_per_update, grad_norm)
                 if bar is not None:
