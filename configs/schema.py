@@ -254,7 +254,10 @@ class TrainConfig:
     # refuses more); 0: at epoch ends only (nanoGPT: 2000); a resume may change it (validation then at the new
     # value's multiples)
     eval_every_steps: Annotated[int, NonNegative] = 0
-    # also write checkpoint.pt every N updates, N at most the run's (0: at epoch ends only)
+    # also write checkpoint.pt every N updates, N at most the run's (0: at epoch ends only); where the run goes on,
+    # the write becomes checkpoint.pt once the next update's loss passes the divergence guard: until then (through
+    # the validation of its update too) a hard kill (SIGKILL, OOM) resumes from the write before, a SIGTERM or SIGINT
+    # stop makes it checkpoint.pt (docs/operations.md, Divergence)
     ckpt_every_steps: Annotated[int, NonNegative] = 0
     log_every_steps: Annotated[int, AtLeastOne] = 50  # training metrics every N updates
     deterministic: bool = False  # cuDNN/cuBLAS deterministic algorithms (slower)

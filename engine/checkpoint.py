@@ -80,8 +80,10 @@ class CheckpointFile:
     next update's loss, measured on those weights, has passed the divergence guard (`publish`), or deleted if it
     has not (`discard`): a diverged update never replaces the last good checkpoint. The held file has a
     `partial_path` name: never resumed from, and one that a killed run leaves is removed by the next run's claim
-    of out_dir (engine/run_dir.remove_partial_writes). A write of checkpoint.pt itself supersedes a held one
-    (deleted). Every rank keeps the same `held_step` (the same calls on each); the main rank writes the files."""
+    of out_dir on the same machine once its writer's pid is gone (engine/run_dir.remove_partial_writes, which names
+    one it keeps). A later write, held or made at once, supersedes a held one, deleted only once the new file is
+    written (`save`). Every rank keeps the same `held_step` (the same calls on each); the main rank writes the
+    files."""
 
     def __init__(self, path: str, is_main: bool, device: torch.device) -> None:
         self.path, self.is_main, self.device = path, is_main, device
@@ -90,14 +92,25 @@ class CheckpointFile:
 
     def save(self, payload_fn: Callable[[], dict], held_step: Optional[int] = None) -> None:
         """Write `payload_fn()` to checkpoint.pt (`held_step` None), or hold it back as the write of update
-        `held_step`; either way a write held before is superseded."""
+        `held_step`; either way a write held before is superseded, deleted only once this one is written: if this
+        write fails (a full disk), the held one is renamed over checkpoint.pt before the CheckpointError is raised,
+        as after any error (TrainLoop.keep_held), so that the re-run the error advises has the last write made."""
+        held = None if held_step is None else partial_path(self.path)  # a name of its own beside a held one
+        try:
+            save_on_main_rank(payload_fn, held or self.path, self.is_main, self.device,
+                              held_of=None if held is None else self.path)
+        except CheckpointError as error:
+            try:
+                kept = self.publish(collective=False)  # every rank is here (save_on_main_rank raised on each)
+            except CheckpointError as publish_error:
+                raise CheckpointError(f"{error}; {publish_error}") from error
+            if kept is None:
+                raise
+            raise CheckpointError(f"{error}; checkpoint.pt is now the write of update {kept} held back before this "
+                                  f"one, which the re-run resumes from") from error
         self.discard()
-        if held_step is None:
-            save_on_main_rank(payload_fn, self.path, self.is_main, self.device)
-            return
-        held = partial_path(self.path)
-        save_on_main_rank(payload_fn, held, self.is_main, self.device, held_of=self.path)
-        self._held, self.held_step = held, held_step
+        if held is not None:
+            self._held, self.held_step = held, held_step
 
     def publish(self, collective: bool = True) -> Optional[int]:
         """Rename the held write over checkpoint.pt; returns its update (None: none was held). `collective`: a

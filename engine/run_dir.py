@@ -251,18 +251,27 @@ def _running(pid: int) -> bool:
 def remove_partial_writes(out_dir: str) -> list[str]:
     """Delete leftovers of interrupted atomic writes in `out_dir` and its snapshots folder
     (`partial_path` names whose writer is no longer running; nothing else, whatever its name); returns
-    their paths relative to out_dir."""
-    removed = []
+    their paths relative to out_dir. One whose writer may still run is kept, named in one warning: another machine's
+    (its pid cannot be checked here), or one of a running pid or of this process's own (a container reuses pids: an
+    earlier run's held checkpoint.pt write, engine/checkpoint.CheckpointFile, may carry the pid of this one)."""
+    removed, kept = [], []
     for folder in (out_dir, os.path.join(out_dir, SNAPSHOTS)):
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
             path = os.path.join(folder, name)
             pid = _partial_writer(name)
-            if pid is None or pid == os.getpid() or _running(pid) or not os.path.isfile(path):
+            if not os.path.isfile(path) or (pid is None and not _PARTIAL.search(name)):
+                continue  # not one of this program's temporary files
+            if pid is None or pid == os.getpid() or _running(pid):
+                kept.append(os.path.relpath(path, out_dir))
                 continue
             size = os.path.getsize(path)
             os.remove(path)
             removed.append(os.path.relpath(path, out_dir))
             log.warning("removed %s (%.1f MB), a partial write of an interrupted run", path, size / 2 ** 20)
+    if kept:
+        log.warning("kept in %s: %s, partial write(s) of another machine or of a pid running on this one (or this "
+                    "run's own pid, which a container may reuse); delete them once no process writes them", out_dir,
+                    ", ".join(kept))
     return removed
 
 

@@ -7,6 +7,7 @@ TrainLoop.checkpoint, engine/checkpoint.CheckpointFile); weights that hold a NaN
 
 The runs resume from a normal checkpoint of update 4 with a learning rate that breaks the next update: the reference is
 that checkpoint's own file, copied before the resume."""
+import errno
 import logging
 import math
 import os
@@ -16,10 +17,11 @@ import pytest
 import torch
 
 import train
-from engine.checkpoint import CheckpointFile, load_checkpoint
+import engine.checkpoint
+from engine.checkpoint import CheckpointError, CheckpointFile, load_checkpoint
 from engine.divergence import DivergenceError
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState
-from engine.run_dir import partial_writes_of
+from engine.run_dir import partial_path, partial_writes_of, remove_partial_writes
 
 # configs/debug/tiny.yaml: 4 updates per epoch; a log window and a checkpoint every update
 EVERY_UPDATE = ("model.drop_path=0.0", "data.mixup=0", "data.cutmix=0", "sched.epochs=6", "sched.warmup_epochs=0",
@@ -114,3 +116,67 @@ def test_a_held_write_is_never_checkpoint_pt_until_published_and_a_left_one_is_a
     writes.save(lambda: {"step": 4}, held_step=4)
     writes.save(lambda: {"step": 4, "final": True})  # a write at once supersedes the held one
     assert torch.load(path) == {"step": 4, "final": True} and partial_writes_of(path) == []
+
+
+@pytest.mark.parametrize("second", ["held", "at_once"])
+def test_a_write_that_fails_leaves_the_write_it_supersedes_as_checkpoint_pt(second, tmp_path, monkeypatch):
+    """A second write of update 4 (the one after its validation, held; or a stop's, at once) on a full disk. Before,
+    the held write of update 4 was deleted before the new one was tried, so the failure left the checkpoint before
+    (or none at all) while its error advised resuming from the last checkpoint; now the held file is deleted only
+    once the new one is written, and a failed write makes it checkpoint.pt, as any error does."""
+    path = str(tmp_path / "checkpoint.pt")
+    writes = CheckpointFile(path, is_main=True, device=torch.device("cpu"))
+    writes.save(lambda: {"step": 2})
+    writes.save(lambda: {"step": 4, "validated": False}, held_step=4)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", full_disk)
+        with pytest.raises(CheckpointError, match="the disk is full.*checkpoint.pt is now the write of update 4"):
+            writes.save(lambda: {"step": 4, "validated": True}, held_step=4 if second == "held" else None)
+    assert torch.load(path) == {"step": 4, "validated": False}
+    assert partial_writes_of(path) == [] and writes.held_step is None
+
+
+def test_a_full_disk_at_the_write_after_a_validation_keeps_the_one_before_it(debug_config, monkeypatch, caplog):
+    """train.ckpt_every_steps=4: update 4's write is held, its validation runs, and the epoch's write of update 4
+    fails on a full disk. Before, the held write was already deleted: no checkpoint.pt, and the same command, which
+    the error advised, was refused ('holds files of an earlier run but no checkpoint.pt'); now update 4's held write
+    is checkpoint.pt, and the same command resumes from it and trains the schedule's end."""
+    cfg = debug_config("train.ckpt_every_steps=4")
+    real, writes = engine.checkpoint.save_atomic, []
+
+    def second_fails(payload, path, held_of=None):
+        if os.path.basename(held_of or path) == "checkpoint.pt":
+            writes.append(path)
+            if len(writes) == 2:
+                raise CheckpointError(engine.checkpoint._write_failure(held_of or path, OSError(errno.ENOSPC, "full")))
+        return real(payload, path, held_of)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.checkpoint, "save_atomic", second_fails)
+        with pytest.raises(CheckpointError, match="now the write of update 4"):
+            train.main(cfg)
+    assert load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"))["state"]["step"] == 4
+    assert partial_writes_of(os.path.join(cfg.out_dir, "checkpoint.pt")) == []
+    with caplog.at_level(logging.INFO):
+        result = train.main(debug_config("train.ckpt_every_steps=4"))  # the same command
+    assert result.reason == "finished" and result.state.step == 8
+    assert "checkpoint.pt at epoch 0, update 4" in caplog.text  # 'resumed from <out_dir>/checkpoint.pt at ...'
+
+
+def test_a_held_write_the_next_run_cannot_tell_dead_is_kept_and_named(tmp_path, caplog):
+    """A held write left by a killed run is removed by the next run's claim of out_dir only where its writer is a
+    pid of this machine that is gone; one of another machine, or whose pid is the new run's own (a container reuses
+    pids), stayed without a word (gigabytes at ViT-B); now one warning names it."""
+    own = partial_path(str(tmp_path / "checkpoint.pt"))  # this process's pid and host
+    other_machine = str(tmp_path / "checkpoint.pt.partial-00000000-4194999-0123abcd")
+    for path in (own, other_machine):
+        open(path, "w").close()
+    with caplog.at_level(logging.WARNING):
+        assert remove_partial_writes(str(tmp_path)) == []
+    assert os.path.exists(own) and os.path.exists(other_machine)
+    (line,) = [r.getMessage() for r in caplog.records if "kept in" in r.getMessage()]
+    assert os.path.basename(own) in line and os.path.basename(other_machine) in line
