@@ -10,6 +10,7 @@ the settings are used (cd.decay.check_settings, timm's optimizer registry); only
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
@@ -71,6 +72,30 @@ def _first_step_overflows(optim: Any, lr: float) -> bool:
     """Whether one step of the optimizer `optim` names, at `lr` (its weight decay, betas, momentum), overflows
     float32 on a parameter and gradient of ones: torch's "value cannot be converted to type float without overflow".
     Another failure of the step says nothing about the lr (the run reports it where it comes)."""
+    # unseen: a global step hook of the user's (or a test's) counts the run's steps, and the CPU generator (the probe's
+    # init draws) is the run's
+    with _without_global_optimizer_hooks(), torch.random.fork_rng(devices=[]):
+        return _probe_step_overflows(optim, lr)
+
+
+@contextlib.contextmanager
+def _without_global_optimizer_hooks():
+    """torch's global optimizer step hooks (register_optimizer_step_pre_hook / _post_hook) left out while the
+    probe steps, put back after; torch keeps them in two module dicts (a torch without them: nothing to leave out)."""
+    import torch.optim.optimizer as optimizer_module
+
+    kept = [(d, dict(d)) for d in (getattr(optimizer_module, "_global_optimizer_pre_hooks", None),
+                                   getattr(optimizer_module, "_global_optimizer_post_hooks", None)) if d is not None]
+    for hooks, _ in kept:
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, saved in kept:
+            hooks.update(saved)
+
+
+def _probe_step_overflows(optim: Any, lr: float) -> bool:
     probe = torch.nn.Linear(1, 1, device="cpu")  # no group_matcher: the peak is the largest lr of any layer decay
     settings = SimpleNamespace(**{**vars(optim), "layer_decay": None, "fused": False})
     try:

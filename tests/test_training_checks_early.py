@@ -186,6 +186,30 @@ def test_a_peak_lr_whose_first_step_overflows_is_refused_before_training(overrid
         check_training_settings(cfg)
 
 
+def test_the_peak_lr_probe_is_seen_by_no_global_optimizer_hook_and_leaves_the_generator_as_it_was():
+    """check_peak_lr steps an optimizer once: a global step hook (a user's, or a test counting the run's updates)
+    counted that step as the run's first, and the probe's init drew from the CPU generator before the run seeded."""
+    import torch
+    import torch.optim.optimizer as optimizer_module
+
+    from engine.training_checks import check_training_settings
+
+    seen = []
+    handles = [optimizer_module.register_optimizer_step_pre_hook(lambda *_: seen.append("pre")),
+               optimizer_module.register_optimizer_step_post_hook(lambda *_: seen.append("post"))]
+    try:
+        state = torch.get_rng_state()
+        check_training_settings(load_config([TINY], ["optim.lr=1e-3"]))
+        assert seen == [] and torch.equal(torch.get_rng_state(), state)
+        step = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)  # the hooks are back for the run's own
+        step.param_groups[0]["params"][0].grad = torch.ones(1)
+        step.step()
+        assert seen == ["pre", "post"]
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def test_schedule_ends_at_the_peak_pass():
     from engine.training_checks import check_training_settings
 
