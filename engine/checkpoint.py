@@ -106,8 +106,11 @@ class CheckpointFile:
                 raise CheckpointError(f"{error}; {publish_error}") from error
             if kept is None:
                 raise
-            raise CheckpointError(f"{error}; checkpoint.pt is now the write of update {kept} held back before this "
-                                  f"one, which the re-run resumes from") from error
+            now = f"checkpoint.pt is now the write of update {kept} held back before this one"
+            text = str(error)
+            for before in _PREVIOUS_STATES:  # _write_failure's word on checkpoint.pt, no longer true
+                text = text.replace(before, now)
+            raise CheckpointError(text if now in text else f"{text}; {now}, which the re-run resumes from") from error
         self.discard()
         if held is not None:
             self._held, self.held_step = held, held_step
@@ -145,12 +148,15 @@ class CheckpointFile:
         return step
 
 
+_PREVIOUS_STATES = ("the previous file is unchanged", "no earlier file existed")  # _write_failure's, of `path`
+
+
 def _write_failure(path: str, error: BaseException) -> str:
     folder = os.path.dirname(os.path.abspath(path))
     # torch's zip writer reports ENOSPC as "unexpected pos"; an OSError carries its errno
     full = getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in str(error)
     reason = f"the disk is full ({_free_space(folder)})" if full else f"{error}"
-    previous = "the previous file is unchanged" if os.path.exists(path) else "no earlier file existed"
+    previous = _PREVIOUS_STATES[0] if os.path.exists(path) else _PREVIOUS_STATES[1]
     return (f"could not write {path}: {reason}; {previous} and no partial file was left. Free space (or fix "
             f"the folder) and re-run the same command to resume from the last checkpoint")
 

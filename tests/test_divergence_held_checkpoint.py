@@ -134,8 +134,10 @@ def test_a_write_that_fails_leaves_the_write_it_supersedes_as_checkpoint_pt(seco
 
     with monkeypatch.context() as patch:
         patch.setattr(torch, "save", full_disk)
-        with pytest.raises(CheckpointError, match="the disk is full.*checkpoint.pt is now the write of update 4"):
+        with pytest.raises(CheckpointError, match="the disk is full.*checkpoint.pt is now the write of update 4") as e:
             writes.save(lambda: {"step": 4, "validated": True}, held_step=4 if second == "held" else None)
+    # one word on checkpoint.pt: not also 'the previous file is unchanged' (update 2's), which it no longer is
+    assert "unchanged" not in str(e.value) and "no earlier file" not in str(e.value), e.value
     assert torch.load(path) == {"step": 4, "validated": False}
     assert partial_writes_of(path) == [] and writes.held_step is None
 
