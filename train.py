@@ -64,7 +64,7 @@ from engine.metrics import METRICS_FINGERPRINT, MetricLogger, duration, progress
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, schedule_length, use_fused
 from engine.precision import describe_precision, grad_scaler
 from engine.exit_codes import EXIT_INTERRUPTED
-from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, preempted_line
+from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, ignore_sigterm_until_exit, preempted_line
 from engine.resume import (check_schedule_holds, epoch_layout, epoch_position, optimizer_param_names,
                            restore_optimizer, resume_position, same_val_windows)
 from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, check_same_weights_on_every_rank,
@@ -76,7 +76,7 @@ from engine.running_stats import average_running_stats
 from engine.start_weights import START_WEIGHTS, classifier_keys, start_record
 from engine.runinfo import SAME_ON_EVERY_RANK, exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
-from engine.training_checks import check_poly_power, check_schedule_on_resume, check_training_settings
+from engine.training_checks import check_poly_power, check_schedule_on_resume, check_training_settings, may_resume
 from models import ModelError, build_model, describe, input_size, model_label
 from models.factory import MODEL_DROP_SITES, check_recorded_architecture, own_img_size, without_dropout_rates
 from models.hub import hub_data_mismatch
@@ -171,10 +171,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     if dist.distributed:  # each rank looked on its own node
         check_same_start_on_every_rank(cfg.out_dir, resume_path, payload, dist.device, dist.rank,
                                        cfg.train.resume)
-    if resume_path is not None:  # settings the checkpoint cannot continue with: refused before the model and data
-        check_resumable(payload["config"], cfg, resume_path)
-    # the schedule check, which check_before_start leaves to here where a checkpoint may be continued (may_resume)
-    check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)
+    check_resume(cfg, resume_path, payload)  # settings the checkpoint cannot continue with: before the model and data
     # the weights the run started from: a resumed run's are its checkpoint's (None for one written before the record)
     run = build_run(cfg, dist, resumed=resume_path is not None,
                     start_weights=payload.get(START_WEIGHTS) if resume_path is not None else None,
@@ -1014,6 +1011,15 @@ def validate(task, model: nn.Module, ema, loader, device: torch.device, amp: str
     return metrics
 
 
+def check_resume(cfg: Config, resume_path: Optional[str], payload: Optional[dict], warn: bool = True) -> None:
+    """The settings the checkpoint `resume_path` (resume_source's; None: a fresh start) cannot continue with
+    (check_resumable), and the schedule check, which check_before_start leaves to here where a checkpoint may be
+    continued (may_resume). The run and --print-config make it alike; `warn` as check_resumable's."""
+    if resume_path is not None:
+        check_resumable(payload["config"], cfg, resume_path, warn=warn)
+    check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)
+
+
 def as_scored(saved: dict, current: Config) -> dict:
     """`current` as a dict, with the data.val_windows of the checkpoint's config `saved` where both score the same
     windows (engine/resume.py same_val_windows: e.g. 0 now, 64 recorded when the text had 38): no change to compare."""
@@ -1092,12 +1098,15 @@ def read_config(paths: list[str], overrides: list[str], default: bool) -> Config
                                    f"(digits); pass --config configs/... for another recipe") from None
 
 
-# what --print-config checks: check_before_start's refusals; the model, the data and the schedule are not built
+# what --print-config checks: check_before_start's refusals and, where the run would continue a checkpoint,
+# check_resume's on the checkpoint's config; the model, the data and the schedule are not built
 PRINT_CONFIG_HELP = ("print the resolved config (YAML) and exit without running, once it passes the checks a run "
                      "makes before it starts (every key and value; quant.*, CD's settings, optim.name, log.wandb's "
-                     "package, a val split that is the train split); what needs the model, the data or the run's "
-                     "length built (model.name, model.kwargs the model rejects, data.root's files, "
-                     "train.max_steps and the cadences beyond the run's updates) is checked when a run starts")
+                     "package, a val split that is the train split; where out_dir holds checkpoint.pt or "
+                     "train.resume is given, the settings and schedule that checkpoint can continue with); what "
+                     "needs the model, the data or the run's length built (model.name, model.kwargs the model "
+                     "rejects, data.root's files, train.max_steps and the cadences beyond the run's updates, a "
+                     "resume's epoch layout) is checked when a run starts")
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -1118,6 +1127,8 @@ def parse_args(argv: list[str]) -> Config:
         cfg.out_dir = os.path.join("runs", "+".join(os.path.splitext(os.path.basename(p))[0] for p in paths))
     if args.print_config:
         check_before_start(cfg)  # a config printed is one a run would start with, as far as that is told unbuilt
+        if may_resume(cfg):  # the checkpoint it would continue: the run's refusal of its settings, before printing
+            check_resume(cfg, *resume_source(cfg.out_dir, cfg.train.resume), warn=False)
         print_config(cfg)
         sys.exit(0)
     return cfg
@@ -1125,7 +1136,9 @@ def parse_args(argv: list[str]) -> Config:
 
 if __name__ == "__main__":
     try:
-        if main(parse_args(sys.argv[1:])).reason == "preempted":
+        result = main(parse_args(sys.argv[1:]))
+        ignore_sigterm_until_exit()  # torchrun's SIGTERM once another rank exited must not make this rank's code -15
+        if result.reason == "preempted":
             sys.exit(EXIT_PREEMPTED)  # checkpoint written; the same command resumes (engine/preemption.py)
     except (ConfigError, CheckpointError, DataError, ModelError, RunDirError, NonFiniteLossError,
             NothingScoredError, DivergenceError) as e:

@@ -3,6 +3,7 @@
 config without running anything, and the timm / DeiT flags get our spelling of them."""
 import dataclasses
 import os
+import shutil
 import sys
 import typing
 
@@ -134,6 +135,43 @@ def test_print_config_refuses_what_a_run_refuses_before_it_starts(tmp_path, monk
     assert printed[1] == "" and printed[2].startswith("error: ")
     assert printed[2].splitlines()[-1] == started[2].splitlines()[-1]
     assert os.listdir(tmp_path) == []
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """out_dir of the debug config stopped at update 2 of 8 (train.max_steps): a checkpoint.pt the same command
+    continues."""
+    out = tmp_path_factory.mktemp("stopped") / "run"
+    train.main(load_config([DEBUG_CONFIG], [f"out_dir={out}", "train.max_steps=2", "log.tensorboard=false"]))
+    return out
+
+
+@pytest.mark.parametrize("resume", ["out_dir", "train.resume"])
+@pytest.mark.parametrize("overrides", [["optim.lr=1e-3"], ["optim.lr_base=2e-4", "train.allow_changed_config=true"]],
+                         ids=["changed_setting", "min_lr_above_the_new_peak"])
+def test_print_config_refuses_a_resume_the_run_refuses(stopped_run, tmp_path, monkeypatch, capsys, overrides, resume):
+    """--print-config of a run that would continue a checkpoint (out_dir's checkpoint.pt, or train.resume) printed
+    and exited 0 where the run refuses the checkpoint's settings (a changed optim.lr) or, its settings allowed to
+    change, a schedule whose sched.min_lr lies above the new peak: it skipped the resume checks. The reference is the
+    run itself: the same error line, and exit 1, with and without the flag; --print-config writes nothing."""
+    from tests.conftest import run_entry
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(stopped_run, tmp_path / "run")
+    where = ([f"out_dir={tmp_path / 'run'}"] if resume == "out_dir"
+             else [f"out_dir={tmp_path / 'new'}", f"train.resume={tmp_path / 'run' / 'checkpoint.pt'}"])
+    argv = ["--config", DEBUG_CONFIG, *where, *overrides]
+    before = sorted(os.listdir(tmp_path / "run"))
+    printed = run_entry("train.py", [*argv, "--print-config"], capsys)
+    assert sorted(os.listdir(tmp_path)) == ["run"] and sorted(os.listdir(tmp_path / "run")) == before
+    started = run_entry("train.py", argv, capsys)
+    assert started[0] == printed[0] == 1, (started, printed)
+    assert printed[1] == "" and printed[2].startswith("error: ")
+    assert printed[2].splitlines()[-1] == started[2].splitlines()[-1]
+    # a resume the run accepts is printed: its settings unchanged, or the run made longer
+    for accepted in ([], ["train.max_steps=4"]):
+        code, out, _ = run_entry("train.py", ["--config", DEBUG_CONFIG, *where, *accepted, "--print-config"], capsys)
+        assert code == 0 and config_from_dict(yaml.safe_load(out)).out_dir == where[0].partition("=")[2]
 
 
 def test_evaluate_print_config_resolves_config_files_and_overrides(tmp_path, monkeypatch, capsys):
