@@ -64,7 +64,7 @@ from engine.metrics import METRICS_FINGERPRINT, MetricLogger, duration, progress
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, schedule_length, use_fused
 from engine.precision import describe_precision, grad_scaler
 from engine.exit_codes import EXIT_INTERRUPTED
-from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, preempted_line
+from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, ignore_sigterm_until_exit, preempted_line
 from engine.resume import (check_schedule_holds, epoch_layout, epoch_position, optimizer_param_names,
                            restore_optimizer, resume_position, same_val_windows)
 from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, check_same_weights_on_every_rank,
@@ -1136,7 +1136,9 @@ def parse_args(argv: list[str]) -> Config:
 
 if __name__ == "__main__":
     try:
-        if main(parse_args(sys.argv[1:])).reason == "preempted":
+        result = main(parse_args(sys.argv[1:]))
+        ignore_sigterm_until_exit()  # torchrun's SIGTERM once another rank exited must not make this rank's code -15
+        if result.reason == "preempted":
             sys.exit(EXIT_PREEMPTED)  # checkpoint written; the same command resumes (engine/preemption.py)
     except (ConfigError, CheckpointError, DataError, ModelError, RunDirError, NonFiniteLossError,
             NothingScoredError, DivergenceError) as e:

@@ -102,6 +102,20 @@ def _exit_on_parents_sigterm(parent: int) -> None:
             os._exit(0)
 
 
+def ignore_sigterm_until_exit() -> None:
+    """An entry point's last step once its run is over (its files written, its log lines out, the process group
+    left), right before it exits with the run's code (75 after a stop, 0): from here on SIGTERM is ignored.
+
+    Why: under torchrun the agent sends SIGTERM to the ranks still running as soon as one has exited with a code
+    other than 0, and interpreter shutdown takes seconds (torch's teardown, no Python frame left). The rank that
+    exited 75 a moment earlier then got the other one killed with -15, not the 75 every rank of a stopped run exits
+    with. SIG_IGN, not a recording handler: Python puts SIG_DFL back for a handler of its own before the shutdown's
+    long part (the garbage collection and the modules' teardown), but keeps SIG_IGN. Nothing is left to stop by
+    then; a process that hung in its shutdown still ends at SIGINT or SIGKILL (torchrun's after its shutdown
+    timeout, a scheduler's after its grace period)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 class SecondInterrupt(KeyboardInterrupt):
     """A SIGINT (Ctrl-C) more than `Preemption.repeat_window_s` after the first stop request: stop now, not at the
     next update boundary. Its message is the line to end with (train.py's __main__)."""

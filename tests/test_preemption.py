@@ -252,11 +252,56 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_within_one_update(tmp_pat
     output = output_of(proc, 180, tmp_path)
     assert "preempted at update" in output, output[-3000:]
     assert 'train.py", line' not in output, output[-3000:]
-    assert "exitcode  : 75" in output  # both ranks exit EXIT_PREEMPTED; torchrun reports it
+    # both ranks exit EXIT_PREEMPTED, and torchrun reports it for each: the SIGTERM it sends the rank still exiting
+    # once the other has exited is not its end (-15, test_a_sigterm_while_a_stopped_run_exits_leaves_its_exit_code_75)
+    assert output.count("exitcode  : 75") == 2, output[-3000:]
     step = saved_step(tmp_path)
     # rank 1 is at most one update ahead of rank 0's last log line; the ranks agree one update later
     assert logged <= step <= logged + 3, (logged, step)
     resume_two_more_updates_on_two_ranks(cmd, tmp_path, step)
+
+
+# train.py's __main__ in a process (python -c) whose run is stopped by a SIGTERM after update 2 and which gets a
+# second SIGTERM while the interpreter tears its modules down, after the run's last line: what torchrun sends a
+# rank still exiting once another rank has exited 75 (interpreter shutdown takes seconds). The second signal
+# comes from a module-level object's __del__, i.e. in the shutdown's long part, after Python has put SIG_DFL back
+# for any signal handler of its own.
+CLOSING_SIGNAL_SCRIPT = r"""
+import os, runpy, signal, sys, types
+import torch.optim.optimizer as optimizer_module
+
+updates = []
+def stop_after_update_2(*_):
+    updates.append(1)
+    if len(updates) == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+optimizer_module.register_optimizer_step_post_hook(stop_after_update_2)
+
+class ClosingSignal:
+    def __del__(self, kill=os.kill, pid=os.getpid(), write=os.write):
+        kill(pid, signal.SIGTERM)
+        write(2, b"outlived the closing SIGTERM\n")
+holder = types.ModuleType("closing_signal")
+holder.signal = ClosingSignal()
+sys.modules[holder.__name__] = holder
+del holder
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_sigterm_while_a_stopped_run_exits_leaves_its_exit_code_75(tmp_path):
+    """Under torchrun the ranks of a stopped run all exit 75, and the first to exit makes the agent SIGTERM the
+    others, which were still in interpreter shutdown: one of them ended with -15 (2 runs in 5 with SIGTERM sent to
+    rank 1). A SIGTERM once the run is over and its files written leaves the exit code the run's."""
+    run = subprocess.run([sys.executable, "-c", CLOSING_SIGNAL_SCRIPT, *train_cmd(tmp_path)[2:]], cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180, env=RUN_ENV)
+    assert run.returncode == EXIT_PREEMPTED, (run.returncode, run.stdout[-3000:])
+    assert "Traceback" not in run.stdout, run.stdout[-3000:]
+    last = run.stdout.rstrip().splitlines()[-2:]  # the run summary, then the closing signal, which was outlived
+    assert "run summary: stopped by a signal (resumable) at update 2" in last[0], run.stdout[-3000:]
+    assert last[1] == "outlived the closing SIGTERM", run.stdout[-3000:]
+    assert saved_step(tmp_path) == 2
 
 
 @pytest.mark.slow
@@ -274,7 +319,7 @@ def test_sigterm_to_one_rank_during_validation_ends_it_on_every_rank(tmp_path):
     output = output_of(proc, 180, tmp_path, before=before)
     assert "preempted at update 4" in output and "val top-1" not in output, output[-3000:]
     assert_cut_short(output, 626)  # rank 0's 10,001 images in batches of 16 (rank 1 has 625)
-    assert "exitcode  : 75" in output and 'train.py", line' not in output, output[-3000:]
+    assert output.count("exitcode  : 75") == 2 and 'train.py", line' not in output, output[-3000:]
     ckpt = torch.load(os.path.join(tmp_path, "checkpoint.pt"), weights_only=True)
     assert ckpt["state"]["step"] == 4 and ckpt["state"]["validation_due"]
 
