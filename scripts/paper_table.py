@@ -35,9 +35,9 @@ Layouts:
               holds a run of the same model (and data set) that ended at another update OR it reached less
               than 99 % of its schedule's updates, with a note saying how far it got and which reason
               applies; with --over-seeds, a row of seeds that all stopped there alike. Runs that all stop
-              alike within 1 % of their schedule's end (the ImageNet fine-tuning recipe's 20,000 of 20,016
-              updates, 99.9 %, the paper's protocol) are not marked: a run records no origin of its
-              train.max_steps.
+              alike within 1 % of their schedule's end (a recipe's own train.max_steps: the ImageNet
+              fine-tuning recipe's 20,000 of 20,016 updates, 99.9 %, before it became sched.steps) are not
+              marked: a run records no origin of its train.max_steps.
     finetune  Table 3: one row per data set, one column per method, each entry "FP / quantized / drop"
               (drop = quantized - FP), an Average row over the data sets (the paper's simple average over
               all nine) and the maximum activations of the ImageNet-1K run; one table per pipeline and
@@ -88,7 +88,7 @@ def dataset_of(result: dict) -> str:
 ROW_KEYS = ("data", "images", "val_names")
 TABLE_KEYS = ("weights", "eval_amp", "checkpoint_kind")
 # a run its own train.max_steps stopped short of this percentage of its schedule's updates is marked § even where
-# nothing in the table ended elsewhere (`stopped_short`); the ImageNet recipe's 20,000 of 20,016 (99.9 %) is not
+# nothing in the table ended elsewhere (`stopped_short`); 20,000 of 20,016 (99.9 %) is not
 SHORT_OF_SCHEDULE = 99
 
 
@@ -215,8 +215,8 @@ def stopped_short(paths: list[str], results: list[dict], names: list[str]) -> li
     all stopped alike); else None. The rows layout marks such a row § (engine.result_table.markdown_table), its note
     saying which reason applies (both where both do). A run records no origin of its train.max_steps (its command
     line or its recipe file), so a recipe that stops there on purpose is told by its runs stopping alike within
-    1 % of their schedule's end: configs/finetune/datasets/imagenet.yaml's 20,000 of 20,016 updates (99.9 %, the
-    paper's protocol) marks none of its runs."""
+    1 % of their schedule's end: configs/finetune/datasets/imagenet.yaml's 20,000 of 20,016 updates (99.9 %, before
+    the recipe became sched.steps: 20000) marks none of its runs."""
     ends = []  # per result: (how far it got, or None at its schedule's end; the update it validated last at)
     planned = []  # per result: the updates of its schedule, or None where its files do not tell
     for path, result in zip(paths, results):
@@ -243,7 +243,7 @@ def stopped_short(paths: list[str], results: list[dict], names: list[str]) -> li
             found.append(None)
             continue
         other = next((j for j in range(len(results)) if trained_elsewhere(i, j)), None)
-        # integers: 99 % of 20,016 updates is 19,815.84, and the recipe's 20,000 are past it
+        # integers: 99 % of 20,016 updates is 19,815.84, and 20,000 are past it
         under = planned[i] is not None and 100 * end[1] < SHORT_OF_SCHEDULE * planned[i]
         reasons = ([f"at {math.floor(1000 * end[1] / planned[i]) / 10} % of its schedule's updates (under "
                     f"{SHORT_OF_SCHEDULE} %)"] if under else []) \
