@@ -21,11 +21,14 @@ best.pt again (a hard link); otherwise the score is cleared and best.pt is writt
 first validation. So is a best.pt chosen on another validation set (a resume with train.allow_changed_config=true
 and a new data.val_windows, data.val_split, eval crop, ...: engine/run_dir.VALIDATION_KEYS), whose score no new
 validation can be compared with. A checkpoint or best.pt written before the fingerprint was recorded is matched
-by the update at which best.pt was written.
+by the update at which best.pt was written. One best.pt the state does not know of stays: that of the validation of
+the very weights the run resumes with (the write of update N held back before its validation, made checkpoint.pt
+by a failed write after it: engine/checkpoint.CheckpointFile), whose score the resumed state takes on.
 """
 from __future__ import annotations
 
 import glob
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -38,6 +41,8 @@ from .distributed import all_reduce, raise_on_every_rank
 from .loop import TrainState
 from .run_dir import RunDirError, keep_as_until_step
 from .snapshots import link_or_copy
+
+log = logging.getLogger(__name__)
 
 __all__ = ["BestCheckpoint", "BestMatch"]
 
@@ -77,11 +82,16 @@ class BestCheckpoint:
         validation, found among the kept best.until_step*.pt, is linked back as best.pt; without one the score
         is cleared, so the next validation writes best.pt. A resume point with no validation yet is no
         exception: a best.pt beside it comes from beyond it (a roll-back to a snapshot written before the first
-        validation), and that validation would overwrite it."""
-        match, error, clear = BestMatch(), None, 1.0 if other_validation else 0.0
+        validation), and that validation would overwrite it. But for one: a best.pt of the validation of the
+        weights `state` resumes with (`_validates_resumed_weights`) stays, its score taken into `state`."""
+        match, error, clear, adopted = BestMatch(), None, 1.0 if other_validation else 0.0, None
         if is_main:
             try:
-                if other_validation or not _describes(_recorded_state(self.path), state):
+                recorded = _recorded_state(self.path)
+                stale = other_validation or not _describes(recorded, state)
+                if stale and not other_validation:
+                    adopted = self._validates_resumed_weights(recorded, state)
+                if stale and adopted is None:
                     kept = keep_as_until_step(self.path, state.step) if os.path.exists(self.path) else None
                     # a best scored on another validation set is no score to restore
                     restored = None if other_validation else self._restore(state)
@@ -92,9 +102,39 @@ class BestCheckpoint:
                 error = RunDirError(f"cannot move {self.path} aside before resuming: {e}")
         raise_on_every_rank(error, device, lambda: RunDirError(f"rank 0 could not move {self.path} aside (its "
                                                                f"error says why)"))
-        if all_reduce(torch.tensor([clear], device=device)).item() > 0:
+        # float64: a score travels exactly; the other ranks add zeros (only rank 0 reads best.pt)
+        shared = torch.tensor([clear, float(adopted is not None), *(adopted or (0.0, 0.0))], dtype=torch.float64,
+                              device=device)
+        clear, adopt, value, epoch = all_reduce(shared).tolist()
+        if clear > 0:
             state.best_value, state.best_epoch, state.best_step, state.best_fingerprint = None, 0, 0, None
+        elif adopt > 0:  # the weights are the same on every rank: each takes their fingerprint itself, as offer does
+            state.best_value, state.best_epoch, state.best_step = value, int(epoch), state.step
+            state.best_fingerprint = weights_fingerprint(self.model.state_dict())
+            if is_main:
+                log.info("best.pt is the validation of update %d, made after checkpoint.pt's write of that update: "
+                         "kept, its score (%s %g) the resumed run's best", state.step, self.key, value)
         return match
+
+    def _validates_resumed_weights(self, recorded: Optional[dict], state: TrainState) -> Optional[tuple[float, int]]:
+        """(score, epoch) of best.pt (its training state `recorded`) where it is the file of a validation of the
+        very weights `state` resumes with, made after the checkpoint was written (a held write of update N, its
+        validation, then a failed write that made the held one checkpoint.pt: engine/checkpoint.CheckpointFile),
+        and better than `state`'s best, as it was when written: the best of this branch up to `state.step`, which
+        `state` does not record yet. None for any other best.pt. Told by the weights' fingerprint at the same
+        update: a best.pt of any other weights (an earlier update's, another branch's) is not one of this run's
+        validations the state has missed, but one it has left (match_file moves it aside)."""
+        if recorded is None or recorded.get("step") != state.step or recorded.get("best_step") != state.step:
+            return None
+        value, fingerprint = recorded.get("best_value"), recorded.get("best_fingerprint")
+        if not isinstance(value, (int, float)) or fingerprint is None:
+            return None
+        if state.best_value is not None and (value <= state.best_value if self.higher_is_better
+                                             else value >= state.best_value):
+            return None  # no better than the state's best: never written by the validation that followed it
+        if fingerprint != weights_fingerprint(self.model.state_dict()):
+            return None
+        return float(value), int(recorded.get("best_epoch") or 0)
 
     def _restore(self, state: TrainState) -> Optional[str]:
         """Link the kept best.until_step*.pt that `state`'s best validation wrote back as best.pt (a return to the

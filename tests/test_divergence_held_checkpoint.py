@@ -169,6 +169,70 @@ def test_a_full_disk_at_the_write_after_a_validation_keeps_the_one_before_it(deb
     assert "checkpoint.pt at epoch 0, update 4" in caplog.text  # 'resumed from <out_dir>/checkpoint.pt at ...'
 
 
+def test_the_best_pt_of_the_validation_after_a_held_write_made_checkpoint_pt_stays_best_pt(debug_config, monkeypatch,
+                                                                                            caplog):
+    """As above: update 4's validation writes best.pt after update 4's held write, which the failed write after it
+    makes checkpoint.pt, whose best record predates that validation. Before, the re-run moved that best.pt (of the
+    very weights it resumes with) aside as best.until_step4.pt, warning 'best.pt was not the best validation of the
+    run up to update 4'; now it stays, its score the resumed run's. The reference: the same run uninterrupted."""
+    reference = train.main(debug_config("train.ckpt_every_steps=4", name="reference"))
+    cfg = debug_config("train.ckpt_every_steps=4")
+    real, writes = engine.checkpoint.save_atomic, []
+
+    def second_fails(payload, path, held_of=None):
+        if os.path.basename(held_of or path) == "checkpoint.pt":
+            writes.append(path)
+            if len(writes) == 2:
+                raise CheckpointError(engine.checkpoint._write_failure(held_of or path, OSError(errno.ENOSPC, "full")))
+        return real(payload, path, held_of)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.checkpoint, "save_atomic", second_fails)
+        with pytest.raises(CheckpointError, match="now the write of update 4"):
+            train.main(cfg)
+    held = load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"))["state"]
+    best = load_checkpoint(os.path.join(cfg.out_dir, "best.pt"))["state"]
+    assert held["step"] == best["best_step"] == 4 and held["best_fingerprint"] != best["best_fingerprint"]
+    with caplog.at_level(logging.INFO):
+        result = train.main(debug_config("train.ckpt_every_steps=4"))  # the same command
+    assert result.reason == "finished" and result.state.step == 8
+    assert "not the best validation" not in caplog.text
+    assert sorted(n for n in os.listdir(cfg.out_dir) if n.startswith("best")) == ["best.pt"]
+    ours, theirs = (load_checkpoint(os.path.join(folder, "best.pt"))
+                    for folder in (cfg.out_dir, debug_config(name="reference").out_dir))
+    fields = ("best_value", "best_step", "best_epoch", "best_fingerprint")
+    assert [ours["state"][k] for k in fields] == [theirs["state"][k] for k in fields]
+    assert [getattr(result.state, k) for k in fields] == [getattr(reference.state, k) for k in fields]
+    assert all(torch.equal(ours["model"][k], theirs["model"][k]) for k in theirs["model"])
+
+
+@pytest.mark.parametrize("case", ["same_weights", "other_weights", "not_better"])
+def test_only_a_best_pt_of_the_resumed_weights_and_better_than_the_resumed_best_stays(case, tmp_path):
+    """The exception of match_file is narrow: a best.pt recorded at the resume point's update stays (its score taken
+    into the state) only where its weights are the ones resumed with, and its score beats the state's best (the
+    validation that wrote it followed that state); one of other weights at that update, or no better, is moved
+    aside as before."""
+    from engine.best_checkpoint import BestCheckpoint
+    from engine.checkpoint import weights_fingerprint
+
+    model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    written = weights_fingerprint((other if case == "other_weights" else model).state_dict())
+    score = 20.0 if case == "not_better" else 40.0
+    path = tmp_path / "best.pt"
+    torch.save({"model": {}, "config": {}, "state": TrainState(step=4, best_value=score, best_epoch=1, best_step=4,
+                                                               best_fingerprint=written).state_dict()}, path)
+    best = BestCheckpoint(str(path), model=model, ema=None, config={}, classes=None,
+                          save=lambda payload_fn, target: None)
+    state = TrainState(step=4, best_value=30.0, best_epoch=1, best_step=2, best_fingerprint="0" * 16)
+    match = best.match_file(state, True, torch.device("cpu"))
+    if case == "same_weights":
+        assert match.kept is None and path.exists()
+        assert (state.best_value, state.best_epoch, state.best_step, state.best_fingerprint) == (40.0, 1, 4, written)
+    else:
+        assert match.kept == str(tmp_path / "best.until_step4.pt") and not path.exists()
+        assert state.best_value is None
+
+
 def test_a_held_write_the_next_run_cannot_tell_dead_is_kept_and_named(tmp_path, caplog):
     """A held write left by a killed run is removed by the next run's claim of out_dir only where its writer is a
     pid of this machine that is gone; one of another machine, or whose pid is the new run's own (a container reuses
