@@ -89,6 +89,9 @@ from engine.result_table import method_name  # noqa: E402
 from evaluate import calibration_set, eval_model_config, load_float_model  # noqa: E402
 from quant.plan import pipeline_options  # noqa: E402
 from models import ModelError, build_model, input_size, is_language_model, model_label  # noqa: E402
+from timm.models import load_state_dict  # noqa: E402
+from models.pretrained import module_entry  # noqa: E402
+from models.sink_weights import PLAIN, keys_variant  # noqa: E402
 from quant import PIPELINES, evaluate_quantized, parse_bits  # noqa: E402
 
 OUTPUTS = {"surrogate": ("surrogate.png", "surrogate.csv"), "alignment": ("alignment.png", "alignment.csv"),
@@ -435,8 +438,9 @@ def set_threads(threads: Optional[int], model: nn.Module) -> None:
 
 def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
     """The --compare model: a train.py checkpoint (its own config), else a weights file for the first
-    model's architecture. Refused when it is the first model's file or weights (one model drawn twice, its ratio
-    1.000), or, from its config before it is built, a model of another architecture (`check_same_model`)."""
+    model's architecture, in the model.attn variant its keys hold (`weights_attn`). Refused when it is the first
+    model's file or weights (one model drawn twice, its ratio 1.000), or, from its config before it is built, a model
+    of another architecture (`check_same_model`)."""
     if not os.path.isfile(path):
         raise MechanismError(f"--compare {path}: no such file; give a second best.pt / checkpoint.pt, or a "
                              f"weights file of the same model")
@@ -451,7 +455,11 @@ def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
             raise MechanismError(f"--ema: --compare {path} is a weights file, with no EMA copy; drop --ema, or "
                                  f"compare a train.py checkpoint") from None
         cfg = copy.deepcopy(first.cfg)
-        cfg.model = dataclasses.replace(cfg.model, pretrained=os.path.abspath(path),
+        # built as the model.attn variant its keys give (energies read no attention-sink parameter): in the first
+        # model's variant, a file of another one was refused with advice the first model's checks then refused
+        # (model.attn=kv_bias over a softmax checkpoint), or (not strict) loaded with zero sinks in place of none
+        cfg.model = dataclasses.replace(cfg.model, attn=weights_attn(path, cfg.model.attn),
+                                        pretrained=os.path.abspath(path),
                                         pretrained_strict=args.command not in READ_NO_CLASSIFIER)
         loaded = Loaded(cfg, build_model(eval_model_config(cfg.model)).eval(), os.path.abspath(path),
                         os.path.basename(path))
@@ -467,6 +475,20 @@ def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
         raise MechanismError(f"--compare {path} holds the same weights as the first model ({first.source}): one "
                              f"model would be drawn twice; give the checkpoint of another run")
     return loaded
+
+
+def weights_attn(path: str, first: str) -> str:
+    """The model.attn variant of the weights file `path`, from its attention-sink parameters (keys_variant); the
+    first model's (`first`) where they cannot tell it from that one (no sink parameter beside a softmax1 model: the
+    two have the same weights) or the file cannot be read as weights (the build's load_pretrained then says why)."""
+    try:
+        state = module_entry(load_state_dict(path, use_ema=False))
+    except Exception:  # noqa: BLE001 - unreadable: load_pretrained reads it again and names the problem
+        return first
+    theirs = keys_variant(state) if isinstance(state, dict) else None
+    if theirs is None or (theirs == "softmax" and first in PLAIN):  # sinks of several variants: refused at the load
+        return first
+    return theirs
 
 
 def task_of(cfg) -> str:

@@ -101,3 +101,31 @@ def test_pairs_differ_by_the_shapes_of_their_matrices():
     assert mechanism.pairs_differ(narrow, narrow[:4]) == "8 rows of pairs against 4"
     fc2 = next(r for r in narrow if r["role"] == "fc2")  # timm's vit_tiny MLP: 4 x the width
     assert (fc2["w2_shape"], fc2["w1_shape"]) == ((32, 128), (128, 32))
+
+
+def test_a_compared_weights_file_of_another_attention_variant_is_built_as_its_own(tmp_path, monkeypatch):
+    """A --compare weights file was built as the first model's model.attn: kv_bias weights beside a softmax checkpoint
+    were refused with 'set model.attn=kv_bias', which the checkpoint's own check then refused (no comparison could be
+    made); plain weights beside a kv_bias checkpoint loaded into a kv_bias model with zero sinks, silently. Each is
+    now built as the variant its keys hold (the model's keys are the file's), and its energies are those of the
+    train.py checkpoint the file was saved from."""
+    from models.sink_weights import model_variant
+
+    built = []
+    load_compare = mechanism.load_compare
+    monkeypatch.setattr(mechanism, "load_compare", lambda *a: built.append(load_compare(*a)) or built[-1])
+    for first_attn, other_attn in (("softmax", "kv_bias"), ("kv_bias", "softmax")):
+        folder = tmp_path / first_attn
+        folder.mkdir()
+        base = make_checkpoint(folder / "base.pt", 0, **{"model.attn": first_attn})
+        other = make_checkpoint(folder / "other.pt", 1, **{"model.attn": other_attn})
+        weights = folder / "other.pth"
+        state = torch.load(other, weights_only=True)["model"]
+        torch.save(state, weights)
+        assert any(".sink_" in k for k in state) == (other_attn == "kv_bias")
+        results = [mechanism.main(["energies", "--checkpoint", base, "--compare", str(compare),
+                                   "--out", str(folder / name)])
+                   for compare, name in ((other, "from_checkpoint"), (weights, "from_weights"))]
+        assert model_variant(built[-1].model) == other_attn and set(built[-1].model.state_dict()) == set(state)
+        energies = [[r["energy"] for r in res["rows"] if r["label"] == res["labels"][1]] for res in results]
+        assert len(energies[0]) == 8 and energies[0] == pytest.approx(energies[1], rel=1e-6)
