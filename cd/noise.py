@@ -8,7 +8,7 @@ quantizer is a uniform quantizer with step 1/k, whose error UNIQ replaces in tra
 noise; in every training forward each selected layer uses, instead of each of its parameters p (weight and bias),
 
     u  = F(p)                                   uniformize: F Gaussian, fitted to that parameter tensor
-    e  ~ U[-1/(2k), 1/(2k)]                     i.i.d. per element, fresh every forward
+    e  ~ U[-1/(2k), 1/(2k)]                     i.i.d. per element, fresh per (seed, step, layer)
     p~ = F^-1( clamp(u + e, 1e-5, 1 - 1e-5) )
 
 with F(p) = Phi((p - mu) / sigma), mu and sigma the mean and unbiased standard deviation (at least 1e-5) of the
@@ -37,14 +37,18 @@ mode gets the noise, with grad or under no_grad; eval mode gets the clean weight
 one `step` (with its clean weights unchanged) sees the same noisy weights: activation checkpointing's recomputation
 in the backward sees the weights its forward saw, reentrant (`use_reentrant=True`, MMDetection's `with_cp`, whose
 forward runs under no_grad) or not, and gives the loss and gradients of the run without checkpointing; a layer
-called twice in one training forward gets the same noise both times. The swap is done by forward hooks
-(`module._parameters["weight"]` and `["bias"]` hold the noisy tensors during that module's forward only, as
+called twice in one training forward gets the same noise both times. The noise changes only when `step` does: the
+caller sets it before each training forward (WeightNoiseHook: to runner.iter). It starts at 0 and never advances
+by itself; a second training forward of the model while it was never set warns once (the run would train with one
+fixed perturbation), and setting it at all, even once, says the caller manages it. The swap is done by forward
+hooks (`module._parameters["weight"]` and `["bias"]` hold the noisy tensors during that module's forward only, as
 `torch.func.functional_call` does): the module code is untouched, and the state dict, the optimizer and checkpoints
 only ever hold the clean Parameters.
 """
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from typing import Any, Sequence
 
@@ -146,15 +150,19 @@ class WeightNoise:
 
     Attributes:
         layers: (name, module) of the noisy layers, model order; a layer's index here enters its seed.
-        step: set by the caller before each training forward (the iteration); part of every layer's seed.
+        step: set by the caller before each training forward (the iteration); part of every layer's seed. It
+            starts at 0 and never advances by itself: a second training forward of the model while it was never
+            set warns once (`_count_forward`).
     """
 
     def __init__(self, model: nn.Module, bits: int = 4, layer_types: Sequence[str] = ("Linear",),
                  seed: int = 0) -> None:
         check_arguments(bits, layer_types, seed)
-        self.bits, self.seed, self.step = bits, seed, 0
+        self.bits, self.seed = bits, seed
+        self._step, self._step_set, self._unset_forwards = 0, False, 0
+        root = unwrap_model(model)
         kinds = tuple(LAYER_TYPES[t] for t in layer_types)
-        chosen = [(name, m) for name, m in unwrap_model(model).named_modules() if isinstance(m, kinds)]
+        chosen = [(name, m) for name, m in root.named_modules() if isinstance(m, kinds)]
         # a weight computed at each forward (weight_norm, torch.nn.utils.parametrize) is no Parameter of the layer
         # for the swap to replace: refused, not left clean while its neighbours are noisy
         computed = [(name or type(m).__name__, m) for name, m in chosen
@@ -181,6 +189,32 @@ class WeightNoise:
             # always_call: the clean weight comes back even when the forward raises
             self._handles.append(m.register_forward_hook(self._swap_out, always_call=True))
             _NOISE_ON[m] = self
+        self._handles.append(root.register_forward_pre_hook(self._count_forward))
+
+    @property
+    def step(self) -> int:
+        """The noise step: part of every layer's seed (`noise_seed`), set by the caller."""
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step, self._step_set = value, True
+
+    def _count_forward(self, module: nn.Module, args: Any) -> None:
+        # the model's training forwards while `step` was never set: from the second on, each would draw the noise of
+        # the first (the noise is a function of (seed, step, layer)), so the run would train with one fixed
+        # perturbation instead of UNIQ's fresh noise. Counted on the model, not per layer: a layer's second forward
+        # in one model forward (a layer called twice, activation checkpointing's recomputation) is meant to see the
+        # noise its first forward saw.
+        if not module.training or self._step_set:
+            return
+        self._unset_forwards += 1
+        if self._unset_forwards == 2:
+            warnings.warn("WeightNoise: a second training forward with noise.step never set draws the same noise as "
+                          "the first (the noise is a function of (seed, step, layer), and step stays 0 unless set): "
+                          "set noise.step = <iteration> before each training forward, as WeightNoiseHook does with "
+                          "runner.iter; setting it once keeps one noise on purpose and silences this warning",
+                          stacklevel=5)  # the caller's model(x), past Module.__call__'s frames
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:

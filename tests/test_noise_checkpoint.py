@@ -3,8 +3,11 @@ block is checkpointed equal those of the same model run without checkpointing (t
 `torch.utils.checkpoint` reentrant (its forward runs under no_grad, MMDetection's `with_cp`) and not. A noiseless
 run gives another loss, so the equality is not that of two runs without noise. MMDetection's Swin backbone with
 `with_cp=True` against `with_cp=False` where mmdet is installed. In eval mode a layer has its clean weights.
+A second training forward with `noise.step` never set warns once (the same noise again); a recomputation does not.
 """
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -103,3 +106,36 @@ def test_mmdetection_swin_with_cp_trains_on_the_noise_of_the_run_without_it():
     assert grads.keys() == ref_grads.keys() and len(grads) > 0
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_second_training_forward_with_the_step_never_set_warns_once():
+    """The noise is a function of (seed, step, layer) and `step` never advances by itself (cd/README.md). Was: two
+    training forwards without `noise.step` set drew the same noise without a word, so such a loop trained with one
+    fixed perturbation. The second training forward of the model warns, once; an eval forward and a checkpointed
+    block's recomputation in the backward (a second forward of its layers inside one model forward) count as none.
+    A caller that sets `step`, each iteration (as WeightNoiseHook does with runner.iter) or once, is not warned."""
+    torch.manual_seed(0)
+    net = Net("reentrant").double().train()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    with WeightNoise(net, bits=4, seed=7), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        first = net(x)
+        first.pow(2).sum().backward()  # recomputes the block's layers
+        net.eval()
+        net(x)
+        net.train()
+        assert seen == []
+        second = net(x)
+        net(x)
+    assert torch.equal(second, first)  # the same noise: step is still 0
+    assert len(seen) == 1 and "second training forward with noise.step never set" in str(seen[0].message)
+    for steps in ([0, 1, 2], [4, 4, 4]):  # set each iteration, or once to keep one noise on purpose
+        with WeightNoise(net, bits=4, seed=7) as weight_noise, warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            outs = []
+            for step in steps:
+                weight_noise.step = step
+                outs.append(net(x).detach())
+        assert seen == [], steps
+        assert torch.equal(outs[0], first.detach()) == (steps[0] == 0)
+        assert all(torch.equal(a, b) == (s == t) for a, s, b, t in zip(outs, steps, outs[1:], steps[1:]))
