@@ -50,13 +50,13 @@ and the sweep exits 1), or not started (also where SIGTERM / SIGINT came between
 only when every run finished or stopped at train.max_steps; 75 when one stopped, so the same command can be
 requeued: it continues each unfinished run (a finished one only validates again) and evaluates it. SIGTERM /
 SIGINT to the sweep are passed on to the running command, and the sweep waits for it to write its checkpoint and
-exit. An evaluation JSON older
-than the run's best.pt (written for an earlier best.pt of the run) is moved aside to
-eval_best.<time>.json, so that evaluate.py writes a fresh one instead of refusing the old one.
+exit. An evaluation JSON of other weights than the run's best.pt holds now (an earlier best.pt of the run:
+told by the weights fingerprint it records, or where it records none, by being older than best.pt) is moved aside
+to eval_best.<time>.json, so that evaluate.py writes a fresh one instead of refusing the old one.
 --eval-amp {none,fp16,bf16} gives every evaluate.py command `--amp X` (its autocast; default: none, fp32, as the
 paper's tables, and no --amp in the commands); tables mark results evaluated under an autocast. evaluate.py adds to
-a result file only under the autocast it was written with: with --run, a run whose eval_best.json (not older than
-its best.pt) was evaluated under another --amp is refused before anything starts. So, with --run, is a run whose
+a result file only under the autocast it was written with: with --run, a run whose eval_best.json (of the weights
+its best.pt holds) was evaluated under another --amp is refused before anything starts. So, with --run, is a run whose
 checkpoint.pt train.py would not continue with the sweep's settings (a setting edited in the sweep file since it
 trained: cd.lam) or its length and layout, also with train.allow_changed_config=true (a schedule now shorter than its
 update, another train.batch_size: another number of updates per epoch; where its data settings changed, the count
@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import shlex
@@ -882,9 +883,9 @@ def refuse_missing_input_files(runs: list[dict]) -> None:
 
 
 def current_result(run: dict) -> Optional[tuple[str, object]]:
-    """(the run's result file, its JSON) where the file is not older than the run's best.pt; None for a missing file,
-    an older one (the sweep moves it aside: move_stale_result) or one that is no JSON (evaluate.py's own error names
-    what is wrong with it)."""
+    """(the run's result file, its JSON) where the file is of the weights the run's best.pt holds; None for a missing
+    file, one of other weights (the sweep moves it aside: move_stale_result) or one that is no JSON (evaluate.py's
+    own error names what is wrong with it)."""
     checkpoint, result = evaluation_paths(run)
     path = os.path.join(ROOT, result)
     if not os.path.isfile(path) or is_stale_result(path, os.path.join(ROOT, checkpoint)):
@@ -900,9 +901,9 @@ def refuse_results_of_another_autocast(runs: list[dict], eval_amp: Optional[str]
     """evaluate.py refuses a result file written under another --amp (its eval_amp), and --out, which its error
     offers, is the sweep's to name: a requeued sweep under another --eval-amp would end at the first such run,
     after its training, as 'failed during evaluation', the later runs not started. Refused before anything starts,
-    saying what to do. Not refused: a file older than the run's best.pt (the sweep moves it aside,
-    move_stale_result), one evaluate.py cannot read as a result (its own error names what is wrong). A run that is
-    to train further may yet write a newer best.pt, which would have the file moved aside: that is not known
+    saying what to do. Not refused: a file of other weights than the run's best.pt holds (the sweep moves it
+    aside, move_stale_result), one evaluate.py cannot read as a result (its own error names what is wrong). A run
+    that is to train further may yet write a newer best.pt, which would have the file moved aside: that is not known
     before it trains, and the file is refused."""
     amp = eval_amp or "none"  # evaluate.py's default
     for run in runs:
@@ -1038,8 +1039,8 @@ def plan_changed_evaluations(runs: list[dict], recompute: bool, world_size: Opti
     validation) and evaluate.py's loading of the model, the later runs not started. With `recompute` (the sweep's
     --recompute) such a run's evaluate.py command gets --recompute (run['recompute']: the old entries go to the
     file's history; files that agree get none, so that a requeued sweep computes nothing twice); without it, refused
-    before anything starts (ConfigError). Not checked: a file older than the run's best.pt (moved aside,
-    move_stale_result), and one evaluate.py would refuse for other reasons (its own error names them). A run that
+    before anything starts (ConfigError). Not checked: a file of other weights than the run's best.pt holds (moved
+    aside, move_stale_result), and one evaluate.py would refuse for other reasons (its own error names them). A run that
     is to train further may yet write a newer best.pt, which would have the file moved aside: that is not known
     before it trains, and the file is refused (as refuse_results_of_another_autocast)."""
     for run in runs:
@@ -1108,18 +1109,80 @@ def evaluation_change(run: dict, data: dict, world_size: Optional[int]) -> Optio
 
 
 def is_stale_result(json_path: str, checkpoint: str) -> bool:
-    """Whether the result `json_path` is older than `checkpoint` (and so scored an earlier one)."""
-    return (os.path.exists(json_path) and os.path.exists(checkpoint)
-            and os.path.getmtime(json_path) < os.path.getmtime(checkpoint))
+    """Whether evaluate.py would not add to the result `json_path` for `checkpoint`: it is of other weights (an
+    earlier best.pt of the run) or of another checkpoint (`stale_result`)."""
+    return stale_result(json_path, checkpoint) is not None
+
+
+def stale_result(json_path: str, checkpoint: str) -> Optional[str]:
+    """Why evaluate.py would not add to the result `json_path` for an evaluation of `checkpoint`, or None where it
+    would (or either file is missing). A result that records the fingerprint of the weights it scored (evaluate.py's)
+    is of other weights when the checkpoint's differ, compared as the readers of result files compare them
+    (engine/eval_results.refuse_stale): file times say nothing of weights (a copy made without them, `cp -r`, rsync
+    without -t, object storage, leaves the result older than its best.pt; a file written by hand for an earlier
+    best.pt may be newer). It is of another checkpoint when it records another file that is still there (a copy of
+    the run beside the original; a run folder moved away from the recorded path is the same checkpoint:
+    eval_results._same_checkpoint, evaluate.py's rule). One that records no fingerprint (an older evaluate.py's) or
+    that is no JSON object is of an earlier best.pt when it is older. Each verdict is kept while both files are
+    unchanged: fingerprinting loads the weights, once per run and not per check."""
+    if not (os.path.isfile(json_path) and os.path.isfile(checkpoint)):
+        return None
+    checkpoint, name = os.path.abspath(checkpoint), os.path.basename(checkpoint)  # absolute: as evaluate.py records
+    result = _read_result(json_path)
+    if isinstance(result, dict) and isinstance(result.get("fingerprint"), str):
+        # torch: only with --run, which imports it anyway
+        from engine.eval_results import _same_checkpoint
+        recorded = result.get("checkpoint")
+        if recorded != checkpoint and not _same_checkpoint(
+                result, {"checkpoint": checkpoint, "fingerprint": result["fingerprint"]}, ["checkpoint"],
+                json_path, say_moved=False):  # (the weights are compared below)
+            return f"is of another checkpoint ({recorded}), which evaluate.py would not add to"
+        if _scored_other_weights(json_path, checkpoint, _file_state(json_path), _file_state(checkpoint)):
+            return f"scored other weights than {name} holds now (its weights fingerprint)"
+        return None
+    if os.path.getmtime(json_path) < os.path.getmtime(checkpoint):
+        return f"is older than {name} and records no weights fingerprint (written for an earlier {name})"
+    return None
+
+
+def _read_result(json_path: str) -> object:
+    """The JSON at `json_path`, or None where it cannot be read as JSON."""
+    try:
+        with open(json_path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _file_state(path: str) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=None)
+def _scored_other_weights(json_path: str, checkpoint: str, *states: tuple) -> bool:
+    """Whether the result `json_path` records the fingerprint of other weights than `checkpoint` holds, as
+    engine/eval_results.refuse_stale compares them; kept for these file `states` (_file_state: a file rewritten
+    since is compared again)."""
+    from engine.eval_results import ResultsError, refuse_stale
+    result = _read_result(json_path)
+    if not isinstance(result, dict):  # rewritten since stale_result read it: evaluate.py's own error
+        return False
+    try:  # of the sweep's checkpoint, whatever path the file recorded (_same_checkpoint said it is the one)
+        refuse_stale(json_path, {**result, "checkpoint": checkpoint})
+    except ResultsError:
+        return True
+    return False
 
 
 def move_stale_result(json_path: str, checkpoint: str) -> None:
-    """evaluate.py refuses a JSON written for other weights; one older than the checkpoint was (an
-    earlier best.pt of this run, e.g. evaluated by hand mid-training): move it aside with the per-layer maxima
-    files it wrote beside it (which evaluate.py would refuse to overwrite), nothing is deleted. Paths are
-    relative to the repository root, where the commands run."""
+    """evaluate.py refuses a JSON written for other weights than the checkpoint holds (an earlier best.pt of this
+    run, e.g. evaluated by hand mid-training: `stale_result`): move it aside with the per-layer maxima files it
+    wrote beside it (which evaluate.py would refuse to overwrite), nothing is deleted. Paths are relative to the
+    repository root, where the commands run."""
     json_path, checkpoint = (os.path.join(ROOT, p) for p in (json_path, checkpoint))
-    if is_stale_result(json_path, checkpoint):
+    reason = stale_result(json_path, checkpoint)
+    if reason is not None:
         stamp = datetime.datetime.fromtimestamp(os.path.getmtime(json_path)).strftime("%Y%m%d-%H%M%S")
         stem = os.path.splitext(json_path)[0]
         base, suffix = stamp, 1
@@ -1131,8 +1194,8 @@ def move_stale_result(json_path: str, checkpoint: str) -> None:
         for source, target in moves:
             if os.path.exists(source):
                 os.replace(source, target)
-        print(f"sweep: {json_path} was written for an earlier {os.path.basename(checkpoint)}; moved to "
-              f"{moves[0][1]} (with its _act_max files)", file=sys.stderr, flush=True)
+        print(f"sweep: {json_path} {reason}; moved to {moves[0][1]} (with its _act_max files)", file=sys.stderr,
+              flush=True)
 
 
 if __name__ == "__main__":
