@@ -13,7 +13,8 @@ foreground process group. The rule:
 * under DDP the ranks agree through an all-reduce of the flag after every update: launched without
   waiting (`async_op`) and read one call later, so it costs no host sync, and every rank stops at the
   same update at most one update after the signal, whichever rank got it. Boundary calls (epoch ends)
-  agree at once;
+  agree at once. Once they agree to stop, rank 0 alone logs the warning, naming the ranks that got a signal
+  unless all did (the others logged it too, and said they were writing the checkpoint that rank 0 writes);
 * the same flag carries a stop the code asks for (`request_stop`): a rank that cannot load a training
   batch raises it, so that every rank leaves the update loop within two updates and raises there
   (engine/loop.py), instead of training on until the next log step or checkpoint;
@@ -155,7 +156,8 @@ class Preemption:
         device: the device of this rank's collectives (the flag tensor lives there).
         distributed: whether ranks must agree through an all-reduce.
         repeat_window_s: signals this soon after the first count as the same request.
-        saves: what the stop writes, for the line logged after the first signal (by the next `should_stop`).
+        saves: what the stop writes, for the line logged after the first signal (by the next `should_stop`; under
+            DDP by rank 0 alone, once the ranks agreed to stop, for every rank that got one).
         saves_at: its path (train.py's out_dir/checkpoint.pt), for the second interrupt's line: whether the same
             command resumes from it (written by this run) or starts where this run did. None: not told.
     """
@@ -167,7 +169,10 @@ class Preemption:
         self.repeat_window_s = repeat_window_s
         self.requested = False
         self.first_signal_at: float | None = None
-        self._unannounced: int | None = None  # the first signal, until `should_stop` logs it
+        self.signum: int | None = None  # the first signal
+        self._unannounced: int | None = None  # the first signal, until `should_stop` logs it (one process)
+        self._told = False  # under DDP: the ranks agreed to stop and rank 0 said which got a signal
+        self.rank = dist.get_rank() if distributed else 0
         self._pending: _Agreement | None = None
         previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
         # a SIGTERM that came while the entry point started (engine/startup_signals.py) is this run's request;
@@ -181,12 +186,12 @@ class Preemption:
         # Only records: the handler runs between any two bytecodes of the main thread, also inside a logging
         # handler's write to train.log, where logging again is a reentrant call on the same buffered file
         # ("RuntimeError: reentrant call inside <_io.BufferedWriter>", printed as a logging error). The line
-        # is logged by the next `should_stop`, at most one update later.
+        # is logged by the next `should_stop`, at most one update later (under DDP once the ranks agree to stop).
         now = time.monotonic()
         if self.first_signal_at is None:
             self.first_signal_at = now
             self.requested = True
-            self._unannounced = signum
+            self.signum = self._unannounced = signum
         elif signum == signal.SIGINT and now - self.first_signal_at > self.repeat_window_s:
             self.restore()
             raise SecondInterrupt(second_interrupt_line(self.saves, self.saves_at, self._saves_at_start))
@@ -202,19 +207,44 @@ class Preemption:
             step: optimizer updates done (for the log; the answer does not depend on it).
             boundary: agree now, waiting for the collective.
         """
-        if self._unannounced is not None:
-            log.warning("received %s: stopping at the next update or evaluation batch boundary and writing %s",
-                        signal.Signals(self._unannounced).name, self.saves)
-            self._unannounced = None
         if not self.distributed:
+            if self._unannounced is not None:
+                log.warning("%s", self._stop_line(signal.Signals(self._unannounced).name))
+                self._unannounced = None
             return self.requested
         previous, self._pending = self._pending, None
         stop = previous is not None and previous.result()
-        if boundary:
-            return stop or _Agreement(self.requested, self.device).result()
-        if not stop:
+        if boundary and not stop:
+            stop = _Agreement(self.requested, self.device).result()
+        elif not stop:
             self._pending = _Agreement(self.requested, self.device)
+        if stop and not self._told:  # the same call on every rank: the stop is agreed
+            self._told = True
+            self._say_who_got_a_signal()
         return stop
+
+    def _stop_line(self, signals: str, where: str = "") -> str:
+        return f"received {signals}{where}: stopping at the next update or evaluation batch boundary and writing " \
+               f"{self.saves}"
+
+    def _say_who_got_a_signal(self) -> None:
+        """Under DDP, once the ranks agreed to stop: one line, rank 0's, for every rank that got a signal. Each
+        rank logging its own said it once per rank when the scheduler signalled them all, and a rank that alone
+        got one said it was writing the checkpoint, which rank 0 writes. One collective (the ranks' first
+        signals), once per run: every rank makes it at the same `should_stop` call. Nothing is said for a stop
+        the code asked for (`request_stop`): its caller says why."""
+        world = dist.get_world_size()
+        got = torch.zeros(world)
+        got[self.rank] = float(self.signum or 0)
+        got = got.to(self.device)
+        dist.all_reduce(got, op=dist.ReduceOp.SUM)
+        signals = got.tolist()
+        received = [r for r in range(world) if signals[r]]
+        if self.rank != 0 or not received:
+            return
+        names = "/".join(sorted({signal.Signals(int(signals[r])).name for r in received}))
+        where = "" if len(received) == world else f" on {rank_list(received)} of {world}"
+        log.warning("%s", self._stop_line(names, where))
 
     def request_stop(self) -> None:
         """Raise this rank's stop flag from the code rather than from a signal, so that every rank stops at
@@ -236,6 +266,14 @@ class Preemption:
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+
+def rank_list(ranks: list[int], shown: int = 8) -> str:
+    """'rank 1', 'ranks 0, 3', or the first `shown` and how many more: 'ranks 0, 1, 2, 3, 4, 5, 6, 7 and 5 more'."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
+    return f"ranks {', '.join(map(str, ranks[:shown]))}{more}"
 
 
 class _Agreement:

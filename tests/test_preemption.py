@@ -508,6 +508,51 @@ def test_a_stop_one_rank_got_is_every_ranks_stop_at_a_boundary_and_one_call_late
             assert json.load(f) == [True, False, True], rank
 
 
+def _warning_worker(rank: int, world: int, port: int, out: str) -> None:
+    import logging
+
+    from dist_utils import init_gloo, leave_and_exit
+    from engine.preemption import Preemption
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    init_gloo(rank, world, port)
+    logging.getLogger("engine.preemption").addHandler(Lines())
+    logged = {}
+    for case, signalled in (("every rank", (0, 1)), ("rank 1 alone", (1,))):
+        lines = []
+        with Preemption(torch.device("cpu"), distributed=True) as preemption:
+            if rank in signalled:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # let the handler run
+            answers = [preemption.should_stop(step=1), preemption.should_stop(step=2),
+                       preemption.should_stop(boundary=True)]
+        logged[case] = {"answers": answers, "lines": lines}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(logged, f)
+    leave_and_exit()
+
+
+def test_the_stop_warning_is_one_line_of_rank_0_naming_the_ranks_that_got_the_signal(tmp_path):
+    """Two gloo ranks. A SIGTERM to every rank (a scheduler, torchrun forwarding its own) was warned of once per
+    rank, where a line every rank logs alike is rank 0's alone; one to rank 1 alone was warned of by rank 1 only,
+    saying it was writing checkpoint.pt, which rank 0 writes. Now rank 0 says it once, when the ranks agree to
+    stop, naming the ranks that got it unless all did."""
+    out = str(tmp_path / "logged")
+    spawn_ranks(_warning_worker, (2, free_port(), out), 2)
+    logged = []
+    for rank in range(2):
+        with open(f"{out}.{rank}") as f:
+            logged.append(json.load(f))
+    tail = ": stopping at the next update or evaluation batch boundary and writing checkpoint.pt"
+    for case, line in (("every rank", f"received SIGTERM{tail}"),
+                       ("rank 1 alone", f"received SIGTERM on rank 1 of 2{tail}")):
+        assert [logged[rank][case]["answers"] for rank in range(2)] == [[False, True, True]] * 2, case
+        assert [logged[rank][case]["lines"] for rank in range(2)] == [[line], []], case
+
+
 RACE_SCRIPT = r"""
 import os, signal, sys, time
 import torch
