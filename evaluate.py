@@ -78,7 +78,7 @@ from engine.distributed import (MainRankWait, OtherRankError, all_reduce, check_
 from engine.rank_agreement import SAME_SETTINGS_FIX, check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
-from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption, stop_signals_blocked
+from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption, ignore_sigterm_until_exit, stop_signals_blocked
 from engine.quant_settings import quant_settings, sees_training_transform, train_mode_settings, training_data
 from engine.result_table import markdown_table, method_name
 from engine.tasks import check_model_fits_task, perplexity_text, task_for
@@ -1149,6 +1149,7 @@ if __name__ == "__main__":
     except OtherRankError as e:  # rank 0 prints the error itself (a traceback if it is not the user's)
         exit_with_error(str(e), error=e)
     except Preempted:  # GPLQ stage 1 logged where it stopped; its checkpoint is written, the same command resumes
+        ignore_sigterm_until_exit()  # torchrun's SIGTERM once another rank exited must not make this rank's code -15
         sys.exit(EXIT_PREEMPTED)
     except KeyboardInterrupt:  # Ctrl-C: the JSON holds every result finished so far (written as they come)
         exit_with_error("interrupted; the results finished so far are in the JSON, and the same command runs "

@@ -51,7 +51,7 @@ from configs.loader import READ_ONLY_WHEN, decider_keys, overlapping_keys, overr
 from engine.checkpoint import run_checkpoint_config, weights_fingerprint  # noqa: E402
 from engine.eval_results import ResultsError, settings_change  # noqa: E402
 from engine.quant_settings import quant_settings  # noqa: E402
-from engine.preemption import EXIT_PREEMPTED, Preempted  # noqa: E402
+from engine.preemption import EXIT_PREEMPTED, Preempted, ignore_sigterm_until_exit  # noqa: E402
 from engine.outputs import write_json  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 from quant.plan import planned  # noqa: E402
@@ -330,4 +330,5 @@ if __name__ == "__main__":
     except evaluate.USER_ERRORS as e:
         sys.exit(f"error: {e}")
     except Preempted:  # a signal in a GPLQ stage 1 (logged); its checkpoint and the variants done so far are kept
+        ignore_sigterm_until_exit()  # as evaluate.py: under torchrun every rank exits 75, none -15
         sys.exit(EXIT_PREEMPTED)

@@ -129,9 +129,9 @@ def test_sigterm_in_stage1s_last_update_stops_before_stage2_and_resumes_the_fini
 @pytest.mark.slow
 def test_sigterm_to_one_torchrun_rank_in_stage1_stops_both_at_one_update_and_resumes(checkpoint, tmp_path):
     """Rank 1 alone gets the signal; rank 0 writes the checkpoint: the ranks agree one update later (the stop
-    agreement is read one call late) and leave stage 1 after the write; the first rank out exits 75 (torchrun
-    then ends the other, which is past the write, with its closing SIGTERM), and the same torchrun command
-    resumes there."""
+    agreement is read one call late) and leave stage 1 after the write; both exit 75 (the first rank out makes
+    torchrun SIGTERM the other, still in its interpreter shutdown, which ignores it from there on:
+    ignore_sigterm_until_exit), and the same torchrun command resumes there."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     out = tmp_path / "ddp.json"
@@ -142,7 +142,7 @@ def test_sigterm_to_one_torchrun_rank_in_stage1_stops_both_at_one_update_and_res
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     output = run.stdout + run.stderr
     assert "GPLQ stage 1 preempted at update 3;" in output, output[-3000:]
-    assert "exitcode  : 75" in output, output[-3000:]  # torchrun reports a rank's exit code (and its own traceback)
+    assert output.count("exitcode  : 75") == 2, output[-3000:]  # torchrun reports each rank's code (and a traceback)
     assert 'evaluate.py", line' not in output and 'qat.py", line' not in output, output[-3000:]
     assert stage1(out)["state"]["step"] == 3
     # the resume runs under torchrun as well: the suite's one evaluate.py run to a finished evaluation under the
