@@ -53,7 +53,7 @@ from torch import nn
 
 from .adapters import adapter_parameters, refuse_adapters
 from .layouts import LAYOUTS, Layout, check_layouts
-from .unknown_blocks import block_note, unknown_blocks, unpaired_part
+from .unknown_blocks import block_note, unknown_blocks, unknown_half_blocks, unpaired_part
 from .values import check_channel_order
 from .verify import (ADAPTER_FIX, UnsupportedModelError, refuse_fsdp1, refuse_shared, refuse_split_devices,
                      verify_pairs)
@@ -736,13 +736,15 @@ def refuse_unknown_blocks(root: nn.Module, layouts: tuple[Layout, ...]) -> None:
     built-in layouts that `layouts` leaves out are not refused: what layouts= leaves out is left out as asked.
 
     Raises:
-        UnsupportedModelError: naming the first such block, its type and parts, and the layouts= that adds it.
+        UnsupportedModelError: naming the first such block, its type and parts, and the layouts= that adds it; or,
+            with none, the first half block on its own (`_refuse_half_blocks`), which no layout describes.
     """
     known = [name for name, _ in _matches(root, layouts, merging=True)]
     if layouts is not LAYOUTS:
         known += [name for name, _ in _matches(root, LAYOUTS, merging=True)]
     found = list(unknown_blocks(root, known))
     if not found:
+        _refuse_half_blocks(root, known)
         return
     name, module, parts = found[0]
     more = f" (and {len(found) - 1} more: {', '.join(n for n, _, _ in found[1:4])}{', ...' if len(found) > 4 else ''})"
@@ -751,6 +753,21 @@ def refuse_unknown_blocks(root: nn.Module, layouts: tuple[Layout, ...]) -> None:
                   f"finds{more if len(found) > 1 else ''}, so CD and TWEO would leave it out while acting on the "
                   f"model's other blocks. {_looked_for(layouts)}. {note[:1].upper() + note[1:] + '. ' if note else ''}"
                   f"{_names_advice(layouts, 'it') + '. ' if helps else ''}{_WITHOUT_CD}")
+
+
+def _refuse_half_blocks(root: nn.Module, known: list[str]) -> None:
+    """Refuse half of a Transformer block on its own (an attention, or an MLP, after a norm:
+    `cd.unknown_blocks.unknown_half_blocks`) beside the blocks found: no cd.Layout describes one (a Layout names an
+    attention and an MLP together), so CD and TWEO would leave it out while acting on the other blocks."""
+    found = list(unknown_half_blocks(root, known))
+    if not found:
+        return
+    name, module, parts = found[0]
+    more = f" (and {len(found) - 1} more: {', '.join(n for n, _, _ in found[1:4])}{', ...' if len(found) > 4 else ''})"
+    raise _refuse(name, module, f"it holds {parts}, one half of a pre-norm Transformer block on its own (a residual "
+                  f"sub-block){more if len(found) > 1 else ''}, beside blocks that CD pairs: no cd.Layout describes "
+                  "it (a Layout names a block's attention and its MLP together), so CD and TWEO would leave it out "
+                  f"while acting on the model's other blocks. {_WITHOUT_CD}")
 
 
 def check_example_use(example_input: object, verify: bool, who: str) -> None:

@@ -18,6 +18,10 @@ or a block whose one input layer feeds both its attention and its MLP (D -> 3E +
 timm's `ParallelScalingBlock`), which no layout can pair. The innermost such module is the block, so a container of
 blocks (a Sequential, a decoder) is not taken for one, and an attention-pooling head (a latent query, a fused kv:
 no [Q; K; V] of the stream) or a classifier is not taken for a block.
+
+Half a block on its own (`half_block_parts`: an attention after a norm and no MLP, as CrossViT's fusion
+CrossAttentionBlock, or an MLP after a norm and no attention) beside the blocks found would be left out as well; no
+layout describes one, so it is refused without asking for one (`unknown_half_blocks`).
 """
 from __future__ import annotations
 
@@ -253,6 +257,79 @@ def unknown_blocks(root: nn.Module, known: Collection[str]) -> Iterator[tuple[st
     names = [name for name, _, _ in found]
     for name, module, parts in found:
         if not any(other.startswith(name + ".") or (not name and other) for other in names):
+            yield name, module, parts
+
+
+def _under(name: str, prefix: str) -> bool:
+    """`name` is the module `prefix` or a module inside it."""
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def half_block_parts(module: nn.Module, reader: Optional[_Reader] = None) -> Optional[str]:
+    """'an attention attn (Attention) after a norm norm1 (LayerNorm) and no MLP' or 'an MLP mlp (Mlp) after a norm
+    norm2 (LayerNorm) and no attention' when `module` is one half of a pre-norm Transformer block on its own (a residual
+    sub-block: timm's CrossViT fusion CrossAttentionBlock, norm1 -> attn; an MLP block of a metaformer), else None.
+    Its parts are modules below it: one attention (`_attention`), or one MLP (a module holding exactly two matrices,
+    D -> H and H -> D, and no attention anywhere in `module`), and a norm outside that part whose width is the
+    part's D. Every weight of 2 or more dimensions of `module` is the part's (its matrices, an attention's position
+    tables), so that a convolutional block (MBConv, ConvNeXt: a depthwise convolution beside the MLP), an
+    attention-pooling head (a latent query) or a classifier head is not taken for one, nor is a flat attention
+    whose q/k norms are its own children."""
+    reader = reader or _Reader()
+    modules = list(module.named_modules())
+    heavy = [(n, p) for n, p in module.named_parameters() if p.dim() >= 2]
+    norms = [(n, m) for n, m in modules if n and _is_norm(m)]
+    attentions = [(n, m, ids) for n, m in modules if (ids := reader.attention(m)) is not None]
+    if attentions:
+        outer = [(n, m, ids) for n, m, ids in attentions if not any(a and n.startswith(a + ".")
+                                                                   for a, _, _ in attentions)]
+        if len(outer) != 1 or not outer[0][0]:  # several attentions, or `module` is the attention itself
+            return None
+        name, attention, ids = outer[0]
+        widths = {d for _, w in _matrices(attention) if id(w) in ids for d in w.shape[:2]}
+    else:
+        mats = _matrices(module)
+        if len(mats) != 2 or len(heavy) != 2 or {id(w) for _, w in mats} != {id(p) for _, p in heavy}:
+            return None
+        (a, wa), (b, wb) = mats
+        if tuple(wa.shape[:2]) != tuple(wb.shape[:2])[::-1]:  # D -> H and H -> D, in either storage
+            return None
+        # the MLP: the innermost module below `module` holding both matrices (Mlp, a Sequential)
+        holders = [n for n, m in modules if n and {id(wa), id(wb)} <= {id(w) for _, w in _matrices(m)}]
+        if not holders:  # the layers are `module`'s own children: a head (norm, fc, act, fc), not a sub-block
+            return None
+        name = max(holders, key=len)
+        attention, widths = module.get_submodule(name), set(wa.shape[:2])
+    if any(not _under(n, name) for n, _ in heavy):
+        return None
+    norm = next(((n, m) for n, m in norms if not _under(n, name) and m.weight.shape[0] in widths), None)
+    if norm is None:
+        return None
+    if attentions:
+        return f"an attention {_label(name, attention)} after a norm {_label(*norm)} and no MLP"
+    return f"an MLP {_label(name, attention)} after a norm {_label(*norm)} and no attention"
+
+
+def unknown_half_blocks(root: nn.Module, known: Collection[str]) -> Iterator[tuple[str, nn.Module, str]]:
+    """(name, module, `half_block_parts`) of every module of `root`, in model order, that is half of a Transformer
+    block on its own (the innermost module holding the parts) and is neither inside nor around a module named in
+    `known` (the blocks and patch-merging layers found) nor a Transformer block (`block_parts`): a sub-block
+    beside the blocks found, which no layout can describe (a `cd.Layout` names an attention and an MLP)."""
+
+    def related(name: str, other: str) -> bool:  # one is the other, or holds it
+        return _under(name, other) or _under(other, name) or not name or not other
+
+    reader = _Reader()
+    modules = list(root.named_modules())
+    # the innermost Transformer blocks by structure: their own halves are parts of them, not sub-blocks
+    full = [name for name, module in modules if name and block_parts(module, reader) is not None]
+    blocks = [name for name in full if not any(other.startswith(name + ".") for other in full)]
+    found = [(name, module, parts) for name, module in modules
+             if not any(related(name, k) for k in (*known, *blocks))
+             and (parts := half_block_parts(module, reader)) is not None]
+    names = [name for name, _, _ in found]
+    for name, module, parts in found:
+        if not any(other.startswith(name + ".") for other in names):
             yield name, module, parts
 
 

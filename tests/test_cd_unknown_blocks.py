@@ -1,6 +1,7 @@
 """A Transformer block under names no layout has, beside blocks that one has, is refused by find_pairs,
 ColinearityDecay, find_blocks and TWEO (cd/unknown_blocks.py), not left out while the known blocks are paired:
-cd/README.md says no pair is dropped silently, and the paper applies CD to all Transformer blocks.
+cd/README.md says no pair is dropped silently, and the paper applies CD to all Transformer blocks. So is half a block
+on its own (an attention, or an MLP, after a norm: CrossViT's fusion blocks), which no Layout describes.
 
 The expected pair names are written out by hand from the models' module names."""
 from __future__ import annotations
@@ -506,3 +507,85 @@ def test_a_model_of_split_attentions_alone_is_told_which_module_is_its_block():
                                                     r"block's parts \(attention attention "
                                                     r"\(Data2VecVisionAttention\), norm layernorm_before"):
         find_pairs(transformers.Data2VecVisionModel(config), verify=False)
+
+
+class _AttentionHalf(nn.Module):
+    """The attention half of a pre-norm block on its own (x + attn(norm1(x)), CrossViT's fusion blocks' form)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(D), timm_vit.Attention(D, 2, qkv_bias=True)
+
+    def forward(self, x):
+        return x + self.attn(self.norm1(x))
+
+
+class _MlpHalf(nn.Module):
+    """The MLP half on its own (x + mlp(norm2(x))): a metaformer's MLP block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm2, self.mlp = nn.LayerNorm(D), timm_vit.Mlp(D, 2 * D)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm2(x))
+
+
+@pytest.mark.parametrize("half, parts", [
+    (_AttentionHalf(), r"an attention attn \(Attention\) after a norm norm1 \(LayerNorm\) and no MLP"),
+    (_MlpHalf(), r"an MLP mlp \(Mlp\) after a norm norm2 \(LayerNorm\) and no attention"),
+], ids=["attention-only", "mlp-only"])
+def test_half_a_block_on_its_own_beside_a_known_block_is_refused_by_cd_and_tweo(half, parts):
+    """Was: find_pairs returned blocks.0's pairs alone and TWEO hooked blocks.0 alone, leaving the sub-block out
+    without a word. No cd.Layout describes half a block (it names an attention and an MLP), so the refusal asks
+    for none."""
+    model = _Mixed(half)
+    for call in _calls(model).values():
+        with pytest.raises(UnsupportedModelError, match=rf"block 'blocks.1' \({type(half).__name__}\) is not "
+                                                        rf"supported by CD: it holds {parts}, one half of a "
+                                                        r"pre-norm Transformer block.*Without CD") as refused:
+            call()
+        assert "layouts=[cd.Layout" not in str(refused.value)
+
+
+def test_crossvits_fusion_blocks_are_refused_not_left_out():
+    """timm's CrossViT: its fusion CrossAttentionBlocks (norm1 -> attn.wq/wk/wv, attn.proj; no MLP) sit beside the
+    timm Blocks of its branches; `python -m cd --model crossvit_tiny_240` printed 60 pairs, none of them theirs."""
+    timm = pytest.importorskip("timm")
+    model = timm.create_model("crossvit_tiny_240", img_size=[32, 48], patch_size=[8, 16], embed_dim=[16, 32],
+                              depth=[[1, 1, 0]], num_heads=[2, 2], mlp_ratio=[2, 2, 1], num_classes=3)
+    for call in (lambda: find_pairs(model, verify=False), lambda: find_blocks(model), lambda: TWEO(model)):
+        with pytest.raises(UnsupportedModelError, match=r"block 'blocks.0.fusion.0' \(CrossAttentionBlock\).*an "
+                                                        r"attention attn \(CrossAttention\) after a norm norm1 "
+                                                        r"\(LayerNorm\) and no MLP.*\(and 1 more: blocks.0.fusion.1\)"):
+            call()
+
+
+def test_convolutional_blocks_and_heads_beside_known_blocks_are_no_half_blocks():
+    """A norm beside an MLP's two matrices is no half block where something else of the module has a weight (a
+    ConvNeXt block's and an MBConv's depthwise convolution, a head's classifier) or the matrices are the module's
+    own children (a head Sequential(norm, fc, act, fc)); nor is an attention whose q/k norms are its own children
+    (one head: their width is D). The pairs are the timm blocks' alone."""
+    timm = pytest.importorskip("timm")
+    from timm.models.convnext import ConvNeXtBlock
+    from timm.models.maxxvit import MbConvBlock
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(timm_vit.Block(D, 2), timm_vit.Block(D, 2))
+            self.conv = nn.Sequential(ConvNeXtBlock(D, conv_mlp=False), MbConvBlock(D, D))
+            self.attn = timm_vit.Attention(D, 1, qk_norm=True, norm_layer=nn.LayerNorm)
+            self.head = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+        def forward(self, x):
+            b, t, d = x.shape
+            x = self.blocks(x)
+            y = self.conv(x.transpose(1, 2).reshape(b, d, 1, t)).reshape(b, d, t).transpose(1, 2)
+            return self.head(self.attn(x + y))
+
+    assert timm  # the import above skips this test without timm
+    model = Model()
+    pairs = find_pairs(model, example_input=_x())
+    assert [p.name for p in pairs] == TIMM_BLOCK_0 + [n.replace("blocks.0", "blocks.1") for n in TIMM_BLOCK_0]
+    assert [name for name, _ in TWEO(model).blocks] == ["blocks.0", "blocks.1"]
