@@ -27,7 +27,7 @@ from configs.loader import check_options_read, coerce_value
 from engine.distributed import run_on_main
 from models import is_language_model
 
-from .calibrate import Images, calibrate
+from .calibrate import Images, ModelFeed, calibrate, stack_images
 from .convert import quantize_model
 from .modes import describe, summarize
 from .pipeline_data import PipelineData
@@ -113,6 +113,7 @@ class Pipeline:
         # on every rank, before any work; a detector's data (PipelineData.detector_samples) has rules of its own
         self.validate(bits, options, detection=detection)
         self.check_task(fp_model, detection)
+        calib_images = self.calibration_inputs(fp_model, calib_images, detection)
         self.check_model(fp_model)
         self.check_folds(fp_model, bits, options)
         self.check_input_size(fp_model, bits, options)
@@ -177,6 +178,19 @@ class Pipeline:
             raise ValueError(f"{self.name} quantizes {' and '.join(self.tasks)} models, not a {task} model "
                              f"({type(fp_model).__name__}); the {task} pipelines are {', '.join(fitting)}")
 
+    def calibration_inputs(self, fp_model: nn.Module, calib_images: Images, detection: bool) -> Images:
+        """`calib_images` as `run` receives them, checked against the model before any work where this pipeline reads
+        them (`check_calibration_inputs`): an iterable of batches is read here, once, and handed on as one tensor.
+        As they are where it reads none (RTN; APHQ and GPLQ on an image classifier draw their own images, as
+        quant.plan.reads_calibration_batch says) and for a detector (a `ModelFeed`, run by the detector itself)."""
+        language = is_language_model(fp_model)
+        if detection or isinstance(calib_images, ModelFeed) or not self.calibrated or (
+                self.draws_training_images and not language):
+            return calib_images
+        x = stack_images(calib_images)
+        check_calibration_inputs(fp_model, x)
+        return x
+
     def check_model(self, fp_model: nn.Module) -> None:
         """Raise ValueError for a model this pipeline cannot quantize as it is, on every rank before any work: for a
         `float32_weights` pipeline, floating weights other than float32 (a bf16 model met its float32 images in a
@@ -238,6 +252,33 @@ class Pipeline:
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: Any,
             data: Optional[PipelineData] = None) -> PTQResult:
         raise NotImplementedError
+
+
+def check_calibration_inputs(model: nn.Module, x: torch.Tensor) -> None:
+    """Raise one ValueError naming `calib_images` where `model` cannot run on the calibration inputs `x`: a language
+    model's are [N, T] int64 (or int32) token ids in 0..vocab_size-1, T within its context; an image classifier's
+    [N, C, H, W] floating-point images of its input channels. Torch would otherwise refuse them from deep inside the
+    forward of the copy (an IndexError of the embedding for an id past the vocabulary, a dtype error for float ids or
+    images given to a GPT, timm's unpacking error for token ids given to a ViT). The ids are read by one min / max
+    on their own device."""
+    got = f"got {str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
+    if is_language_model(model):
+        want = (f"calib_images: calibration inputs for a {type(model).__name__} are [N, T] int64 token ids "
+                f"< vocab_size {model.vocab_size}, 1 <= T <= its context {model.context}")
+        if x.dtype not in (torch.int64, torch.int32) or x.dim() != 2 or not 1 <= x.shape[1] <= model.context:
+            raise ValueError(f"{want}; {got}")
+        low, high = (int(v) for v in torch.aminmax(x))
+        if low < 0 or high >= model.vocab_size:
+            raise ValueError(f"{want}; got ids from {low} to {high}")
+        return
+    proj = getattr(getattr(model, "patch_embed", None), "proj", None)  # timm ViT / DeiT / Swin: the input layer
+    if not isinstance(proj, nn.Conv2d):
+        proj = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
+    channels = proj.in_channels if proj is not None else None
+    want = (f"calib_images: calibration inputs for a {type(model).__name__} are [N, "
+            f"{channels if channels is not None else 'C'}, H, W] floating-point images")
+    if not x.is_floating_point() or x.dim() != 4 or (channels is not None and x.shape[1] != channels):
+        raise ValueError(f"{want}; {got}")
 
 
 def check_float_ends(name: str, options: Any) -> None:
