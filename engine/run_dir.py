@@ -11,8 +11,10 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
 * the folder can be created and written (a file in the way, a read-only mount, a missing permission);
 * partial writes of an interrupted checkpoint write (`checkpoint.pt.partial-<host>-<pid>-<hex>`, gigabytes at
   ViT-B) whose writer, a process of this machine, is gone are removed: they are never the only copy of
-  anything, since writes are atomic renames. Only names this program gives its temporary files are removed
-  (`partial_path`), and never another machine's (its writer may live, e.g. an evaluate.py on another node);
+  anything, since writes are atomic renames. Only the temporary names (`partial_path`) of the files this program
+  writes in a run folder are removed (`_OWN_NAMES`: not a user's `notes.txt.partial-...`), and never another
+  machine's (its writer may live, e.g. an evaluate.py on another node); a pid held now by a process started after
+  the file was written is no longer its writer's (a container reuses pids);
 * what the folder holds. `checkpoint.pt`: the run resumes (see `config_changes` for what may change); a
   checkpoint.pt, or a train.resume, that is a folder (a device, a pipe) is refused before anything moves
   (`checkpoint_path_problem`), as is a `snapshots` that is no folder when train.keep_every_epochs > 0.
@@ -200,6 +202,16 @@ def prepare_folder(out_dir: str, setting: str = "out_dir") -> None:
 _PARTIAL = re.compile(r"\.partial-(?:([0-9a-f]{8})-)?(\d+)-[0-9a-f]{8}$")
 _LEGACY_PARTIAL = re.compile(r"^(checkpoint\.pt|best\.pt|config\.yaml|metrics\.jsonl)\.tmp\.(\d+)$")
 _HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+# The files this program writes through such a temporary file in a run folder or its snapshots folder: checkpoint.pt,
+# best.pt, config.yaml, metrics.jsonl, checkpoint.until_step<N>[.<k>].pt (a copy of engine/snapshots.py
+# keep_abandoned_checkpoint), snapshots/epoch<E>[-<k>].pt (a copy of keep_snapshot) and evaluate.py's result files
+# beside a checkpoint (eval_<checkpoint>.json, eval_<checkpoint>_act_max.csv / .png). A temporary name of another
+# file (a user's `notes.txt.partial-...`) is no proof that this program wrote it: remove_partial_writes leaves it.
+_OWN_NAMES = re.compile(r"checkpoint\.pt|best\.pt|config\.yaml|metrics\.jsonl|checkpoint\.until_step\d+(?:\.\d+)?\.pt"
+                        r"|epoch\d+(?:-\d+)?\.pt|eval_.+(?:\.json|_act_max\.csv|_act_max\.png)")
+# How much older than the process now holding its writer's pid a temporary file must be to be of another process:
+# the file's time is the file system's clock, which on a network file system may run behind this machine's
+PID_REUSE_SLACK_S = 60.0
 
 
 def is_inside(path: str, folder: str) -> bool:
@@ -222,6 +234,13 @@ def _partial_writer(name: str) -> Optional[int]:
         return int(pid) if host in (None, _HOST) else None
     match = _LEGACY_PARTIAL.match(name)
     return int(match.group(2)) if match else None
+
+
+def _is_own_temporary(name: str) -> bool:
+    """Whether `name` is the temporary name (`partial_path`, or an earlier version's) of one of the files this program
+    writes in a run folder (`_OWN_NAMES`), on any machine."""
+    temporary = _PARTIAL.search(name) or _LEGACY_PARTIAL.match(name)
+    return bool(temporary and _OWN_NAMES.fullmatch(_written_name(name)))
 
 
 def partial_writes_of(path: str) -> list[str]:
@@ -248,30 +267,55 @@ def _running(pid: int) -> bool:
     return True
 
 
+def process_start(pid: int) -> Optional[float]:
+    """When the process `pid` of this machine started (seconds since the epoch, to about a second), from Linux's
+    /proc; None where that cannot be read (no /proc, as on macOS; a process gone or hidden)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime: clock ticks after boot
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _writer_may_run(pid: int, path: str) -> bool:
+    """Whether the writer of the temporary file `path`, a process of this machine with the pid `pid`, may still run:
+    a process holds that pid (this one too), and it started before the file was last written. One started after
+    (by PID_REUSE_SLACK_S) is not its writer but a reuse of its pid, e.g. the pid of a container's first process,
+    the same in every container, which an earlier run's killed train.py had."""
+    if not _running(pid):
+        return False
+    started = process_start(pid)
+    return started is None or os.path.getmtime(path) >= started - PID_REUSE_SLACK_S
+
+
 def remove_partial_writes(out_dir: str) -> list[str]:
-    """Delete leftovers of interrupted atomic writes in `out_dir` and its snapshots folder
-    (`partial_path` names whose writer is no longer running; nothing else, whatever its name); returns
-    their paths relative to out_dir. One whose writer may still run is kept, named in one warning: another machine's
-    (its pid cannot be checked here), or one of a running pid or of this process's own (a container reuses pids: an
-    earlier run's held checkpoint.pt write, engine/checkpoint.CheckpointFile, may carry the pid of this one)."""
+    """Delete leftovers of interrupted atomic writes in `out_dir` and its snapshots folder (the `partial_path` names
+    of this program's files, `_OWN_NAMES`, whose writer is no longer running; nothing else, whatever its name);
+    returns their paths relative to out_dir. A pid held now by a process started after the file was written is no
+    longer its writer's (`_writer_may_run`: a container reuses pids). One whose writer may still run is kept, named in
+    one warning: another machine's (its pid cannot be checked here), or one of a pid running on this machine since
+    before it was written (this process's own too: an earlier call in it; or where start times cannot be read)."""
     removed, kept = [], []
     for folder in (out_dir, os.path.join(out_dir, SNAPSHOTS)):
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
             path = os.path.join(folder, name)
-            pid = _partial_writer(name)
-            if not os.path.isfile(path) or (pid is None and not _PARTIAL.search(name)):
+            if not _is_own_temporary(name) or not os.path.isfile(path):
                 continue  # not one of this program's temporary files
-            if pid is None or pid == os.getpid() or _running(pid):
-                kept.append(os.path.relpath(path, out_dir))
+            pid = _partial_writer(name)  # None: another machine's
+            if pid is None or _writer_may_run(pid, path):
+                why = "another machine's" if pid is None else f"pid {pid}, running since before it was written"
+                kept.append(f"{os.path.relpath(path, out_dir)} ({why})")
                 continue
             size = os.path.getsize(path)
             os.remove(path)
             removed.append(os.path.relpath(path, out_dir))
             log.warning("removed %s (%.1f MB), a partial write of an interrupted run", path, size / 2 ** 20)
     if kept:
-        log.warning("kept in %s: %s, partial write(s) of another machine or of a pid running on this one (or this "
-                    "run's own pid, which a container may reuse); delete them once no process writes them", out_dir,
-                    ", ".join(kept))
+        log.warning("kept in %s: %s: partial write(s) whose writer may still run; delete them once no process writes "
+                    "them", out_dir, ", ".join(kept))
     return removed
 
 

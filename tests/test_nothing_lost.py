@@ -332,6 +332,61 @@ def test_partial_writes_of_an_interrupted_run_are_removed(debug_config):
     assert os.path.exists(kept)
 
 
+def test_only_the_temporaries_of_the_files_a_run_writes_are_removed(tmp_path, caplog):
+    """remove_partial_writes matched any `*.partial-[<host>-]<pid>-<8 hex>` name: a user's file of that shape in the
+    run folder (notes.txt.partial-...) was deleted as a partial write. Now only the temporary names of the files this
+    program writes there (the list below, by hand) are; any other stays, named in no warning."""
+    import logging
+
+    from engine.run_dir import partial_path, remove_partial_writes
+
+    host = os.path.basename(partial_path("/x/checkpoint.pt")).split("-")[1]  # this machine's
+    dead = f"{host}-4194999-0a1b2c3d"  # 4194999: above Linux's largest pid, its writer is not running
+    (tmp_path / "snapshots").mkdir()
+    ours = ["checkpoint.pt", "best.pt", "config.yaml", "metrics.jsonl", "checkpoint.until_step4.pt",
+            "checkpoint.until_step4.2.pt", "eval_best.json", "eval_best_act_max.csv", "eval_best_act_max.png",
+            "snapshots/epoch0002.pt", "snapshots/epoch0002-1.pt", "snapshots/eval_epoch0002.json"]
+    ours = [f"{name}.partial-{dead}" for name in ours] + ["metrics.jsonl.partial-4194999-0a1b2c3d",
+                                                          "best.pt.tmp.4194999"]
+    users = [f"notes.txt.partial-{dead}", "mydata.partial-4194999-0a1b2c3d", f"checkpoint.pt.bak.partial-{dead}",
+             f"snapshots/mine.pt.partial-{dead}", "results.tmp.4194999"]
+    for name in ours + users:
+        (tmp_path / name).write_bytes(b"\0" * 10)
+    with caplog.at_level(logging.WARNING):
+        assert sorted(remove_partial_writes(str(tmp_path))) == sorted(ours)
+    assert all((tmp_path / name).exists() for name in users) and not any((tmp_path / n).exists() for n in ours)
+    assert not any(os.path.basename(name) in caplog.text for name in users)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="process start times are read from Linux's /proc")
+def test_a_temporary_whose_pid_a_process_started_since_holds_is_removed_and_no_other_one(tmp_path, caplog):
+    """A pid that runs is no proof that its process wrote a temporary file: a container's train.py is pid 1 (or the
+    same low pid) in every container, so a killed run's held checkpoint.pt write carried the pid of the next run,
+    and an earlier version's `checkpoint.pt.tmp.1` the pid of init; both were kept, and warned about, at every run.
+    Now one written before the process holding its pid started is removed; one written since stays, named."""
+    import logging
+
+    import psutil
+
+    from engine.run_dir import partial_path, process_start, remove_partial_writes
+
+    started = psutil.Process(os.getpid()).create_time()  # the reference, read by another library
+    assert abs(process_start(os.getpid()) - started) < 1.5
+    before, since = tmp_path / "before", tmp_path / "since"
+    for folder in (before, since):
+        folder.mkdir()
+        for path in (partial_path(str(folder / "checkpoint.pt")), str(folder / f"checkpoint.pt.tmp.{os.getpid()}")):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 10)
+            if folder == before:
+                os.utime(path, (started - 86400, started - 86400))  # a day before this process started
+    with caplog.at_level(logging.WARNING):
+        assert len(remove_partial_writes(str(before))) == 2 and os.listdir(before) == []
+        assert remove_partial_writes(str(since)) == [] and len(os.listdir(since)) == 2
+    (line,) = [r.getMessage() for r in caplog.records if "kept in" in r.getMessage()]
+    assert all(name in line for name in os.listdir(since)) and f"pid {os.getpid()}, running since" in line
+
+
 def test_unusable_out_dirs_are_refused_before_training(tmp_path, monkeypatch, debug_config):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
