@@ -8,10 +8,13 @@ command itself records says it: the line its job log ends with (`log_mark` befor
 `stopped_on_signal` after it ends; only lines written in between count, so an earlier job's stop is not taken for
 this one's). `stopped_after_checkpoint` decides it from the exit code and that line: a stop request the script
 itself received does not say that the command wrote its checkpoint. Imports nothing heavy: sweep.py expands a sweep
-without torch.
+without torch (torchrun's parser, which imports it, is imported where a torchrun launcher's processes are counted).
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import os
 import re
 import shlex
@@ -34,23 +37,73 @@ STOPPED_LINES = {
 }
 
 
+# the modules that run torchrun under a python (`python -m torch.distributed.run ...`): torchrun's own, and its
+# deprecated predecessor, whose parser is torchrun's with --use-env added; each is read by its own parse_args
+TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
 def launcher_world_size(launcher: str) -> Optional[int]:
-    """Processes a torchrun launcher starts (--nnodes x --nproc_per_node); 1 without one; None when the
-    launcher does not say (e.g. srun: the job's allocation decides)."""
+    """Processes a torchrun launcher starts (--nnodes x --nproc-per-node); 1 without one; None when the launcher
+    does not say: not torchrun (srun: the job's allocation decides), a number only its start tells
+    (--nproc-per-node=gpu or auto, an elastic --nnodes=1:4), or options torchrun refuses (its own usage error at the
+    start says which). torchrun is the program of that name or `python -m torch.distributed.run` (or .launch),
+    and its options are read by its own parser: every spelling and abbreviation it takes (--nproc_per=3), and its
+    PET_NNODES / PET_NPROC_PER_NODE environment defaults (the commands inherit this environment)."""
     if not launcher:
         return 1
     words = shlex.split(launcher)
-    if not words or os.path.basename(words[0]) != "torchrun":
+    if not words:
         return None
-    sizes = {"nproc_per_node": 1, "nnodes": 1}
-    for i, word in enumerate(words):
-        name, eq, value = word.lstrip("-").replace("-", "_").partition("=")
-        if name in sizes:
-            value = value if eq else (words[i + 1] if i + 1 < len(words) else "")
-            if not value.isdigit():  # auto, gpu, 1:4 (elastic): not a number known here
-                return None
-            sizes[name] = int(value)
-    return sizes["nproc_per_node"] * sizes["nnodes"]
+    if os.path.basename(words[0]) == "torchrun":
+        module, options = TORCHRUN_MODULES[0], words[1:]
+    elif re.fullmatch(r"python[0-9.]*", os.path.basename(words[0])):
+        module, options = python_module(words[1:]) or ("", [])
+        if module not in TORCHRUN_MODULES:
+            return None
+    else:
+        return None
+    parse_args = importlib.import_module(module).parse_args  # torch: only for a torchrun launcher
+    # with a script after the options, as the commands give it. Options torchrun refuses (an unknown or ambiguous
+    # one, --n=2) state no number: its usage error, kept from the output here, ends the first command at its start
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+            args = parse_args([*options, "train.py"])
+    except SystemExit:
+        return None
+    nodes, per_node = args.nnodes.split(":"), args.nproc_per_node  # nnodes MIN:MAX (torch's parse_min_max_nnodes)
+    if len(set(nodes)) != 1 or not nodes[0].isdigit() or not per_node.isdigit():
+        return None  # an elastic range, gpu, auto: not a number known before the start
+    world = int(nodes[0]) * int(per_node)
+    return world if world > 0 else None  # 0 processes: torchrun's own refusal at the start
+
+
+def python_module(arguments: list[str]) -> Optional[tuple[str, list[str]]]:
+    """(the module, its arguments) that a python command line with `arguments` (after the interpreter) runs with -m,
+    or None where it runs a script or -c: python's own options are read as it reads them, short ones alone or
+    joined (-u -m mod, -um mod, -mmod), -W / -X and --check-hash-based-pycs with their values."""
+    i = 0
+    while i < len(arguments):
+        word = arguments[i]
+        if word == "--check-hash-based-pycs":
+            i += 2
+            continue
+        if word.startswith("--") and word != "--":  # --help, --version, ...: flags
+            i += 1
+            continue
+        if not word.startswith("-") or word in ("-", "--"):
+            return None  # a script, stdin, or the end of python's options before one
+        i += 1
+        for j, letter in enumerate(word[1:], 2):
+            if letter in "mcWX":  # takes a value: the rest of the word, or the next word
+                value = word[j:]
+                if not value:
+                    value, i = (arguments[i] if i < len(arguments) else ""), i + 1
+                if letter == "m":
+                    return value, arguments[i:]
+                if letter == "c":
+                    return None
+                break
+    return None
 
 
 def log_mark(log_path: str) -> Optional[tuple[int, int, int]]:

@@ -26,7 +26,8 @@ with --only baseline_s0 would train the baseline as a CD run under its name), as
 own config files) that the 'evaluate' list would replace in evaluate.py. A key every run's config files set alike
 (a recipe every run lists, the sweep's 'configs') may be overridden for the whole sweep, and so may a key that
 only places work (PLACEMENT_KEYS); with --only, the other checks of settings cover the runs kept only. With --run
-under a launcher that states how many processes it starts (torchrun --nproc_per_node=N, --nnodes=M), a run whose
+under a launcher that states how many processes it starts (torchrun --nproc_per_node=N, --nnodes=M, or python -m
+torch.distributed.run: read by torchrun's own parser, scripts/launchers.py), a run whose
 train.batch_size does not split into them (processes x train.batch_size_per_gpu x accumulation steps, as train.py
 splits it) is refused too. With --run, so is a run's train.resume, or the model.pretrained of a run that starts
 afresh, that is no file (model.pretrained=hub aside; a path in the folder of an earlier run, which that run may

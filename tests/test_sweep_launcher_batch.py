@@ -3,8 +3,14 @@ that does not split into N processes x train.batch_size_per_gpu x accumulation s
 starts, in one error line naming the run, not when that run starts after the earlier runs trained."""
 from __future__ import annotations
 
+import os
+import shlex
+import subprocess
+import sys
+
 import pytest
 
+import launchers
 import sweep
 
 TORCHRUN = """#!/bin/sh
@@ -64,3 +70,69 @@ def test_batches_that_split_into_the_launchers_processes_run(tmp_path, torchrun)
     commands = started.read_text().splitlines()
     assert [c.split()[:2] for c in commands] == [["--nproc_per_node", "2"]] * 2
     assert [c.rsplit("/", 1)[1] for c in commands] == ["a", "b"]  # both trained, in order
+
+
+@pytest.mark.parametrize("module_words", [["-m", "torch.distributed.run"], ["-u", "-m", "torch.distributed.run"],
+                                          ["-m", "torch.distributed.launch"]])
+def test_torchrun_run_as_a_python_module_is_checked_as_torchrun(tmp_path, capsys, module_words):
+    """`python -m torch.distributed.run --nproc_per_node=3` starts 3 processes as torchrun does: a batch that does
+    not split into them is refused before anything starts, not at the run's start (a ChildFailedError traceback)."""
+    stub = tmp_path / "bin" / "python"  # stands in for the python: it records its command, trains nothing
+    stub.parent.mkdir()
+    stub.write_text(TORCHRUN)
+    stub.chmod(0o755)
+    with pytest.raises(SystemExit) as refused:
+        sweep.main([sweep_of_batches(tmp_path, 40, 40), "--run", "--launcher",
+                    " ".join([str(stub), *module_words, "--nproc_per_node=3"])])
+    assert str(refused.value.code).startswith("error: sweep run 'a': train.batch_size=40 is not a multiple of "
+                                              "train.batch_size_per_gpu=8 x 3 processes")
+    assert not (stub.parent / "started").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("options", ["--nproc_per=3", "--nproc-per 3", "--nproc_per_node 3 --nnode 1"])
+def test_an_abbreviated_torchrun_option_counts_its_processes(tmp_path, torchrun, options):
+    """torchrun's parser takes unique abbreviations of its options (--nproc_per=3 is --nproc_per_node=3): they were
+    counted as one process, and a batch for one was not refused."""
+    path, started = torchrun
+    with pytest.raises(SystemExit, match=r"^error: sweep run 'a': train.batch_size=16 is not a multiple of "
+                                         r"train.batch_size_per_gpu=8 x 3 processes"):
+        sweep.main([sweep_of_batches(tmp_path, 16, 48), "--run", "--launcher", f"{path} {options}"])
+    assert not started.exists()
+
+
+# one write per process: the processes share torchrun's stdout, and print's pieces of two would interleave
+WORKER = "import os\nos.write(1, f\"worker of {os.environ['WORLD_SIZE']}\\n\".encode())\n"
+PYTHON, TORCHRUN_PROGRAM = sys.executable, os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+@pytest.mark.parametrize("launcher, environment", [
+    (f"{PYTHON} -m torch.distributed.run --standalone --nproc_per=3", {}),
+    (f"{PYTHON} -u -m torch.distributed.launch --standalone --nnode 1 --nproc-per-node 2", {}),
+    (f"{TORCHRUN_PROGRAM} --standalone --nproc_per_node=2", {}),
+    (f"{TORCHRUN_PROGRAM} --standalone", {"PET_NPROC_PER_NODE": "2"}),  # torchrun's default from the environment
+])
+def test_launcher_world_size_is_the_number_of_processes_the_launcher_starts(tmp_path, monkeypatch, launcher,
+                                                                            environment):
+    """The reference: the launcher itself, run on a script whose processes print the WORLD_SIZE torchrun gives
+    them (one line per process started)."""
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)  # the sweep's commands inherit its environment
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    ran = subprocess.run([*shlex.split(launcher), str(script)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ran.returncode == 0, ran.stderr
+    lines = [line for line in ran.stdout.splitlines() if line.startswith("worker of ")]
+    assert lines and lines == [f"worker of {len(lines)}"] * len(lines), (ran.stdout, ran.stderr)
+    assert launchers.launcher_world_size(launcher) == len(lines)
+
+
+@pytest.mark.parametrize("launcher, world", [
+    ("torchrun --nnode=2 --nproc_per=4", 8),          # nodes x processes per node (torchrun's WORLD_SIZE)
+    ("torchrun --nnodes=2:2 --nproc_per_node=4", 8),  # a range of one size: a fixed number of nodes
+    ("torchrun --nnodes=1:4 --nproc_per_node=4", None),  # elastic: known at the start only
+    ("torchrun --nproc_per_node=gpu", None), ("torchrun --nproc_per_node=auto", None),
+    ("torchrun --n=2", None),  # ambiguous: torchrun refuses it at the start
+    ("python -c 'import torch.distributed.run'", None), ("python train.py", None), ("srun python", None)])
+def test_launcher_world_size_of_launchers_not_run_here(launcher, world):
+    assert launchers.launcher_world_size(launcher) == world
