@@ -39,7 +39,8 @@ class PipelineData:
         writes "<prefix>_gplq_w4a4_stage1.pt" and resumes from it. None: nothing is written.
     detector_samples: (count, seed) -> `count` training images of a detector drawn with `seed`, one per
         batch (quant.aphq.detector.DetectorSamples; evaluate_detection.py builds it). Given instead of
-        train_images for a model that is not called on an image tensor.
+        train_images for a model that is not called on an image tensor. Pipelines draw through
+        `draw_detector_samples`, which refuses a result that does not hold `count` images.
     train_detector: (student, settings, work_dir) -> report: trains a detector in place on its own loss
         with MMDetection's runner (GPLQ stage 1; engine/detection/qat.py `train_activation_qat`), resuming from
         the checkpoints in work_dir.
@@ -72,6 +73,22 @@ class PipelineData:
                else f"a {type(images).__name__}")
         raise ValueError(f"{option}: PipelineData.train_images({count}, ...) returned {got}, not {count} images "
                          f"[{count}, C, H, W]; give a count the data holds, or data that holds {count} images")
+
+    def draw_detector_samples(self, count: int, seed: int, option: str) -> Any:
+        """`detector_samples(count, seed)`, refused unless it holds `count` images (its `len`, one image per batch):
+        as for `draw_train_images`, a provider with fewer (a fixed pool sliced `pool[:count]`) would otherwise run
+        the pipeline on those while its report records `count`. `option` names the setting that asked, e.g.
+        "recon_images=1024", for the error. Every pipeline draws a detector's images through here (APHQ, GPLQ)."""
+        samples = self.detector_samples(count, seed)
+        try:
+            held = len(samples)
+        except TypeError:  # no length: not a feed of images at all
+            held = None
+        if held == count:
+            return samples
+        got = f"{held} images" if held is not None else f"a {type(samples).__name__}, which holds no images"
+        raise ValueError(f"{option}: PipelineData.detector_samples({count}, ...) returned {got}, not {count}; give a "
+                         f"count the data holds, or data that holds {count} images")
 
     def work_path(self, suffix: str) -> Optional[str]:
         """`<work_prefix><suffix>`, or None when there is no work prefix."""

@@ -98,7 +98,8 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
     samples = None  # iters=0 reconstructs nothing, so it draws no reconstruction images (the calibration is calib's)
     if options.iters > 0:
         with timer("data", device):
-            samples = data.detector_samples(options.recon_images, options.data_seed)
+            samples = data.draw_detector_samples(options.recon_images, options.data_seed,
+                                                 f"recon_images={options.recon_images}")
         if not isinstance(samples, DetectorSamples):
             raise TypeError("PipelineData.detector_samples must give a quant.aphq.detector.DetectorSamples")
     with isolated_rng(options.seed, device):

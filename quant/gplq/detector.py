@@ -131,7 +131,8 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
 def _stage2(model: nn.Module, teacher: Optional[nn.Module], bits: Bits, options: GPLQOptions, data: PipelineData,
             timer: StageTimer, device: torch.device, lr: float, scale_lr: float, stage1: dict) -> PTQResult:
     """Stage 2 on rank 0 (module docstring, step 4): weights, then QwT streamed over the backbone blocks."""
-    samples = data.detector_samples(options.stage2_images, options.seed) if options.qwt else None
+    samples = (data.draw_detector_samples(options.stage2_images, options.seed,
+                                          f"stage2_images={options.stage2_images}") if options.qwt else None)
     stage2 = quantize_weights_and_compensate(
         model, teacher, options,
         lambda unit, reference: fit_block_compensation_streamed(model, unit, samples, reference, options.qwt_ridge),
