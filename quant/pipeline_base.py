@@ -218,8 +218,8 @@ class Pipeline:
 
     def check_model_options(self, fp_model: nn.Module, bits: Bits, options: Any) -> None:
         """Raise ValueError, naming the option as a config key, for an option that this model leaves without effect
-        (GPLQ's pca_variance on features no wider than pca_multiple), on every rank before any work; the entry
-        points also call it (quant.plan.check_model_converts). The default: none."""
+        (GPLQ's pca_multiple or pca_variance on features no wider than pca_multiple), on every rank before any work;
+        the entry points also call it (quant.plan.check_model_converts). The default: none."""
 
     def train_image_counts(self, options: Any) -> Dict[str, int]:
         """{option: images} this pipeline draws from the training split itself (`draws_training_images`), for

@@ -188,8 +188,8 @@ def check_model_converts(model: nn.Module, cfg: Config) -> None:
     (`Pipeline.check_folds`: an RMSNorm, a post-norm block), or one at an input size the pipeline cannot take
     (`Pipeline.check_input_size`: RepQ-ViT's fold on a Swin with padded windows), is refused with one ConfigError
     naming model.name before the float and maxima passes (an ImageNet pass each), not by a traceback after them; so
-    is an option the model leaves without effect (`Pipeline.check_model_options`: GPLQ's pca_variance where the
-    model's features are no wider than pca_multiple)."""
+    is an option the model leaves without effect (`Pipeline.check_model_options`: GPLQ's pca_multiple or pca_variance
+    where the model's features are no wider than pca_multiple)."""
     from .convert import quantize_model
     from .pipeline_base import isolated_rng, parse_options
 

@@ -140,7 +140,9 @@ def components_from_moments(s1: torch.Tensor, s2: torch.Tensor, n: torch.Tensor,
     ratio = torch.cumsum(evals, 0) / evals.sum().clamp(min=1e-300)
     reach = int((ratio < variance).sum().item()) + 1  # smallest k with ratio >= variance
     k = min(evals.numel(), max(multiple, math.ceil(reach / multiple) * multiple))
-    return PCAProjection(mean.float(), evecs[:, :k].float().contiguous(), float(ratio[k - 1]), int(n.item()))
+    # all D components sum to 1 up to rounding (1.0000000000000002 was reported): a fraction, at most 1
+    explained = min(1.0, float(ratio[k - 1]))
+    return PCAProjection(mean.float(), evecs[:, :k].float().contiguous(), explained, int(n.item()))
 
 
 def pca_loss(student_features: torch.Tensor, teacher_features: torch.Tensor,

@@ -72,7 +72,7 @@ from .detector import quantize_detector
 from .lsq import LSQQuantizer
 from .pca import fit_pca
 from .pca_images import given_for_this_call, pca_images_exact, pca_images_given
-from .pca_width import pca_variance_unread
+from .pca_width import pca_settings_unread
 from .qat import Stage1Settings, refuse_other_run, run_stage1
 from .qwt import CompensationFit, fit_block_compensation
 from .stage2 import FitBlock, quantize_weights_and_compensate
@@ -148,7 +148,7 @@ class GPLQPipeline(Pipeline):
 
     def check_model_options(self, fp_model: nn.Module, bits: Bits, options: GPLQOptions) -> None:
         # a PCA target the feature width leaves nothing to choose (pca_width.py), refused before stage 1's passes
-        problem = pca_variance_unread(fp_model, options)
+        problem = pca_settings_unread(fp_model, options)
         if problem:
             raise ValueError(problem)
 
