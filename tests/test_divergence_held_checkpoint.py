@@ -142,12 +142,9 @@ def test_a_write_that_fails_leaves_the_write_it_supersedes_as_checkpoint_pt(seco
     assert partial_writes_of(path) == [] and writes.held_step is None
 
 
-def test_a_full_disk_at_the_write_after_a_validation_keeps_the_one_before_it(debug_config, monkeypatch, caplog):
-    """train.ckpt_every_steps=4: update 4's write is held, its validation runs, and the epoch's write of update 4
-    fails on a full disk. Before, the held write was already deleted: no checkpoint.pt, and the same command, which
-    the error advised, was refused ('holds files of an earlier run but no checkpoint.pt'); now update 4's held write
-    is checkpoint.pt, and the same command resumes from it and trains the schedule's end."""
-    cfg = debug_config("train.ckpt_every_steps=4")
+def second_checkpoint_write_fails(cfg, monkeypatch):
+    """train.main(cfg) with its second write of checkpoint.pt failing on a full disk (update 4's write after the held
+    one of train.ckpt_every_steps=4), which ends the run with the error naming the held write as checkpoint.pt."""
     real, writes = engine.checkpoint.save_atomic, []
 
     def second_fails(payload, path, held_of=None):
@@ -161,6 +158,15 @@ def test_a_full_disk_at_the_write_after_a_validation_keeps_the_one_before_it(deb
         patch.setattr(engine.checkpoint, "save_atomic", second_fails)
         with pytest.raises(CheckpointError, match="now the write of update 4"):
             train.main(cfg)
+
+
+def test_a_full_disk_at_the_write_after_a_validation_keeps_the_one_before_it(debug_config, monkeypatch, caplog):
+    """train.ckpt_every_steps=4: update 4's write is held, its validation runs, and the epoch's write of update 4
+    fails on a full disk. Before, the held write was already deleted: no checkpoint.pt, and the same command, which
+    the error advised, was refused ('holds files of an earlier run but no checkpoint.pt'); now update 4's held write
+    is checkpoint.pt, and the same command resumes from it and trains the schedule's end."""
+    cfg = debug_config("train.ckpt_every_steps=4")
+    second_checkpoint_write_fails(cfg, monkeypatch)
     assert load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"))["state"]["step"] == 4
     assert partial_writes_of(os.path.join(cfg.out_dir, "checkpoint.pt")) == []
     with caplog.at_level(logging.INFO):
@@ -177,19 +183,7 @@ def test_the_best_pt_of_the_validation_after_a_held_write_made_checkpoint_pt_sta
     run up to update 4'; now it stays, its score the resumed run's. The reference: the same run uninterrupted."""
     reference = train.main(debug_config("train.ckpt_every_steps=4", name="reference"))
     cfg = debug_config("train.ckpt_every_steps=4")
-    real, writes = engine.checkpoint.save_atomic, []
-
-    def second_fails(payload, path, held_of=None):
-        if os.path.basename(held_of or path) == "checkpoint.pt":
-            writes.append(path)
-            if len(writes) == 2:
-                raise CheckpointError(engine.checkpoint._write_failure(held_of or path, OSError(errno.ENOSPC, "full")))
-        return real(payload, path, held_of)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(engine.checkpoint, "save_atomic", second_fails)
-        with pytest.raises(CheckpointError, match="now the write of update 4"):
-            train.main(cfg)
+    second_checkpoint_write_fails(cfg, monkeypatch)
     held = load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"))["state"]
     best = load_checkpoint(os.path.join(cfg.out_dir, "best.pt"))["state"]
     assert held["step"] == best["best_step"] == 4 and held["best_fingerprint"] != best["best_fingerprint"]
