@@ -13,6 +13,7 @@ from cd import ColinearityDecay
 from cd.integrations import bind_optimizers
 from cd_integration_refs import RandomImages
 from cd_models import snapshot, tiny_vit
+from test_cd_tf32_device import assert_update_precision, vit_b_block
 
 REFUSED = (r"^cd.integrations: matmul_precision=tf32 but the decayed matrices are on the cpu, which has no TF32 "
            r"\(the update would run in fp32\): pass matmul_precision='fp32', or 'auto' \(tf32 on CUDA, fp32 "
@@ -113,7 +114,20 @@ def test_an_mmengine_runner_with_tf32_on_the_cpu_stops_before_its_first_forward(
 
 @pytest.mark.gpu
 def test_bind_optimizers_takes_tf32_on_a_cuda_model():
-    model = tiny_vit().cuda()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for binding in bind_optimizers(ColinearityDecay(model, lam=0.1, matmul_precision="tf32"), [opt]).values():
-        binding.remove()
+    """Bound without an error, and bound to TF32: the decay the binding runs says tf32, and the update of an armed
+    step (zero gradients: SGD moves nothing, CD alone acts, at lr x lam = 0.05) has TF32's error against float64,
+    not fp32's (assert_update_precision, on vit_b_block: matrices cuBLAS multiplies on TF32 tensor cores)."""
+    model = vit_b_block().cuda()
+    before = snapshot(model)
+    for p in model.parameters():  # a binding runs CD in a step that has gradients; zero ones leave SGD's part 0
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    bindings = bind_optimizers(ColinearityDecay(model, lam=0.1, matmul_precision="tf32"), [opt])
+    (binding,) = bindings.values()
+    assert binding.decay.matmul_precision == "tf32"
+    binding.arm()
+    opt.step()
+    binding.disarm()
+    assert binding.decay.num_updates == 1
+    assert_update_precision(model, before, 0.05, "tf32")
+    binding.remove()
