@@ -885,8 +885,7 @@ def refuse_missing_input_files(runs: list[dict]) -> None:
 
 def current_result(run: dict) -> Optional[tuple[str, object]]:
     """(the run's result file, its JSON) where the file is of the weights the run's best.pt holds; None for a missing
-    file, one of other weights (the sweep moves it aside: move_stale_result) or one that is no JSON (evaluate.py's
-    own error names what is wrong with it)."""
+    file or one evaluate.py would not add to for that best.pt (the sweep moves it aside: move_stale_result)."""
     checkpoint, result = evaluation_paths(run)
     path = os.path.join(ROOT, result)
     if not os.path.isfile(path) or is_stale_result(path, os.path.join(ROOT, checkpoint)):
@@ -902,8 +901,8 @@ def refuse_results_of_another_autocast(runs: list[dict], eval_amp: Optional[str]
     """evaluate.py refuses a result file written under another --amp (its eval_amp), and --out, which its error
     offers, is the sweep's to name: a requeued sweep under another --eval-amp would end at the first such run,
     after its training, as 'failed during evaluation', the later runs not started. Refused before anything starts,
-    saying what to do. Not refused: a file of other weights than the run's best.pt holds (the sweep moves it
-    aside, move_stale_result), one evaluate.py cannot read as a result (its own error names what is wrong). A run
+    saying what to do. Not refused: a file of other weights than the run's best.pt holds, or that evaluate.py cannot
+    read as a result (the sweep moves it aside, move_stale_result). A run
     that is to train further may yet write a newer best.pt, which would have the file moved aside: that is not known
     before it trains, and the file is refused."""
     amp = eval_amp or "none"  # evaluate.py's default
@@ -1040,8 +1039,8 @@ def plan_changed_evaluations(runs: list[dict], recompute: bool, world_size: Opti
     validation) and evaluate.py's loading of the model, the later runs not started. With `recompute` (the sweep's
     --recompute) such a run's evaluate.py command gets --recompute (run['recompute']: the old entries go to the
     file's history; files that agree get none, so that a requeued sweep computes nothing twice); without it, refused
-    before anything starts (ConfigError). Not checked: a file of other weights than the run's best.pt holds (moved
-    aside, move_stale_result), and one evaluate.py would refuse for other reasons (its own error names them). A run that
+    before anything starts (ConfigError). Not checked: a file of other weights than the run's best.pt holds, or that
+    evaluate.py cannot read as a result (moved aside, move_stale_result). A run that
     is to train further may yet write a newer best.pt, which would have the file moved aside: that is not known
     before it trains, and the file is refused (as refuse_results_of_another_autocast)."""
     for run in runs:
@@ -1111,38 +1110,47 @@ def evaluation_change(run: dict, data: dict, world_size: Optional[int]) -> Optio
 
 def is_stale_result(json_path: str, checkpoint: str) -> bool:
     """Whether evaluate.py would not add to the result `json_path` for `checkpoint`: it is of other weights (an
-    earlier best.pt of the run) or of another checkpoint (`stale_result`)."""
+    earlier best.pt of the run), records none, is of another checkpoint or is no result file (`stale_result`)."""
     return stale_result(json_path, checkpoint) is not None
 
 
 def stale_result(json_path: str, checkpoint: str) -> Optional[str]:
     """Why evaluate.py would not add to the result `json_path` for an evaluation of `checkpoint`, or None where it
-    would (or either file is missing). A result that records the fingerprint of the weights it scored (evaluate.py's)
-    is of other weights when the checkpoint's differ, compared as the readers of result files compare them
-    (engine/eval_results.refuse_stale): file times say nothing of weights (a copy made without them, `cp -r`, rsync
-    without -t, object storage, leaves the result older than its best.pt; a file written by hand for an earlier
-    best.pt may be newer). It is of another checkpoint when it records another file that is still there (a copy of
-    the run beside the original; a run folder moved away from the recorded path is the same checkpoint:
-    eval_results._same_checkpoint, evaluate.py's rule). One that records no fingerprint (an older evaluate.py's) or
-    that is no JSON object is of an earlier best.pt when it is older. Each verdict is kept while both files are
-    unchanged: fingerprinting loads the weights, once per run and not per check."""
+    would (or either file is missing). Decided by evaluate.py's own check (engine/eval_results.EvalResults.open)
+    with the identity fields its command for `checkpoint` records that the sweep knows before it: the checkpoint's
+    path and kind, and the fingerprint of its raw weights (the sweep's command gives no --ema). So a result of other
+    weights (an earlier best.pt of the run) is told by that fingerprint, not by file times (a copy made without
+    them, `cp -r`, rsync without -t, object storage, leaves the result older than its best.pt; a file written by
+    hand for an earlier best.pt may be newer), and it refuses as well one that records no fingerprint (an older
+    evaluate.py's, whatever its time), one of another best.pt that is still there (a copy of the run beside the
+    original; a run folder moved away from the recorded path is the same checkpoint: _same_checkpoint) and one that
+    is no result file of evaluate.py. Its other fields (--amp, data, settings) are the checks before the start's
+    (refuse_results_of_another_autocast, plan_changed_evaluations). A `checkpoint` that is no train.py checkpoint
+    has no fingerprint to compare (evaluate.py refuses it as --checkpoint): a result older than it is of an earlier
+    one. The fingerprint is kept while best.pt is unchanged: it loads the weights, once per run and not per check."""
     if not (os.path.isfile(json_path) and os.path.isfile(checkpoint)):
         return None
+    # torch: only with --run, which imports it anyway
+    from engine.eval_results import ResultsError, _read, checkpoint_kind
     checkpoint, name = os.path.abspath(checkpoint), os.path.basename(checkpoint)  # absolute: as evaluate.py records
-    result = _read_result(json_path)
-    if isinstance(result, dict) and isinstance(result.get("fingerprint"), str):
-        # torch: only with --run, which imports it anyway
-        from engine.eval_results import _same_checkpoint
-        recorded = result.get("checkpoint")
-        if recorded != checkpoint and not _same_checkpoint(
-                result, {"checkpoint": checkpoint, "fingerprint": result["fingerprint"]}, ["checkpoint"],
-                json_path, say_moved=False):  # (the weights are compared below)
-            return f"is of another checkpoint ({recorded}), which evaluate.py would not add to"
-        if _scored_other_weights(json_path, checkpoint, _file_state(json_path), _file_state(checkpoint)):
-            return f"scored other weights than {name} holds now (its weights fingerprint)"
+    fingerprint = _weights_fingerprint(checkpoint, _file_state(checkpoint))
+    if fingerprint is None:  # no train.py checkpoint (evaluate.py refuses it): no weights to compare, its time tells
+        if os.path.getmtime(json_path) < os.path.getmtime(checkpoint):
+            return f"is older than {name}, which is no train.py checkpoint (written for an earlier {name})"
         return None
-    if os.path.getmtime(json_path) < os.path.getmtime(checkpoint):
-        return f"is older than {name} and records no weights fingerprint (written for an earlier {name})"
+    identity = {"checkpoint": checkpoint, "checkpoint_kind": checkpoint_kind(checkpoint), "fingerprint": fingerprint}
+    try:
+        _read(json_path, identity, say_moved=False)
+    except ResultsError as e:
+        result = _read_result(json_path)
+        recorded = result.get("fingerprint") if isinstance(result, dict) else None
+        if isinstance(result, dict) and "checkpoint" in result and recorded is None:  # a result of evaluate.py
+            return (f"records no weights fingerprint (an older evaluate.py's), and evaluate.py adds only to a "
+                    f"result of the weights {name} holds")
+        if isinstance(recorded, str) and recorded != fingerprint:
+            return f"scored other weights than {name} holds now (its weights fingerprint)"
+        # another checkpoint, or no result file of evaluate.py: its words, less its advice (--out is the sweep's)
+        return f"is refused by evaluate.py ({str(e).removeprefix(f'{json_path} ').rsplit('; ', 1)[0]})"
     return None
 
 
@@ -1161,26 +1169,29 @@ def _file_state(path: str) -> tuple[int, int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _scored_other_weights(json_path: str, checkpoint: str, *states: tuple) -> bool:
-    """Whether the result `json_path` records the fingerprint of other weights than `checkpoint` holds, as
-    engine/eval_results.refuse_stale compares them; kept for these file `states` (_file_state: a file rewritten
-    since is compared again)."""
-    from engine.eval_results import ResultsError, refuse_stale
-    result = _read_result(json_path)
-    if not isinstance(result, dict):  # rewritten since stale_result read it: evaluate.py's own error
-        return False
-    try:  # of the sweep's checkpoint, whatever path the file recorded (_same_checkpoint said it is the one)
-        refuse_stale(json_path, {**result, "checkpoint": checkpoint})
-    except ResultsError:
-        return True
-    return False
+def _weights_fingerprint(checkpoint: str, state: tuple) -> Optional[str]:
+    """The fingerprint evaluate.py records for the raw weights of `checkpoint` (engine/checkpoint.weights_fingerprint
+    of its 'model', the state dict evaluate.py loads and hashes, as engine/eval_results.refuse_stale compares), or
+    None where it is no train.py checkpoint; kept for this file `state` (_file_state: a new best.pt is read again).
+    Memory-mapped: only the weights hashed are read."""
+    import torch
+
+    from engine.checkpoint import weights_fingerprint
+    try:
+        payload = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - not a torch checkpoint: evaluate.py's own refusal names what it is
+        return None
+    if not (isinstance(payload, dict) and isinstance(payload.get("model"), dict)):
+        return None
+    return weights_fingerprint(payload["model"])
 
 
 def move_stale_result(json_path: str, checkpoint: str) -> None:
     """evaluate.py refuses a JSON written for other weights than the checkpoint holds (an earlier best.pt of this
-    run, e.g. evaluated by hand mid-training: `stale_result`): move it aside with the per-layer maxima files it
-    wrote beside it (which evaluate.py would refuse to overwrite), nothing is deleted. Paths are relative to the
-    repository root, where the commands run."""
+    run, e.g. evaluated by hand mid-training), by an older version without their fingerprint, or that is no result
+    file of it (`stale_result`): move it aside with the per-layer maxima files it wrote beside it (which evaluate.py
+    would refuse to overwrite), nothing is deleted. Paths are relative to the repository root, where the commands
+    run."""
     json_path, checkpoint = (os.path.join(ROOT, p) for p in (json_path, checkpoint))
     reason = stale_result(json_path, checkpoint)
     if reason is not None:

@@ -100,8 +100,9 @@ def test_a_copy_beside_its_original_is_moved_aside_and_a_moved_run_kept(tmp_path
 
 
 @pytest.mark.parametrize("result_older", [True, False])
-def test_a_result_without_a_fingerprint_is_judged_by_its_file_time(tmp_path, result_older):
-    """Files of an older evaluate.py record no fingerprint: one older than best.pt was of an earlier best.pt."""
+def test_a_result_without_a_fingerprint_is_moved_aside_whatever_its_file_time(tmp_path, capsys, result_older):
+    """Files of an older evaluate.py record no fingerprint, which evaluate.py refuses to add to (it records one for
+    every result): kept when newer than best.pt, it failed that run's evaluation after its training."""
     trained = weights(0)
     result, checkpoint = evaluated_run(tmp_path / "runs" / "a", trained, trained)
     data = json.loads(open(result).read())
@@ -109,7 +110,25 @@ def test_a_result_without_a_fingerprint_is_judged_by_its_file_time(tmp_path, res
     with open(result, "w") as f:
         json.dump(data, f)
     set_order(result, checkpoint, result_older)
-    assert sweep.is_stale_result(result, checkpoint) == result_older
+    assert not evaluate_py_adds_to(result, checkpoint, trained)
+    assert sweep.is_stale_result(result, checkpoint)
+    sweep.move_stale_result(result, checkpoint)
+    assert not os.path.exists(result) and "records no weights fingerprint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["not json", "[1]", '{"quant": {}}'])
+def test_a_file_that_is_no_result_of_evaluate_py_is_moved_aside(tmp_path, capsys, text):
+    """A file evaluate.py cannot read as its result is refused by it whatever its time: moved aside, kept as it was."""
+    trained = weights(0)
+    folder = tmp_path / "runs" / "a"
+    result, checkpoint = evaluated_run(folder, trained, trained)
+    (folder / "eval_best.json").write_text(text)
+    set_order(result, checkpoint, result_older=False)
+    assert not evaluate_py_adds_to(result, checkpoint, trained)
+    sweep.move_stale_result(result, checkpoint)
+    (moved,) = [p for p in folder.iterdir() if p.name.startswith("eval_best.") and p.name.endswith(".json")]
+    assert not os.path.exists(result) and moved.read_text() == text
+    assert "is refused by evaluate.py" in capsys.readouterr().err
 
 
 def test_current_result_reads_a_copied_result_of_the_same_weights(tmp_path):
