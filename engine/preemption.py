@@ -234,9 +234,8 @@ class Preemption:
         signals), once per run: every rank makes it at the same `should_stop` call. Nothing is said for a stop
         the code asked for (`request_stop`): its caller says why."""
         world = dist.get_world_size()
-        got = torch.zeros(world)
+        got = torch.zeros(world, device=self.device)  # the collective's device, whatever the default device is
         got[self.rank] = float(self.signum or 0)
-        got = got.to(self.device)
         dist.all_reduce(got, op=dist.ReduceOp.SUM)
         signals = got.tolist()
         received = [r for r in range(world) if signals[r]]

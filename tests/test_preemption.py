@@ -466,6 +466,31 @@ def test_ranks_agree_one_call_late_on_updates_and_at_once_at_boundaries(tmp_path
         dist.destroy_process_group()
 
 
+def test_the_agreed_stop_line_builds_its_tensor_on_the_preemption_device_not_the_default_one(tmp_path, caplog):
+    """Once the ranks agree to stop, the all-reduce of the ranks' signals (the one warning line) runs on the
+    Preemption's device: under the meta default device (tests/device_utils.py, standing in for a default the
+    code does not own) the tensor was made there and copied to the CPU, 'Cannot copy out of meta tensor'."""
+    import logging
+
+    import torch.distributed as dist
+
+    from engine.preemption import Preemption
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with Preemption(torch.device("cpu"), distributed=True, saves="stage1.pt") as preemption, \
+                caplog.at_level(logging.WARNING, logger="engine.preemption"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler records the request here
+            with torch.device("meta"):
+                stops = [preemption.should_stop(step=1), preemption.should_stop(step=2)]
+        assert stops == [False, True]  # the agreement launched at the first call answers at the second
+        assert [r.getMessage() for r in caplog.records if r.name == "engine.preemption"] == [
+            "received SIGTERM: stopping at the next update or evaluation batch boundary and writing stage1.pt"]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_later_sigterm_is_ignored_only_a_later_sigint_stops_at_once():
     """Past the repeat window a second SIGTERM (a scheduler repeating itself) is no 'now': the stop request
     stands and nothing is raised; a SIGINT then is (a second Ctrl-C)."""
