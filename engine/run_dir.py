@@ -305,12 +305,15 @@ def remove_partial_writes(out_dir: str) -> list[str]:
             if not _is_own_temporary(name) or not os.path.isfile(path):
                 continue  # not one of this program's temporary files
             pid = _partial_writer(name)  # None: another machine's
-            if pid is None or _writer_may_run(pid, path):
-                why = "another machine's" if pid is None else f"pid {pid}, running since before it was written"
-                kept.append(f"{os.path.relpath(path, out_dir)} ({why})")
-                continue
-            size = os.path.getsize(path)
-            os.remove(path)
+            try:
+                if pid is None or _writer_may_run(pid, path):
+                    why = "another machine's" if pid is None else f"pid {pid}, running since before it was written"
+                    kept.append(f"{os.path.relpath(path, out_dir)} ({why})")
+                    continue
+                size = os.path.getsize(path)
+                os.remove(path)
+            except FileNotFoundError:  # gone since the listing: its running writer renamed it into place (an
+                continue  # evaluate.py finishing its JSON); nothing is left to keep or remove
             removed.append(os.path.relpath(path, out_dir))
             log.warning("removed %s (%.1f MB), a partial write of an interrupted run", path, size / 2 ** 20)
     if kept:

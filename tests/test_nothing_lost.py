@@ -387,6 +387,26 @@ def test_a_temporary_whose_pid_a_process_started_since_holds_is_removed_and_no_o
     assert all(name in line for name in os.listdir(since)) and f"pid {os.getpid()}, running since" in line
 
 
+def test_a_temporary_its_running_writer_renames_meanwhile_is_passed_over(tmp_path, monkeypatch):
+    """A live writer (an evaluate.py finishing its eval_best.json) may rename its temporary into place between
+    remove_partial_writes' listing and its reading of the file's time: the file is gone, not an error (train.py
+    ended at its claim on a FileNotFoundError traceback); the written file stays, nothing is removed."""
+    import engine.run_dir as run_dir
+
+    temporary = run_dir.partial_path(str(tmp_path / "eval_best.json"))  # this process's: its writer runs
+    with open(temporary, "w") as f:
+        f.write('{"quant": {}}')
+    real = run_dir.process_start
+
+    def process_start(pid):  # the writer's rename lands after the listing, before the file's time is read
+        os.replace(temporary, tmp_path / "eval_best.json")
+        return real(pid)
+
+    monkeypatch.setattr(run_dir, "process_start", process_start)
+    assert run_dir.remove_partial_writes(str(tmp_path)) == []
+    assert os.listdir(tmp_path) == ["eval_best.json"] and (tmp_path / "eval_best.json").read_text() == '{"quant": {}}'
+
+
 def test_unusable_out_dirs_are_refused_before_training(tmp_path, monkeypatch, debug_config):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
