@@ -37,7 +37,9 @@ either way):
 The JSON holds the device (cuda; cpu under --smoke), its hardware (the GPU's name; under --smoke the processor's)
 and the torch, CUDA and timm versions, the fields of every benchmark's JSON (scripts/bench_env.py), and per stage its
 status (ok, failed: a test failed, error: the stage raised or died, timeout, not_run: the total budget was
-spent), seconds, budget, figures and log file; the stages' full logs are written next to it (`<out stem>_logs/`),
+spent, or a stop signal came before it, interrupted: killed by a stop signal), seconds, budget, figures and log file;
+it is written before the first stage starts (the environment alone) and again after each stage, and the stages'
+full logs are written next to it (`<out stem>_logs/`),
 where a stage's figures file (and any temporary of it) an earlier call left is removed before that stage starts. Every
 stage writes its figures whole (a temporary file renamed into place) as soon as it has each; a figures
 file the driver cannot read is kept there and named in the stage's `figures_error` (a stage that ended
@@ -45,7 +47,10 @@ well is then an error). The stage processes get CUBLAS_WORKSPACE_CONFIG=:4096:8 
 (PyTorch reads it once, at a process's first cuBLAS call: the deterministic CUDA resume test needs it
 from the start; tests/conftest.py sets it for a plain `pytest -m gpu`).
 The command exits with status 1, after writing the JSON and printing its summary, when a stage is not `ok`
-(a test failed, a stage erred, timed out or was not run); 0 when every stage is `ok`.
+(a test failed, a stage erred, timed out or was not run); 0 when every stage is `ok`. On SIGTERM (`timeout`, a
+runner's limit), SIGINT (Ctrl-C) or SIGHUP it kills the stage under way with everything the stage started (each
+stage is a process group of its own, in the driver's session), writes the JSON with that stage `interrupted`, the
+later ones `not_run` and the signal under "interrupted", and exits with 128 + the signal's number (143 for SIGTERM).
 `--smoke` runs every stage small on a CPU (pytest on one test of tests/test_gpu.py: its CPU case runs,
 its CUDA case skips), in under a minute, to show that the script works end to end.
 """
@@ -325,29 +330,88 @@ def collect_figures(path: str) -> tuple[dict, Optional[str]]:
     return figures, None
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # `timeout`, Ctrl-C, a closed terminal
+
+
+class StopSignals:
+    """The driver's STOP_SIGNALS while installed (`with`; the previous handlers are put back at its end): the first
+    is kept in `got`, and the stage under way (`running`, set by `launch`) is killed with its whole process group at
+    once; `launch` records it as `interrupted` and starts none after, and `main` writes the report and exits with 128
+    + the signal's number. No exception is raised from the handler, so it cuts no write or wait short."""
+
+    def __init__(self) -> None:
+        self.got: Optional[signal.Signals] = None
+        self.running: Optional[subprocess.Popen] = None
+
+    def __enter__(self) -> "StopSignals":
+        self.got, self.running = None, None
+        self.previous = {s: signal.signal(s, self._stop) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+    def _stop(self, signum, frame) -> None:
+        self.got = self.got or signal.Signals(signum)
+        if self.running is not None:
+            kill_group(self.running)
+
+
+STOP = StopSignals()
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to the process group of a stage not reaped yet (its pgid is its pid while it is unreaped, and no other
+    group can have taken that number), the stage and all it started."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone already
+            pass
+
+
+# The stage's own process group (its pgid its pid), so that one kill takes it with what it started (a test's
+# subprocesses); in the driver's session, not a session of its own (start_new_session): a runner that ends the
+# processes a command leaves (the lent GPU machine's tool: all but those in a session of their own) then ends a stage
+# whose driver was killed outright (SIGKILL, no handler). process_group= is Python 3.11's; 3.10 sets it in the child.
+OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+
+
 def launch(stage: str, args, figures_path: str, log_path: str, budget: float) -> dict:
-    """Run one stage in its own process group, killed (with anything it started) at `budget` seconds."""
+    """Run one stage in its own process group, killed (with anything it started) at `budget` seconds, when the driver
+    gets a stop signal (StopSignals: status `interrupted`), or when it leaves by an exception: no stage outlives the
+    driver's wait for it."""
     cmd = [sys.executable, os.path.abspath(__file__), "--stage", stage, "--stage-out", figures_path,
            "--test-timeout", str(args.test_timeout), *(["--smoke"] if args.smoke else [])]
     env = stage_env()
     clear_figures(figures_path)  # what is read after the stage is then this stage's, or nothing
     start = time.perf_counter()
+    code: Optional[int] = None
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, **OWN_GROUP)
+        STOP.running = proc
         try:
-            code: Optional[int] = proc.wait(timeout=budget)
+            if STOP.got is None:  # else a stop signal came while it was being started: killed below
+                code = proc.wait(timeout=budget)  # a stop signal kills it (StopSignals), and the wait returns
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = None
+            pass
+        finally:  # past its budget, stopped, or the driver leaving by an exception: the whole group is killed
+            STOP.running = None
+            if code is None:
+                kill_group(proc)
+                proc.wait()
     seconds = time.perf_counter() - start
     figures, problem = collect_figures(figures_path)
-    status = "timeout" if code is None else "ok" if code == 0 else "failed" if code == 1 else "error"
+    # a stage that ended before the stop signal (code 0, 1, 2) keeps its status; one it killed is `interrupted`
+    stopped = STOP.got is not None and (code is None or code < 0)
+    status = ("interrupted" if stopped else "timeout" if code is None else "ok" if code == 0
+              else "failed" if code == 1 else "error")
     if problem and status == "ok":  # its figures are lost: not a stage that worked
         status = "error"
     entry = {"status": status, "seconds": round(seconds, 1), "budget_s": round(budget, 1),
              "log": os.path.relpath(log_path, os.path.dirname(args.out)), "figures": figures,
+             **({"reason": f"the driver got {STOP.got.name}; the stage was killed"} if stopped else {}),
              **({"figures_error": problem} if problem else {})}
     if status != "ok":
         with open(log_path) as f:
@@ -429,7 +493,30 @@ def main(argv: Optional[list[str]] = None) -> dict:
             sys.exit(f"error: {e}")
         written.append(True)
 
+    with STOP:
+        write()  # now: a call killed in its first stage still returns the device, hardware and versions
+        run_stages(args, budgets, logs, report, deadline, write)
+        report["seconds"] = round(time.perf_counter() - start, 1)
+        if STOP.got:
+            for stage in [s for s in STAGES if s in args.stages and s not in report["stages"]]:
+                report["stages"][stage] = {"status": "not_run", "reason": f"the driver got {STOP.got.name} before it"}
+            report["interrupted"] = STOP.got.name
+        write()
+        stopped = STOP.got
+    if stopped:
+        print(f"interrupted by {stopped.name}: wrote {args.out} (logs in {logs})", file=sys.stderr)
+        sys.exit(128 + stopped)
+    print(json.dumps(summary(report), indent=1))
+    print(f"wrote {args.out} (logs in {logs})")
+    return report
+
+
+def run_stages(args, budgets: dict[str, float], logs: str, report: dict, deadline: float,
+               write: Callable[[], None]) -> None:
+    """Each stage of --stages in STAGES' order, its entry into `report` and the report written after it."""
     for stage in [s for s in STAGES if s in args.stages]:  # the tests first: a later stage's figures mean less
+        if STOP.got:  # a stop signal: no stage after the one it ended
+            return
         # the first stage gets the whole total (the parser's floor is MIN_STAGE_S: the microseconds since `start`
         # must not leave it just under the floor, with nothing run); a later one only what is left
         left = deadline - time.perf_counter() if report["stages"] else args.total_budget
@@ -444,11 +531,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
         if entry["status"] != "ok":
             print(entry.get("log_tail", "")[-1500:], flush=True)
         write()  # after every stage: a call cut short keeps the stages done
-    report["seconds"] = round(time.perf_counter() - start, 1)
-    write()
-    print(json.dumps(summary(report), indent=1))
-    print(f"wrote {args.out} (logs in {logs})")
-    return report
 
 
 def exit_status(report: dict) -> int:

@@ -300,3 +300,73 @@ def test_a_test_file_that_cannot_import_is_an_error_and_the_other_files_run(tmp_
     assert figures["counts"] == {"error": 1, "passed": 1}, figures
     (error,) = [t for name, t in figures["tests"].items() if "unimportable" in name]
     assert "not_a_module_anywhere_gc" in error["message"]
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (an orphan's zombie waits for a reaper: it is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_stop_signal_kills_the_stage_with_what_it_started_and_the_report_names_it(tmp_path, monkeypatch, name):
+    """`timeout -s TERM` on the call (or Ctrl-C): the driver died with no JSON written (the first write came after the
+    first stage), and its stage, in a session of its own, ran on with its children, out of any budget. Now the JSON
+    holds the environment before the first stage starts; a stop signal kills the stage's process group (the stage
+    and the child it started; the group in the driver's session, so a runner that ends a command's leftovers ends
+    it too), the JSON names the stage `interrupted` and the later ones `not_run`, and the driver exits 128 + the
+    signal. The driver runs in a fork of this process: a signal to this one would end the test run, and a fresh
+    process would import torch again."""
+    import signal
+    import time
+
+    pids = tmp_path / "pids"  # the stage's pid and its child's, once both run
+    stand_in_stage(tmp_path, monkeypatch, f'sleep 600 & echo "$$ $!" > {pids}.tmp; mv {pids}.tmp {pids}; wait')
+    out = tmp_path / "gc.json"
+    gpu_check = load_script("gpu_check")
+    argv = ["--smoke", *unhurried("pytest", "quant"), "--stages", "pytest", "quant", "--out", str(out)]
+    driver = os.fork()
+    if driver == 0:  # the driver: its exit status is main's (SystemExit's code), 3 for anything else
+        code = 3
+        try:
+            gpu_check.main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 2
+        finally:
+            os._exit(code)
+    status = None  # the driver's wait status, once reaped
+    stage = child = None
+    try:
+        deadline = time.monotonic() + 120
+        while not pids.exists():
+            ended, exited = os.waitpid(driver, os.WNOHANG)
+            if ended:
+                status = exited
+            assert time.monotonic() < deadline and status is None, "the driver started no stage"
+            time.sleep(0.05)
+        stage, child = map(int, pids.read_text().split())
+        assert os.getpgid(stage) == stage == os.getpgid(child) and os.getsid(stage) == os.getsid(0)
+        first = json.loads(out.read_text())  # written before the stage started
+        assert first["stages"] == {} and first["device"] == "cpu" and first["hardware"] and first["torch"]
+        os.kill(driver, getattr(signal, name))
+        _, status = os.waitpid(driver, 0)
+    finally:  # nothing of this test is left behind, whatever failed
+        if status is None:
+            os.kill(driver, signal.SIGKILL)
+            os.waitpid(driver, 0)
+        for pid in (stage, child):
+            if pid and running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert os.waitstatus_to_exitcode(status) == 128 + getattr(signal, name)
+    report = json.loads(out.read_text())
+    assert report["interrupted"] == name
+    assert report["stages"]["pytest"]["status"] == "interrupted" and name in report["stages"]["pytest"]["reason"]
+    assert report["stages"]["quant"] == {"status": "not_run", "reason": f"the driver got {name} before it"}
+    deadline = time.monotonic() + 30  # the group was killed before the driver wrote: gone by now, or nearly
+    while running(stage) or running(child):
+        assert time.monotonic() < deadline, f"stage {stage} running: {running(stage)}, its child: {running(child)}"
+        time.sleep(0.05)
