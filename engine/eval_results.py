@@ -339,8 +339,8 @@ def refuse_unfinished(runs: Sequence[tuple[str, dict, str]],
                       use: str = "averaged as a seed of finished ones") -> None:
     """A ResultsError unless the runs, each (folder, result, how to leave it out of what is averaged, e.g. 'move
     it out of the sweep root'), all ended alike: each at the end of its schedule, or each at one update that its
-    own train.max_steps stops it at (a recipe that ends there on purpose: configs/finetune/datasets/imagenet.yaml
-    stopped its 8 epochs at update 20,000 before it became sched.steps: 20000). A run short of its schedule's end
+    own train.max_steps stops it at (a recipe that ends there on purpose, e.g. one that sets train.max_steps=20000
+    within 1 % of its schedule's 20,016 updates). A run short of its schedule's end
     (`run_end`) and not at its config.yaml's train.max_steps stopped on a signal or was evaluated while it trained;
     one stopped at a train.max_steps of its own beside runs that trained further was stopped early. Either one's
     numbers, averaged as one more seed or compared with the others, would be those of an earlier model. `use` says

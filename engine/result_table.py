@@ -96,8 +96,8 @@ def markdown_table(results: list[dict], over_seeds: bool = False, runs: Optional
     model that ended at another update OR it reached less than 99 % of its schedule's updates (scripts/paper_table.py
     stopped_short), with the reason, else None: numbers of a model trained to another length than the one beside it
     or to a fraction of its recipe, marked § with a note. Runs that all stop alike within 1 % of their end (a
-    recipe's own train.max_steps, as the ImageNet fine-tuning recipe's 20,000 of 20,016 before it became
-    sched.steps) are None: the paper's protocol.
+    recipe's own train.max_steps, e.g. 20,000 of its schedule's 20,016 updates) are None: they ended as their recipe
+    says.
     """
     language = all("ppl" in r["fp"] for r in results)
     if not language and any("ppl" in r["fp"] for r in results):

@@ -35,9 +35,9 @@ Layouts:
               holds a run of the same model (and data set) that ended at another update OR it reached less
               than 99 % of its schedule's updates, with a note saying how far it got and which reason
               applies; with --over-seeds, a row of seeds that all stopped there alike. Runs that all stop
-              alike within 1 % of their schedule's end (a recipe's own train.max_steps: the ImageNet
-              fine-tuning recipe's 20,000 of 20,016 updates, 99.9 %, before it became sched.steps) are not
-              marked: a run records no origin of its train.max_steps.
+              alike within 1 % of their schedule's end (a recipe that sets train.max_steps itself, e.g.
+              20,000 of its schedule's 20,016 updates, 99.9 %) are not marked: a run records no origin of
+              its train.max_steps.
     finetune  Table 3: one row per data set, one column per method, each entry "FP / quantized / drop"
               (drop = quantized - FP), an Average row over the data sets (the paper's simple average over
               all nine) and the maximum activations of the ImageNet-1K run; one table per pipeline and
@@ -215,8 +215,8 @@ def stopped_short(paths: list[str], results: list[dict], names: list[str]) -> li
     all stopped alike); else None. The rows layout marks such a row § (engine.result_table.markdown_table), its note
     saying which reason applies (both where both do). A run records no origin of its train.max_steps (its command
     line or its recipe file), so a recipe that stops there on purpose is told by its runs stopping alike within
-    1 % of their schedule's end: configs/finetune/datasets/imagenet.yaml's 20,000 of 20,016 updates (99.9 %, before
-    the recipe became sched.steps: 20000) marks none of its runs."""
+    1 % of their schedule's end: a recipe whose train.max_steps stops its runs at 20,000 of their 20,016 updates
+    (99.9 %) marks none of them."""
     ends = []  # per result: (how far it got, or None at its schedule's end; the update it validated last at)
     planned = []  # per result: the updates of its schedule, or None where its files do not tell
     for path, result in zip(paths, results):

@@ -3,8 +3,8 @@ Baseline | 10.000 | ..."): a finished 22-update run of seed 0 and a run that tra
 22, with nothing naming either run and no mark on the unfinished one. Such rows now name their run folder in a Run
 column, and a run stopped before the end of its schedule beside a run of its model that ended at another update is
 marked § with a note saying how far each got, as is one short of 99 % of its schedule even alone (3 of 22); runs that
-all stop alike near their end (the ImageNet fine-tuning recipe's 20,000 of 20,016 updates, 99.9 %, the paper's
-protocol) are not marked, and a table whose rows read apart is printed as before. The
+all stop alike near their end (a recipe whose own train.max_steps stops its runs at update 20,000 of 20,016, 99.9 %)
+are not marked, and a table whose rows read apart is printed as before. The
 run folders here are written by hand as train.py and evaluate.py write them (eval_best.json's recipe and data,
 metrics.jsonl's validations, config.yaml's train.max_steps)."""
 import json
@@ -97,9 +97,9 @@ def test_over_seeds_marks_seeds_all_stopped_at_their_max_steps_short_of_99_perce
 
 
 def test_runs_that_all_stop_alike_are_not_marked(tmp_path):
-    """The reviewer's table: the ImageNet fine-tuning recipe's Baseline and CD runs, both stopped by the recipe's
-    train.max_steps=20000 at update 20,000 of their 20,016 (8 epochs of 2,502 updates), the paper's protocol: marked
-    § as unfinished, though nothing in the table trained further. Printed as a table of finished runs is."""
+    """Baseline and CD runs of a recipe that sets train.max_steps=20000 itself, both stopped by it at update 20,000
+    of their 20,016 (8 epochs of 2,502 updates), alike: marked § as unfinished, though nothing in the table trained
+    further. Printed as a table of finished runs is."""
     paths = [write_run(tmp_path / "finetune" / name, method=method, reached=20_000, max_steps=20_000, steps=20_016,
                        model="vit_base_patch16_224", top1=85.0)
              for name, method in (("imagenet_baseline", "Baseline"), ("imagenet_cd", "CD"))]

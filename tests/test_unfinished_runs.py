@@ -65,11 +65,10 @@ def test_the_updates_of_an_epoch_are_told_by_the_training_records_and_a_schedule
 
 
 def test_runs_that_their_recipe_stops_at_one_max_steps_are_seeds_and_one_stopped_short_of_them_is_not(tmp_path):
-    """configs/finetune/datasets/imagenet.yaml sets train.max_steps=20000 in the recipe itself: 8 epochs of 2,502
-    updates stopped at update 20,000, short of the 20,016 its schedule has. Its finished seeds were refused as
-    unfinished, and the fix named (re-run without train.max_steps) trained nothing: the file sets it. Runs that
-    all stop at the one train.max_steps their config.yaml records ended alike; a seed stopped earlier beside them
-    did not."""
+    """A recipe that sets train.max_steps itself, e.g. train.max_steps=20000 over 8 epochs of 2,502 updates: its
+    runs stop at update 20,000, short of the 20,016 its schedule has. Its finished seeds were refused as unfinished,
+    and the fix named (re-run without train.max_steps) trained nothing: the file sets it. Runs that all stop at the
+    one train.max_steps their config.yaml records ended alike; a seed stopped earlier beside them did not."""
     recipe = tmp_path / "capped.yaml"
     recipe.write_text("train:\n  max_steps: 7\n")  # configs/debug/tiny.yaml: 2 epochs of 4 updates
     runs = [load_config([DEBUG_CONFIG, str(recipe)], [f"out_dir={tmp_path / f'baseline_s{seed}'}", f"train.seed={seed}",
