@@ -51,6 +51,36 @@ def launcher_world_size(launcher: str) -> Optional[int]:
     PET_NNODES / PET_NPROC_PER_NODE environment defaults (the commands inherit this environment)."""
     if not launcher:
         return 1
+    parsed = torchrun_options(launcher)
+    if parsed is None:
+        return None
+    args = parsed[1]
+    nodes, per_node = args.nnodes.split(":"), args.nproc_per_node  # nnodes MIN:MAX (torch's parse_min_max_nnodes)
+    if len(set(nodes)) != 1 or not nodes[0].isdigit() or not per_node.isdigit():
+        return None  # an elastic range, gpu, auto: not a number known before the start
+    world = int(nodes[0]) * int(per_node)
+    return world if world > 0 else None  # 0 processes: torchrun's own refusal at the start
+
+
+def launcher_refusal(launcher: str) -> Optional[str]:
+    """Why `launcher` cannot start train.py and evaluate.py, or None where nothing known here says so:
+    `python -m torch.distributed.launch` without --use-env passes each process its rank as `--local-rank=N`, which
+    their command lines do not take (they read LOCAL_RANK from the environment, as torchrun and .launch --use-env
+    set it): every process ended on a usage error, the launcher on a ChildFailedError traceback, the run as
+    failed. Its options are read by its own parser (--use_env, an abbreviation)."""
+    parsed = torchrun_options(launcher)
+    if parsed is None or parsed[0] != "torch.distributed.launch" or parsed[1].use_env:
+        return None
+    return ("python -m torch.distributed.launch without --use-env passes each process --local-rank=N, which "
+            "train.py and evaluate.py do not take (they read LOCAL_RANK from the environment): add --use-env to its "
+            "options, or launch with torchrun")
+
+
+def torchrun_options(launcher: str) -> Optional[tuple[str, object]]:
+    """(the module, the options its own parse_args reads) of a torchrun launcher, with a script after the options,
+    as the commands give it; None for another launcher, or options torchrun refuses (an unknown or ambiguous one,
+    --n=2: its usage error, kept from the output here, ends the first command at its start). torchrun is the
+    program of that name or `python -m` one of TORCHRUN_MODULES. Raises ValueError for an unclosed quote."""
     words = shlex.split(launcher)
     if not words:
         return None
@@ -63,18 +93,11 @@ def launcher_world_size(launcher: str) -> Optional[int]:
     else:
         return None
     parse_args = importlib.import_module(module).parse_args  # torch: only for a torchrun launcher
-    # with a script after the options, as the commands give it. Options torchrun refuses (an unknown or ambiguous
-    # one, --n=2) state no number: its usage error, kept from the output here, ends the first command at its start
     try:
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
-            args = parse_args([*options, "train.py"])
+            return module, parse_args([*options, "train.py"])
     except SystemExit:
         return None
-    nodes, per_node = args.nnodes.split(":"), args.nproc_per_node  # nnodes MIN:MAX (torch's parse_min_max_nnodes)
-    if len(set(nodes)) != 1 or not nodes[0].isdigit() or not per_node.isdigit():
-        return None  # an elastic range, gpu, auto: not a number known before the start
-    world = int(nodes[0]) * int(per_node)
-    return world if world > 0 else None  # 0 processes: torchrun's own refusal at the start
 
 
 def python_module(arguments: list[str]) -> Optional[tuple[str, list[str]]]:

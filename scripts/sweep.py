@@ -90,7 +90,7 @@ from configs.schema import (TRAIN_BATCH_OVERRIDE_KEYS, TRAINING_ONLY_OVERRIDE_KE
                             unread_training_settings)
 from engine.console import console_print  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
-from launchers import (ForwardedSignals, launcher_world_size, log_mark,  # noqa: E402  (scripts/)
+from launchers import (ForwardedSignals, launcher_refusal, launcher_world_size, log_mark,  # noqa: E402  (scripts/)
                        stopped_after_checkpoint)
 
 # evaluate.py's --amp choices (tests/test_sweep_folders.py checks that they are its parser's): importing evaluate.py
@@ -521,7 +521,9 @@ def refuse_shared_folders(runs: list[dict], sweep_path: str) -> None:
 
 def unrunnable_launcher(launcher: str) -> Optional[str]:
     """Why the --launcher cannot start a command (None when it can). Its program is resolved as Popen
-    will resolve it: on PATH, or a path relative to the repository root, where every command runs."""
+    will resolve it: on PATH, or a path relative to the repository root, where every command runs. One that would
+    pass the commands options they do not take is refused too (launchers.launcher_refusal: python -m
+    torch.distributed.launch without --use-env)."""
     if not launcher:
         return None  # this python
     words = launcher_prefix(launcher)
@@ -532,7 +534,7 @@ def unrunnable_launcher(launcher: str) -> Optional[str]:
     if not found or not os.path.isfile(found) or not os.access(found, os.X_OK):
         return f"{program!r} is not an executable program" + ("" if os.sep in program else " on PATH") + \
             " (activate the environment that has it, or give its full path)"
-    return None
+    return launcher_refusal(launcher)
 
 
 def launcher_prefix(launcher: str) -> list[str]:

@@ -73,7 +73,7 @@ def test_batches_that_split_into_the_launchers_processes_run(tmp_path, torchrun)
 
 
 @pytest.mark.parametrize("module_words", [["-m", "torch.distributed.run"], ["-u", "-m", "torch.distributed.run"],
-                                          ["-m", "torch.distributed.launch"]])
+                                          ["-m", "torch.distributed.launch", "--use-env"]])
 def test_torchrun_run_as_a_python_module_is_checked_as_torchrun(tmp_path, capsys, module_words):
     """`python -m torch.distributed.run --nproc_per_node=3` starts 3 processes as torchrun does: a batch that does
     not split into them is refused before anything starts, not at the run's start (a ChildFailedError traceback)."""
@@ -136,3 +136,40 @@ def test_launcher_world_size_is_the_number_of_processes_the_launcher_starts(tmp_
     ("python -c 'import torch.distributed.run'", None), ("python train.py", None), ("srun python", None)])
 def test_launcher_world_size_of_launchers_not_run_here(launcher, world):
     assert launchers.launcher_world_size(launcher) == world
+
+
+# what a process is given: its command line's options past the script (one write: see WORKER)
+ARGUMENTS = "import os, sys\nos.write(1, f\"arguments {sys.argv[1:]}\\n\".encode())\n"
+
+
+@pytest.mark.parametrize("options", ["", "--use-env", "--use_env", "--use-e"])
+def test_a_launcher_that_passes_the_commands_local_rank_is_refused(tmp_path, options):
+    """`python -m torch.distributed.launch` without --use-env gives each process `--local-rank=N`, which train.py
+    and evaluate.py refuse: under a sweep every process ended on that usage error and the launcher on a
+    ChildFailedError traceback. The reference: the launcher itself, run on a script that prints its arguments."""
+    launcher = f"{PYTHON} -m torch.distributed.launch {options} --standalone --nproc_per_node=1"
+    script = tmp_path / "worker.py"
+    script.write_text(ARGUMENTS)
+    ran = subprocess.run([*shlex.split(launcher), str(script)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert ran.returncode == 0, ran.stderr
+    (line,) = [line for line in ran.stdout.splitlines() if line.startswith("arguments ")]
+    given_a_rank = "local-rank" in line or "local_rank" in line
+    assert given_a_rank == (options == "")
+    assert (launchers.launcher_refusal(launcher) is not None) == given_a_rank
+
+
+def test_a_sweep_refuses_that_launcher_in_one_line_before_anything_starts(tmp_path):
+    stub = tmp_path / "bin" / "python"  # stands in for the python: it records its command, trains nothing
+    stub.parent.mkdir()
+    stub.write_text(TORCHRUN)
+    stub.chmod(0o755)
+    launcher = f"{stub} -m torch.distributed.launch --nproc_per_node=2"
+    with pytest.raises(SystemExit) as refused:
+        sweep.main([sweep_of_batches(tmp_path, 16, 16), "--run", "--launcher", launcher])
+    message = str(refused.value.code)
+    assert message.startswith(f"error: --launcher {launcher!r}: python -m torch.distributed.launch without "
+                              "--use-env") and "\n" not in message
+    assert not (stub.parent / "started").exists() and not (tmp_path / "runs").exists()
+    assert launchers.launcher_refusal(f"{stub} -m torch.distributed.run --nproc_per_node=2") is None
+    assert launchers.launcher_refusal("torchrun --nproc_per_node=2") is None
