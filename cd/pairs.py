@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -257,6 +259,9 @@ def find_blocks(model: nn.Module, layouts: Sequence[Layout] = LAYOUTS) -> list[t
         UnsupportedModelError: beside the blocks found, a Transformer block under names no layout has
             (`refuse_unknown_blocks`), which TWEO would otherwise leave out.
         TypeError: `model` is no nn.Module (`cd.wrappers.check_model`).
+
+    Warns (once per model): naming the half blocks beside the blocks found (a norm with only an attention or only
+    an MLP: `_warn_half_blocks`), which TWEO leaves out.
     """
     layouts = check_layouts(layouts)
     root = unwrap_model(model, "TWEO (find_blocks)")  # TWEO's first use of its model
@@ -736,15 +741,17 @@ def refuse_unknown_blocks(root: nn.Module, layouts: tuple[Layout, ...]) -> None:
     built-in layouts that `layouts` leaves out are not refused: what layouts= leaves out is left out as asked.
 
     Raises:
-        UnsupportedModelError: naming the first such block, its type and parts, and the layouts= that adds it; or,
-            with none, the first half block on its own (`_refuse_half_blocks`), which no layout describes.
+        UnsupportedModelError: naming the first such block, its type and parts, and the layouts= that adds it.
+            With none, half blocks beside the blocks found (a norm with only an attention or only an MLP, which no
+            layout describes) are named in one warning (`_warn_half_blocks`), not refused: the structure cannot
+            tell a residual half block from a head.
     """
     known = [name for name, _ in _matches(root, layouts, merging=True)]
     if layouts is not LAYOUTS:
         known += [name for name, _ in _matches(root, LAYOUTS, merging=True)]
     found = list(unknown_blocks(root, known))
     if not found:
-        _refuse_half_blocks(root, known)
+        _warn_half_blocks(root, known)
         return
     name, module, parts = found[0]
     more = f" (and {len(found) - 1} more: {', '.join(n for n, _, _ in found[1:4])}{', ...' if len(found) > 4 else ''})"
@@ -755,19 +762,29 @@ def refuse_unknown_blocks(root: nn.Module, layouts: tuple[Layout, ...]) -> None:
                   f"{_names_advice(layouts, 'it') + '. ' if helps else ''}{_WITHOUT_CD}")
 
 
-def _refuse_half_blocks(root: nn.Module, known: list[str]) -> None:
-    """Refuse half of a Transformer block on its own (an attention, or an MLP, after a norm:
-    `cd.unknown_blocks.unknown_half_blocks`) beside the blocks found: no cd.Layout describes one (a Layout names an
-    attention and an MLP together), so CD and TWEO would leave it out while acting on the other blocks."""
+# the half blocks warned about, per model (root module): `_warn_half_blocks` runs at each find_pairs / find_blocks,
+# and a run calls those for CD, its metrics and TWEO alike
+_HALF_BLOCKS_WARNED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _warn_half_blocks(root: nn.Module, known: list[str]) -> None:
+    """Warn, once per model and message, naming every module beside the blocks found that holds a norm with only an
+    attention or only an MLP (`cd.unknown_blocks.unknown_half_blocks`): a residual half block (CrossViT's fusion
+    blocks) or a head (a projection head norm -> Mlp, an attention-pooling head), which the structure cannot tell
+    apart, so it is not refused. No cd.Layout describes half a block (a Layout names an attention and an MLP
+    together), so CD and TWEO leave it out."""
     found = list(unknown_half_blocks(root, known))
     if not found:
         return
-    name, module, parts = found[0]
-    more = f" (and {len(found) - 1} more: {', '.join(n for n, _, _ in found[1:4])}{', ...' if len(found) > 4 else ''})"
-    raise _refuse(name, module, f"it holds {parts}, one half of a pre-norm Transformer block on its own (a residual "
-                  f"sub-block){more if len(found) > 1 else ''}, beside blocks that CD pairs: no cd.Layout describes "
-                  "it (a Layout names a block's attention and its MLP together), so CD and TWEO would leave it out "
-                  f"while acting on the model's other blocks. {_WITHOUT_CD}")
+    listed = "; ".join(f"{name} ({type(module).__name__}: {parts})" for name, module, parts in found)
+    message = (f"CD and TWEO leave out {len(found)} module{'s' if len(found) > 1 else ''} of {type(root).__name__}: "
+               f"{listed}. Each is a norm with only an attention or only an MLP beside the blocks CD pairs: a "
+               "residual half block or a head (its structure does not tell which); CD and TWEO leave it out, as a "
+               "cd.Layout cannot describe half a block (a Layout names a block's attention and its MLP together)")
+    warned = _HALF_BLOCKS_WARNED.setdefault(root, set())
+    if message not in warned:
+        warned.add(message)
+        warnings.warn(message, stacklevel=4)  # find_pairs' or find_blocks' caller
 
 
 def check_example_use(example_input: object, verify: bool, who: str) -> None:
@@ -828,6 +845,9 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
             column i (heads merged in another order; XCiT's channel attention; a sub-LN, a Linear or a permutation
             inside the MLP; channels rolled between a norm and its layer); the message names the block and its
             type.
+
+    Warns (once per model): naming the half blocks beside the blocks found (a norm with only an attention or only
+    an MLP: `_warn_half_blocks`), which CD leaves out.
     """
     check_switches("find_pairs:", verify=verify, gated_mlp=gated_mlp)
     layouts = check_layouts(layouts)

@@ -19,9 +19,10 @@ timm's `ParallelScalingBlock`), which no layout can pair. The innermost such mod
 blocks (a Sequential, a decoder) is not taken for one, and an attention-pooling head (a latent query, a fused kv:
 no [Q; K; V] of the stream) or a classifier is not taken for a block.
 
-Half a block on its own (`half_block_parts`: an attention after a norm and no MLP, as CrossViT's fusion
-CrossAttentionBlock, or an MLP after a norm and no attention) beside the blocks found would be left out as well; no
-layout describes one, so it is refused without asking for one (`unknown_half_blocks`).
+Half a block on its own (`half_block_parts`: a norm with only attentions, as CrossViT's fusion CrossAttentionBlock,
+or only MLPs) beside the blocks found is left out as well: no layout describes one, and its structure does not tell a
+residual half block from a head, so `cd.pairs` names it in a warning rather than refuse the model
+(`unknown_half_blocks`).
 """
 from __future__ import annotations
 
@@ -265,56 +266,86 @@ def _under(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
+def _scale_shaped(p: torch.Tensor) -> bool:
+    """A parameter of shape (D,) or (1, ..., 1, D): a per-channel scale or shift (a LayerScale gamma kept as
+    (1, 1, D)) or a single token (a cls token, a one-token latent query), not a layer's matrix."""
+    return all(s == 1 for s in p.shape[:-1])
+
+
+def _mlp_pieces(module: nn.Module, reader: _Reader) -> tuple[list[tuple[str, tuple[str, ...], set[int]]], bool]:
+    """The MLPs of `module`: (label, the names of the modules that make it up, its widths D and H) of each innermost
+    module below `module` that holds exactly two matrices, D -> H and H -> D, and no attention (Mlp, a Sequential),
+    and False; where there is none and `module` holds exactly two such matrices as its own children (an FFN of
+    norm, fc1, act, fc2 as one module's layers), those two as one MLP, and True."""
+    def widths(mats: list[tuple[str, torch.Tensor]]) -> Optional[set[int]]:
+        if len(mats) != 2 or tuple(mats[0][1].shape[:2]) != tuple(mats[1][1].shape[:2])[::-1]:
+            return None  # D -> H and H -> D, in either storage
+        return set(mats[0][1].shape[:2])
+
+    found = [(n, m, dh) for n, m in module.named_modules() if n and (dh := widths(_matrices(m))) is not None
+             and all(reader.attention(s) is None for s in m.modules())]
+    inner = [(n, m, dh) for n, m, dh in found if not any(o.startswith(n + ".") for o, _, _ in found)]
+    if inner:
+        return [(_label(n, m), (n,), dh) for n, m, dh in inner], False
+    own = _own_matrices(module)
+    dh = widths(own) if len(_matrices(module)) == 2 else None
+    if dh is None:
+        return [], False
+    return [("of layers " + ", ".join(n for n, _ in own), tuple(n for n, _ in own), dh)], True
+
+
 def half_block_parts(module: nn.Module, reader: Optional[_Reader] = None) -> Optional[str]:
     """'an attention attn (Attention) after a norm norm1 (LayerNorm) and no MLP' or 'an MLP mlp (Mlp) after a norm
-    norm2 (LayerNorm) and no attention' when `module` is one half of a pre-norm Transformer block on its own (a residual
-    sub-block: timm's CrossViT fusion CrossAttentionBlock, norm1 -> attn; an MLP block of a metaformer), else None.
-    Its parts are modules below it: one attention (`_attention`), or one MLP (a module holding exactly two matrices,
-    D -> H and H -> D, and no attention anywhere in `module`), and a norm outside that part whose width is the
-    part's D. Every weight of 2 or more dimensions of `module` is the part's (its matrices, an attention's position
-    tables), so that a convolutional block (MBConv, ConvNeXt: a depthwise convolution beside the MLP), an
-    attention-pooling head (a latent query) or a classifier head is not taken for one, nor is a flat attention
+    norm2 (LayerNorm) and no attention' when `module` holds a norm with only attentions or only MLPs: one half of a
+    pre-norm Transformer block on its own (a residual sub-block, as timm's CrossViT fusion CrossAttentionBlock,
+    norm1 -> attn), or a head; the structure does not tell which. Else None.
+
+    Each attention (`_attention`) and each MLP (`_mlp_pieces`) below `module` counts on its own, so several of one
+    kind (norm1 -> attn, norm2 -> attn2) are told together, and an MLP may be two layers that are `module`'s own
+    children. A norm outside them has the width of one of their matrices (before such own layers, as a pre-norm).
+    Every other weight of `module` is theirs (their matrices, an attention's position tables) or scale-shaped ((D,)
+    or (1, ..., 1, D): a LayerScale gamma), so that a convolutional block (MBConv, ConvNeXt: a depthwise convolution
+    beside the MLP), an attention-pooling head with its own q, kv and output layers (timm's AttentionPoolLatent, the
+    MAP head of SigLIP) or a head with a classifier is not taken for one, nor is a flat attention (`module` itself)
     whose q/k norms are its own children."""
     reader = reader or _Reader()
     modules = list(module.named_modules())
-    heavy = [(n, p) for n, p in module.named_parameters() if p.dim() >= 2]
-    norms = [(n, m) for n, m in modules if n and _is_norm(m)]
     attentions = [(n, m, ids) for n, m in modules if (ids := reader.attention(m)) is not None]
+    own = False
     if attentions:
         outer = [(n, m, ids) for n, m, ids in attentions if not any(a and n.startswith(a + ".")
                                                                    for a, _, _ in attentions)]
-        if len(outer) != 1 or not outer[0][0]:  # several attentions, or `module` is the attention itself
+        if any(not n for n, _, _ in outer):  # `module` is an attention itself
             return None
-        name, attention, ids = outer[0]
-        widths = {d for _, w in _matrices(attention) if id(w) in ids for d in w.shape[:2]}
+        pieces = [(_label(n, m), (n,), {d for _, w in _matrices(m) if id(w) in ids for d in w.shape[:2]})
+                  for n, m, ids in outer]
     else:
-        mats = _matrices(module)
-        if len(mats) != 2 or len(heavy) != 2 or {id(w) for _, w in mats} != {id(p) for _, p in heavy}:
+        pieces, own = _mlp_pieces(module, reader)
+        if not pieces:
             return None
-        (a, wa), (b, wb) = mats
-        if tuple(wa.shape[:2]) != tuple(wb.shape[:2])[::-1]:  # D -> H and H -> D, in either storage
-            return None
-        # the MLP: the innermost module below `module` holding both matrices (Mlp, a Sequential)
-        holders = [n for n, m in modules if n and {id(wa), id(wb)} <= {id(w) for _, w in _matrices(m)}]
-        if not holders:  # the layers are `module`'s own children: a head (norm, fc, act, fc), not a sub-block
-            return None
-        name = max(holders, key=len)
-        attention, widths = module.get_submodule(name), set(wa.shape[:2])
-    if any(not _under(n, name) for n, _ in heavy):
+    inside = [n for _, names, _ in pieces for n in names]
+    if any(not _scale_shaped(p) and not any(_under(n, i) for i in inside) for n, p in module.named_parameters()):
         return None
-    norm = next(((n, m) for n, m in norms if not _under(n, name) and m.weight.shape[0] in widths), None)
-    if norm is None:
+    widths = set().union(*(w for _, _, w in pieces))
+    norms = [(n, m) for n, m in modules if n and _is_norm(m) and m.weight.shape[0] in widths
+             and not any(_under(n, i) for i in inside)]
+    if own:  # a pre-norm: a child of `module` before both layers (not a norm between them, as Mlp's norm_layer)
+        children = [n for n, _ in module.named_children()]
+        norms = [(n, m) for n, m in norms if n in children and all(children.index(n) < children.index(i)
+                                                                   for i in inside)]
+    if not norms:
         return None
-    if attentions:
-        return f"an attention {_label(name, attention)} after a norm {_label(*norm)} and no MLP"
-    return f"an MLP {_label(name, attention)} after a norm {_label(*norm)} and no attention"
+    what = "attention" if attentions else "MLP"
+    parts = ", ".join(label for label, _, _ in pieces)
+    return (f"{'an ' + what if len(pieces) == 1 else what + 's'} {parts} after a norm {_label(*norms[0])} and no "
+            f"{'MLP' if attentions else 'attention'}")
 
 
 def unknown_half_blocks(root: nn.Module, known: Collection[str]) -> Iterator[tuple[str, nn.Module, str]]:
     """(name, module, `half_block_parts`) of every module of `root`, in model order, that is half of a Transformer
     block on its own (the innermost module holding the parts) and is neither inside nor around a module named in
-    `known` (the blocks and patch-merging layers found) nor a Transformer block (`block_parts`): a sub-block
-    beside the blocks found, which no layout can describe (a `cd.Layout` names an attention and an MLP)."""
+    `known` (the blocks and patch-merging layers found) nor a Transformer block (`block_parts`): a sub-block or a
+    head beside the blocks found, which no layout can describe (a `cd.Layout` names an attention and an MLP)."""
 
     def related(name: str, other: str) -> bool:  # one is the other, or holds it
         return _under(name, other) or _under(other, name) or not name or not other

@@ -1,10 +1,13 @@
 """A Transformer block under names no layout has, beside blocks that one has, is refused by find_pairs,
 ColinearityDecay, find_blocks and TWEO (cd/unknown_blocks.py), not left out while the known blocks are paired:
-cd/README.md says no pair is dropped silently, and the paper applies CD to all Transformer blocks. So is half a block
-on its own (an attention, or an MLP, after a norm: CrossViT's fusion blocks), which no Layout describes.
+cd/README.md says no pair is dropped silently, and the paper applies CD to all Transformer blocks. Half a block on its
+own (a norm with only an attention or only an MLP: CrossViT's fusion blocks), which no Layout describes and which the
+structure cannot tell from a head, is named in one warning instead.
 
 The expected pair names are written out by hand from the models' module names."""
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -531,42 +534,183 @@ class _MlpHalf(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-@pytest.mark.parametrize("half, parts", [
-    (_AttentionHalf(), r"an attention attn \(Attention\) after a norm norm1 \(LayerNorm\) and no MLP"),
-    (_MlpHalf(), r"an MLP mlp \(Mlp\) after a norm norm2 \(LayerNorm\) and no attention"),
-], ids=["attention-only", "mlp-only"])
-def test_half_a_block_on_its_own_beside_a_known_block_is_refused_by_cd_and_tweo(half, parts):
-    """Was: find_pairs returned blocks.0's pairs alone and TWEO hooked blocks.0 alone, leaving the sub-block out
-    without a word. No cd.Layout describes half a block (it names an attention and an MLP), so the refusal asks
-    for none."""
-    model = _Mixed(half)
-    for call in _calls(model).values():
-        with pytest.raises(UnsupportedModelError, match=rf"block 'blocks.1' \({type(half).__name__}\) is not "
-                                                        rf"supported by CD: it holds {parts}, one half of a "
-                                                        r"pre-norm Transformer block.*Without CD") as refused:
-            call()
-        assert "layouts=[cd.Layout" not in str(refused.value)
+class _MhaHalf(nn.Module):
+    """An nn.MultiheadAttention after a norm, residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.attn = nn.LayerNorm(D), nn.MultiheadAttention(D, 2, batch_first=True)
+
+    def forward(self, x):
+        y = self.norm(x)
+        return x + self.attn(y, y, y, need_weights=False)[0]
 
 
-def test_crossvits_fusion_blocks_are_refused_not_left_out():
+class _ScaledHalf(_AttentionHalf):
+    """The attention half with a LayerScale kept as a (1, 1, D) Parameter: a scale, not another layer's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((1, 1, D), 0.1))
+
+    def forward(self, x):
+        return x + self.gamma * self.attn(self.norm1(x))
+
+
+class _TwoAttentions(nn.Module):
+    """Self- and cross-attention halves (norm1 -> attn, norm2 -> attn2) and no MLP: a decoder layer without FFN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.attn = nn.LayerNorm(D), timm_vit.Attention(D, 2)
+        self.norm2, self.attn2 = nn.LayerNorm(D), timm_vit.Attention(D, 2)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.attn2(self.norm2(x))
+
+
+class _OwnLayersFfn(nn.Module):
+    """A residual FFN whose norm and two layers are its own children."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class _LucidFeedForward(nn.Module):
+    """vit-pytorch's FeedForward (net = Sequential(LayerNorm, Linear, GELU, Dropout, Linear, Dropout)), with the
+    residual around it (vit-pytorch's Transformer adds it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.GELU(), nn.Dropout(0.0),
+                                 nn.Linear(2 * D, D), nn.Dropout(0.0))
+
+    def forward(self, x):
+        return x + self.net(x)
+
+
+LEFT_OUT = r"CD and TWEO leave out {n} modules? of {root}: "
+WHY = (r"\. Each is a norm with only an attention or only an MLP beside the blocks CD pairs: a residual half block or "
+       r"a head \(its structure does not tell which\); CD and TWEO leave it out, as a cd.Layout cannot describe half "
+       r"a block")
+
+
+def _half_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "leave out" in str(w.message)]
+
+
+@pytest.mark.parametrize("half, left_out", [
+    (_AttentionHalf, r"blocks.1 \(_AttentionHalf: an attention attn \(Attention\) after a norm norm1 \(LayerNorm\) "
+                     r"and no MLP\)"),
+    (_MlpHalf, r"blocks.1 \(_MlpHalf: an MLP mlp \(Mlp\) after a norm norm2 \(LayerNorm\) and no attention\)"),
+    (_MhaHalf, r"blocks.1 \(_MhaHalf: an attention attn \(MultiheadAttention\) after a norm norm \(LayerNorm\) and no "
+               r"MLP\)"),
+    (_ScaledHalf, r"blocks.1 \(_ScaledHalf: an attention attn \(Attention\) after a norm norm1 \(LayerNorm\) and "
+                  r"no MLP\)"),
+    (_TwoAttentions, r"blocks.1 \(_TwoAttentions: attentions attn \(Attention\), attn2 \(Attention\) after a norm "
+                     r"norm1 \(LayerNorm\) and no MLP\)"),
+    (_OwnLayersFfn, r"blocks.1 \(_OwnLayersFfn: an MLP of layers fc1, fc2 after a norm norm \(LayerNorm\) and no "
+                    r"attention\)"),
+    (_LucidFeedForward, r"blocks.1.net \(Sequential: an MLP of layers 1, 4 after a norm 0 \(LayerNorm\) and no "
+                        r"attention\)"),
+], ids=["attention-only", "mlp-only", "multihead-attention", "layer-scale-1x1xD", "two-attentions", "own-layers-ffn",
+        "vit-pytorch-feedforward"])
+def test_half_a_block_on_its_own_beside_a_known_block_is_named_in_one_warning_by_cd_and_tweo(half, left_out):
+    """A norm with only an attention or only an MLP beside paired blocks: a residual half block or a head, which
+    the structure cannot tell apart, so CD and TWEO are not refused (a head beside the blocks would refuse the model
+    with no way out) but name it in a warning. Was: refused (attention-only, mlp-only, multihead-attention), or left
+    out without a word (the others: a (1, 1, D) scale counted as a layer's weight, two attentions in one module,
+    an MLP's layers the module's own children). The pairs and TWEO's blocks are blocks.0's alone, written out by
+    hand."""
+    for name in ("find_pairs", "ColinearityDecay", "find_blocks", "TWEO"):
+        model = _Mixed(half())  # a model of its own per call: the warning is given once per model
+        with pytest.warns(UserWarning, match=LEFT_OUT.format(n=1, root="_Mixed") + left_out + WHY) as record:
+            out = _calls(model)[name]()
+        assert len(_half_warnings(record)) == 1
+        if name == "find_pairs":
+            assert [p.name for p in out] == TIMM_BLOCK_0
+        if name == "TWEO":
+            assert [n for n, _ in out.blocks] == ["blocks.0"]
+
+
+class _ProjectionHead(nn.Module):
+    """timm Blocks and a projection head norm -> Mlp(D, 4D, D) with no residual (a CLIP-style head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(timm_vit.Block(D, 2), timm_vit.Block(D, 2))
+        self.head = nn.Sequential(nn.LayerNorm(D), timm_vit.Mlp(D, 4 * D, D))
+
+    def forward(self, x):
+        return self.head(self.blocks(x)).mean(1)
+
+
+def test_a_projection_head_beside_known_blocks_trains_with_cd_and_tweo_and_one_warning_naming_it():
+    """Was: the whole model refused by find_pairs, ColinearityDecay and TWEO, with layouts= or without, though the
+    head is no residual sub-block (its structure cannot tell). Its pairs are the blocks' (8, by hand), as before the
+    refusal, and one model used by CD, its metrics and TWEO is warned about once."""
+    block_pairs = TIMM_BLOCK_0 + [n.replace("blocks.0", "blocks.1") for n in TIMM_BLOCK_0]
+    left_out = LEFT_OUT.format(n=1, root="_ProjectionHead") + (r"head \(Sequential: an MLP 1 \(Mlp\) after a norm 0 "
+                                                               r"\(LayerNorm\) and no attention\)") + WHY
+    for layouts in (LAYOUTS, [LAYOUTS[0]]):
+        with pytest.warns(UserWarning, match=left_out):
+            assert [p.name for p in find_pairs(_ProjectionHead(), example_input=_x(), layouts=layouts)] == block_pairs
+    model = _ProjectionHead()
+    with pytest.warns(UserWarning, match=left_out) as record:
+        decay = ColinearityDecay(model, example_input=_x())
+        decay.metrics()
+        tweo = TWEO(model)
+        find_pairs(model, example_input=_x())
+    assert len(_half_warnings(record)) == 1
+    assert [p.name for p in decay.pairs] == block_pairs
+    assert [n for n, _ in tweo.blocks] == ["blocks.0", "blocks.1"]
+
+
+def test_crossvits_fusion_blocks_are_named_in_one_warning_and_the_rest_trains_with_cd_and_tweo():
     """timm's CrossViT: its fusion CrossAttentionBlocks (norm1 -> attn.wq/wk/wv, attn.proj; no MLP) sit beside the
-    timm Blocks of its branches; `python -m cd --model crossvit_tiny_240` printed 60 pairs, none of them theirs."""
+    timm Blocks of its branches; `python -m cd --model crossvit_tiny_240` printed 60 pairs, none of them theirs,
+    without a word. Three stages, one Block per branch: 24 pairs (3 x 2 x 4), and the six fusion blocks named. One
+    CD update (the task gradient set to zero) writes paired matrices alone, none of the fusion blocks'; TWEO's term
+    is taken over the branches' Blocks."""
     timm = pytest.importorskip("timm")
     model = timm.create_model("crossvit_tiny_240", img_size=[32, 48], patch_size=[8, 16], embed_dim=[16, 32],
-                              depth=[[1, 1, 0]], num_heads=[2, 2], mlp_ratio=[2, 2, 1], num_classes=3)
-    for call in (lambda: find_pairs(model, verify=False), lambda: find_blocks(model), lambda: TWEO(model)):
-        with pytest.raises(UnsupportedModelError, match=r"block 'blocks.0.fusion.0' \(CrossAttentionBlock\).*an "
-                                                        r"attention attn \(CrossAttention\) after a norm norm1 "
-                                                        r"\(LayerNorm\) and no MLP.*\(and 1 more: blocks.0.fusion.1\)"):
-            call()
+                              depth=[[1, 1, 0]] * 3, num_heads=[2, 2], mlp_ratio=[2, 2, 1], num_classes=3)
+    fusions = [f"blocks.{i}.fusion.{j}" for i in range(3) for j in range(2)]
+    listed = "; ".join(rf"{n} \(CrossAttentionBlock: an attention attn \(CrossAttention\) after a norm norm1 "
+                       r"\(LayerNorm\) and no MLP\)" for n in fusions)
+    with pytest.warns(UserWarning, match=LEFT_OUT.format(n=6, root="CrossVit") + listed + WHY) as record:
+        decay = ColinearityDecay(model, lam=1.0)
+        tweo = TWEO(model)
+    assert len(_half_warnings(record)) == 1
+    assert len(decay.pairs) == 24 and not any(".fusion." in p.name for p in decay.pairs)
+    assert [n for n, _ in tweo.blocks] == [f"blocks.{i}.blocks.{b}.0" for i in range(3) for b in range(2)]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    decay.attach(optimizer)
+    model.train()
+    task = model(torch.randn(2, 3, 48, 48)).square().mean()
+    (task + tweo.aux_loss(task)).backward()
+    assert all(model.get_parameter(f"{n}.attn.wq.weight").grad is not None for n in fusions)  # they train by the loss
+    optimizer.zero_grad(set_to_none=False)  # the update left is CD's own
+    optimizer.step()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and {p.name for p in decay.pairs} >= changed
+    assert not any(".fusion." in n for n in changed)
 
 
 def test_convolutional_blocks_and_heads_beside_known_blocks_are_no_half_blocks():
     """A norm beside an MLP's two matrices is no half block where something else of the module has a weight (a
-    ConvNeXt block's and an MBConv's depthwise convolution, a head's classifier) or the matrices are the module's
-    own children (a head Sequential(norm, fc, act, fc)); nor is an attention whose q/k norms are its own children
-    (one head: their width is D). The pairs are the timm blocks' alone."""
+    ConvNeXt block's and an MBConv's depthwise convolution, a head's classifier) or the norm comes between them (a
+    timm Mlp with a norm_layer); nor is an attention whose q/k norms are its own children (one head: their width is
+    D), nor an attention-pooling head with a latent query (timm's AttentionPoolLatent, SigLIP's MAP head: its own q,
+    kv and output layers are no [Q; K; V] of the stream). No warning; the pairs are the timm blocks' alone."""
     timm = pytest.importorskip("timm")
+    from timm.layers import AttentionPoolLatent
     from timm.models.convnext import ConvNeXtBlock
     from timm.models.maxxvit import MbConvBlock
 
@@ -576,16 +720,45 @@ def test_convolutional_blocks_and_heads_beside_known_blocks_are_no_half_blocks()
             self.blocks = nn.Sequential(timm_vit.Block(D, 2), timm_vit.Block(D, 2))
             self.conv = nn.Sequential(ConvNeXtBlock(D, conv_mlp=False), MbConvBlock(D, D))
             self.attn = timm_vit.Attention(D, 1, qk_norm=True, norm_layer=nn.LayerNorm)
-            self.head = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+            self.pool = AttentionPoolLatent(D, num_heads=2, mlp_ratio=2.0)
+            self.mlp = timm_vit.Mlp(D, 2 * D, norm_layer=nn.LayerNorm)
+            self.head = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, 3))
 
         def forward(self, x):
             b, t, d = x.shape
             x = self.blocks(x)
             y = self.conv(x.transpose(1, 2).reshape(b, d, 1, t)).reshape(b, d, t).transpose(1, 2)
-            return self.head(self.attn(x + y))
+            return self.head(self.pool(self.mlp(self.attn(x + y))))
 
     assert timm  # the import above skips this test without timm
     model = Model()
-    pairs = find_pairs(model, example_input=_x())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pairs = find_pairs(model, example_input=_x())
+        tweo = TWEO(model)
+    assert _half_warnings(record) == []
     assert [p.name for p in pairs] == TIMM_BLOCK_0 + [n.replace("blocks.0", "blocks.1") for n in TIMM_BLOCK_0]
-    assert [name for name, _ in TWEO(model).blocks] == ["blocks.0", "blocks.1"]
+    assert [name for name, _ in tweo.blocks] == ["blocks.0", "blocks.1"]
+
+
+@pytest.mark.parametrize("build", ["vit_tiny_patch16_224", "vit_base_patch16_siglip_224",
+                                   "swin_tiny_patch4_window7_224", "eva02_tiny_patch14_224", "gpt"])
+def test_the_repositorys_models_get_no_half_block_warning(build):
+    """The models the repository trains (timm's ViT, SigLIP with its MAP head, Swin, EVA-02 with its gated MLP
+    paired, models/gpt.py) hold no half block beside their blocks: no warning."""
+    timm = pytest.importorskip("timm")
+    if build == "gpt":
+        from models.gpt import GPT
+        model, kwargs = GPT(vocab_size=64, context=16, depth=2, num_heads=2, embed_dim=D), {}
+    elif build.startswith("swin"):
+        model = timm.create_model(build, img_size=32, patch_size=2, window_size=4, embed_dim=D, depths=(2, 2),
+                                  num_heads=(2, 4), num_classes=3)
+        kwargs = {}
+    else:
+        model = timm.create_model(build, img_size=32, patch_size=8, embed_dim=D, depth=2, num_heads=2, num_classes=3)
+        kwargs = {"gated_mlp": True} if build.startswith("eva02") else {}
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert find_pairs(model, verify=False, **kwargs)
+        TWEO(model)
+    assert _half_warnings(record) == []
