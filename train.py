@@ -70,13 +70,13 @@ from engine.resume import (check_schedule_holds, epoch_layout, epoch_position, o
 from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, check_same_weights_on_every_rank,
                               keep_abandoned_checkpoint, keep_missing_snapshot, keep_snapshot, resume_source,
                               started_at_step)
-from engine.run_dir import (RunDirError, claim_on_main_rank, config_changes, is_inside, save_config_history,
-                            start_only_changes, validation_changes)
+from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside,
+                            save_config_history, start_only_changes, validation_changes)
 from engine.running_stats import average_running_stats
 from engine.start_weights import START_WEIGHTS, classifier_keys, start_record
 from engine.runinfo import SAME_ON_EVERY_RANK, exit_with_error, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
-from engine.training_checks import check_poly_power, check_schedule_on_resume, check_training_settings, may_resume
+from engine.training_checks import check_poly_power, check_schedule_on_resume, check_training_settings
 from models import ModelError, build_model, describe, input_size, model_label
 from models.factory import MODEL_DROP_SITES, check_recorded_architecture, own_img_size, without_dropout_rates
 from models.hub import hub_data_mismatch
@@ -395,10 +395,18 @@ def check_resume_point(cfg: Config, payload: dict, checkpoint: str, total_steps:
     """What a resume from `checkpoint` (its `payload`) needs of this run's length, refused before the cadences are
     weighed against it (their fix would otherwise be told first, and a second refusal follow it): the schedule
     reaches the checkpoint's update (engine/resume.py check_schedule_holds), and train.max_steps is not below it
-    (nothing would train, while config.yaml recorded it and the summary said the run stopped there; at it, a
-    re-run of a run stopped at train.max_steps, is allowed: it validates again)."""
+    (`check_max_steps_reach`, which the run has made already in check_resume; scripts/sweep.py asks for both
+    here)."""
+    check_schedule_holds(payload["state"]["step"], total_steps, schedule_text(cfg, updates_per_epoch), checkpoint)
+    check_max_steps_reach(cfg, payload, checkpoint)
+
+
+def check_max_steps_reach(cfg: Config, payload: dict, checkpoint: str) -> None:
+    """Refuse a train.max_steps below the update of `checkpoint` (its `payload`): nothing would train, while
+    config.yaml recorded it and the summary said the run stopped there; at it, a re-run of a run stopped at
+    train.max_steps, is allowed: it validates again. Needs no run length, so check_resume makes it (--print-config
+    too)."""
     step = payload["state"]["step"]
-    check_schedule_holds(step, total_steps, schedule_text(cfg, updates_per_epoch), checkpoint)
     if cfg.train.max_steps and cfg.train.max_steps < step:
         raise ConfigError(f"train.max_steps={cfg.train.max_steps} is below the update {step} of {checkpoint}: "
                           f"nothing to train; give a larger value or none")
@@ -1013,11 +1021,14 @@ def validate(task, model: nn.Module, ema, loader, device: torch.device, amp: str
 
 def check_resume(cfg: Config, resume_path: Optional[str], payload: Optional[dict], warn: bool = True) -> None:
     """The settings the checkpoint `resume_path` (resume_source's; None: a fresh start) cannot continue with
-    (check_resumable), and the schedule check, which check_before_start leaves to here where a checkpoint may be
-    continued (may_resume). The run and --print-config make it alike; `warn` as check_resumable's."""
+    (check_resumable), the schedule check, which check_before_start leaves to here where a checkpoint may be
+    continued (may_resume), and a train.max_steps below the checkpoint's update (check_max_steps_reach). The run and
+    --print-config make it alike; `warn` as check_resumable's."""
     if resume_path is not None:
         check_resumable(payload["config"], cfg, resume_path, warn=warn)
     check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)
+    if resume_path is not None:
+        check_max_steps_reach(cfg, payload, resume_path)
 
 
 def as_scored(saved: dict, current: Config) -> dict:
@@ -1098,15 +1109,18 @@ def read_config(paths: list[str], overrides: list[str], default: bool) -> Config
                                    f"(digits); pass --config configs/... for another recipe") from None
 
 
-# what --print-config checks: check_before_start's refusals and, where the run would continue a checkpoint,
-# check_resume's on the checkpoint's config; the model, the data and the schedule are not built
+# what --print-config checks: check_before_start's refusals, claim_run_dir's of out_dir's files (check_claim, nothing
+# moved) and, where the run would continue a checkpoint, check_resume's on the checkpoint's config; the model, the
+# data and the schedule are not built
 PRINT_CONFIG_HELP = ("print the resolved config (YAML) and exit without running, once it passes the checks a run "
                      "makes before it starts (every key and value; quant.*, CD's settings, optim.name, log.wandb's "
-                     "package, a val split that is the train split; where out_dir holds checkpoint.pt or "
-                     "train.resume is given, the settings and schedule that checkpoint can continue with); what "
-                     "needs the model, the data or the run's length built (model.name, model.kwargs the model "
-                     "rejects, data.root's files, train.max_steps and the cadences beyond the run's updates, a "
-                     "resume's epoch layout) is checked when a run starts")
+                     "package, a val split that is the train split; out_dir's files as the run claims the folder: "
+                     "an earlier run's files without checkpoint.pt, a folder at checkpoint.pt, with nothing moved; "
+                     "where out_dir holds checkpoint.pt or train.resume is given, the settings, schedule and "
+                     "train.max_steps that checkpoint can continue with); what needs the model, the data or the "
+                     "run's length built (model.name, model.kwargs the model rejects, data.root's files, "
+                     "train.max_steps and the cadences beyond the run's updates, a resume's epoch layout), and "
+                     "whether another run holds out_dir or it can be written, is checked when a run starts")
 
 
 def parse_args(argv: list[str]) -> Config:
@@ -1127,8 +1141,9 @@ def parse_args(argv: list[str]) -> Config:
         cfg.out_dir = os.path.join("runs", "+".join(os.path.splitext(os.path.basename(p))[0] for p in paths))
     if args.print_config:
         check_before_start(cfg)  # a config printed is one a run would start with, as far as that is told unbuilt
-        if may_resume(cfg):  # the checkpoint it would continue: the run's refusal of its settings, before printing
-            check_resume(cfg, *resume_source(cfg.out_dir, cfg.train.resume), warn=False)
+        # in the run's order: its claim of out_dir (nothing moved here), then the checkpoint it would continue
+        check_claim(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing)
+        check_resume(cfg, *resume_source(cfg.out_dir, cfg.train.resume), warn=False)  # (None, None): a fresh start
         print_config(cfg)
         sys.exit(0)
     return cfg

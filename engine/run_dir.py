@@ -2,6 +2,7 @@
 
     with claim_run_dir(out_dir, config_dict, archive_existing=False) as run_dir:   # main rank only
         ...                                                                        # train
+    check_claim(out_dir, config_dict)   # its refusals of the folder's files, with nothing moved (--print-config)
 
 What claiming checks, before any training (so a bad folder costs seconds, not an epoch):
 * no other run holds it: an exclusive `flock` on `out_dir/.run.lock`, held until the run ends (the
@@ -291,13 +292,14 @@ def _writer_may_run(pid: int, path: str) -> bool:
     return started is None or os.path.getmtime(path) >= started - PID_REUSE_SLACK_S
 
 
-def remove_partial_writes(out_dir: str) -> list[str]:
+def remove_partial_writes(out_dir: str, dry_run: bool = False) -> list[str]:
     """Delete leftovers of interrupted atomic writes in `out_dir` and its snapshots folder (the `partial_path` names
     of this program's files, `_OWN_NAMES`, whose writer is no longer running; nothing else, whatever its name);
     returns their paths relative to out_dir. A pid held now by a process started after the file was written is no
     longer its writer's (`_writer_may_run`: a container reuses pids). One whose writer may still run is kept, named in
     one warning: another machine's (its pid cannot be checked here), or one of a pid running on this machine since
-    before it was written (this process's own too: an earlier call in it; or where start times cannot be read)."""
+    before it was written (this process's own too: an earlier call in it; or where start times cannot be read).
+    `dry_run`: only the paths it would delete, nothing deleted or logged (`check_claim`)."""
     removed, kept = [], []
     for folder in (out_dir, os.path.join(out_dir, SNAPSHOTS)):
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
@@ -310,13 +312,16 @@ def remove_partial_writes(out_dir: str) -> list[str]:
                     why = "another machine's" if pid is None else f"pid {pid}, running since before it was written"
                     kept.append(f"{os.path.relpath(path, out_dir)} ({why})")
                     continue
+                if dry_run:
+                    removed.append(os.path.relpath(path, out_dir))
+                    continue
                 size = os.path.getsize(path)
                 os.remove(path)
             except FileNotFoundError:  # gone since the listing: its running writer renamed it into place (an
                 continue  # evaluate.py finishing its JSON); nothing is left to keep or remove
             removed.append(os.path.relpath(path, out_dir))
             log.warning("removed %s (%.1f MB), a partial write of an interrupted run", path, size / 2 ** 20)
-    if kept:
+    if kept and not dry_run:
         log.warning("kept in %s: %s: partial write(s) whose writer may still run; delete them once no process writes "
                     "them", out_dir, ", ".join(kept))
     return removed
@@ -328,12 +333,15 @@ def earlier_run_files(out_dir: str) -> list[str]:
                   if n not in (LOCK_NAME, ARCHIVE) and not re.fullmatch(rf"{re.escape(PROBE_PREFIX)}\d+", n))
 
 
-def archive(out_dir: str, names: list[str]) -> str:
-    """Move `names` into `out_dir/archive/<time>/` (nothing is deleted); returns that folder."""
+def archive(out_dir: str, names: list[str], move: bool = True) -> str:
+    """Move `names` into `out_dir/archive/<time>/` (nothing is deleted); returns that folder. `move` False: only
+    the refusal of an archive that is no folder, nothing made or moved ('' returned)."""
     folder = os.path.join(out_dir, ARCHIVE)
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise RunDirError(f"{folder} is a file, where earlier runs' files would be archived: move it away, or "
                           f"choose another out_dir")
+    if not move:
+        return ""
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     target = os.path.join(out_dir, ARCHIVE, stamp)
     suffix = 1
@@ -437,12 +445,16 @@ def saved_train_setting(out_dir: str, key: str) -> Any:
     return train.get(key) if isinstance(train, dict) else None
 
 
-def check_fresh_start(out_dir: str, config: dict, archive_existing: bool, first_write_cut: bool = False) -> None:
-    """Without checkpoint.pt: make sure no earlier result is overwritten (see module docstring). `first_write_cut`:
-    a partial write of checkpoint.pt was just removed (`remove_partial_writes`), the run was killed writing it."""
-    found = earlier_run_files(out_dir)
+def check_fresh_start(out_dir: str, config: dict, archive_existing: bool, first_write_cut: bool = False,
+                      move: bool = True, removed: Sequence[str] = ()) -> list[str]:
+    """Without checkpoint.pt: make sure no earlier result is overwritten (see module docstring); returns the names
+    moved to the archive. `first_write_cut`: a partial write of checkpoint.pt was just removed
+    (`remove_partial_writes`), the run was killed writing it. `move` False: the same refusals, nothing moved or
+    logged, the names that would move returned, and the partial writes a claim removes first (`removed`, which a dry
+    run of remove_partial_writes left in place) counted out of the folder's files (`check_claim`)."""
+    found = [n for n in earlier_run_files(out_dir) if n not in removed]
     if not found:
-        return
+        return []
     saved = saved_config(out_dir)
     foreign = _foreign_config(out_dir, found, saved, config)
     # logs only, which the rules below would archive without asking: a config.yaml of the user's is never moved as
@@ -453,10 +465,10 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool, first_
                           f"or use another out_dir")
     if _start_that_failed(out_dir, found, saved):  # e.g. a typo in a model name, a path or a value: any config
         check_inputs_stay(out_dir, found, config, "a fresh start moves (the logs of a start that failed)")
-        log.warning("%s holds only the logs of a start that stopped before its first logged update",
-                    out_dir)
-        archive(out_dir, found)
-        return
+        if move:
+            log.warning("%s holds only the logs of a start that stopped before its first logged update", out_dir)
+        archive(out_dir, found, move)
+        return found
     # killed while writing its first checkpoint.pt, whose partial write is the proof (a checkpoint.pt deleted by
     # hand leaves none): the best.pt the validation before that write wrote is this run's, with no resume point;
     # the restart writes it again (archived with the logs, not deleted). Without that proof best.pt is a result
@@ -467,12 +479,12 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool, first_
     if archive_existing or restart:
         check_inputs_stay(out_dir, found, config, "train.archive_existing=true would move" if archive_existing
                           else "a restart of the same run moves (its logs)")
-        if restart:
+        if restart and move:
             log.warning("%s holds the %s of this same run, stopped before its first checkpoint%s", out_dir,
                         "logs and best.pt" if "best.pt" in found else "logs",
                         " (killed while writing it)" if first_write_cut else "")
-        archive(out_dir, found)
-        return
+        archive(out_dir, found, move)
+        return found
     raise RunDirError(f"out_dir '{out_dir}' holds files of an earlier run ({', '.join(found)}) but no "
                       f"checkpoint.pt to resume from: use another out_dir, or re-run with "
                       f"train.archive_existing=true to move them to {out_dir}/{ARCHIVE}/<time>/ "
@@ -588,20 +600,40 @@ def claim_run_dir(out_dir: str, config: dict, archive_existing: bool = False) ->
     make_folder(out_dir)
     with lock_folder(out_dir):
         check_writable(out_dir)
-        removed = remove_partial_writes(out_dir)
-        # train.resume=out_dir/snapshots/epoch<E>.pt continues this folder's run (a roll-back, also with its
-        # checkpoint.pt moved away): its files are that run's, and archiving them would move the snapshot too
-        resume = str((config.get("train") or {}).get("resume") or "")
-        problem = checkpoint_path_problem(out_dir, resume)
-        if problem:  # before anything moves: a folder at checkpoint.pt would make this a fresh start over its files
-            raise RunDirError(problem)
-        own_snapshot = bool(resume) and os.path.isfile(resume) and is_inside(resume, os.path.join(out_dir, SNAPSHOTS))
-        # isfile, as resume_source asks (engine/snapshots.py): the run resumes exactly when it skips this check
-        if not os.path.isfile(os.path.join(out_dir, "checkpoint.pt")) and not own_snapshot:
-            check_fresh_start(out_dir, config, archive_existing,
-                              first_write_cut=any(_written_name(name) == "checkpoint.pt" for name in removed))
-        check_snapshots_folder(out_dir, config)  # after archiving, which moves an earlier run's 'snapshots' too
+        _check_files(out_dir, config, archive_existing, remove_partial_writes(out_dir))
         yield
+
+
+def check_claim(out_dir: str, config: dict, archive_existing: bool = False) -> None:
+    """What `claim_run_dir` refuses of `out_dir` and its files, asked with nothing made, written, moved or removed
+    (train.py --print-config): a file at out_dir, a folder at checkpoint.pt or train.resume, an earlier run's files
+    without a checkpoint.pt to resume from (`check_fresh_start`), a `snapshots` that is no folder. The partial writes
+    the claim would remove count as removed. Not asked: whether another run holds the folder now, and whether files
+    can be written there, which only the claim tells."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):  # make_folder's refusal
+        raise _unusable(out_dir, FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST)))
+    if os.path.isdir(out_dir):  # else the claim makes it, empty
+        _check_files(out_dir, config, archive_existing, remove_partial_writes(out_dir, dry_run=True), move=False)
+
+
+def _check_files(out_dir: str, config: dict, archive_existing: bool, removed: list[str], move: bool = True) -> None:
+    """claim_run_dir's look at the files of the locked `out_dir` once the partial writes `removed` are gone;
+    `move` False: `check_claim`'s, the same refusals with nothing moved."""
+    # train.resume=out_dir/snapshots/epoch<E>.pt continues this folder's run (a roll-back, also with its
+    # checkpoint.pt moved away): its files are that run's, and archiving them would move the snapshot too
+    resume = str((config.get("train") or {}).get("resume") or "")
+    problem = checkpoint_path_problem(out_dir, resume)
+    if problem:  # before anything moves: a folder at checkpoint.pt would make this a fresh start over its files
+        raise RunDirError(problem)
+    own_snapshot = bool(resume) and os.path.isfile(resume) and is_inside(resume, os.path.join(out_dir, SNAPSHOTS))
+    moved = []
+    # isfile, as resume_source asks (engine/snapshots.py): the run resumes exactly when it skips this check
+    if not os.path.isfile(os.path.join(out_dir, "checkpoint.pt")) and not own_snapshot:
+        moved = check_fresh_start(out_dir, config, archive_existing,
+                                  first_write_cut=any(_written_name(name) == "checkpoint.pt" for name in removed),
+                                  move=move, removed=removed)
+    if SNAPSHOTS not in moved:  # an earlier run's 'snapshots', archived (or to be), is out of the way
+        check_snapshots_folder(out_dir, config)
 
 
 def not_a_checkpoint_file(path: str) -> str:

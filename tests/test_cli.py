@@ -174,6 +174,72 @@ def test_print_config_refuses_a_resume_the_run_refuses(stopped_run, tmp_path, mo
         assert code == 0 and config_from_dict(yaml.safe_load(out)).out_dir == where[0].partition("=")[2]
 
 
+def folder_state(folder) -> list:
+    """Every path under `folder` with its size and modification time: what --print-config must leave as it was."""
+    return sorted((os.path.relpath(os.path.join(root, name), folder), os.stat(os.path.join(root, name)).st_size,
+                   os.stat(os.path.join(root, name)).st_mtime_ns)
+                  for root, dirs, files in os.walk(folder) for name in dirs + files)
+
+
+def first_error(err: str):
+    return next((line for line in err.splitlines() if line.startswith("error: ")), None)
+
+
+def _no_checkpoint(run):
+    os.remove(run / "checkpoint.pt")
+
+
+def _killed_writing_its_first_checkpoint(run):
+    from engine.run_dir import partial_path
+
+    host = os.path.basename(partial_path(str(run / "checkpoint.pt"))).split("-")[1]  # this machine's
+    os.rename(run / "checkpoint.pt", run / f"checkpoint.pt.partial-{host}-4194999-0a1b2c3d")  # a pid none holds
+
+
+# out_dir states: (what is done to a copy of the stopped run, or None: no out_dir; a folder at checkpoint.pt: "dir"),
+# the command's overrides
+FOLDER_STATES = {
+    "folder_at_checkpoint_pt": ("dir", []),
+    "max_steps_below_the_checkpoint": (lambda run: None, ["train.max_steps=1"]),
+    "earlier_files_without_checkpoint_pt": (_no_checkpoint, []),
+    "earlier_files_archived": (_no_checkpoint, ["train.archive_existing=true", "train.max_steps=1"]),
+    "killed_writing_its_first_checkpoint": (_killed_writing_its_first_checkpoint, ["train.max_steps=1"]),
+    "changed_lr": (lambda run: None, ["optim.lr=1e-3"]),
+    "compatible_resume": (lambda run: None, ["train.max_steps=3"]),
+    "fresh_start": (None, ["train.max_steps=1"]),
+}
+
+
+@pytest.mark.parametrize("state", FOLDER_STATES)
+def test_print_config_and_the_run_refuse_the_same_out_dir_states(stopped_run, tmp_path, monkeypatch, capsys, state):
+    """--print-config exited 0 where the run refuses out_dir as it finds it: a folder at checkpoint.pt (the printout
+    looked for a checkpoint file only), a train.max_steps below the checkpoint's update (checked once the run's length
+    was built) and an earlier run's files without checkpoint.pt (checked only when the run claims the folder). The
+    reference is the run itself, on the same folder after the printout: the same first error line, or both go on
+    (an archived start, the restart of a run killed writing its first checkpoint, a resume, a fresh start); the
+    printout changes nothing in the folder (a partial write it would remove, files it would archive)."""
+    from tests.conftest import run_entry
+
+    monkeypatch.chdir(tmp_path)
+    prepare, overrides = FOLDER_STATES[state]
+    run = tmp_path / "run"
+    if prepare == "dir":
+        os.makedirs(run / "checkpoint.pt")
+    elif prepare is not None:
+        shutil.copytree(stopped_run, run)
+        prepare(run)
+    argv = ["--config", DEBUG_CONFIG, f"out_dir={run}", "log.tensorboard=false", *overrides]
+    before = folder_state(tmp_path)
+    printed = run_entry("train.py", [*argv, "--print-config"], capsys)
+    assert folder_state(tmp_path) == before
+    started = run_entry("train.py", argv, capsys)
+    assert (printed[0] == 0) == (started[0] == 0), (printed, started)
+    assert first_error(printed[2]) == first_error(started[2]), (printed, started)
+    refused = state in ("folder_at_checkpoint_pt", "max_steps_below_the_checkpoint",
+                        "earlier_files_without_checkpoint_pt", "changed_lr")
+    assert (first_error(started[2]) is not None) == refused, started
+
+
 def test_evaluate_print_config_resolves_config_files_and_overrides(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code, out = run(evaluate, ["--config", DEBUG_CONFIG, "model.pretrained=/weights/x.pth", "--quant", "repq",
