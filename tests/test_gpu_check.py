@@ -370,3 +370,13 @@ def test_a_stop_signal_kills_the_stage_with_what_it_started_and_the_report_names
     while running(stage) or running(child):
         assert time.monotonic() < deadline, f"stage {stage} running: {running(stage)}, its child: {running(child)}"
         time.sleep(0.05)
+
+
+
+def test_the_smoke_budgets_fit_the_default_total_budget():
+    """Raised to about twice a loaded 2-core CPU's stage times (the old ones, 30 s for overhead and 60 s for quant,
+    were run past there), they still add up to no more than the default --total-budget, as the GPU budgets do: no
+    stage is cut to what the earlier ones left."""
+    gpu_check = load_script("gpu_check")
+    assert sum(gpu_check.SMOKE_BUDGETS.values()) <= gpu_check.TOTAL_BUDGET_S
+    assert sum(gpu_check.BUDGETS.values()) <= gpu_check.TOTAL_BUDGET_S
