@@ -2,8 +2,8 @@
 figures land in one valid JSON; a stage past its budget is killed and recorded, and the rest goes on.
 
 The budgets are what the script enforces on a GPU machine; these tests check what it records, so they give
-each stage a budget no busy CPU reaches (the default smoke budgets are tens of seconds: a loaded 2-core
-machine ran past them), and time only the kill of a stage that is over its budget on purpose."""
+each stage a budget no busy CPU reaches (the default smoke budgets are about twice a loaded 2-core machine's stage
+times: a busier one may still run past them), and time only the kill of a stage that is over its budget on purpose."""
 import json
 import os
 import stat
