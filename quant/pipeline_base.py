@@ -263,7 +263,7 @@ def check_calibration_inputs(model: nn.Module, x: torch.Tensor) -> None:
     on their own device."""
     got = f"got {str(x.dtype).removeprefix('torch.')} {list(x.shape)}"
     if is_language_model(model):
-        want = (f"calib_images: calibration inputs for a {type(model).__name__} are [N, T] int64 token ids "
+        want = (f"calib_images: calibration inputs for a {type(model).__name__} are [N, T] int64 or int32 token ids "
                 f"< vocab_size {model.vocab_size}, 1 <= T <= its context {model.context}")
         if x.dtype not in (torch.int64, torch.int32) or x.dim() != 2 or not 1 <= x.shape[1] <= model.context:
             raise ValueError(f"{want}; {got}")
@@ -271,13 +271,23 @@ def check_calibration_inputs(model: nn.Module, x: torch.Tensor) -> None:
         if low < 0 or high >= model.vocab_size:
             raise ValueError(f"{want}; got ids from {low} to {high}")
         return
-    proj = getattr(getattr(model, "patch_embed", None), "proj", None)  # timm ViT / DeiT / Swin: the input layer
-    if not isinstance(proj, nn.Conv2d):
-        proj = next((m for m in model.modules() if isinstance(m, nn.Conv2d)), None)
-    channels = proj.in_channels if proj is not None else None
-    want = (f"calib_images: calibration inputs for a {type(model).__name__} are [N, "
-            f"{channels if channels is not None else 'C'}, H, W] floating-point images")
-    if not x.is_floating_point() or x.dim() != 4 or (channels is not None and x.shape[1] != channels):
+    # the input layer: the first Conv2d in forward order, which for timm's ViT / DeiT / Swin is in patch_embed (its
+    # proj; a hybrid ViT's HybridEmbed runs its CNN backbone first, whose stem conv takes the images), and for a model
+    # without one the first Conv2d it holds (modules() lists them in the order they were built)
+    embed = getattr(model, "patch_embed", None)
+    first = next((m for m in (model if embed is None else embed).modules() if isinstance(m, nn.Conv2d)), None)
+    channels, dtype = (first.in_channels, first.weight.dtype) if first is not None else (None, None)
+    # the size the model fixes: timm's patch embedding asserts it (strict_img_size, which timm clears for
+    # dynamic_img_size), a ViT's position table and a Swin's windows and masks are built for it; read as timm reads
+    # it, (H, W) (models.input_size gives one side, for the square models the configs build)
+    fixed = embed is not None and getattr(embed, "strict_img_size", False) and embed.img_size is not None
+    size = tuple(int(side) for side in embed.img_size) if fixed else None
+    shape = [channels if channels is not None else "C", *(size or ("H", "W"))]
+    kind = f"{str(dtype).removeprefix('torch.')} (the dtype of its weights)" if dtype is not None else "floating-point"
+    want = (f"calib_images: calibration inputs for a {type(model).__name__} are [N, {', '.join(map(str, shape))}] "
+            f"{kind} images")
+    if (not x.is_floating_point() or x.dim() != 4 or (channels is not None and x.shape[1] != channels)
+            or (dtype is not None and x.dtype != dtype) or (size is not None and tuple(x.shape[2:]) != size)):
         raise ValueError(f"{want}; {got}")
 
 
