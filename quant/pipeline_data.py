@@ -86,9 +86,15 @@ class PipelineData:
             held = None
         if held == count:
             return samples
-        got = f"{held} images" if held is not None else f"a {type(samples).__name__}, which holds no images"
-        raise ValueError(f"{option}: PipelineData.detector_samples({count}, ...) returned {got}, not {count}; give a "
-                         f"count the data holds, or data that holds {count} images")
+        asked = f"{option}: PipelineData.detector_samples({count}, ...) returned"
+        if held is None:  # an iterator, None, ...: the pipelines index a feed of `count` images (one per batch)
+            raise ValueError(f"{asked} a {type(samples).__name__}, which has no len(); give a feed of {count} images, "
+                             "one per batch (a quant.units.SampleFeed: len() and run(model, index))")
+        if held > count:  # the provider's fault: a count the data holds came back with more
+            raise ValueError(f"{asked} {held} images, more than the {count} asked; the provider must return exactly "
+                             "the count it is given")
+        raise ValueError(f"{asked} {held} images, not {count}; give a count the data holds, or data that holds "
+                         f"{count} images")
 
     def work_path(self, suffix: str) -> Optional[str]:
         """`<work_prefix><suffix>`, or None when there is no work prefix."""

@@ -17,7 +17,8 @@ GPU, no PCA loss. Everything else is the classification procedure (pipeline.py),
    trains its shard in DDP (the paper: 8 GPUs at batch 1); the steps are per rank.
 4. Stage 2 (W4A4): activation quantizers frozen, weights per output channel (symmetric, percentile-MSE),
    then QwT on every Swin block of the backbone in order, fitted on `stage2_images` training images with the
-   test pipeline, one per batch, streamed (`fit_block_compensation_streamed`); kept where R^2 > 0. On rank 0,
+   test pipeline (drawn before stage 1, so that a count the data cannot give is refused before its training), one
+   per batch, streamed (`fit_block_compensation_streamed`); kept where R^2 > 0. On rank 0,
    which hands the model to the other ranks (engine.distributed.run_on_main).
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch import nn
 
 from configs.quant import GPLQOptions
 from engine.checkpoint import weights_fingerprint
-from engine.distributed import run_on_main, world_size
+from engine.distributed import OtherRankError, raise_on_every_rank, run_on_main, world_size
 
 from ..calibrate import calibrate
 from ..convert import quantize_model
@@ -106,6 +107,20 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
     device = next(fp_model.parameters()).device
     world = world_size()
     teacher = copy.deepcopy(fp_model).eval().requires_grad_(False) if options.qwt_target == "teacher" else None
+    # QwT's images, drawn now on the rank that runs stage 2 (run_on_main: rank 0), so that a provider that cannot
+    # give stage2_images (draw_detector_samples) ends the run before stage 1's training (an epoch), not after it, as
+    # the classifier's pipeline draws them. They depend on (count, seed) alone (DetectorSamples: its own
+    # random.Random, the test pipeline), so the images, and a resumed stage 1, are those of a draw after stage 1.
+    # Rank 0 holds them (CPU tensors) through stage 1.
+    error, samples = None, None
+    try:
+        if options.qwt and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            samples = data.draw_detector_samples(options.stage2_images, options.seed,
+                                                 f"stage2_images={options.stage2_images}")
+    except Exception as e:  # noqa: BLE001 - raised on every rank below
+        error = e
+    raise_on_every_rank(error, device, lambda: OtherRankError(
+        "another rank failed drawing GPLQ's QwT images (stage2_images); its output says why"))
     with timer("init", device):
         model = quantize_model(fp_model, layout)
         set_quant_state(model, weights=False)  # W32 in stage 1
@@ -124,15 +139,14 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
     with timer("stage1", device):
         stage1 = data.train_detector(model, settings, stage1_folder(data, bits))
     model.eval().requires_grad_(False)
-    return run_on_main(lambda: _stage2(model, teacher, bits, options, data, timer, device, lr, scale_lr, stage1),
+    return run_on_main(lambda: _stage2(model, teacher, bits, options, samples, timer, device, lr, scale_lr, stage1),
                        f"quantizing gplq {bits} (stage 2)", device)
 
 
-def _stage2(model: nn.Module, teacher: Optional[nn.Module], bits: Bits, options: GPLQOptions, data: PipelineData,
+def _stage2(model: nn.Module, teacher: Optional[nn.Module], bits: Bits, options: GPLQOptions, samples: Any,
             timer: StageTimer, device: torch.device, lr: float, scale_lr: float, stage1: dict) -> PTQResult:
-    """Stage 2 on rank 0 (module docstring, step 4): weights, then QwT streamed over the backbone blocks."""
-    samples = (data.draw_detector_samples(options.stage2_images, options.seed,
-                                          f"stage2_images={options.stage2_images}") if options.qwt else None)
+    """Stage 2 on rank 0 (module docstring, step 4): weights, then QwT streamed over the backbone blocks on
+    `samples` (drawn before stage 1; None without QwT)."""
     stage2 = quantize_weights_and_compensate(
         model, teacher, options,
         lambda unit, reference: fit_block_compensation_streamed(model, unit, samples, reference, options.qwt_ridge),
