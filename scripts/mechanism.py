@@ -90,7 +90,7 @@ from evaluate import calibration_set, eval_model_config, load_float_model  # noq
 from quant.plan import pipeline_options  # noqa: E402
 from models import ModelError, build_model, input_size, is_language_model, model_label  # noqa: E402
 from timm.models import load_state_dict  # noqa: E402
-from models.pretrained import module_entry  # noqa: E402
+from models.pretrained import ema_advice, ema_copy, module_entry  # noqa: E402
 from models.sink_weights import PLAIN, keys_variant  # noqa: E402
 from quant import PIPELINES, evaluate_quantized, parse_bits  # noqa: E402
 
@@ -461,8 +461,11 @@ def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
         cfg.model = dataclasses.replace(cfg.model, attn=weights_attn(path, cfg.model.attn),
                                         pretrained=os.path.abspath(path),
                                         pretrained_strict=args.command not in READ_NO_CLASSIFIER)
-        loaded = Loaded(cfg, build_model(eval_model_config(cfg.model)).eval(), os.path.abspath(path),
-                        os.path.basename(path))
+        try:
+            model = build_model(eval_model_config(cfg.model))
+        except ModelError as e:
+            raise compare_weights_error(e, path) from None
+        loaded = Loaded(cfg, model.eval(), os.path.abspath(path), os.path.basename(path))
     else:
         # the --config layers and overrides of the first model, so that both are read alike
         cfg = layer_config(config_from_dict(payload["config"]), args.config or (), args.overrides)
@@ -475,6 +478,19 @@ def load_compare(path: str, first: Loaded, args: argparse.Namespace) -> Loaded:
         raise MechanismError(f"--compare {path} holds the same weights as the first model ({first.source}): one "
                              f"model would be drawn twice; give the checkpoint of another run")
     return loaded
+
+
+def compare_weights_error(error: ModelError, path: str) -> MechanismError:
+    """The load's refusal of the --compare weights file `path`, which models/ words for the key it reads
+    (model.pretrained=<absolute path>, "to start from it", "give model.pretrained=x.pth"), re-worded for the flag the
+    user typed: `--compare <path> ...`, its advice about giving a file made to name --compare."""
+    given, text = os.path.abspath(path), str(error)
+    ema = ema_copy(given) if "to start from it" in text else ""
+    if ema:  # an EMA copy alone: compared once saved as a weights file of its own
+        text = text.replace(f"to start from it, {ema_advice(ema)}", f"to compare it, {ema_advice(ema)} as --compare")
+    text = text.replace(f"model.pretrained={given}", given).replace("give model.pretrained=", "give --compare ")
+    return MechanismError(f"--compare {path}{text[len(given):]}" if text.startswith(given)
+                          else f"--compare {path}: {text}")
 
 
 def weights_attn(path: str, first: str) -> str:

@@ -129,3 +129,24 @@ def test_a_compared_weights_file_of_another_attention_variant_is_built_as_its_ow
         assert model_variant(built[-1].model) == other_attn and set(built[-1].model.state_dict()) == set(state)
         energies = [[r["energy"] for r in res["rows"] if r["label"] == res["labels"][1]] for res in results]
         assert len(energies[0]) == 8 and energies[0] == pytest.approx(energies[1], rel=1e-6)
+
+
+def test_a_compared_weights_file_the_load_refuses_is_named_as_compare(tmp_path, capsys, monkeypatch):
+    """The load's refusal of a --compare weights file named model.pretrained=<absolute path>, a key the user had not
+    typed, and an EMA copy alone was advised saved 'to start from it'; it names --compare as given, and the advice,
+    followed, draws the comparison."""
+    monkeypatch.chdir(tmp_path)
+    base = make_checkpoint(tmp_path / "base.pt", 0)
+    state = torch.load(make_checkpoint(tmp_path / "other.pt", 1), weights_only=True)["model"]
+    torch.save({"state_dict_ema": state}, "ema_only.pth")
+    err = refusal(capsys, ["energies", "--checkpoint", base, "--compare", "ema_only.pth", "--out", "e"])
+    assert err == ("error: --compare ema_only.pth holds only an EMA copy of the weights ('state_dict_ema'), no raw "
+                   "weights: to compare it, save it as a file of its own, "
+                   "torch.save(torch.load(PATH)['state_dict_ema'], 'ema.pth'), and give that as --compare")
+    torch.save(torch.load("ema_only.pth")["state_dict_ema"], "ema.pth")  # the advice, PATH the file
+    result = mechanism.main(["energies", "--checkpoint", base, "--compare", "ema.pth", "--out", "e"])
+    assert result["labels"] == ["Baseline", "ema.pth"]
+    (tmp_path / "garbage.pth").write_bytes(b"not a torch file")
+    err = refusal(capsys, ["energies", "--checkpoint", base, "--compare", "garbage.pth", "--out", "e2"])
+    assert err.startswith("error: --compare garbage.pth holds Python objects beside its tensors "), err
+    assert "model.pretrained" not in err and str(tmp_path) not in err, err
