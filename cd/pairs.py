@@ -17,8 +17,8 @@ Discovery is structural, then checked: a block is any module with children `norm
 `fc2`); a patch-merging layer is any module with children `norm` and `reduction`. This finds timm
 ViT/DeiT/BEiT/CaiT/XCiT `blocks.N` (XCiT's XCA blocks then fail the V-order check below), Swin
 `layers.N.blocks.M` and `layers.N.downsample`, and attention variants that keep the `qkv`/`proj` names (extra
-parameters in `attn`, e.g. attention-sink biases, are ignored). Other libraries name the same layers differently: `LAYOUTS` (`cd/layouts.py`) maps their names onto
-these roles (GPT-2, as transformers and nanoGPT name it; transformers' ViT and Llama; MMDetection's Swin;
+parameters in `attn`, e.g. attention-sink biases, are ignored). Other libraries name the same layers
+differently: `LAYOUTS` (`cd/layouts.py`) maps their names onto these roles (GPT-2, as transformers and nanoGPT name it; transformers' ViT and Llama; MMDetection's Swin;
 torchvision's ViT, whose `nn.MultiheadAttention` holds the fused qkv as its own Parameter `in_proj_weight`, and
 Swin), and a model with names of its own passes its own `Layout`s as `layouts=`, checked as the built-in ones. Each
 layer's storage is read off the layer itself: `nn.Linear` stores (out, in), transformers' `Conv1D` (in, out),
@@ -31,9 +31,11 @@ multiplies the other way round from the storage read (`x @ W` for one read as (o
 not matched wrongly; a fused qkv's V rows are checked by one real forward with them set to zero, and the
 order in which proj reads V's channels by one more with some of them set to zero (`cd/values.py`), so that a qkv
 laid out per head or in another order, heads merged in another order, or channels mixed (XCiT's XCA) are
-refused. A block that does not fit (gated MLP unless `gated_mlp`, no affine norm, no qkv, grouped-query attention) is refused too:
-`UnsupportedModelError` names the block and its type; so does a block that no layout finds beside blocks that one
-does (told by its structure, `cd/unknown_blocks.py`), which would otherwise be left out.
+refused. A block that does not fit (gated MLP unless `gated_mlp`, no affine norm, no qkv, grouped-query
+attention) is refused too: `UnsupportedModelError` names the block and its type; so does a block that no layout
+finds beside blocks that one does (told by its structure, `cd/unknown_blocks.py`), which would otherwise be left
+out. Half a block beside them (a norm with only an attention or only an MLP: a residual half block or a head, which
+the structure does not tell apart) is named in one warning per model instead, and left out.
 
 Print the pairs of any timm model (built on the `meta` device, no weights; a small CPU copy runs the checks on
 real numbers, `cd/__main__.py`):

@@ -306,7 +306,8 @@ def model_without(model: nn.Module, removed: Sequence[dict],
         for name, directions in per_block.items():
             pair = fc1[name]
             stored = params[pair.upstream_name]
-            w1 = stored.t() if pair.upstream_transposed else stored  # W_F1 as applied; a view, so copy_ writes the storage
+            # W_F1 as applied; a view, so copy_ writes the storage
+            w1 = stored.t() if pair.upstream_transposed else stored
             w1.copy_(remove_directions(w1, directions))
     return model
 
