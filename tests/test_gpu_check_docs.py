@@ -1,10 +1,12 @@
 """What docs/mini_reproduction.md ("On a GPU") and configs/sweeps/fashion_mnist_gpu.yaml tell a GPU machine to run
 works as written: the one-call gpu_check command (in scripts/gpu_check.py's docstring too) names only flags the
-script takes, with budgets that fit a 10-minute command, and the stated shortest `sched.epochs` is accepted by the
-GPU study's configs while the next shorter one is refused."""
+script takes, with budgets that fit a 10-minute command, the stated shortest `sched.epochs` is accepted by the
+GPU study's configs while the next shorter one is refused, and the study's call on a lent machine carries its kit,
+writes into $OUT and fits what a call may send."""
 import os
 import re
 import shlex
+import subprocess
 
 import pytest
 import torch
@@ -66,3 +68,28 @@ def test_the_stated_shortest_schedule_is_accepted_and_a_shorter_one_refused():
     with pytest.raises(ConfigError, match="is not shorter than sched.epochs"):
         load_config(GPU_CONFIGS, [f"sched.epochs={shortest - 1}"])
     load_config(GPU_CONFIGS, ["sched.epochs=1", "sched.warmup_epochs=0.2"])  # the doc's way to one epoch
+
+
+DEVICE_SEND_LIMIT = 64 * 2 ** 20  # what one call of the lent GPU machine's tool may send: the working tree, carried paths
+
+
+def test_the_offline_study_carries_its_kit_writes_into_out_and_fits_what_a_call_sends():
+    """The study's one call on a lent machine: kit/ is git-ignored, so the doc names it in `carry`; the report and the
+    runs' archive are written under $OUT (the runs/ folder does not come back); and the tracked files with the kit's
+    stated bytes fit what a call may send (a repository grown past the margin fails here: export a smaller subset)."""
+    text = read(DOC)
+    prose = " ".join(text.split())
+    assert subprocess.run(["git", "check-ignore", "-q", "kit/fashion_mnist"], cwd=ROOT).returncode == 0
+    assert '`carry: ["kit"]`' in prose
+    start = text.index("python3 scripts/sweep.py configs/sweeps/fashion_mnist_gpu.yaml")
+    words = [w.rstrip(";") for w in shlex.split(text[start:text.index("```", start)].replace("\\\n", " "))]
+    assert {"data.root=kit/fashion_mnist", "model.pretrained=kit/dinov2_s14_half.safetensors"} <= set(words)
+    written = [words[i + 1] for i, w in enumerate(words) if w == "--out"] + [words[words.index("czf") + 1]]
+    assert len(written) == 2 and all(w.startswith("$OUT/") and w.count("/") <= 2 for w in written), written
+    weights, images = (int(n.replace(",", "")) for n in
+                       re.search(r"\(([\d,]+) B of weights and ([\d,]+) B of images", prose).groups())
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True).stdout
+    tracked = sum(os.path.getsize(os.path.join(ROOT, f)) for f in listed.decode().split("\0")
+                  if f and os.path.isfile(os.path.join(ROOT, f)))
+    assert tracked + weights + images <= DEVICE_SEND_LIMIT, (
+        f"tracked files {tracked / 2 ** 20:.2f} MiB + kit {(weights + images) / 2 ** 20:.2f} MiB over 64 MiB")
