@@ -1140,7 +1140,8 @@ def stale_result(json_path: str, checkpoint: str) -> Optional[str]:
         if os.path.getmtime(json_path) < os.path.getmtime(checkpoint):
             return f"is older than {name}, which is no train.py checkpoint (written for an earlier {name})"
         return None
-    identity = {"checkpoint": checkpoint, "checkpoint_kind": checkpoint_kind(checkpoint), "fingerprint": fingerprint}
+    identity = {"checkpoint": checkpoint, "checkpoint_kind": checkpoint_kind(checkpoint), "fingerprint": fingerprint,
+                "weights": "raw"}  # the sweep's evaluate.py command gives no --ema
     try:
         _read(json_path, identity, say_moved=False)
     except ResultsError as e:

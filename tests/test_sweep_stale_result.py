@@ -116,6 +116,20 @@ def test_a_result_without_a_fingerprint_is_moved_aside_whatever_its_file_time(tm
     assert not os.path.exists(result) and "records no weights fingerprint" in capsys.readouterr().err
 
 
+def test_a_result_of_ema_weights_is_moved_aside_as_the_sweep_scores_the_raw_ones(tmp_path, capsys):
+    """The sweep's evaluate.py command gives no --ema: a result of the EMA copy is refused by it ('weights: ema in
+    the file, raw now') even when the fingerprints agree (an EMA equal to the weights: decay 0, or its first update)."""
+    trained = weights(0)
+    result, checkpoint = evaluated_run(tmp_path / "runs" / "a", trained, trained)
+    data = json.loads(open(result).read())
+    data["weights"] = "ema"
+    with open(result, "w") as f:
+        json.dump(data, f)
+    assert not evaluate_py_adds_to(result, checkpoint, trained)
+    sweep.move_stale_result(result, checkpoint)
+    assert not os.path.exists(result) and "is refused by evaluate.py" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("text", ["not json", "[1]", '{"quant": {}}'])
 def test_a_file_that_is_no_result_of_evaluate_py_is_moved_aside(tmp_path, capsys, text):
     """A file evaluate.py cannot read as its result is refused by it whatever its time: moved aside, kept as it was."""
