@@ -20,6 +20,7 @@ import re
 import shlex
 import signal
 import subprocess
+import unittest.mock
 from typing import Optional
 
 from engine.exit_codes import EXIT_PREEMPTED
@@ -80,8 +81,15 @@ def torchrun_options(launcher: str) -> Optional[tuple[str, object]]:
     """(the module, the options its own parse_args reads) of a torchrun launcher, with a script after the options,
     as the commands give it; None for another launcher, or options torchrun refuses (an unknown or ambiguous one,
     --n=2: its usage error, kept from the output here, ends the first command at its start). torchrun is the
-    program of that name or `python -m` one of TORCHRUN_MODULES. Raises ValueError for an unclosed quote."""
+    program of that name or `python -m` one of TORCHRUN_MODULES, after an `env NAME=value ...` prefix (whose
+    values its options read). Raises ValueError for an unclosed quote."""
     words = shlex.split(launcher)
+    environment = {}
+    if words and os.path.basename(words[0]) == "env":  # `env NAME=value ... torchrun ...`: torchrun reads them
+        words = words[1:]
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            name, value = words.pop(0).split("=", 1)
+            environment[name] = value
     if not words:
         return None
     if os.path.basename(words[0]) == "torchrun":
@@ -93,8 +101,9 @@ def torchrun_options(launcher: str) -> Optional[tuple[str, object]]:
     else:
         return None
     parse_args = importlib.import_module(module).parse_args  # torch: only for a torchrun launcher
-    try:
-        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+    try:  # its options' defaults read the environment (PET_NPROC_PER_NODE): the launcher's own, env's included
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()), \
+                unittest.mock.patch.dict(os.environ, environment):
             return module, parse_args([*options, "train.py"])
     except SystemExit:
         return None

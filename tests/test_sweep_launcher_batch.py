@@ -110,6 +110,7 @@ PYTHON, TORCHRUN_PROGRAM = sys.executable, os.path.join(os.path.dirname(sys.exec
     (f"{PYTHON} -u -m torch.distributed.launch --standalone --nnode 1 --nproc-per-node 2", {}),
     (f"{TORCHRUN_PROGRAM} --standalone --nproc_per_node=2", {}),
     (f"{TORCHRUN_PROGRAM} --standalone", {"PET_NPROC_PER_NODE": "2"}),  # torchrun's default from the environment
+    (f"env OMP_NUM_THREADS=1 PET_NPROC_PER_NODE=3 {TORCHRUN_PROGRAM} --standalone", {"PET_NPROC_PER_NODE": "2"}),
 ])
 def test_launcher_world_size_is_the_number_of_processes_the_launcher_starts(tmp_path, monkeypatch, launcher,
                                                                             environment):
@@ -157,6 +158,7 @@ def test_a_launcher_that_passes_the_commands_local_rank_is_refused(tmp_path, opt
     given_a_rank = "local-rank" in line or "local_rank" in line
     assert given_a_rank == (options == "")
     assert (launchers.launcher_refusal(launcher) is not None) == given_a_rank
+    assert (launchers.launcher_refusal(f"env OMP_NUM_THREADS=1 {launcher}") is not None) == given_a_rank
 
 
 def test_a_sweep_refuses_that_launcher_in_one_line_before_anything_starts(tmp_path):
