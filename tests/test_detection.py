@@ -339,6 +339,7 @@ def test_gplq_stage1_trains_lsq_scales_on_float_weights_at_the_papers_lr(sample)
     from quant.modes import named_quantizers
     from quant.pipeline_data import PipelineData
     from configs.quant import GPLQ_DETECTION
+    from quant_models import unread_samples
     cfg = load_config([SAMPLE_CONFIG], data_root=sample)
     torch.manual_seed(0)
     model = MODELS.build(cfg.model).eval()
@@ -350,7 +351,7 @@ def test_gplq_stage1_trains_lsq_scales_on_float_weights_at_the_papers_lr(sample)
                          for _, q in named_quantizers(student, "activation")],
                     scales={id(q.scale) for _, q in named_quantizers(student, "activation")})
         raise _Stage1Started
-    data = PipelineData(train_detector=stage1, detector_samples=lambda count, seed: None)  # stage 2 never runs
+    data = PipelineData(train_detector=stage1, detector_samples=unread_samples)  # stage 2 never runs
     with pytest.raises(_Stage1Started):
         PIPELINES["gplq"](model, DetectorFeed(cfg, 1), "w4a4", {**GPLQ_DETECTION, "init_images": 1}, data=data)
     settings = seen["settings"]

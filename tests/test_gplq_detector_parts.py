@@ -14,7 +14,7 @@ from quant.gplq.detector import stage1_identity as detector_identity
 from quant.gplq.qwt import fit_block_compensation_streamed
 from quant.modes import named_quantizers
 from quant.spec import parse_bits
-from quant_models import ImageFeed, tiny_vit
+from quant_models import ImageFeed, tiny_vit, unread_samples
 
 
 class Block(nn.Module):
@@ -197,7 +197,7 @@ def test_detector_stage1_gets_the_asked_settings_and_the_papers_lr_for_the_globa
     with pytest.raises(_Started):
         gplq_detector.quantize_detector(PIPELINES["gplq"].layout(parse_bits("w4a4"), options), frozen, feed,
                                         parse_bits("w4a4"), options, PipelineData(train_detector=stage1,
-                                                                                  detector_samples=lambda c, s: None),
+                                                                                  detector_samples=unread_samples),
                                         default_lr)
     assert seen["lr"] == pytest.approx(lr) and seen["scale_lr"] == pytest.approx(scale_lr)
     for key in ("steps", "batch_size_per_gpu", "weight_decay", "amp", "seed", "log_every", "ckpt_every"):
@@ -266,7 +266,7 @@ def test_detector_lsq_starts_at_the_calibration_batchs_per_channel_absolute_maxi
         raise _Started
     with pytest.raises(_Started):
         _quantize_toy(_detector_options(init_images=2), OneBatch(images),
-                      PipelineData(train_detector=stage1, detector_samples=lambda c, s: None))
+                      PipelineData(train_detector=stage1, detector_samples=unread_samples))
     per_image = torch.stack([image.double().abs().amax(dim=(0, 2, 3)) for image in images])
     assert (per_image[1] > per_image[0]).any()  # the second image sets some channel: the pooling shows
     amax = per_image.amax(0)

@@ -64,6 +64,7 @@ def test_gplqs_lsq_start_of_a_shared_conv_is_its_first_calls_per_channel_absolut
     from configs.quant import GPLQ_DETECTION, GPLQOptions
     from quant.gplq.pipeline import default_lr
     from quant.pipeline_data import PipelineData
+    from quant_models import unread_samples
     options = dataclasses.replace(GPLQOptions(), **{**GPLQ_DETECTION, "init_images": 1})
     feed, seen = LevelFeed(levels()), {}
 
@@ -73,7 +74,7 @@ def test_gplqs_lsq_start_of_a_shared_conv_is_its_first_calls_per_channel_absolut
     bits = parse_bits("w4a4")
     with pytest.raises(_Started):
         gplq_detector.quantize_detector(PIPELINES["gplq"].layout(bits, options), SharedHead(), feed, bits, options,
-                                        PipelineData(train_detector=stage1, detector_samples=lambda c, s: None),
+                                        PipelineData(train_detector=stage1, detector_samples=unread_samples),
                                         default_lr)
     p2, p3 = feed.levels
     first = p2.double().abs().amax(dim=(0, 2, 3))
