@@ -481,6 +481,11 @@ def raise_where_failed(error: Optional[BaseException], failed_anywhere: bool,
         raise _elsewhere(elsewhere())
 
 
+def runs_on_main() -> bool:
+    """Whether this process runs what `run_on_main` runs: rank 0, or the only process."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def run_on_main(fn: Callable[[], T], what: str, device: torch.device) -> T:
     """Run `fn` on rank 0 only and return its result on every rank (just `fn()` without a process group).
 

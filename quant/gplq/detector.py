@@ -34,7 +34,7 @@ from torch import nn
 
 from configs.quant import GPLQOptions
 from engine.checkpoint import weights_fingerprint
-from engine.distributed import OtherRankError, raise_on_every_rank, run_on_main, world_size
+from engine.distributed import failure_on_every_rank, run_on_main, runs_on_main, world_size
 
 from ..calibrate import calibrate
 from ..convert import quantize_model
@@ -112,15 +112,11 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
     # the classifier's pipeline draws them. They depend on (count, seed) alone (DetectorSamples: its own
     # random.Random, the test pipeline), so the images, and a resumed stage 1, are those of a draw after stage 1.
     # Rank 0 holds them (CPU tensors) through stage 1.
-    error, samples = None, None
-    try:
-        if options.qwt and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+    samples = None
+    with failure_on_every_rank(device, "drawing GPLQ's QwT images (stage2_images)"):
+        if options.qwt and runs_on_main():
             samples = data.draw_detector_samples(options.stage2_images, options.seed,
                                                  f"stage2_images={options.stage2_images}")
-    except Exception as e:  # noqa: BLE001 - raised on every rank below
-        error = e
-    raise_on_every_rank(error, device, lambda: OtherRankError(
-        "another rank failed drawing GPLQ's QwT images (stage2_images); its output says why"))
     with timer("init", device):
         model = quantize_model(fp_model, layout)
         set_quant_state(model, weights=False)  # W32 in stage 1

@@ -57,7 +57,7 @@ from torch import nn
 from configs.loader import check_options_read
 from configs.quant import GPLQOptions
 from engine.checkpoint import load_checkpoint, weights_fingerprint
-from engine.distributed import OtherRankError, raise_on_every_rank, run_on_main, world_size
+from engine.distributed import OtherRankError, raise_on_every_rank, run_on_main, runs_on_main, world_size
 
 from ..calibrate import Images, calibrate
 from ..convert import quantize_model
@@ -212,7 +212,7 @@ class GPLQPipeline(Pipeline):
                 stage2_images = (data.draw_train_images(options.stage2_images, options.seed,
                                                         options.stage2_train_transform,
                                                         f"stage2_images={options.stage2_images}").cpu()
-                                 if options.qwt and _main_rank() else None)
+                                 if options.qwt and runs_on_main() else None)
             except Exception as e:  # noqa: BLE001 - raised on every rank below
                 error = e
             raise_on_every_rank(error, device, lambda: OtherRankError(
@@ -256,11 +256,6 @@ class GPLQPipeline(Pipeline):
         report = pipeline_report(self.name, model, bits, options, stage1=stage1, **stage2)
         report["seconds"] = timer.seconds
         return model, report
-
-
-def _main_rank() -> bool:
-    """This process runs what run_on_main runs: rank 0, or the only process."""
-    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def fit_on_images(model: nn.Module, images: torch.Tensor, batch_size: int, ridge: float) -> FitBlock:
