@@ -362,6 +362,23 @@ def test_cli_table_cells_for_vit_tiny_match_the_pairs_written_by_hand(capsys):
     assert lines[-1] == "48 pairs: qkv 12, proj 12, fc1 12, fc2 12"
 
 
+def test_cli_warns_of_crossvits_half_blocks_once(capsys):
+    """crossvit_9_240's six fusion CrossAttentionBlocks (two per multi-scale block, written out by hand) are named in
+    one warning per command (cd/README.md): was two, one from the meta model's find_pairs and one from a small CPU
+    copy's (its img_size=128 copy, read before its forward fails there)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pairs_main(["--model", "crossvit_9_240"])
+    left_out = [str(w.message) for w in record if "CD and TWEO leave out" in str(w.message)]
+    assert len(left_out) == 1
+    fusion = [f"blocks.{i}.fusion.{j} (CrossAttentionBlock: " for i in range(3) for j in range(2)]
+    assert left_out[0].startswith("CD and TWEO leave out 6 modules of CrossVit: ")
+    assert all(name in left_out[0] for name in fusion)
+    assert capsys.readouterr().out.splitlines()[-1].endswith(" pairs: qkv 12, proj 12, fc1 12, fc2 12")
+
+
 def test_cli_refuses_swin_v2_with_one_error_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         pairs_main(["--model", "swinv2_tiny_window8_256"])
