@@ -497,32 +497,51 @@ def test_apply_beside_a_live_binding_is_refused_as_beside_an_attach():
     assert changed(model, before)
 
 
-def test_a_stage_unfrozen_into_an_optimizer_that_held_no_decayed_matrix_gets_cd_as_if_it_was_there_from_the_start():
+@pytest.mark.parametrize("where", ["added to b", "in b from the start", "in a from the start"])
+def test_a_stage_unfrozen_into_an_optimizer_that_held_no_decayed_matrix_gets_cd_as_if_it_was_there_from_the_start(
+        where):
     """Block 1 frozen for the first update, then unfrozen and added (add_param_group) to `b`, which held only the
-    head when CD was bound (as a fine-tuning schedule unfreezes a stage): the weights after four updates are
-    those of the same run whose `b` held block 1 from the start (frozen, so left alone, for the first update),
-    with real gradients and AdamW; without its CD update block 1 would drift from that reference."""
-    def run(late: bool) -> dict:
-        model = tiny_vit()
-        decay = ColinearityDecay(model, lam=0.5)
+    head when CD was bound (as a fine-tuning schedule unfreezes a stage), with real gradients and AdamW: after each
+    of four updates the weights are the hand-written ones, float64, with no CD bound (cd_models.ref_block_update,
+    paper Eq. (12), of the weights before the step for each block with gradients, then a plain AdamW step), as
+    they are where block 1 was there from the start, in `b` or in `a` beside block 0 and its gradients (there `a`'s
+    step runs CD while block 1 is frozen: CD must leave it alone, as the optimizer does)."""
+    from cd_models import ref_block_update
+
+    def run(where) -> list:  # where None: the hand-written reference
+        model = tiny_vit().double()
+        named = dict(model.named_parameters())
         block1, head = list(model.blocks[1].parameters()), list(model.head.parameters())
         rest = [p for p in model.parameters() if all(p is not q for q in block1 + head)]
         for p in block1:
             p.requires_grad_(False)
-        opt_a = torch.optim.AdamW(rest, lr=0.01)
-        opt_b = torch.optim.AdamW(head if late else head + block1, lr=0.01)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # block 1 outside the optimizers, or all frozen there
-            bindings = bind_optimizers(decay, [opt_a, opt_b])
-        gen = torch.Generator().manual_seed(1)
+        start = snapshot(model)
+        opt_a = torch.optim.AdamW(rest + block1 if where == "in a from the start" else rest, lr=0.01)
+        opt_b = torch.optim.AdamW(head + block1 if where in ("in b from the start", None) else head, lr=0.01)
+        bindings = {}
+        if where is not None:
+            decay = ColinearityDecay(model, lam=0.5)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # block 1 outside the optimizers, or all frozen there
+                bindings = bind_optimizers(decay, [opt_a, opt_b])
+        gen, after = torch.Generator().manual_seed(1), []
         for step in range(4):
             if step == 1:  # the stage is unfrozen
                 for p in block1:
                     p.requires_grad_(True)
-                if late:
+                if where == "added to b":
                     opt_b.add_param_group({"params": block1})
-            x, y = torch.randn(4, 3, 32, 32, generator=gen), torch.randint(0, 10, (4,), generator=gen)
+            x = torch.randn(4, 3, 32, 32, generator=gen, dtype=torch.float64)
+            y = torch.randint(0, 10, (4,), generator=gen)
             F.cross_entropy(model(x), y).backward()
+            if where is None:  # CD of the blocks with gradients (both AdamW groups' lr 0.01), from the weights before
+                before = snapshot(model)
+                want = dict(before)
+                for b in ("blocks.0", "blocks.1") if step else ("blocks.0",):
+                    ref_block_update(before, b, 0.01 * 0.5, want)
+                with torch.no_grad():
+                    for name, p in named.items():
+                        p.copy_(want[name])
             arm_all(bindings)
             opt_a.step()
             opt_b.step()
@@ -530,14 +549,20 @@ def test_a_stage_unfrozen_into_an_optimizer_that_held_no_decayed_matrix_gets_cd_
                 binding.disarm()
             opt_a.zero_grad()
             opt_b.zero_grad()
-        assert decay.metrics()["cd/updates"] == 4
-        return snapshot(model)
+            after.append(snapshot(model))
+            if step == 0:  # frozen: neither AdamW nor CD moved block 1
+                for name in start:
+                    if name.startswith("blocks.1."):
+                        assert torch.equal(after[0][name], start[name]), (where, name)
+        if where is not None:
+            assert decay.metrics()["cd/updates"] == 4
+        return after
 
-    want, got = run(late=False), run(late=True)
-    assert not torch.equal(got["blocks.1.mlp.fc2.weight"], tiny_vit().blocks[1].mlp.fc2.weight)  # it trained
-    for name in want:
-        assert torch.equal(got[name], want[name]), name
-
+    want, got = run(None), run(where)
+    assert not torch.equal(got[-1]["blocks.1.mlp.fc2.weight"], tiny_vit().double().blocks[1].mlp.fc2.weight)
+    for step, (w, g) in enumerate(zip(want, got)):
+        for name in w:
+            torch.testing.assert_close(g[name], w[name], rtol=1e-10, atol=1e-12, msg=f"update {step}: {name}")
 
 
 def test_matrices_exchanged_between_two_optimizers_are_decayed_from_the_weights_before_either_step():
