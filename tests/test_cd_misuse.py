@@ -678,8 +678,23 @@ def test_an_optimizer_without_an_lr_to_follow_is_refused_at_attach(proxy_lr):
 
 
 def test_an_optimizer_with_its_own_lr_is_followed():
-    model = tiny_vit()
-    ColinearityDecay(model).attach(RelativeStep(model.parameters(), lr=1e-3))
+    """Adafactor-like with an lr given (relative_step=False): attach takes it, and CD's step is lr * lam with the
+    lr the group holds at the step (a scheduler's 2e-3, not the 1e-3 given): the weights are the float64
+    hand-written update (cd_models.ref_block_update, paper Eq. (12)), as RelativeStep's own step moves nothing."""
+    from cd_models import ref_block_update
+
+    model = tiny_vit().double()
+    opt = RelativeStep(model.parameters(), lr=1e-3)
+    ColinearityDecay(model, lam=0.5).attach(opt)
+    opt.param_groups[0]["lr"] = 2e-3
+    before = snapshot(model)
+    want = dict(before)
+    for b in ("blocks.0", "blocks.1"):
+        ref_block_update(before, b, 2e-3 * 0.5, want)
+    step_with_zero_grads(model, opt)
+    assert changed(model, before)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), want[name], rtol=0, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("coef", [float("nan"), float("inf"), -0.01])
