@@ -1,9 +1,11 @@
 """Config loading: every recipe loads, overrides are strict and typed, precedence is defaults < YAML < CLI."""
+import functools
 import glob
 import os
 import re
 
 import pytest
+import yaml
 
 from configs import Config, ConfigError, config_from_dict, config_to_dict, load_config
 from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT
@@ -476,7 +478,29 @@ def test_random_erasing_fill_and_count_are_read_where_timm_builds_random_erasing
 
 
 def test_an_override_the_config_reads_is_taken(path, overrides):
-    load_config([os.path.join(ROOT, path)], overrides)
+    """Not refused, and each value given is the config's: a mapping (cd={...}) sets its entries."""
+    cfg = load_config([os.path.join(ROOT, path)], overrides)
+    for item in overrides:
+        key, _, raw = item.partition("=")
+        want = _as_written(raw)
+        for sub, value in want.items() if isinstance(want, dict) else [(None, want)]:
+            dotted = key if sub is None else f"{key}.{sub}"
+            got = functools.reduce(getattr, dotted.split("."), cfg)
+            assert (list(got) if isinstance(got, tuple) else got) == value, (item, dotted, got)
+
+
+def _as_written(raw: str):
+    """An override's value as PyYAML reads it (not configs' own reader), with YAML 1.2's `1e-3` a float (YAML 1.1
+    reads it as text) and nothing after '=' the empty string."""
+    if not raw.strip():
+        return ""
+    value = yaml.safe_load(raw)
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
 
 
 def test_a_gplq_qwt_setting_over_a_config_without_qwt_is_refused(tmp_path):
