@@ -74,7 +74,7 @@ from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
 from engine.start_weights import recipe_entries
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, check_main_rank_wait_read,
                                 fail_on_every_rank_at_start, failure_on_every_rank, process_group,
-                                raise_on_every_rank, run_on_main)
+                                raise_on_every_rank, run_on_main, whole_number)
 from engine.rank_agreement import SAME_SETTINGS_FIX, check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
@@ -83,7 +83,7 @@ from engine.quant_settings import quant_settings, sees_training_transform, train
 from engine.result_table import markdown_table, method_name
 from engine.tasks import check_model_fits_task, perplexity_text, task_for
 from engine.console import console_print
-from engine.runinfo import exit_with_error, log_environment, setup_logging
+from engine.runinfo import exit_with_error, foreign_log, log_environment, setup_logging
 from models import ModelError, build_model, input_size, model_input_size, model_label
 from models.factory import check_recorded_architecture
 from models.hub import hub_data_mismatch
@@ -104,8 +104,9 @@ def main(args: argparse.Namespace) -> dict:
     # Everything that can be wrong with the command is checked before any work (config, pipelines, bits,
     # checkpoint vs model, data, the existing result file), so no finished result is lost to a late error.
     try:  # this node's --checkpoint and --config files, read before the ranks meet
-        if args.out is not None:  # a folder, or the log's name: refused before the weights are read and the log
-            check_out(args.out)
+        if args.out is not None:  # a folder, the log's name, a log of someone else's: refused before the weights
+            # are read and the log opened; the main rank (RANK 0 or unset) is the one that writes the log
+            check_out(args.out, whole_number(os.environ.get("RANK", "0")) == 0)
         cfg, payload = resolve_config(args)
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, device_of_overrides(args.overrides))
@@ -122,7 +123,7 @@ def main(args: argparse.Namespace) -> dict:
         if os.path.islink(out):  # the JSON, its maxima CSV and plot and eval.log, all beside the file the link names
             out = os.path.realpath(out)
         with failure_on_every_rank(device, "making the --out folder"):  # on each node (a read-only one: this rank)
-            check_out(out)  # the default path too (a folder of that name)
+            check_out(out, dist.is_main)  # the default path too (a folder of that name)
             prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # default: beside the checkpoint
             open_eval_log(out, dist.is_main)
         log_environment(log, dist)
@@ -292,13 +293,19 @@ def main(args: argparse.Namespace) -> dict:
     return results.data
 
 
-def check_out(out: str) -> None:
+def check_out(out: str, writes_log: bool) -> None:
     """Refuse a result path that names a folder (engine.eval_results.check_result_path) or the log's own name (the
-    log, opened first, would be the file the result is refused by); both are told before any work."""
+    log, opened first, would be the file the result is refused by), and, on the process that writes the log
+    (`writes_log`), an EVAL_LOG beside it that is no log (a file of the user's: evaluate.py appends to its own log
+    of earlier calls, not to notes it would bury under its lines); all are told before any work."""
     check_result_path(out, "--out")
     if os.path.basename(out) == EVAL_LOG:
         raise RunDirError(f"--out {out}: evaluate.py writes its log to {EVAL_LOG} in the result's folder; give "
                           f"the result another name (e.g. eval.json)")
+    log_path = os.path.join(os.path.dirname(os.path.abspath(out)), EVAL_LOG)
+    if writes_log and (why := foreign_log(log_path)):
+        raise RunDirError(f"--out {out}: evaluate.py writes its log to {log_path}, which is not evaluate.py's log "
+                          f"({why}); move that file away, or give --out a file in another folder")
 
 
 def open_eval_log(out: str, is_main: bool) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 from typing import Optional
@@ -21,6 +22,10 @@ from engine.distributed import launched_world_size, say_once
 # checked are the same): the other ranks leave it to the main rank, so that it is one line under torchrun
 SAME_ON_EVERY_RANK = {"same_on_every_rank": True}
 
+# the shape of a run log's lines (setup_logging's format): "04:33:16 evaluate INFO commit 6c98089, ..."
+LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S"
+LOG_LINE = re.compile(r"\d\d:\d\d:\d\d \S+ (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+
 
 def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> None:
     """INFO to stdout and out_dir/<filename> on the main rank; warnings only on the others, but those logged with
@@ -33,7 +38,7 @@ def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> N
         if getattr(handler, "_cd_run", False):
             root.removeHandler(handler)
             handler.close()
-    fmt = logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s", "%H:%M:%S")
+    fmt = logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT)
     handlers = [ConsoleHandler(sys.stdout)]  # a closed pipe or an ASCII console ends no run (engine/console.py)
     if is_main:
         # UTF-8 whatever the locale: a path or a value with a character the locale's encoding lacks would
@@ -48,6 +53,24 @@ def setup_logging(out_dir: str, is_main: bool, filename: str = "train.log") -> N
         root.addHandler(handler)
     root.setLevel(logging.INFO if is_main else logging.WARNING)
     logging.captureWarnings(True)  # they went to stderr alone: not into train.log / eval.log
+
+
+def foreign_log(path: str) -> Optional[str]:
+    """Why the file `path`, which setup_logging would append to, is not a run log ("its first line '...' is no log
+    line"), or None: no file there (a folder there is the opening's error), an empty one (opened by a run killed at
+    once), or one whose first line has a log line's shape (LOG_LINE). A run's log starts with a line of
+    setup_logging's format (log_environment's), so a file of other text is someone's notes: kept as they are, not
+    appended to."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="backslashreplace") as f:
+            first = f.readline(200).rstrip("\n")
+    except OSError as e:  # unread, it could be anyone's: not appended to unchecked
+        return f"it cannot be read to check that it is a log ({e.strerror or e})"
+    if LOG_LINE.match(first):
+        return None
+    return f"its first line {first[:60] + ('...' if len(first) > 60 else '')!r} is no log line"
 
 
 def exit_with_error(message: str, code=None, error: Optional[BaseException] = None):

@@ -1,6 +1,8 @@
 """evaluate.py writes its log to eval.log beside the result: a folder of that name there (or a log file it may not
 write) is one `error:` line naming eval.log and --out, as an unwritable --out folder is, not an IsADirectoryError
-traceback; nothing is written."""
+traceback; nothing is written. An eval.log there that is no log (the user's notes) is refused alike, before
+anything is written into it: evaluate.py appends only to a log, its own of earlier calls."""
+import logging
 import os
 
 import pytest
@@ -28,8 +30,58 @@ def test_a_folder_named_eval_log_beside_the_result_is_one_error_line(checkpoint,
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes a read-only file")
 def test_a_read_only_eval_log_is_one_error_line(checkpoint, tmp_path, capsys):
     log = tmp_path / "eval.log"
-    log.write_text("an earlier run's log\n")
+    log.write_text(EARLIER)
     log.chmod(0o444)
     line = _refusal(checkpoint, tmp_path / "r.json", capsys)
     assert f"writes its log to {log}, which cannot be opened (Permission denied)" in line
-    assert log.read_text() == "an earlier run's log\n"
+    assert log.read_text() == EARLIER
+
+
+EARLIER = "04:33:16 evaluate INFO commit 6c98089, torch 2.4.0, timm 1.0.9\n"  # an earlier call's log
+
+
+@pytest.mark.parametrize("notes", ["my notes\n", "my notes, no newline", "\n04:33:16 evaluate INFO after a blank\n"])
+@pytest.mark.parametrize("out_given", [True, False])
+def test_an_eval_log_that_is_no_log_is_refused_and_left_as_it_was(checkpoint, tmp_path, capsys, notes, out_given):
+    """The user's eval.log beside the result (--out's folder, or the checkpoint's for the default --out), found
+    before the result file's own refusal (here a JSON that is no result), is one error line; the file is unchanged
+    and nothing is made beside it."""
+    folder = tmp_path if out_given else os.path.dirname(checkpoint)
+    log, out = os.path.join(folder, "eval.log"), os.path.join(folder, "other.json")
+    with open(log, "w") as f:
+        f.write(notes)
+    with open(out, "w") as f:
+        f.write('{"a": 1}\n')
+    before = sorted(os.listdir(folder))
+    args = ["--checkpoint", checkpoint, "--quant"] + (["--out", out] if out_given else [])
+    code, stdout, err = run_entry("evaluate.py", args, capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1, err
+    first = notes.split("\n")[0]
+    assert lines[0].startswith("error: --out ") and f"writes its log to {log}, which is not evaluate.py's log " \
+        f"(its first line {first!r} is no log line); move that file away, or give --out a file in another folder" \
+        in lines[0], lines[0]
+    with open(log) as f:
+        assert f.read() == notes
+    assert sorted(os.listdir(folder)) == before and stdout == ""
+    os.remove(log)  # the checkpoint's folder is shared by the module's tests
+
+
+def test_an_earlier_calls_log_is_one_to_append_to(tmp_path):
+    """The lines evaluate.py's logging writes (engine/runinfo.py setup_logging) are a log's: foreign_log passes a
+    file that begins with them, and with any of the logging levels; an empty file (a call killed at once) too."""
+    from engine.runinfo import foreign_log, setup_logging
+    setup_logging(str(tmp_path), is_main=True, filename="eval.log")
+    try:
+        for level in (logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL):
+            logging.getLogger("py.warnings").log(level, "a line")
+            assert foreign_log(str(tmp_path / "eval.log")) is None
+            (tmp_path / "eval.log").write_text("")
+    finally:
+        for handler in [h for h in logging.getLogger().handlers if getattr(h, "_cd_run", False)]:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    assert foreign_log(str(tmp_path / "eval.log")) is None  # empty
+    assert foreign_log(str(tmp_path / "none.log")) is None
+    (tmp_path / "eval.log").write_text("my notes\n")
+    assert foreign_log(str(tmp_path / "eval.log")) == "its first line 'my notes' is no log line"
