@@ -20,6 +20,7 @@ import os
 import statistics
 from statistics import NormalDist
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -206,7 +207,7 @@ def test_tweo_hook_refuses_bad_arguments():
         TweoHook(lam=-1.0)
     with pytest.raises(TypeError, match="nope"):
         TweoHook(nope=1)
-    with pytest.raises(ValueError, match="total_steps=10 sets the length of schedule='cosine'"):
+    with pytest.raises(ValueError, match="total_steps=10 sets the length of schedule 'cosine'"):
         TweoHook(total_steps=10)  # the constant schedule would never read it
     assert TweoHook(total_steps=10, schedule="cosine").total_steps == 10
     with pytest.raises(TypeError, match="module must be"):
@@ -230,6 +231,46 @@ def test_tweo_hook_refuses_the_values_tweo_refuses_when_it_is_built(given, refus
 
 # --- Noise (UNIQ) -----------------------------------------------------------------------------------------------
 BITS, SEED = 4, 3
+
+
+@pytest.mark.parametrize("given", [
+    dict(lam=np.float32(1e-4)), dict(lam=np.float64(0.5)), dict(lam=np.int64(0)), dict(lam=True), dict(lam="1e-4"),
+    dict(lam=np.float32("nan")), dict(schedule="cosine", total_steps=np.int64(5)),
+    dict(schedule="cosine", total_steps=np.int32(3)), dict(schedule="cosine", total_steps=True),
+    dict(schedule="cosine", total_steps=5.0), dict(schedule="cosine", total_steps=0), dict(total_steps=np.int64(5))],
+    ids=repr)
+def test_tweo_hook_takes_exactly_the_lam_and_total_steps_tweo_takes(given):
+    """The hook accepts what TWEO (the reference) accepts and refuses what it refuses, with TWEO's words: was its
+    own test of lam and total_steps, which refused numpy's numbers (lam=np.float32(1e-4), total_steps=np.int64(5))
+    that TWEO and ColinearityDecayHook take. An accepted setting builds the run's TWEO with it."""
+    from types import SimpleNamespace
+
+    from mmengine.optim import OptimWrapper
+
+    from cd.integrations.mmengine import TweoHook
+    from cd.tweo import TWEO
+
+    try:
+        TWEO(BaselineNet(), rescale=True, **given).remove()
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    if refused is not None:
+        with pytest.raises(ValueError) as error:
+            TweoHook(**given)
+        assert str(error.value) == refused
+        return
+
+    class Runner(SimpleNamespace):  # the hook keeps a weak reference to its runner
+        pass
+
+    model = BaselineNet()
+    runner = Runner(model=model, optim_wrapper=OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1)),
+                    max_iters=2, iter=0)
+    hook = TweoHook(**given)
+    hook.before_train(runner)
+    assert hook.tweo.lam == float(given.get("lam", 1e-4)) and hook.tweo.total_steps == given.get("total_steps")
+    hook.after_train(runner)
 
 
 def naive_uniq(module, step, index, seed=SEED, bits=BITS, draws=torch.float64):
@@ -686,7 +727,7 @@ def test_tweo_hook_takes_lam_0_and_refuses_total_steps_0():
     from cd.integrations.mmengine import TweoHook
 
     assert TweoHook(lam=0.0).kwargs["lam"] == 0.0
-    with pytest.raises(ValueError, match="total_steps must be a positive int"):
+    with pytest.raises(ValueError, match="schedule 'cosine' needs total_steps > 0"):
         TweoHook(total_steps=0, schedule="cosine")
 
 

@@ -115,15 +115,10 @@ class TweoHook(Hook):
 
     def __init__(self, module: Optional[str] = None, lam: float = 1e-4, rescale: bool = True,
                  total_steps: Optional[int] = None, **tweo_kwargs: Any) -> None:
-        if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not math.isfinite(lam) or lam < 0:
-            raise ValueError(f"lam must be a finite number >= 0, got {lam!r}")
+        # lam and total_steps are checked by check_tweo_settings below, so the hook takes exactly what TWEO takes
+        # (numpy numbers included, bools refused); rescale's test is TWEO's too, with the hook's own words
         if not isinstance(rescale, bool):
             raise ValueError(f"rescale must be True or False, got {rescale!r}")
-        if total_steps is not None and (not isinstance(total_steps, int) or total_steps <= 0):
-            raise ValueError(f"total_steps must be a positive int or None, got {total_steps!r}")
-        if total_steps is not None and tweo_kwargs.get("schedule", "constant") != "cosine":
-            raise ValueError(f"total_steps={total_steps} sets the length of schedule='cosine'; the schedule is "
-                             f"{tweo_kwargs.get('schedule', 'constant')!r}: drop total_steps or set schedule='cosine'")
         if "model" in tweo_kwargs:
             raise TypeError("TweoHook takes `module=` (the part of the runner's model), not `model=`")
         try:
@@ -134,9 +129,10 @@ class TweoHook(Hook):
         given = bound.arguments
         # the values TWEO refuses, now rather than in before_train (after the model, data and work_dir are made);
         # total_steps left None for 'cosine' is the hook's max_iters / accumulation, so a placeholder of 1 here
+        # (only for None: a total_steps of 0 is refused, not read as the run's length)
+        steps = 1 if total_steps is None and given["schedule"] == "cosine" else total_steps
         check_tweo_settings(lam=lam, p=given["p"], tau=given["tau"], eps=given["eps"], schedule=given["schedule"],
-                            total_steps=total_steps or (1 if given["schedule"] == "cosine" else None),
-                            rescale=rescale, form=given["form"])
+                            total_steps=steps, rescale=rescale, form=given["form"])
         ignored = [key for key in ("tau", "eps") if key in tweo_kwargs]
         if rescale and ignored:  # the rescaled term's gradient does not depend on them (module doc)
             shown, keys = ", ".join(f"{key}={tweo_kwargs[key]!r}" for key in ignored), " and ".join(ignored)
