@@ -1,7 +1,9 @@
 """Files for the activation-maxima records of `engine.act_max.ActivationProbe`: a CSV and a per-block plot.
 
 The plot draws one line per module type (norm1, attn.qkv, mlp.fc2, ..., block) over the block
-index, on a log scale (engine.figures: matplotlib's object API on the Agg canvas).
+index, on a log scale (engine.figures: matplotlib's object API on the Agg canvas), and the modules outside the
+blocks that quant.act_max_extra_modules adds (records of block -1, counted in the module maximum) as points in a
+column of their own left of block 0, so that the plot shows every maximum the module maximum is taken over.
 
 Each file is written whole (engine.outputs: a temporary file beside it, then a rename): a file at its name is the
 earlier complete one or the new complete one, never a torn one that a Ctrl-C or a full disk left half written,
@@ -32,7 +34,7 @@ def write_csv(records: Sequence[Dict[str, object]], path: Union[str, Path]) -> P
 
 def max_by_type(records: Sequence[Dict[str, object]]) -> Dict[str, List[tuple]]:
     """{module type: [(block index, max), ...]} sorted by block index
-    (records without a block are dropped)."""
+    (records without a block are left to `outside_blocks`)."""
     out: Dict[str, List[tuple]] = defaultdict(list)
     for r in records:
         if int(r["block"]) >= 0:
@@ -40,16 +42,47 @@ def max_by_type(records: Sequence[Dict[str, object]]) -> Dict[str, List[tuple]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
+OUTSIDE_X = -1  # the plot's column of the modules outside the blocks, left of block 0
+OUTSIDE_TICK = "outside"
+
+
+def outside_blocks(records: Sequence[Dict[str, object]]) -> Dict[str, List[float]]:
+    """{module type: [max, ...]} of the records without a block (block -1: the modules quant.act_max_extra_modules
+    adds, e.g. patch_embed.proj, or Swin's layers.N.downsample.reduction, one type for the stages' alike)."""
+    out: Dict[str, List[float]] = defaultdict(list)
+    for r in records:
+        if int(r["block"]) < 0:
+            out[str(r["type"])].append(float(r["max"]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def plot_series(records: Sequence[Dict[str, object]]) -> List[tuple]:
+    """What `plot` draws: (label, [(x, max), ...], joined) for each module type over the block index (max_by_type,
+    joined by a line), then for each type of module outside the blocks (outside_blocks) its maxima at OUTSIDE_X,
+    labelled '<type> (outside the blocks)', points only: every record's maximum, so the plot's highest module point
+    is the module maximum evaluate.py reports (marked ‡ where it counts modules outside the blocks)."""
+    series = [(typ, points, True) for typ, points in sorted(max_by_type(records).items())]
+    return series + [(f"{typ} (outside the blocks)", [(OUTSIDE_X, v) for v in maxima], False)
+                     for typ, maxima in sorted(outside_blocks(records).items())]
+
+
 def plot(records: Sequence[Dict[str, object]], path: Union[str, Path], title: str = "") -> Path:
-    """Save a PNG/PDF of max |activation| per block for each module type."""
+    """Save a PNG/PDF of max |activation| per block for each module type (plot_series)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig = new_figure(7, 4)
     ax = fig.add_subplot(1, 1, 1)
-    for typ, points in sorted(max_by_type(records).items()):
+    for label, points, joined in plot_series(records):
         xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="o", markersize=3, linewidth=2.0 if typ == "block" else 1.0, label=typ)
+        if joined:
+            ax.plot(xs, ys, marker="o", markersize=3, linewidth=2.0 if label == "block" else 1.0, label=label)
+        else:  # no block index to draw a line over
+            ax.plot(xs, ys, marker="D", markersize=4, linestyle="none", label=label)
     ax.set_yscale("log")
+    if outside_blocks(records):  # the column at OUTSIDE_X is named, not "-1"
+        ticks = [t for t in ax.get_xticks() if 0 <= t <= max(int(r["block"]) for r in records)
+                 and float(t).is_integer()]
+        ax.set_xticks([OUTSIDE_X] + ticks, [OUTSIDE_TICK] + [str(int(t)) for t in ticks])
     ax.set_xlabel("block")
     ax.set_ylabel("max |activation|")
     ax.set_title(title)

@@ -54,3 +54,44 @@ def test_a_pattern_that_names_a_computing_module_is_accepted_and_measured(patter
 def test_a_pattern_that_names_no_module_is_still_refused():
     with pytest.raises(ConfigError, match=r"'layers.2.downsample' names no module of SwinTransformer"):
         check_extra_modules(tiny_swin(), ["layers.2.downsample"])
+
+
+def test_the_plot_draws_the_modules_outside_the_blocks_and_so_the_module_maximum(tmp_path, monkeypatch):
+    """The per-layer plot (engine/act_max_files.py) drew the records of block index -1 (the modules
+    quant.act_max_extra_modules adds) nowhere, while the module maximum evaluate.py reports (‡) counts them: with
+    patch_embed.proj's output the largest, the plot's highest module point was below the maximum reported. Its
+    series now hold each outside module's maximum at the 'outside' column, and the lines drawn reach the maximum.
+    The reference: forward hooks that take the modules' outputs' |max| directly."""
+    import engine.act_max_files
+    from engine.act_max_files import OUTSIDE_X, plot_series
+
+    torch.manual_seed(0)
+    model = tiny_swin().eval()
+    with torch.no_grad():
+        model.patch_embed.proj.weight.mul_(1000.0)  # its output the largest of all (a LayerNorm follows it)
+    extra = ["patch_embed.proj", "layers.1.downsample.reduction"]
+    direct = {}
+    handles = [model.get_submodule(name).register_forward_hook(
+        lambda m, inputs, out, name=name: direct.__setitem__(name, out.abs().max().item())) for name in extra]
+    x = images(2)
+    with ActivationProbe(model, extra_modules=extra) as probe, torch.no_grad():
+        model(x)
+    for handle in handles:
+        handle.remove()
+    records = probe.result().per_layer
+    in_blocks = max(r["max"] for r in records if r["block"] >= 0)
+    assert direct["patch_embed.proj"] > 10 * in_blocks  # the premise: the maximum is outside the blocks
+
+    series = {label: points for label, points, _ in plot_series(records)}
+    assert series["patch_embed.proj (outside the blocks)"] == [(OUTSIDE_X, pytest.approx(direct["patch_embed.proj"]))]
+    assert series["layers.N.downsample.reduction (outside the blocks)"] == [
+        (OUTSIDE_X, pytest.approx(direct["layers.1.downsample.reduction"]))]
+
+    figures = []
+    new_figure = engine.act_max_files.new_figure
+    monkeypatch.setattr(engine.act_max_files, "new_figure", lambda *a: figures.append(new_figure(*a)) or figures[-1])
+    engine.act_max_files.plot(records, tmp_path / "p.png")
+    (ax,) = figures[0].axes
+    drawn = max(max(line.get_ydata()) for line in ax.get_lines() if line.get_label() != "block")
+    assert drawn == pytest.approx(direct["patch_embed.proj"])
+    assert "outside" in [tick.get_text() for tick in ax.get_xticklabels()]
