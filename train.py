@@ -29,6 +29,7 @@ import os
 import sys
 import time
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -42,6 +43,7 @@ import torch.nn as nn
 from timm.utils import ModelEmaV3
 
 from cd import TWEO, ColinearityDecay, budget_weight_decay, pair_energy_source
+from cd.decay import config_change
 from cd.update import check_tf32_device
 from configs import DEFAULT_CONFIG, Config, ConfigError, config_from_dict, config_to_dict, load_config
 from configs.cli import OneLineParser, add_config_arguments, parse_known, print_config
@@ -521,6 +523,8 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
                      else as_config_error("cd", pair_energy_source, model, cfg.cd.gated_mlp))
     tweo = (as_config_error("tweo", TWEO.from_config, cfg.tweo, model, total_steps=total_steps)
             if cfg.tweo.enabled else None)
+    if tweo is not None:
+        log.info("%r", tweo)
     position = epoch_layout(cfg, world_size=dist.world_size, accum_steps=accum_steps,
                             updates_per_epoch=updates_per_epoch, train_images=len(loaders.train.loader.dataset),
                             language=task.language)
@@ -721,7 +725,16 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
         epoch_batches=state.epoch_batches, step=state.step, checkpoint=resume_path)
     schedule_at_resume(run)
     if run.decay is not None and "cd" in payload:
-        run.decay.load_state_dict(payload["cd"])
+        # ColinearityDecay warns its library users of a CD config other than its state's (a raw UserWarning with a
+        # source line); here check_resumable's "resuming with changed settings" line names the cd.* settings that
+        # changed, so it would say them twice: what they leave unsaid (other decayed matrices under the same
+        # settings: another release's pairing) is logged instead, once
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=CD_CONFIG_WARNING, category=UserWarning)
+            run.decay.load_state_dict(payload["cd"])
+        if line := cd_change_unsaid(payload["config"], cfg, payload["cd"].get("config"),
+                                    run.decay.state_dict()["config"]):
+            log.warning("%s", line, extra=SAME_ON_EVERY_RANK)
     own = os.path.abspath(resume_path) == os.path.abspath(run.ckpt_path)
     # the wandb run goes on where the run does (its checkpoint.pt, or one of its snapshots: MetricLogger derives a
     # new id from it for a roll-back); another run's checkpoint (train.resume into a new out_dir) starts a new one:
@@ -732,6 +745,29 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     run.started_at = started_at_step(payload) if own else state.step
     run.resumed_elsewhere = not own
     log.info("resumed from %s at epoch %d, update %d", resume_path, state.epoch, state.step)
+
+
+CD_CONFIG_WARNING = "ColinearityDecay: resuming with a different CD config"  # cd/decay.py config_change's start
+# the cd.* settings each entry of ColinearityDecay's recorded config follows (the others: the setting of its name)
+CD_RECORD_SOURCES = {"decayed": ("targets", "gated_mlp")}
+
+
+def cd_change_unsaid(saved_run: dict, cfg: Config, saved_cd: Optional[dict], now_cd: dict) -> Optional[str]:
+    """ColinearityDecay's warning of its checkpointed state's config `saved_cd` (None: not recorded) against this
+    run's `now_cd` (cd/decay.py config_change), where the run's cd.* settings, as its checkpoint's config `saved_run`
+    and `cfg` hold them, do not account for it; None where they do, as the "resuming with changed settings" line
+    names them (check_resumable), or where nothing differs. An entry whose settings changed is taken as now; what
+    still differs (e.g. other decayed matrices under the same cd.targets) is left for the warning to tell."""
+    if saved_cd is None:
+        return None
+    then, now = saved_run.get("cd", {}), config_to_dict(cfg)["cd"]
+    accounted = dict(saved_cd)
+    for key in set(saved_cd) | set(now_cd):
+        if any(then.get(setting) != now.get(setting) for setting in CD_RECORD_SOURCES.get(key, (key,))):
+            accounted.pop(key, None)
+            if key in now_cd:
+                accounted[key] = now_cd[key]
+    return config_change(saved_cd, now_cd) if config_change(accounted, now_cd) is not None else None
 
 
 def schedule_at_resume(run: Run) -> None:

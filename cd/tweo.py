@@ -167,7 +167,7 @@ class TWEO:
         check_tweo_settings(lam=lam, p=p, tau=tau, eps=eps, schedule=schedule, total_steps=total_steps,
                             rescale=rescale, form=form)
         self.lam, self.p, self.tau, self.eps = float(lam), float(p), float(tau), float(eps)
-        self.schedule, self.total_steps, self.rescale = schedule, total_steps, rescale
+        self.schedule, self.total_steps, self.rescale, self.form = schedule, total_steps, rescale, form
         self._penalty = tweo_penalty if form == "memory_saving" else plain_tweo_penalty
         layouts = check_layouts(layouts)
 
@@ -312,6 +312,17 @@ class TWEO:
             h.remove()
         self._handles = []
         self._terms = []
+
+    def __repr__(self) -> str:
+        """The settings that act (a trainer's log line, as ColinearityDecay's): the hooked blocks (their count, the
+        first and the last), lam, p, tau and eps, or rescale (its ratio cancels the (tau + eps)^-p factor, so they
+        do not act), the schedule (its length for 'cosine') and the form."""
+        names = [name for name, _ in self.blocks]
+        blocks = f"{len(names)} [{names[0]}{f' .. {names[-1]}' if len(names) > 1 else ''}]"
+        scale = "rescale=True" if self.rescale else f"tau={self.tau}, eps={self.eps}"
+        length = f", total_steps={self.total_steps}" if self.schedule == "cosine" else ""
+        return (f"TWEO(blocks={blocks}, lam={self.lam}, p={self.p}, {scale}, schedule={self.schedule!r}{length}, "
+                f"form={self.form!r})")
 
     def __enter__(self) -> "TWEO":
         return self

@@ -50,3 +50,50 @@ def test_tweo_trains_on_digits_and_logs_its_penalty(tmp_path):
     assert result.state.step == 20
     assert records[-1]["tweo/penalty"] > 0 and 0 <= records[-1]["tweo/lam"] < 0.01  # cosine has decayed
     assert all(torch.isfinite(torch.tensor(r["train/loss"])) for r in records)
+
+
+def log_lines(out_dir) -> list[str]:
+    with open(os.path.join(out_dir, "train.log"), encoding="utf-8") as f:
+        return f.read().splitlines()
+
+
+@pytest.mark.parametrize("overrides, settings", [
+    (("tweo.lam=0.02", "tweo.p=3", "tweo.tau=2.5", "tweo.eps=0.001", "tweo.schedule=cosine"),
+     # the debug recipe's schedule: 64 images / 16 a batch = 4 updates per epoch, 2 epochs
+     "lam=0.02, p=3.0, tau=2.5, eps=0.001, schedule='cosine', total_steps=8, form='memory_saving'"),
+    (("tweo.rescale=true", "tweo.form=plain"),  # tau and eps cancel in the rescaled term: not said
+     "lam=0.01, p=4.0, rescale=True, schedule='constant', form='plain'"),
+])
+def test_a_tweo_run_logs_the_settings_it_trains_with_once(debug_config, overrides, settings):
+    """A TWEO run says in train.log what its TWEO is, as a CD run says its CD: the blocks hooked (vit_nano's two
+    pre-norm blocks) and the values given, once."""
+    cfg = debug_config("tweo.enabled=true", *overrides, "train.max_steps=1")
+    train.main(cfg)
+    said = [line for line in log_lines(cfg.out_dir) if "TWEO(" in line]
+    assert len(said) == 1 and said[0].endswith(f"train INFO TWEO(blocks=2 [blocks.0 .. blocks.1], {settings})"), said
+
+
+def test_a_resume_with_changed_cd_settings_says_them_once_and_another_pairing_is_logged(debug_config):
+    """A resume with another cd.lam (train.allow_changed_config=true) names it in the run's "resuming with changed
+    settings" line alone: ColinearityDecay's own warning of its state's config (a raw Python UserWarning with its
+    source line) is not added. A checkpoint whose CD state decayed other matrices under the same settings (another
+    release's pairing) is said once, as a line of the run's log."""
+    first = debug_config("cd.enabled=true", "train.max_steps=2")
+    train.main(first)
+    changed = debug_config("cd.enabled=true", "cd.lam=0.01", "train.allow_changed_config=true", "train.max_steps=3")
+    train.main(changed)
+    lines = log_lines(first.out_dir)
+    said = [line for line in lines if "resuming with" in line or "CD config" in line]
+    assert len(said) == 1 and said[0].endswith("train WARNING resuming with changed settings: cd.lam: 0.005 -> 0.01")
+    assert not any("UserWarning" in line or "py.warnings" in line for line in lines)
+
+    path = os.path.join(first.out_dir, "checkpoint.pt")
+    payload = torch.load(path, weights_only=False)
+    last = payload["cd"]["config"]["decayed"].pop()  # the run's CD state decays one matrix more than it did then
+    torch.save(payload, path)
+    start = len(log_lines(first.out_dir))
+    train.main(debug_config("cd.enabled=true", "cd.lam=0.01", "train.allow_changed_config=true",
+                            "train.max_steps=4"))
+    said = [line for line in log_lines(first.out_dir)[start:] if "CD config" in line]
+    assert len(said) == 1 and "train WARNING ColinearityDecay: resuming with a different CD config" in said[0], said
+    assert said[0].endswith(f"decayed matrices: 7 saved, 8 now (1 only now, e.g. {last})")
