@@ -50,17 +50,18 @@ import inspect
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from .adapters import adapter_parameters, refuse_adapters
 from .layouts import LAYOUTS, Layout, check_layouts
-from .unknown_blocks import block_note, unknown_blocks, unknown_half_blocks, unpaired_part
+from .unknown_blocks import _is_norm, _Reader, block_note, unknown_blocks, unknown_half_blocks, unpaired_part
 from .values import check_channel_order
-from .verify import (ADAPTER_FIX, UnsupportedModelError, refuse_fsdp1, refuse_shared, refuse_split_devices,
-                     verify_pairs)
+from .verify import (ADAPTER_FIX, UnsupportedModelError, _fully_sharded, _meta_like, _meta_slots, _Provenance,
+                     _transformers_lm, example_input as default_example, refuse_fsdp1, refuse_shared,
+                     refuse_split_devices, verify_pairs)
 from .wrappers import check_model, unwrap_model
 
 ROLES = ("qkv", "proj", "fc1", "fc2", "reduction")
@@ -718,14 +719,68 @@ def _names_advice(layouts: tuple[Layout, ...], what: str) -> str:
             "model with train.py adds a cd.Layout to LAYOUTS in cd/layouts.py (docs/extending.md)")
 
 
-def _no_pair_message(root: nn.Module, layouts: tuple[Layout, ...]) -> str:
+def _post_norm(root: nn.Module, name: str, block: nn.Module, example: object) -> Optional[str]:
+    """The norm of `block` (module `name` of `root`, a Transformer block by its structure) that reads the output of
+    its attention where the block is post-norm, as BERT's layers are (attention.output.LayerNorm after
+    attention.output.dense), else None. Told by one forward on the meta device, as `verify_pairs` runs it
+    (`example`: its input, None for `cd.verify.example_input`): no matrix of the block's attentions depends on the
+    output of a norm inside the block (the attention reads the block's input, not a norm of it), and that norm's
+    input depends on theirs. A forward that fails tells nothing: None."""
+    if _fully_sharded(root):  # its forward would run FSDP's hooks and leave them broken (verify_pairs)
+        return None
+    prefix = f"{name}." if name else ""
+    reader = _Reader()
+    attention = set().union(*(ids for m in block.modules() if (ids := reader.attention(m)) is not None))
+    paths = [n for n, m in block.named_modules() if n and _is_norm(m)]  # relative to the block
+    norms = [f"{prefix}{n}.weight" for n in paths]
+    matrices = [f"{prefix}{n}" for n, w in block.named_parameters() if id(w) in attention]
+    # label 0: the block's norms, whose uses are the attention's matrices; label k > 0: the attention, whose use is
+    # norm k - 1 (dependence, not moves only: a computation between the norm and its layer is still pre-norm)
+    sources = {n: [("0", False)] for n in norms}
+    for n in matrices:
+        sources.setdefault(n, []).extend((str(k), False) for k in range(1, len(norms) + 1))
+    sinks = {n: [(0, False)] for n in matrices}
+    for k, n in enumerate(norms, 1):
+        sinks.setdefault(n, []).append((k, False))
+    if example is None:
+        try:
+            example = default_example(root)
+        except UnsupportedModelError:
+            return None
+    if isinstance(example, Mapping):  # as verify_pairs passes it
+        args, kwargs = (), {k: _meta_like(v) for k, v in example.items()
+                            if not (k == "attention_mask" and _transformers_lm(root))}
+    else:
+        args, kwargs = tuple(map(_meta_like, example if isinstance(example, (tuple, list)) else (example,))), {}
+    mode = _Provenance(sources, sinks)
+    meta = _meta_slots(root, mode)
+    try:
+        with torch.no_grad(), mode:
+            torch.func.functional_call(root, meta, args, kwargs, tie_weights=False)
+    except Exception:  # the block's structure alone tells no post-norm: the message says what a layout can do
+        return None
+    if not mode.uses.get(0) or mode.bad.get(0, 0) < mode.uses[0]:  # the attention ran on a norm's output
+        return None
+    return next((path for k, path in enumerate(paths, 1) if mode.bad.get(k, 0) < mode.uses.get(k, 0)), None)
+
+
+def _no_pair_message(root: nn.Module, layouts: tuple[Layout, ...], example: object = None,
+                     verify: bool = True) -> str:
     """Why `root` has no pair: the layouts that were tried (the built-in ones, or those given), and the first module
-    that is a Transformer block by its structure (`cd.unknown_blocks`), with what a layout can do for it."""
+    that is a Transformer block by its structure (`cd.unknown_blocks`), with what a layout can do for it: nothing
+    for a post-norm block (`_post_norm`, with `verify`: its forward on `example`)."""
     block = next(unknown_blocks(root, ()), None)
     seen, helps = "", True
     if block is not None:
         name, module, parts = block
         note, helps = block_note(module)
+        norm = _post_norm(root, name, module, example) if verify and helps else None
+        if norm is not None:
+            note, helps = (f"it is a post-norm block: its attention reads no norm of the block, and its norm {norm} "
+                           "reads the attention's output (the norm follows the layer, as in BERT), where CD pairs "
+                           "pre-norm blocks, whose norms feed the attention and the MLP: no cd.Layout can pair it "
+                           "(one written for it is refused when its pairs are checked); train this model without "
+                           "CD"), False
         seen = (f" Its module '{name}' ({type(module).__name__}) holds a Transformer block's parts ({parts})"
                 f"{': ' + note if note else ''}.")
     if layouts is LAYOUTS:
@@ -839,9 +894,10 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
         ValueError: `example_input` given with verify=False (`check_example_use`); `verify` or `gated_mlp` is not a
             bool (`check_switches`); gated_mlp=True on a model none of whose blocks has a gated MLP (the switch
             would change no pair).
-        UnsupportedModelError (a ValueError): no pair was found, a block under names no layout has sits beside
-            those found (`refuse_unknown_blocks`), a block does not fit the pairs (gated
-            MLP, no affine norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), the forward pass
+        UnsupportedModelError (a ValueError): no pair was found (naming the first block found by its structure,
+            and, with `verify`, whether it is post-norm, which no layout pairs), a block under names no layout has
+            sits beside those found (`refuse_unknown_blocks`), a block does not fit the pairs (gated MLP, no affine
+            norm, no qkv), the model is wrapped by FSDP1 (`refuse_fsdp1`), the forward pass
             contradicts a pair (res-post-norm blocks such as Swin V2), the rows of a fused qkv paired with proj
             are not V (a per-head interleaved or reordered layout), or W2 does not read W1's channel i at its
             column i (heads merged in another order; XCiT's channel attention; a sub-LN, a Linear or a permutation
@@ -870,7 +926,7 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
                     raise earlier from None
         raise refusal
     if not pairs:
-        raise UnsupportedModelError(_no_pair_message(root, layouts))
+        raise UnsupportedModelError(_no_pair_message(root, layouts, example_input, verify))
     refuse_unknown_blocks(root, layouts)
     refuse_adapters(root, pairs, types)  # before the checks: they would blame the forward, not the adapters
     if gated_mlp and not gated:  # a plain ValueError: pair_energy_source warns on UnsupportedModelError and goes on

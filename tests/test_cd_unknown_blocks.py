@@ -512,6 +512,78 @@ def test_a_model_of_split_attentions_alone_is_told_which_module_is_its_block():
         find_pairs(transformers.Data2VecVisionModel(config), verify=False)
 
 
+class _TorchEncoder(nn.Module):
+    """Two torch nn.TransformerEncoderLayer blocks (names no built-in layout has), post-norm by default."""
+
+    def __init__(self, norm_first: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.TransformerEncoderLayer(D, 2, 2 * D, batch_first=True, norm_first=norm_first)
+                                     for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+_TORCH_LAYOUT = Layout("torch", norm1="norm1", qkv="self_attn.in_proj_weight", proj="self_attn.out_proj",
+                       norm2="norm2", fc1="linear1", fc2="linear2")
+_BERT_LAYOUT = Layout("bert", norm1="attention.output.LayerNorm", norm2="output.LayerNorm",
+                      q_k_v=("attention.self.query", "attention.self.key", "attention.self.value"),
+                      proj="attention.output.dense", fc1="intermediate.dense", fc2="output.dense")
+_D2V_LAYOUT = Layout("data2vec", norm1="layernorm_before", norm2="layernorm_after",
+                     q_k_v=("attention.attention.query", "attention.attention.key", "attention.attention.value"),
+                     proj="attention.output.dense", fc1="intermediate.dense", fc2="output.dense")
+
+
+def _bert_mlm():
+    transformers = pytest.importorskip("transformers")
+    return transformers.BertForMaskedLM(transformers.BertConfig(hidden_size=D, num_hidden_layers=2,
+                                                                num_attention_heads=2, intermediate_size=2 * D,
+                                                                vocab_size=100)), None
+
+
+def _data2vec():
+    transformers = pytest.importorskip("transformers")
+    return transformers.Data2VecVisionModel(transformers.Data2VecVisionConfig(
+        image_size=16, patch_size=8, hidden_size=D, num_attention_heads=2, intermediate_size=2 * D,
+        num_hidden_layers=2)), None
+
+
+@pytest.mark.parametrize("make, layout, post_norm", [
+    (_bert_mlm, _BERT_LAYOUT, ("'bert.encoder.layer.0' (BertLayer)", "attention.output.LayerNorm")),
+    (lambda: (_TorchEncoder(False), torch.randn(1, 5, D)), _TORCH_LAYOUT,
+     ("'blocks.0' (TransformerEncoderLayer)", "norm1")),
+    (lambda: (_TorchEncoder(True), torch.randn(1, 5, D)), _TORCH_LAYOUT, None),
+    (_data2vec, _D2V_LAYOUT, None),
+], ids=["bert-post-norm", "torch-post-norm", "torch-pre-norm", "data2vec-pre-norm"])
+def test_no_pair_found_says_a_post_norm_block_is_one_no_layout_pairs(make, layout, post_norm):
+    """"No matrix pair found" advised a cd.Layout for a post-norm block (BERT's layers, nn.TransformerEncoderLayer's
+    default), and one written for it is refused when its pairs are checked (the reference: `verify_pairs`' forward);
+    it now says the block is post-norm, which no layout pairs. A pre-norm block under names of its own keeps the
+    advice, which a layout written for it follows (it pairs)."""
+    model, example = make()
+    for call in (lambda: find_pairs(model, example_input=example),
+                 lambda: ColinearityDecay(model, example_input=example)):
+        with pytest.raises(UnsupportedModelError, match=r"^no matrix pair found in ") as refusal:
+            call()
+        message = str(refusal.value)
+        if post_norm is None:
+            assert "post-norm" not in message and "layouts=[cd.Layout(...), *cd.LAYOUTS]" in message
+        else:
+            block, norm = post_norm
+            assert f"Its module {block} holds" in message
+            assert (f"it is a post-norm block: its attention reads no norm of the block, and its norm {norm} reads "
+                    "the attention's output") in message
+            assert "no cd.Layout can pair it" in message and "layouts=[cd.Layout" not in message
+    if post_norm is None:
+        assert find_pairs(model, example_input=example, layouts=[layout, *LAYOUTS])
+    else:
+        with pytest.raises(UnsupportedModelError, match=r"is not the output of the norm .*post-norm blocks, where the "
+                                                        r"norm follows the layer, are refused"):
+            find_pairs(model, example_input=example, layouts=[layout, *LAYOUTS])
+
+
 class _AttentionHalf(nn.Module):
     """The attention half of a pre-norm block on its own (x + attn(norm1(x)), CrossViT's fusion blocks' form)."""
 
