@@ -233,10 +233,12 @@ def num_heads(graph: Graph) -> int:
         if user.op_type != "Reshape":
             continue
         heads, head_dim = _heads_entries(graph, user)
-        if heads == -1 and head_dim is not None and head_dim > 0:
-            width = next(graph.init[i].size for i in query.input if i in graph.init)
+        width = next((graph.init[i].size for i in query.input if i in graph.init), None)  # the query bias's
+        if heads == -1 and head_dim is not None and head_dim > 0 and width is not None:
             heads = width // head_dim if width % head_dim == 0 else None
-        if heads is not None and heads > 0:  # never a 0 or -1 read as if the user had given it
+        # never a 0 or -1 read as if the user had given it, nor a count that does not split the query's width (a
+        # graph of another layout): no count, so --num-heads is asked for, and taken as given
+        if heads is not None and heads > 0 and (width is None or width % heads == 0):
             return heads
     raise ConversionError("could not read the number of attention heads from the graph; give --num-heads")
 
@@ -317,10 +319,21 @@ def convert(model_proto, img_size: Optional[int] = None, heads: Optional[int] = 
     given, heads read from the graph unless given."""
     graph = Graph(model_proto)
     state = to_timm(named_tensors(graph))
-    heads = num_heads(graph) if heads is None else heads  # a given 0 is refused, never replaced
+    try:
+        read = num_heads(graph)
+    except ConversionError:
+        if heads is None:
+            raise
+        read = None  # --num-heads is for a graph whose heads cannot be read: then it is taken as given
     dim = state["cls_token"].shape[-1]
-    if heads < 1 or dim % heads:
+    if heads is not None and (heads < 1 or dim % heads):  # a given 0 is refused, never replaced
         raise ConversionError(f"--num-heads {heads}: the heads must divide the width {dim}")
+    # a given number the graph contradicts is refused: under --no-verify it was written into the file's metadata,
+    # and a model built with it computes other attention than the graph's
+    if heads is not None and read is not None and heads != read:
+        raise ConversionError(f"--num-heads {heads}: the graph splits its queries into {read} heads; give "
+                              f"--num-heads {read}, or leave it out (it is read from the graph)")
+    heads = read if heads is None else heads
     try:
         build_timm(state, heads)  # the keys and shapes must fit timm's model exactly (strict load)
     except RuntimeError as e:  # load_state_dict's missing / unexpected keys, size mismatches
@@ -443,7 +456,8 @@ def main(argv=None) -> int:
     p.add_argument("--img-size", type=int, default=None,
                    help="resample pos_embed to this input size's grid (default: keep 37x37, i.e. 518 px)")
     p.add_argument("--num-heads", type=int, default=None,
-                   help="attention heads (default: read from the graph)")
+                   help="attention heads (default: read from the graph; for a graph they cannot be read from, "
+                        "and refused where it says another number)")
     p.add_argument("--no-verify", action="store_true", help="skip the comparison with the ONNX backbone")
     # default None (--images, --tolerance, --half-tolerance): given with --no-verify (or the last without --half)
     # they would be ignored, so they are refused, which needs to know whether they were given

@@ -452,6 +452,41 @@ def test_heads_read_from_the_graph_are_a_count_or_a_request_for_num_heads(tiny, 
     assert conv.main([str(source), "--out", str(out), "--no-verify", "--num-heads", str(HEADS)]) == 0
 
 
+@pytest.mark.parametrize("given", [1, 4, 8])
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_num_heads_the_graph_contradicts_is_refused(tiny, tmp_path, capsys, given, verify):
+    """The graph reshapes its queries into HEADS heads (TinyDinov2): another --num-heads that divides the width was
+    written into the file's metadata under --no-verify. It is one error line naming the graph's count, and no
+    file; the graph's own count is taken."""
+    _, model = tiny
+    source = tmp_path / "tiny.onnx"
+    onnx.save(model, str(source))
+    out = tmp_path / "w.safetensors"
+    flags = [] if verify else ["--no-verify"]
+    assert conv.main([str(source), "--out", str(out), "--num-heads", str(given), *flags]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"error: --num-heads {given}: the graph splits its queries into {HEADS} heads; give "
+                     f"--num-heads {HEADS}, or leave it out (it is read from the graph)"], lines
+    assert not out.exists()
+    assert conv.main([str(source), "--out", str(out), "--num-heads", str(HEADS), *flags]) == 0
+    from safetensors import safe_open
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata()["num_heads"] == str(HEADS)
+
+
+def test_a_heads_entry_that_does_not_split_the_width_is_no_count(tiny, tmp_path, capsys):
+    """A Reshape to 3 heads of 16 (not the width 32: a graph of another layout) is no count to hold --num-heads
+    against: it is asked for, and taken."""
+    _, model = tiny
+    source = tmp_path / "tiny.onnx"
+    onnx.save(_with_heads_shape(model, [0, 0, 3, DIM // HEADS]), str(source))
+    out = tmp_path / "w.safetensors"
+    assert conv.main([str(source), "--out", str(out), "--no-verify"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: could not read the number of attention heads from the graph; give --num-heads"]
+    assert conv.main([str(source), "--out", str(out), "--no-verify", "--num-heads", str(HEADS)]) == 0
+
+
 def test_a_nan_difference_from_the_graph_is_refused_and_nothing_is_written(tiny, tmp_path, capsys, monkeypatch):
     """A converted model whose output holds NaN is not within any --tolerance: one error line, no file."""
     _, model = tiny
