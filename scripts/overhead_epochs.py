@@ -3,7 +3,8 @@ memory of baseline, CD and TWEO at a fixed global batch, (a) against the per-GPU
 (b) against the hidden size (ViT-S/B/L) at one per-GPU batch. The paper: global batch 1024, five epochs,
 the mean over three runs, on Ampere GPUs; time in seconds, memory the peak max_allocated in MiB.
 
-Each (method, model, per-GPU batch, run) is one train.py run of `--recipe` (default the DeiT ViT-B recipe)
+Each (method, model, per-GPU batch, run) is one train.py run of `--recipe` (default the DeiT ViT-B recipe; a
+relative path starts at the working folder, as train.py's --config and --out, and the runs are given it absolute)
 into <out>/runs/<model>_bs<b>_<method>_run<r>, with train.batch_size=<global batch>, validation only after
 the last epoch, and the methods' own configs (a key=value override of one of these keys, or of cd.enabled /
 tweo.enabled, is refused, and so is a --recipe that turns a method on: a row is timed as the method it names):
@@ -255,7 +256,11 @@ def build_parser(**kwargs) -> OneLineParser:
     """This script's command line; `kwargs` go to the parser (bench_overhead.py reads an epochs command line with
     these forms, its step flags beside them: parents, add_help)."""
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-    p.add_argument("--recipe", default="configs/pretrain/vit_b.yaml", help="train.py config of every run")
+    # a relative --recipe starts at the working folder, as train.py's --config and --out do (it was read from the
+    # repository root: ./my.yaml given from elsewhere was not found, or the root's file of that name was timed)
+    p.add_argument("--recipe", default=os.path.join(ROOT, "configs", "pretrain", "vit_b.yaml"),
+                   help="train.py config of every run, relative to the working folder as train.py's --config "
+                        "(default: this checkout's configs/pretrain/vit_b.yaml)")
     p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
     p.add_argument("--global-batch", type=at_least(1), default=1024, help="train.batch_size (the paper: 1024)")
     p.add_argument("--batches", type=at_least(1), nargs="*", default=[32, 64, 128, 256],
@@ -291,9 +296,13 @@ def main(argv: Optional[list[str]] = None, parents: tuple = ()) -> dict:
 
     try:
         refuse_existing_outputs(written, args.overwrite)
-        recipe_config = load_config([os.path.join(ROOT, args.recipe)], list(args.overrides))
+        # read as given, from here: a missing relative one is train.py's own error (naming the checkout's file of
+        # that name, if any)
+        recipe_config = load_config([args.recipe], list(args.overrides))
     except (ConfigError, RunDirError) as e:
         sys.exit(f"error: {e}")
+    # absolute from here on: the runs start in the repository root, and their commands and epochs.json record it
+    args.recipe = os.path.abspath(args.recipe)
     plan = [("batch", recipe_config.model.name, b) for b in args.batches] + [("width", m, args.width_batch)
                                                                              for m in args.models]
     check_plan(args, plan)

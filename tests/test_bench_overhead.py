@@ -12,7 +12,7 @@ import sys
 import cd_models  # noqa: F401  (one torch thread)
 import pytest
 
-from tests.conftest import ROOT, load_script, run_main
+from tests.conftest import DEBUG_CONFIG, ROOT, load_script, run_main
 
 
 def _bench():
@@ -439,7 +439,8 @@ def test_a_relative_out_is_the_folder_under_the_directory_the_command_runs_in(tm
 
     run_commands_with(monkeypatch, stand_in)
     monkeypatch.chdir(tmp_path)
-    report = _epochs_script().main(["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8",
+    # the recipe by its absolute path: a relative one starts here too (test_overhead_epochs_paths.py)
+    report = _epochs_script().main(["--recipe", DEBUG_CONFIG, "--global-batch", "16", "--batches", "8",
                                     "--models", "--methods", "baseline", "--epochs", "1", "--runs", "1", "--out",
                                     "rel"])
     assert trained == [str(tmp_path / "rel" / "runs" / "vit_nano_bs8_baseline_run0")]
