@@ -1,6 +1,7 @@
 """The hardware and software a benchmark ran on, as the same fields in every benchmark's JSON (bench_overhead.py,
-bench_quant.py, bench_aphq_block.py, bench_pair_check.py, gpu_check.py; overhead_epochs.py's, whose runs train
-elsewhere, as its runs' train.logs record them): a figure means little without the machine it was measured on."""
+bench_quant.py, bench_aphq_block.py, gpu_check.py; overhead_epochs.py's, whose runs train elsewhere, as its runs'
+train.logs record them) and in bench_pair_check.py's printed line: a figure means little without the machine it was
+measured on."""
 from __future__ import annotations
 
 import os

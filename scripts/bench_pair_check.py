@@ -2,8 +2,8 @@
 
 `find_pairs(model)` (and so `ColinearityDecay(model)`) checks its pairs by one forward on the `meta` device
 (cd/verify.py) and real forwards of one sample (cd/values.py): for a fused qkv one with V's rows set to zero, and
-one per bit of the widest pair's channel index with some channels of every pair set to zero. This prints the median time of each part on
-random weights, beside one plain forward of the same one-sample input, so that the real check's cost reads as a
+one per bit of the widest pair's channel index with some channels of every pair set to zero. This prints the
+median time of each part on random weights, beside one plain forward of the same one-sample input, so that the real check's cost reads as a
 number of forwards.
 
     python scripts/bench_pair_check.py                                  # timm ViT-B/16 at 224, CPU
@@ -44,7 +44,7 @@ def median_seconds(fn, repeats: int, device: torch.device) -> float:
 
 
 def build(args) -> tuple[str, torch.nn.Module]:
-    if args.lm_config:
+    if args.lm_config is not None:
         from configs import ConfigError, load_config
         from models import build_model
         try:
@@ -59,15 +59,15 @@ def main(argv: list[str]) -> dict:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
                    help=f"timm model name (random weights; default {DEFAULT_MODEL}); not with --lm-config")
-    p.add_argument("--lm-config", default="", help="a configs/lm/*.yaml whose model to build instead of --model")
+    p.add_argument("--lm-config", default=None, help="a configs/lm/*.yaml whose model to build instead of --model")
     p.add_argument("--repeats", type=at_least(1), default=5, help="timed calls of each part (median)")
     p.add_argument("--device", type=torch_device, default="cpu")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
     args = p.parse_args(argv)
-    if args.lm_config and args.model is not None:  # one model is timed: the other flag would be dropped unread
+    if args.lm_config is not None and args.model is not None:  # one model is timed: the other flag would be dropped unread
         p.error(f"--model {args.model} and --lm-config {args.lm_config} each name the model to time; give one")
-    if args.lm_config and not os.path.isfile(args.lm_config):
-        p.error(f"--lm-config {args.lm_config}: no such file; give a configs/lm/*.yaml")
+    if args.lm_config is not None and not os.path.isfile(args.lm_config):  # '' too: it was the default timm model
+        p.error(f"--lm-config {args.lm_config!r}: no such file; give a configs/lm/*.yaml")
     if args.model is not None and not timm.is_model(args.model):  # timm's RuntimeError traceback otherwise
         p.error(f"--model {args.model}: not a timm model name (timm.list_models('vit_*') lists some)")
     if args.threads:
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> dict:
     try:  # once untimed: the first call's imports and allocations are not the check's cost
         pairs = find_pairs(model)
     except UnsupportedModelError as e:  # a model CD finds no pairs in (a CNN): one line, not a traceback
-        p.error(f"--lm-config {args.lm_config}: {e}" if args.lm_config else f"--model {name}: {e}")
+        p.error(f"--lm-config {args.lm_config}: {e}" if args.lm_config is not None else f"--model {name}: {e}")
     sample_args, sample_kwargs = probe_input(example_input(model), args.device)
 
     def plain_forward():

@@ -57,3 +57,13 @@ def test_without_model_or_lm_config_the_default_timm_model_is_built(monkeypatch)
     with pytest.raises(Built):
         bench_pair_check.main(["--repeats", "1"])
     assert built == ["vit_base_patch16_224"]
+
+
+@pytest.mark.parametrize("given", ["", "no_such.yaml"])
+def test_an_lm_config_that_is_no_file_is_refused_not_the_default_model_timed(given, capsys, monkeypatch):
+    """`--lm-config ''` (an unset shell variable) was read as no --lm-config: ViT-B/16 was timed in its place."""
+    monkeypatch.setattr(bench_pair_check, "build", lambda args: pytest.fail("a model was built"))
+    code, lines, out = refused(bench_pair_check.main, ["--lm-config", given], capsys)
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert f"--lm-config {given!r}: no such file; give a configs/lm/*.yaml" in lines[0], lines
+    assert out == ""
