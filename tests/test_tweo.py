@@ -129,8 +129,9 @@ def test_hooks_are_removed_and_eval_or_no_grad_forwards_are_not_captured():
 def test_a_compiled_model_gives_the_eager_models_term_and_gradients(rescale):
     """torch.compile (the aot_eager backend: dynamo and AOTAutograd's graphs, run by eager kernels, so no C++
     toolchain) of a model TWEO hooks: its block hooks and the penalty's autograd.Function are traced into the one
-    graph of the forward (no graph break, no fall back to eager), and two training steps give the eager copy's
-    total loss and gradients, with no block output left pending after aux_loss."""
+    graph of the forward (no graph break, no fall back to eager), and two training steps (an SGD step between them,
+    so the second runs other weights through the compiled graph) give the eager copy's total loss and gradients,
+    with no block output left pending after aux_loss."""
     import copy
 
     from torch._dynamo.backends.debugging import aot_eager
@@ -145,20 +146,25 @@ def test_a_compiled_model_gives_the_eager_models_term_and_gradients(rescale):
     eager = tiny_vit().double()
     compiled = torch.compile(copy.deepcopy(eager), backend=backend)
     tweos = [TWEO(eager, lam=0.1, rescale=rescale), TWEO(compiled, lam=0.1, rescale=rescale)]
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.5) for model in (eager, compiled)]
     x, target = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([1, 2])
+    losses = []
     for step in range(2):
         runs = []
-        for model, tweo in zip((eager, compiled), tweos):
-            model.zero_grad()
+        for model, tweo, optimizer in zip((eager, compiled), tweos, optimizers):
+            optimizer.zero_grad()
             task = F.cross_entropy(model(x), target)
             loss = task + tweo.aux_loss(task, step)
             assert not tweo.pending
             loss.backward()
-            runs.append((loss.detach(), [p.grad for p in model.parameters()], tweo.metrics()))
+            runs.append((loss.detach(), [p.grad.clone() for p in model.parameters()], tweo.metrics()))
+            optimizer.step()
         (loss, grads, metrics), (loss_c, grads_c, metrics_c) = runs
         torch.testing.assert_close(loss_c, loss)
         torch.testing.assert_close(grads_c, grads)
         assert metrics_c == pytest.approx(metrics) and metrics["tweo/penalty"] > 0
+        losses.append(loss)
+    assert not torch.equal(losses[0], losses[1])  # the step moved the weights: the second step is another check
     # one graph of the forward, traced once and run at both steps, holding each block's penalty
     assert len(graphs) == 1
     applied = [n for n in graphs[0].graph.nodes if "autograd_function_apply" in str(n.target)]
