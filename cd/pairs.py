@@ -54,6 +54,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from .adapters import adapter_parameters, refuse_adapters
 from .layouts import LAYOUTS, Layout, check_layouts
@@ -719,29 +720,86 @@ def _names_advice(layouts: tuple[Layout, ...], what: str) -> str:
             "model with train.py adds a cd.Layout to LAYOUTS in cd/layouts.py (docs/extending.md)")
 
 
+# aten ops that normalize: inside a block they are its norms, with an affine scale or without one
+# (nn.LayerNorm(elementwise_affine=False)), as modules or in a forward (F.layer_norm, F.rms_norm, F.normalize)
+_NORM_OPS = frozenset({"native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
+                       "_native_batch_norm_legit_no_training", "_fused_rms_norm", "rms_norm", "rsqrt", "sqrt",
+                       "linalg_vector_norm", "norm", "var", "std", "var_mean", "std_mean"})
+
+
+class _BlockNorms(_Provenance):
+    """`_Provenance` that also labels '0' (a norm of the block) the outputs of every normalizing op (`_NORM_OPS`)
+    that a module of the block's scope runs (`depth`: how many of them are running), whether or not the norm has a
+    weight for its label to follow. An op of the attention itself counts too: a block wrongly told pre-norm keeps
+    the advice of a layout, which its pairs check then tells; one wrongly told post-norm is told no layout pairs it."""
+
+    def __init__(self, sources: dict[str, list[tuple[str, bool]]], sinks: dict[str, list[tuple[int, bool]]]):
+        super().__init__(sources, sinks)
+        self.depth = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.depth and func.overloadpacket.__name__ in _NORM_OPS:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.mark(t, frozenset(), frozenset({"0"}))
+        return out
+
+    def watch(self, scope: nn.Module) -> list:
+        """Count the forwards of `scope`'s modules in `depth` (all of them: a container's forward may not run);
+        the hooks' handles, to remove."""
+        def enter(*_):
+            self.depth += 1
+
+        def leave(*_):
+            self.depth -= 1
+
+        return [h for m in scope.modules() for h in (m.register_forward_pre_hook(enter),
+                                                     m.register_forward_hook(leave, always_call=True))]
+
+
+def _block_scope(root: nn.Module, name: str) -> str:
+    """The name of the highest module of `root` holding block `name` whose other parts hold no matrix: a block's
+    norm may sit beside the module holding its other parts (x + body.attn(norm1(x)) in a module of norm1 and body,
+    whose norm2 and MLP are body's). A module beside it that holds a matrix (a sibling block, an embedding, a head)
+    ends the climb: the module holding that is not the block's."""
+    while name:
+        parent, _, child = name.rpartition(".")
+        module = root.get_submodule(parent)
+        own = list(module.parameters(recurse=False))
+        beside = [p for n, c in module.named_children() if n != child for p in c.parameters()]
+        if any(p.dim() >= 2 for p in own + beside):
+            return name
+        name = parent
+    return name
+
+
 def _post_norm(root: nn.Module, name: str, block: nn.Module, example: object) -> Optional[str]:
     """The norm of `block` (module `name` of `root`, a Transformer block by its structure) that reads the output of
     its attention where the block is post-norm, as BERT's layers are (attention.output.LayerNorm after
     attention.output.dense), else None. Told by one forward on the meta device, as `verify_pairs` runs it
     (`example`: its input, None for `cd.verify.example_input`): no matrix of the block's attentions depends on the
-    output of a norm inside the block (the attention reads the block's input, not a norm of it), and that norm's
-    input depends on theirs. A forward that fails tells nothing: None."""
+    output of a norm of the block (the attention reads the block's input, not a norm of it), and that norm's input
+    depends on theirs. The block's norms are those of its scope (`_block_scope`: a norm its parent holds beside
+    it is one), with an affine scale or without one, or computed in a forward (`_BlockNorms`); the norm named has
+    a scale. A forward that fails tells nothing: None."""
     if _fully_sharded(root):  # its forward would run FSDP's hooks and leave them broken (verify_pairs)
         return None
     prefix = f"{name}." if name else ""
+    scope_name = _block_scope(root, name)
+    scope = root.get_submodule(scope_name)
     reader = _Reader()
     attention = set().union(*(ids for m in block.modules() if (ids := reader.attention(m)) is not None))
-    paths = [n for n, m in block.named_modules() if n and _is_norm(m)]  # relative to the block
-    norms = [f"{prefix}{n}.weight" for n in paths]
+    norms = [f"{scope_name}.{n}" if scope_name else n for n, m in scope.named_modules() if n and _is_norm(m)]
     matrices = [f"{prefix}{n}" for n, w in block.named_parameters() if id(w) in attention]
     # label 0: the block's norms, whose uses are the attention's matrices; label k > 0: the attention, whose use is
     # norm k - 1 (dependence, not moves only: a computation between the norm and its layer is still pre-norm)
-    sources = {n: [("0", False)] for n in norms}
+    sources = {f"{n}.weight": [("0", False)] for n in norms}
     for n in matrices:
         sources.setdefault(n, []).extend((str(k), False) for k in range(1, len(norms) + 1))
     sinks = {n: [(0, False)] for n in matrices}
     for k, n in enumerate(norms, 1):
-        sinks.setdefault(n, []).append((k, False))
+        sinks.setdefault(f"{n}.weight", []).append((k, False))
     if example is None:
         try:
             example = default_example(root)
@@ -752,16 +810,21 @@ def _post_norm(root: nn.Module, name: str, block: nn.Module, example: object) ->
                             if not (k == "attention_mask" and _transformers_lm(root))}
     else:
         args, kwargs = tuple(map(_meta_like, example if isinstance(example, (tuple, list)) else (example,))), {}
-    mode = _Provenance(sources, sinks)
+    mode = _BlockNorms(sources, sinks)
     meta = _meta_slots(root, mode)
+    hooks = mode.watch(scope)
     try:
         with torch.no_grad(), mode:
             torch.func.functional_call(root, meta, args, kwargs, tie_weights=False)
     except Exception:  # the block's structure alone tells no post-norm: the message says what a layout can do
         return None
+    finally:
+        for hook in hooks:
+            hook.remove()
     if not mode.uses.get(0) or mode.bad.get(0, 0) < mode.uses[0]:  # the attention ran on a norm's output
         return None
-    return next((path for k, path in enumerate(paths, 1) if mode.bad.get(k, 0) < mode.uses.get(k, 0)), None)
+    found = next((n for k, n in enumerate(norms, 1) if mode.bad.get(k, 0) < mode.uses.get(k, 0)), None)
+    return found[len(prefix):] if found is not None and found.startswith(prefix) else found
 
 
 def _no_pair_message(root: nn.Module, layouts: tuple[Layout, ...], example: object = None,

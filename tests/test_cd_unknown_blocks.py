@@ -536,6 +536,61 @@ _D2V_LAYOUT = Layout("data2vec", norm1="layernorm_before", norm2="layernorm_afte
                      proj="attention.output.dense", fc1="intermediate.dense", fc2="output.dense")
 
 
+class _Stack(nn.Module):
+    """Two blocks made by `make`, one after the other."""
+
+    def __init__(self, make) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([make(), make()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class _Body(nn.Module):
+    """The attention, the MLP's norm and the MLP of `_NestedPreNorm`: its parent holds the attention's norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.norm2 = timm_vit.Attention(D, 2), nn.LayerNorm(D)
+        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+
+class _NestedPreNorm(nn.Module):
+    """A pre-norm block, x + attn(norm1(x)) then x + fc2(gelu(fc1(norm2(x)))), whose norm1 sits beside the module
+    holding its other parts (body): that module is the innermost one holding a block's parts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.body = nn.LayerNorm(D), _Body()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        body = self.body
+        x = x + body.attn(self.norm1(x))
+        return x + body.fc2(F.gelu(body.fc1(body.norm2(x))))
+
+
+class _UnscaledPreNorm(nn.Module):
+    """A pre-norm block whose attention reads a norm without an affine scale: nn.LayerNorm(D,
+    elementwise_affine=False), or F.layer_norm in its forward (`functional`)."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.ln_a = (lambda x: F.layer_norm(x, (D,))) if functional else nn.LayerNorm(D, elementwise_affine=False)
+        self.mix, self.ln_f = timm_vit.Attention(D, 2), nn.LayerNorm(D)
+        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix(self.ln_a(x))
+        return x + self.down(F.gelu(self.up(self.ln_f(x))))
+
+
+_NESTED_LAYOUT = Layout("nested", norm1="norm1", norm2="body.norm2", qkv="body.attn.qkv", proj="body.attn.proj",
+                        fc1="body.fc1", fc2="body.fc2")
+
+
 def _bert_mlm():
     transformers = pytest.importorskip("transformers")
     return transformers.BertForMaskedLM(transformers.BertConfig(hidden_size=D, num_hidden_layers=2,
@@ -556,12 +611,14 @@ def _data2vec():
      ("'blocks.0' (TransformerEncoderLayer)", "norm1")),
     (lambda: (_TorchEncoder(True), torch.randn(1, 5, D)), _TORCH_LAYOUT, None),
     (_data2vec, _D2V_LAYOUT, None),
-], ids=["bert-post-norm", "torch-post-norm", "torch-pre-norm", "data2vec-pre-norm"])
+    (lambda: (_Stack(_NestedPreNorm), torch.randn(1, 5, D)), _NESTED_LAYOUT, None),
+], ids=["bert-post-norm", "torch-post-norm", "torch-pre-norm", "data2vec-pre-norm", "nested-pre-norm"])
 def test_no_pair_found_says_a_post_norm_block_is_one_no_layout_pairs(make, layout, post_norm):
     """"No matrix pair found" advised a cd.Layout for a post-norm block (BERT's layers, nn.TransformerEncoderLayer's
     default), and one written for it is refused when its pairs are checked (the reference: `verify_pairs`' forward);
     it now says the block is post-norm, which no layout pairs. A pre-norm block under names of its own keeps the
-    advice, which a layout written for it follows (it pairs)."""
+    advice, which a layout written for it follows (it pairs): one whose attention's norm its parent holds beside the
+    module of its other parts too (that norm is the block's)."""
     model, example = make()
     for call in (lambda: find_pairs(model, example_input=example),
                  lambda: ColinearityDecay(model, example_input=example)):
@@ -582,6 +639,20 @@ def test_no_pair_found_says_a_post_norm_block_is_one_no_layout_pairs(make, layou
         with pytest.raises(UnsupportedModelError, match=r"is not the output of the norm .*post-norm blocks, where the "
                                                         r"norm follows the layer, are refused"):
             find_pairs(model, example_input=example, layouts=[layout, *LAYOUTS])
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["unscaled-module", "functional"])
+def test_no_pair_found_tells_no_post_norm_of_a_block_whose_attention_reads_an_unscaled_norm(functional):
+    """A pre-norm block (x + attn(norm(x)), by its forward) whose attention's norm has no affine scale was said
+    post-norm "as in BERT": its attention read no norm with a weight. A norm without one is a norm of the block, so
+    the message says no post-norm; it keeps the generic advice."""
+    model = _Stack(lambda: _UnscaledPreNorm(functional))
+    with pytest.raises(UnsupportedModelError, match=r"^no matrix pair found in ") as refusal:
+        find_pairs(model, example_input=torch.randn(1, 5, D))
+    message = str(refusal.value)
+    assert "Its module 'blocks.0' (_UnscaledPreNorm) holds" in message
+    assert "post-norm" not in message and "no cd.Layout can pair it" not in message
+    assert "layouts=[cd.Layout(...), *cd.LAYOUTS]" in message
 
 
 class _AttentionHalf(nn.Module):
