@@ -119,9 +119,7 @@ def main(args: argparse.Namespace) -> dict:
             {**config_to_dict(cfg), "evaluate.py flags": flags}, device,
             f"{SAME_SETTINGS_FIX}, and the same --checkpoint file (its config is the base of the settings)"
             if args.checkpoint else SAME_SETTINGS_FIX)
-        out = default_out_path(args.checkpoint, cfg.model.name) if args.out is None else args.out
-        if os.path.islink(out):  # the JSON, its maxima CSV and plot and eval.log, all beside the file the link names
-            out = os.path.realpath(out)
+        out = written_path(default_out_path(args.checkpoint, cfg.model.name) if args.out is None else args.out)
         with failure_on_every_rank(device, "making the --out folder"):  # on each node (a read-only one: this rank)
             check_out(out, dist.is_main)  # the default path too (a folder of that name)
             prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # default: beside the checkpoint
@@ -296,16 +294,24 @@ def main(args: argparse.Namespace) -> dict:
 def check_out(out: str, writes_log: bool) -> None:
     """Refuse a result path that names a folder (engine.eval_results.check_result_path) or the log's own name (the
     log, opened first, would be the file the result is refused by), and, on the process that writes the log
-    (`writes_log`), an EVAL_LOG beside it that is no log (a file of the user's: evaluate.py appends to its own log
-    of earlier calls, not to notes it would bury under its lines); all are told before any work."""
+    (`writes_log`), an EVAL_LOG beside it (beside the file a symlink names: the log the command writes) that is
+    no log (a file of the user's: evaluate.py appends to its own log of earlier calls, not to notes it would bury
+    under its lines); all are told before any work."""
     check_result_path(out, "--out")
-    if os.path.basename(out) == EVAL_LOG:
+    written = written_path(out)  # a link's file: the log is written beside it, not beside the link
+    if os.path.basename(written) == EVAL_LOG:
         raise RunDirError(f"--out {out}: evaluate.py writes its log to {EVAL_LOG} in the result's folder; give "
                           f"the result another name (e.g. eval.json)")
-    log_path = os.path.join(os.path.dirname(os.path.abspath(out)), EVAL_LOG)
+    log_path = os.path.join(os.path.dirname(os.path.abspath(written)), EVAL_LOG)
     if writes_log and (why := foreign_log(log_path)):
         raise RunDirError(f"--out {out}: evaluate.py writes its log to {log_path}, which is not evaluate.py's log "
                           f"({why}); move that file away, or give --out a file in another folder")
+
+
+def written_path(out: str) -> str:
+    """The file evaluate.py writes for the result path `out`: the file a symlink names, so that the JSON, its
+    maxima CSV and plot and eval.log all lie beside it (the link kept as it is); `out` itself else."""
+    return os.path.realpath(out) if os.path.islink(out) else out
 
 
 def open_eval_log(out: str, is_main: bool) -> None:

@@ -1,9 +1,11 @@
 """evaluate.py writes its log to eval.log beside the result: a folder of that name there (or a log file it may not
 write) is one `error:` line naming eval.log and --out, as an unwritable --out folder is, not an IsADirectoryError
 traceback; nothing is written. An eval.log there that is no log (the user's notes) is refused alike, before
-anything is written into it: evaluate.py appends only to a log, its own of earlier calls."""
+anything is written into it: evaluate.py appends only to a log, its own of earlier calls. With --out a symlink,
+the log is the one beside the file the link names, where the result is written."""
 import logging
 import os
+import re
 
 import pytest
 
@@ -85,3 +87,53 @@ def test_an_earlier_calls_log_is_one_to_append_to(tmp_path):
     assert foreign_log(str(tmp_path / "none.log")) is None
     (tmp_path / "eval.log").write_text("my notes\n")
     assert foreign_log(str(tmp_path / "eval.log")) == "its first line 'my notes' is no log line"
+
+
+def _linked_out(tmp_path, link_name: str = "r.json", target_name: str = "r.json"):
+    """links/<link_name> -> real/<target_name> (not there yet): the --out of these tests, and the two folders."""
+    links, real = tmp_path / "links", tmp_path / "real"
+    links.mkdir()
+    real.mkdir()
+    link = links / link_name
+    link.symlink_to(real / target_name)
+    return link, links, real
+
+
+def test_notes_beside_an_out_link_are_no_file_of_the_command(checkpoint, tmp_path, capsys):
+    """--out a symlink: the result and eval.log are written beside the file it names (links/r.json -> real/r.json:
+    real/eval.log). An eval.log of the user's beside the link is no file the command writes: it runs, and leaves
+    the notes as they were."""
+    link, links, real = _linked_out(tmp_path)
+    (links / "eval.log").write_text("my notes\n")
+    code, _, err = run_entry("evaluate.py", ["--checkpoint", checkpoint, "--quant", "--out", str(link)], capsys)
+    assert code == 0, err
+    assert (links / "eval.log").read_text() == "my notes\n"
+    assert sorted(p.name for p in links.iterdir()) == ["eval.log", "r.json"]
+    with open(real / "eval.log") as f:  # the run's own log, "04:33:16 evaluate INFO ...", beside the result
+        assert re.match(r"\d\d:\d\d:\d\d evaluate INFO ", f.readline())
+    assert (real / "r.json").is_file() and link.is_symlink()
+
+
+def test_notes_beside_the_file_an_out_link_names_are_refused_before_the_weights_are_read(tmp_path, capsys):
+    """The eval.log the command would append to lies beside the file the link names: notes there are one error
+    line naming that file, told before the weights are read (the checkpoint does not exist: a later refusal would
+    name it), with nothing made in either folder."""
+    link, links, real = _linked_out(tmp_path)
+    (real / "eval.log").write_text("my notes\n")
+    line = _refusal(str(tmp_path / "gone.pt"), link, capsys)
+    assert line.startswith(f"error: --out {link}: evaluate.py writes its log to {real / 'eval.log'}, which is not "
+                           f"evaluate.py's log (its first line 'my notes' is no log line); move that file away"), line
+    assert (real / "eval.log").read_text() == "my notes\n"
+    assert sorted(p.name for p in links.iterdir()) == ["r.json"] and sorted(os.listdir(real)) == ["eval.log"]
+
+
+@pytest.mark.parametrize("link_name, target_name, refused", [("eval.log", "r.json", False),
+                                                              ("r.json", "eval.log", True)])
+def test_the_log_name_is_judged_on_the_file_an_out_link_names(tmp_path, capsys, link_name, target_name, refused):
+    """The result may not be eval.log, the log's own name in its folder: that of the file a link names, where
+    both are written. A link named eval.log to real/r.json writes real/r.json and real/eval.log (here it goes on
+    to the missing checkpoint); a link to real/eval.log is refused before the weights are read."""
+    link, _, _ = _linked_out(tmp_path, link_name, target_name)
+    line = _refusal(str(tmp_path / "gone.pt"), link, capsys)
+    said = "evaluate.py writes its log to eval.log in the result's folder; give the result another name" in line
+    assert said == refused and (refused or "gone.pt" in line), line
