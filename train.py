@@ -56,7 +56,7 @@ from engine.best_checkpoint import BestCheckpoint, BestMatch
 from engine.checkpoint import (CheckpointError, CheckpointFile, class_differences, record_quant_settings,
                                restore_training, run_checkpoint_config, save_on_main_rank, training_payload)
 from engine.distributed import (DistInfo, OtherRankError, all_reduce, fail_on_every_rank_at_start,
-                                failure_on_every_rank, process_group, ranks_apart)
+                                failure_on_every_rank, process_group, ranks_apart, whole_number)
 from engine.divergence import (DivergenceError, DivergenceGuard, best_withheld_line, withheld_max_steps_line,
                                withheld_stop_line, write_withheld)
 from engine.ema import build_ema
@@ -72,11 +72,11 @@ from engine.resume import (check_schedule_holds, epoch_layout, epoch_position, o
 from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, check_same_weights_on_every_rank,
                               keep_abandoned_checkpoint, keep_missing_snapshot, keep_snapshot, resume_source,
                               started_at_step)
-from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside,
+from engine.run_dir import (SNAPSHOTS, RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside,
                             save_config_history, start_only_changes, validation_changes)
 from engine.running_stats import average_running_stats
 from engine.start_weights import START_WEIGHTS, classifier_keys, start_record
-from engine.runinfo import SAME_ON_EVERY_RANK, exit_with_error, log_environment, setup_logging
+from engine.runinfo import SAME_ON_EVERY_RANK, exit_with_error, foreign_log, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from engine.training_checks import check_poly_power, check_schedule_on_resume, check_training_settings
 from models import ModelError, build_model, describe, input_size, model_label
@@ -111,6 +111,9 @@ def main(cfg: Config) -> RunResult:
     """Train as `cfg` says (resuming from out_dir when a checkpoint is there)."""
     try:  # before the ranks meet: an error on one node's rank (its wandb install) reaches the others there
         check_before_start(cfg)
+        # the main rank (RANK 0 or unset) writes train.log: a file of the user's there is refused before the claim
+        # of out_dir changes anything in it and before the first log line
+        check_train_log(cfg.out_dir, cfg.train.resume, whole_number(os.environ.get("RANK", "0")) == 0)
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, cfg.train.device)
     with process_group(cfg.train.device) as dist:
@@ -149,6 +152,21 @@ def check_before_start(cfg: Config, packages: bool = True) -> None:
                           f"{split_reading(how, trained_on, val_at)}, so validation (and best.pt) would score the "
                           f"{'text' if cfg.data.dataset == 'tokens' else 'images'} the model trains on; give "
                           f"data.val_split a split held out from training")
+
+
+def check_train_log(out_dir: str, resume: str, writes_log: bool) -> None:
+    """Refuse, on the process that writes the log (`writes_log`), a train.log in `out_dir` that a resume there
+    would append to and that is no log (engine/runinfo.py foreign_log: notes of the user's, which a run's lines
+    would bury). A resume there is what claim_run_dir (engine/run_dir.py _check_files) archives nothing for:
+    out_dir/checkpoint.pt a file, or train.resume (`resume`) one of out_dir's snapshots; a fresh start moves such
+    a train.log to the archive with the rest of a start that failed, never appending to it."""
+    own_snapshot = bool(resume) and os.path.isfile(resume) and is_inside(resume, os.path.join(out_dir, SNAPSHOTS))
+    if not writes_log or not (os.path.isfile(os.path.join(out_dir, "checkpoint.pt")) or own_snapshot):
+        return
+    path = os.path.join(out_dir, "train.log")
+    if why := foreign_log(path):
+        raise RunDirError(f"out_dir '{out_dir}': the resume appends its log to {path}, which is not train.py's log "
+                          f"({why}); move that file out of the folder and run the command again")
 
 
 def check_device_settings(cfg: Config, device: torch.device) -> None:
@@ -1146,12 +1164,13 @@ def read_config(paths: list[str], overrides: list[str], default: bool) -> Config
 
 
 # what --print-config checks: check_before_start's refusals, claim_run_dir's of out_dir's files (check_claim, nothing
-# moved) and, where the run would continue a checkpoint, check_resume's on the checkpoint's config; the model, the
-# data and the schedule are not built
+# moved), a resume's train.log (check_train_log) and, where the run would continue a checkpoint, check_resume's on
+# the checkpoint's config; the model, the data and the schedule are not built
 PRINT_CONFIG_HELP = ("print the resolved config (YAML) and exit without running, once it passes the checks a run "
                      "makes before it starts (every key and value; quant.*, CD's settings, optim.name, log.wandb's "
                      "package, a val split that is the train split; out_dir's files as the run claims the folder: "
-                     "an earlier run's files without checkpoint.pt, a folder at checkpoint.pt, with nothing moved; "
+                     "an earlier run's files without checkpoint.pt, a folder at checkpoint.pt, a train.log a "
+                     "resume would append to that is no log, with nothing moved; "
                      "where out_dir holds checkpoint.pt or train.resume is given, the settings, schedule and "
                      "train.max_steps that checkpoint can continue with); what needs the model, the data or the "
                      "run's length built (model.name, model.kwargs the model rejects, data.root's files, "
@@ -1179,6 +1198,7 @@ def parse_args(argv: list[str]) -> Config:
         check_before_start(cfg)  # a config printed is one a run would start with, as far as that is told unbuilt
         # in the run's order: its claim of out_dir (nothing moved here), then the checkpoint it would continue
         check_claim(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing)
+        check_train_log(cfg.out_dir, cfg.train.resume, writes_log=True)
         check_resume(cfg, *resume_source(cfg.out_dir, cfg.train.resume), warn=False)  # (None, None): a fresh start
         print_config(cfg)
         sys.exit(0)
