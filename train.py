@@ -72,7 +72,7 @@ from engine.resume import (check_schedule_holds, epoch_layout, epoch_position, o
 from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, check_same_weights_on_every_rank,
                               keep_abandoned_checkpoint, keep_missing_snapshot, keep_snapshot, resume_source,
                               started_at_step)
-from engine.run_dir import (SNAPSHOTS, RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside,
+from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside, resumes_in,
                             save_config_history, start_only_changes, validation_changes)
 from engine.running_stats import average_running_stats
 from engine.start_weights import START_WEIGHTS, classifier_keys, start_record
@@ -157,11 +157,9 @@ def check_before_start(cfg: Config, packages: bool = True) -> None:
 def check_train_log(out_dir: str, resume: str, writes_log: bool) -> None:
     """Refuse, on the process that writes the log (`writes_log`), a train.log in `out_dir` that a resume there
     would append to and that is no log (engine/runinfo.py foreign_log: notes of the user's, which a run's lines
-    would bury). A resume there is what claim_run_dir (engine/run_dir.py _check_files) archives nothing for:
-    out_dir/checkpoint.pt a file, or train.resume (`resume`) one of out_dir's snapshots; a fresh start moves such
-    a train.log to the archive with the rest of a start that failed, never appending to it."""
-    own_snapshot = bool(resume) and os.path.isfile(resume) and is_inside(resume, os.path.join(out_dir, SNAPSHOTS))
-    if not writes_log or not (os.path.isfile(os.path.join(out_dir, "checkpoint.pt")) or own_snapshot):
+    would bury): a resume there (engine/run_dir.py resumes_in, as claim_run_dir judges it); a fresh start moves
+    such a train.log to the archive with the rest of a start that failed, never appending to it."""
+    if not writes_log or not resumes_in(out_dir, resume):
         return
     path = os.path.join(out_dir, "train.log")
     if why := foreign_log(path):

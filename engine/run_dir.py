@@ -616,6 +616,14 @@ def check_claim(out_dir: str, config: dict, archive_existing: bool = False) -> N
         _check_files(out_dir, config, archive_existing, remove_partial_writes(out_dir, dry_run=True), move=False)
 
 
+def resumes_in(out_dir: str, resume: str) -> bool:
+    """Whether a run into `out_dir` with train.resume `resume` continues that folder's run (its files are the run's,
+    nothing is archived, its train.log is appended to): out_dir/checkpoint.pt a file, or `resume` one of out_dir's
+    snapshots (isfile, as resume_source asks, engine/snapshots.py)."""
+    own_snapshot = bool(resume) and os.path.isfile(resume) and is_inside(resume, os.path.join(out_dir, SNAPSHOTS))
+    return own_snapshot or os.path.isfile(os.path.join(out_dir, "checkpoint.pt"))
+
+
 def _check_files(out_dir: str, config: dict, archive_existing: bool, removed: list[str], move: bool = True) -> None:
     """claim_run_dir's look at the files of the locked `out_dir` once the partial writes `removed` are gone;
     `move` False: `check_claim`'s, the same refusals with nothing moved."""
@@ -625,10 +633,8 @@ def _check_files(out_dir: str, config: dict, archive_existing: bool, removed: li
     problem = checkpoint_path_problem(out_dir, resume)
     if problem:  # before anything moves: a folder at checkpoint.pt would make this a fresh start over its files
         raise RunDirError(problem)
-    own_snapshot = bool(resume) and os.path.isfile(resume) and is_inside(resume, os.path.join(out_dir, SNAPSHOTS))
     moved = []
-    # isfile, as resume_source asks (engine/snapshots.py): the run resumes exactly when it skips this check
-    if not os.path.isfile(os.path.join(out_dir, "checkpoint.pt")) and not own_snapshot:
+    if not resumes_in(out_dir, resume):
         moved = check_fresh_start(out_dir, config, archive_existing,
                                   first_write_cut=any(_written_name(name) == "checkpoint.pt" for name in removed),
                                   move=move, removed=removed)
