@@ -13,7 +13,8 @@ at s = 1 (g = 1 at timm's init: dW = -W2) and rounded only as fp32 storage round
 in, such pairs would water the products' error down by the share of the update they carry (vit_tiny on a CPU,
 bf16: 1.454 x fp32 rounding over all pairs, 1.916 over the functional ones). The output names the pairs counted.
 On CUDA every precision runs for real; on a CPU 'tf32' (which CPUs lack) is emulated by rounding the
-products' operands to TF32's 10-bit mantissa before fp32 products, and the output says so. Then, for weights
+operands of every matrix product the update runs (`mm`, and the `addmm_` that commits the update into W2) to TF32's
+10-bit mantissa before fp32 products, as TF32 tensor cores read them, and the output says so. Then, for weights
 stored in fp32, bf16 and fp16 ("bf16-true" training), the share of the decayed matrices' entries that one
 update at the training step changes at all (in half precision most of the step rounds away, which is why
 ColinearityDecay warns about such weights).
@@ -28,13 +29,12 @@ import os
 import sys
 import warnings
 from contextlib import nullcontext
-from unittest import mock
 
 import timm
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `cd`
-import cd.update  # noqa: E402
 from cd import ColinearityDecay, UnsupportedModelError  # noqa: E402
 from configs.cli import OneLineParser, first_line  # noqa: E402
 
@@ -47,18 +47,35 @@ def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
 
 
-def emulated_tf32(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
-    return torch.mm(round_to_tf32(a), round_to_tf32(b))
+class EmulatedTF32(TorchDispatchMode):
+    """Within it, every fp32 matrix product takes its matrix operands rounded to TF32 (`round_to_tf32`) and
+    multiplies them in fp32, as TF32 tensor cores do; an accumulator (addmm's `self`) stays fp32, as cuBLAS's C
+    does. Caught at the dispatcher, so the products CD commits in place (`addmm_`) are emulated as its `mm`s are,
+    whichever path the update takes; a product kind not listed here raises rather than run unemulated."""
+
+    OPERANDS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "addmm_": (1, 2), "baddbmm": (1, 2),
+                "baddbmm_": (1, 2), "addbmm": (1, 2), "addbmm_": (1, 2)}
+    UNEMULATED = {"mv", "addmv", "addmv_", "dot", "vdot", "_scaled_mm", "addr", "addr_"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.UNEMULATED:
+            raise NotImplementedError(f"EmulatedTF32: aten.{name} is a product it does not emulate")
+        if name in self.OPERANDS:
+            args = list(args)
+            for i in self.OPERANDS[name]:
+                if args[i].dtype == torch.float32:
+                    args[i] = round_to_tf32(args[i])
+        return func(*args, **(kwargs or {}))
 
 
 def updated(model: torch.nn.Module, step: float, precision: str, emulate: bool) -> dict[str, torch.Tensor]:
     """The decayed matrices after one CD update (step lr * lam = `step`) of a copy of `model`."""
     model = copy.deepcopy(model)
-    # emulated TF32 rounds the operands in `emulated_tf32`, then multiplies in fp32: ColinearityDecay refuses 'tf32'
-    # off CUDA (no TF32 there), and its 'fp32' products are the exact fp32 ones the emulation needs
+    # emulated TF32 rounds the operands in `EmulatedTF32`, then multiplies in fp32: ColinearityDecay refuses 'tf32'
+    # off CUDA (no TF32 there), and its 'fp32' update runs the products of the 'tf32' one (mm, then addmm_ into W2)
     decay = ColinearityDecay(model, lam=1.0, matmul_precision="fp32" if emulate else precision)
-    patch = mock.patch.object(cd.update, "_product", emulated_tf32) if emulate else nullcontext()
-    with patch:
+    with EmulatedTF32() if emulate else nullcontext():
         decay.apply(lr=step)
     return {p.name: p.w2().detach().clone() for p in decay.pairs}
 
@@ -78,6 +95,21 @@ def changed_share(model: torch.nn.Module, dtype: torch.dtype, step: float) -> fl
 def _ratio(num: list[torch.Tensor], den: list[torch.Tensor]) -> float:
     """||num||_F / ||den||_F over lists of matrices."""
     return (sum(float(t.norm() ** 2) for t in num) / sum(float(t.norm() ** 2) for t in den)) ** 0.5
+
+
+def commit_rounding(inner: int, device: str) -> tuple[float, float]:
+    """(fused, apart): the error of W - A B in fp32, in units of fp32 rounding of the exact result, for a 768 x 768
+    W and a product of inner dimension `inner` about 1e-6 of W (a training step's size), committed as CD commits
+    it (`W.addmm_(A, B, alpha=-1)`) and computed apart (`W - A @ B`). A BLAS that adds A B into W in blocks of
+    the inner dimension rounds W once per block: the fused error grows with `inner` where the apart one stays 1."""
+    g = torch.Generator(device="cpu").manual_seed(inner)
+    w, a, b = (torch.randn(*shape, generator=g).to(device) for shape in ((768, 768), (768, inner), (inner, 768)))
+    scale = (1e-6 / inner ** 0.5) ** 0.5  # entries of A B: inner ** 0.5 * scale ** 2 = 1e-6, W's are about 1
+    a, b = a * scale, b * scale
+    exact = w.double() - a.double() @ b.double()
+    rounding = (exact.float().double() - exact).norm()
+    fused, apart = w.clone().addmm_(a, b, alpha=-1.0), w - a @ b
+    return float((fused.double() - exact).norm() / rounding), float((apart.double() - exact).norm() / rounding)
 
 
 def main(argv=None) -> list[dict]:
@@ -122,6 +154,13 @@ def main(argv=None) -> list[dict]:
         label = precision + (" (emulated)" if emulate else "")
         print(f"  {label:16s} product error {product_error:.2e}  "
               f"weight error {weight_error:.3f} x fp32 rounding")
+    # the fp32 weight error is that of the commit (W2.addmm_(P, W1^T, alpha=-s)) as much as the products': shown apart
+    print("the fp32 commit W2.addmm_(P, W1^T, alpha=-s) against W2 - P W1^T computed apart, weight error / fp32 "
+          "rounding by the product's inner dimension (a 768 x 768 W2, a product 1e-6 of it):")
+    for inner in (64, 256, 768, 3072):
+        fused, apart = commit_rounding(inner, args.device)
+        rows.append({"commit_inner_dim": inner, "fused": fused, "apart": apart})
+        print(f"  inner {inner:<10d} addmm_ {fused:.3f}  apart {apart:.3f}")
     print(f"entries of the decayed matrices one update at s = {TRAINING_STEP:g} changes, by storage dtype:")
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         share = changed_share(model, dtype, TRAINING_STEP)

@@ -887,7 +887,7 @@ def test_cd_precision_measures_the_products_and_the_storage_rounding(capsys):
 
 def test_cd_precision_rounds_to_tf32_nearest_with_ties_away_from_zero():
     """TF32 keeps 10 explicit mantissa bits: values written out in powers of two, both signs, and the emulated
-    product rounds both operands."""
+    products, the one CD commits in place (addmm_) too, round both operands and not the accumulator."""
     import torch
 
     import cd_precision
@@ -899,7 +899,20 @@ def test_cd_precision_rounds_to_tf32_nearest_with_ties_away_from_zero():
             got = cd_precision.round_to_tf32(torch.tensor([sign * x], dtype=torch.float32))
             assert got.item() == sign * want, (sign * x, got.item())
     a = torch.tensor([[1 + u / 2]], dtype=torch.float32)
-    assert cd_precision.emulated_tf32(a, a, "tf32").item() == (1 + u) ** 2
+    acc = torch.tensor([[u / 4]], dtype=torch.float32)
+    with cd_precision.EmulatedTF32():
+        product, committed = torch.mm(a, a), acc.clone().addmm_(a, a, alpha=-1.0)
+    assert product.item() == (1 + u) ** 2 and committed.item() == u / 4 - (1 + u) ** 2, (product, committed)
+
+
+@pytest.mark.parametrize("inner", [64, 768])
+def test_cd_precision_commit_probe_measures_in_units_of_one_rounding(inner):
+    """W - A B computed apart rounds once: its error is the fp32 rounding of the exact result, 1.000 in the
+    probe's unit; the fused addmm_ rounds at least once (how often is the BLAS's: once per block of the inner
+    dimension on x86 CPUs' torch)."""
+    import cd_precision
+    fused, apart = cd_precision.commit_rounding(inner, "cpu")
+    assert apart == pytest.approx(1.0, abs=1e-6) and fused >= 1.0 - 1e-6, (fused, apart)
 
 
 def test_cd_precision_computes_each_precision_it_names():
@@ -918,6 +931,34 @@ def test_cd_precision_computes_each_precision_it_names():
     fp32, tf32, bf16 = (error(cd_precision.updated(model, 1.0, p, emulate=p == "tf32"))
                         for p in ("fp32", "tf32", "bf16"))
     assert 0 < fp32 < tf32 < bf16, (fp32, tf32, bf16)
+
+
+def test_cd_precision_emulates_tf32_in_every_product_of_the_update():
+    """The emulated tf32 row (a CPU's) against one CD update of a tiny ViT at s = 1 computed here in float64 with
+    each product's operands rounded to TF32 (W2 <- W2 - s P W1^T, P = c^2 W2 W1, c^2 = r / ||W1||_F^2, Eq. (12)):
+    equal to fp32 precision over the functional pairs. An emulation that rounded the first product's operands alone
+    (CD commits the second with addmm_, past cd.update._product) is off by ~1e-4 of the update, TF32's own error."""
+    import copy
+
+    import cd_precision
+    from cd import ColinearityDecay
+    from cd_models import tiny_vit
+
+    def tf32(x):  # float64 -> 11 significant bits (10 explicit), nearest, ties away from zero
+        m, e = torch.frexp(x.double())
+        return torch.ldexp(torch.sign(m) * torch.floor(m.abs() * 2 ** 11 + 0.5), e - 11)
+
+    model = tiny_vit()
+    pairs = [p for p in ColinearityDecay(copy.deepcopy(model)).pairs if p.kind == "functional"]
+    got = cd_precision.updated(model, 1.0, "tf32", emulate=True)
+    err = den = 0.0
+    for p in pairs:
+        w2, w1 = p.w2().detach().double(), p.w1().detach().double()
+        c2 = w1.shape[0] / w1.square().sum()
+        delta = tf32(c2 * (tf32(w2) @ tf32(w1))) @ tf32(w1).t()
+        err += float((got[p.name].double() - (w2 - delta)).norm() ** 2)
+        den += float(delta.norm() ** 2)
+    assert pairs and (err / den) ** 0.5 < 2e-5, (err / den) ** 0.5
 
 
 def test_cd_precision_product_error_is_relative_to_the_update(monkeypatch):
