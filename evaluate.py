@@ -119,8 +119,8 @@ def main(args: argparse.Namespace) -> dict:
             {**config_to_dict(cfg), "evaluate.py flags": flags}, device,
             f"{SAME_SETTINGS_FIX}, and the same --checkpoint file (its config is the base of the settings)"
             if args.checkpoint else SAME_SETTINGS_FIX)
-        out = written_path(default_out_path(args.checkpoint, cfg.model.name) if args.out is None else args.out)
         with failure_on_every_rank(device, "making the --out folder"):  # on each node (a read-only one: this rank)
+            out = written_path(default_out_path(args.checkpoint, cfg.model.name) if args.out is None else args.out)
             check_out(out, dist.is_main)  # the default path too (a folder of that name)
             prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # default: beside the checkpoint
             open_eval_log(out, dist.is_main)
@@ -310,8 +310,15 @@ def check_out(out: str, writes_log: bool) -> None:
 
 def written_path(out: str) -> str:
     """The file evaluate.py writes for the result path `out`: the file a symlink names, so that the JSON, its
-    maxima CSV and plot and eval.log all lie beside it (the link kept as it is); `out` itself else."""
-    return os.path.realpath(out) if os.path.islink(out) else out
+    maxima CSV and plot and eval.log all lie beside it (the link kept as it is); `out` itself else. A loop of
+    links names no file: one RunDirError (written as a file, the last link of the loop would be replaced)."""
+    if not os.path.islink(out):
+        return out
+    target = os.path.realpath(out)
+    if os.path.islink(target):  # realpath stops where links go round
+        raise RunDirError(f"--out {out} is a link that never reaches a file (a loop of links); remove it or choose "
+                          "another --out")
+    return target
 
 
 def open_eval_log(out: str, is_main: bool) -> None:

@@ -3,8 +3,8 @@
 `find_pairs(model)` (and so `ColinearityDecay(model)`) checks its pairs by one forward on the `meta` device
 (cd/verify.py) and real forwards of one sample (cd/values.py): for a fused qkv one with V's rows set to zero, and
 one per bit of the widest pair's channel index with some channels of every pair set to zero. This prints the
-median time of each part on random weights, beside one plain forward of the same one-sample input, so that the real check's cost reads as a
-number of forwards.
+median time of each part on random weights, beside one plain forward of the same one-sample input, so that the
+real check's cost reads as a number of forwards.
 
     python scripts/bench_pair_check.py                                  # timm ViT-B/16 at 224, CPU
     python scripts/bench_pair_check.py --lm-config configs/lm/gpt2.yaml  # models/gpt.py's GPT-2 Small, 1x1024
@@ -64,7 +64,8 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--device", type=torch_device, default="cpu")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
     args = p.parse_args(argv)
-    if args.lm_config is not None and args.model is not None:  # one model is timed: the other flag would be dropped unread
+    # one model is timed: the other flag would be dropped unread
+    if args.lm_config is not None and args.model is not None:
         p.error(f"--model {args.model} and --lm-config {args.lm_config} each name the model to time; give one")
     if args.lm_config is not None and not os.path.isfile(args.lm_config):  # '' too: it was the default timm model
         p.error(f"--lm-config {args.lm_config!r}: no such file; give a configs/lm/*.yaml")

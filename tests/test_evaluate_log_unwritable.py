@@ -137,3 +137,18 @@ def test_the_log_name_is_judged_on_the_file_an_out_link_names(tmp_path, capsys, 
     line = _refusal(str(tmp_path / "gone.pt"), link, capsys)
     said = "evaluate.py writes its log to eval.log in the result's folder; give the result another name" in line
     assert said == refused and (refused or "gone.pt" in line), line
+
+
+@pytest.mark.parametrize("loop", ["self", "pair"])
+def test_an_out_link_in_a_loop_is_refused_and_kept(tmp_path, capsys, loop):
+    """A loop of links names no file: realpath stops on one of its links, which a write would replace by a file.
+    One error line, before the weights are read (the checkpoint does not exist), and the links stay as they were."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.symlink_to(a.name if loop == "self" else b.name)
+    if loop == "pair":
+        b.symlink_to(a.name)
+    line = _refusal(str(tmp_path / "gone.pt"), a, capsys)
+    assert line == f"error: --out {a} is a link that never reaches a file (a loop of links); remove it or choose " \
+                   "another --out", line
+    assert a.is_symlink() and os.readlink(a) == (a.name if loop == "self" else b.name)
+    assert loop == "self" or (b.is_symlink() and os.readlink(b) == a.name)
