@@ -477,3 +477,150 @@ def test_a_negative_map_is_not_recorded(sample, tmp_path, monkeypatch):
         main(["--config", SAMPLE_CONFIG, "--checkpoint", weights, "--data-root", str(root), "--quant", "--out",
               str(out)])
     assert not out.exists() or "fp" not in json.loads(out.read_text())
+
+
+def _box(index, bbox, area=None, **extra):
+    """The `index`-th object's box as `bbox` (its area: `area`, else bbox's own), and other fields `extra`."""
+    def change(data):
+        ann = data["annotations"][index]
+        ann.update(bbox=bbox, area=bbox[2] * bbox[3] if area is None else area, **extra)
+    return change
+
+
+def _image_boxes(image_index, bbox):
+    """Every object of the `image_index`-th image with the box `bbox` (area 0 where it has none)."""
+    def change(data):
+        image = data["images"][image_index]["id"]
+        for ann in data["annotations"]:
+            if ann["image_id"] == image:
+                ann.update(bbox=bbox, area=max(0, bbox[2] * bbox[3]))
+    return change
+
+
+def _both(*changes):
+    def change(data):
+        for c in changes:
+            c(data)
+    return change
+
+
+# the sample's images are 64 x 64
+@pytest.mark.parametrize("name, change", [
+    ("as_is", lambda data: None),
+    ("zero", _box(0, [10.0, 10.0, 0.0, 0.0])),
+    ("narrow", _box(1, [10.0, 10.0, 0.5, 12.0])),  # as COCO 2017's few under 1 px
+    ("low", _box(1, [10.0, 10.0, 12.0, 0.9])),
+    ("no_area", _box(2, [10.0, 10.0, 12.0, 12.0], area=0)),
+    ("narrow_crowd", _box(3, [10.0, 10.0, 0.5, 12.0], iscrowd=1)),  # an ignored region, dropped the same way
+    ("ignored", _box(3, [10.0, 10.0, 0.5, 12.0], ignore=1)),  # skipped before its rule: not counted
+    ("border_sliver", _box(0, [64.0, 10.0, 0.9, 12.0])),  # on the border: nothing inside
+    ("rounded_past", _box(0, [10.0, 10.0, 54.6, 54.9])),  # past the border by less than 1 px: kept
+    ("whole_image", _image_boxes(0, [5.0, 5.0, 0.0, 3.0])),
+    ("two_images", _both(_image_boxes(0, [5.0, 5.0, 0.5, 3.0]), _image_boxes(1, [5.0, 5.0, 3.0, 0.0])))])
+def test_dropped_boxes_are_exactly_those_mmdetection_drops(sample, tmp_path, name, change):
+    """Well-formed boxes that MMDetection's CocoDataset drops by its own rule (area <= 0, a width or height under
+    1 px, nothing inside the image) are counted, and so are the images left without any box: against the
+    instances its CocoDataset reads from the same file."""
+    from mmdet.datasets import CocoDataset
+    from engine.detection.annotation_contents import dropped_boxes, malformed_boxes
+    root = _copy(sample, tmp_path, name)
+    path = _edit(root, "train2017", change)
+    data = json.loads(open(path).read())
+    dataset = CocoDataset(ann_file=path, data_prefix=dict(img=str(root / "train2017")),
+                          metainfo=dict(classes=("box", "disc")), test_mode=True, pipeline=[])
+    instances = {info["img_id"]: len(info["instances"]) for info in (dataset.get_data_info(i)
+                                                                     for i in range(len(dataset)))}
+    given = Counter(a["image_id"] for a in data["annotations"] if not a.get("ignore"))
+    read = sum(instances.values())
+    bare = sum(1 for image in given if instances[image] == 0)
+    assert malformed_boxes(data["annotations"]) == (0, None)
+    count, first, left = dropped_boxes(data["images"], data["annotations"])
+    assert (count, left) == (sum(given.values()) - read, bare)
+    # the sample's first image holds one object, its second three
+    assert (count, left) == {"as_is": (0, 0), "ignored": (0, 0), "rounded_past": (0, 0), "zero": (1, 1),
+                             "border_sliver": (1, 1), "whole_image": (1, 1), "two_images": (4, 2)}.get(name, (1, 0))
+    if count:
+        assert first == next(a["id"] for a in data["annotations"] if not a.get("ignore") and (
+            a["bbox"][2] < 1 or a["bbox"][3] < 1 or a["area"] <= 0 or a["bbox"][0] >= 64))
+
+
+def _size(index, **size):
+    def change(data):
+        image = data["images"][index]
+        for side in ("width", "height"):
+            image.pop(side)
+        image.update(size)
+    return change
+
+
+@pytest.mark.parametrize("name, change, problem", [
+    ("nan", _box(0, [float("nan"), 10.0, 12.0, 12.0], area=144.0), "bbox [nan, 10.0, 12.0, 12.0] is not 4 finite "
+                                                                   "numbers"),
+    ("inf", _box(0, [10.0, 10.0, float("inf"), 12.0], area=144.0), "bbox [10.0, 10.0, inf, 12.0] is not 4 finite "
+                                                                   "numbers"),
+    ("negative", _box(0, [10.0, 10.0, -5.0, 12.0], area=60.0), "bbox [10.0, 10.0, -5.0, 12.0] has a negative width "
+                                                               "or height"),
+    ("no_area", _box(0, [10.0, 10.0, 12.0, 12.0], area=float("nan")), "area nan is not a finite number"),
+    ("two", _both(_box(0, [10.0, 10.0, -5.0, 12.0], area=60.0), _box(5, [10.0, 10.0, 5.0, -2.0], area=10.0)),
+     "bbox [10.0, 10.0, -5.0, 12.0] has a negative width or height")])
+def test_malformed_boxes_are_refused_before_training_naming_the_first_and_the_count(sample, tmp_path, capsys, name,
+                                                                                    change, problem):
+    """A box of a NaN or an infinite number, or of a negative width or height: MMDetection's CocoDataset dropped it
+    (its drawn object trained as background) or kept it (a box to infinity; an area of NaN, which COCO's evaluation
+    puts in no size range) without a word (checked here on its own CocoDataset). One `error:` line before any
+    work, naming the file, the first and the count."""
+    from mmdet.datasets import CocoDataset
+    root = _copy(sample, tmp_path, name)
+    path = _edit(root, "train2017", change)
+    data = json.loads(open(path).read())
+    dataset = CocoDataset(ann_file=path, data_prefix=dict(img=str(root / "train2017")),
+                          metainfo=dict(classes=("box", "disc")), test_mode=True, pipeline=[])
+    boxes = [i["bbox"] for info in (dataset.get_data_info(i) for i in range(len(dataset))) for i in info["instances"]]
+    dropped = len(data["annotations"]) - len(boxes)
+    # dropped (its overlap test is False for NaN, its 1 px rule drops a negative width) or kept (inf, a NaN area)
+    assert dropped == {"two": 2, "inf": 0, "no_area": 0}.get(name, 1), dropped
+    count = 2 if name == "two" else 1
+    line = _training_refusal(capsys, root, tmp_path)
+    assert line == (f"error: train_dataloader reads {path}, which holds {count} malformed box"
+                    f"{'es' if count == 2 else ''} (the first: annotation id {data['annotations'][0]['id']}: "
+                    f"{problem}): MMDetection's CocoDataset drops or keeps such a box without a word; correct or "
+                    f"remove {'them' if count == 2 else 'it'} (a box is [x, y, width, height] in pixels of its "
+                    "image)"), line
+
+
+@pytest.mark.parametrize("change, shown", [(_size(2, width=0, height=64), "width 0, height 64"),
+                                           (_size(2, height=64), "width None, height 64")])
+def test_an_image_without_a_size_is_refused_before_training(sample, tmp_path, capsys, change, shown):
+    """MMDetection's CocoDataset reads every image's width and height (a KeyError traceback where one is
+    missing) and judges each box against them."""
+    root = _copy(sample, tmp_path, "coco")
+    path = _edit(root, "train2017", change)
+    image = json.loads(open(path).read())["images"][2]["id"]
+    line = _training_refusal(capsys, root, tmp_path)
+    assert line == (f"error: train_dataloader reads {path}, which lists 1 image without a positive width and height "
+                    f"(the first: image id {image}, {shown}): MMDetection judges every box against them; give each "
+                    "image's size in pixels"), line
+
+
+def test_boxes_mmdetection_drops_are_one_warning_a_file(sample, tmp_path, capsys):
+    """COCO 2017's training file holds a few boxes narrower than 1 px, which MMDetection drops: they must not make
+    it unusable. One warning a file, after every check passed, with the count, the first, and the images left
+    without any box; a val file's adds that COCO's evaluation scores them (it reads the file, not the dataset)."""
+    from engine.detection import check_annotations, load_config
+    root = _copy(sample, tmp_path, "coco")
+    train = _edit(root, "train2017", _both(_image_boxes(0, [5.0, 5.0, 0.5, 3.0]), _box(5, [9.0, 9.0, 7.0, 0.0])))
+    val = _edit(root, "val2017", _box(1, [9.0, 9.0, 0.0, 0.0]))
+    data = json.loads(open(train).read())
+    first_image = data["images"][0]["id"]
+    count = sum(1 for a in data["annotations"] if a["image_id"] == first_image) + 1
+    capsys.readouterr()
+    check_annotations(load_config([SAMPLE_CONFIG], data_root=str(root)), ["train_dataloader", "val_dataloader"])
+    rule = ("that MMDetection's CocoDataset drops by its own rule (no area inside the image, an area <= 0, or a "
+            "width or height under 1 px)")
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: train_dataloader reads {train}, which holds {count} boxes (the first: annotation id "
+        f"{data['annotations'][0]['id']}) {rule}, leaving 1 image without any box because of it (trained on as "
+        "background)",
+        f"warning: val_dataloader reads {val}, which holds 1 box (the first: annotation id "
+        f"{json.loads(open(val).read())['annotations'][1]['id']}) {rule}, leaving no image without a box; COCO's "
+        "evaluation, which reads the file itself, scores those boxes all the same"]

@@ -1,9 +1,11 @@
 """What one COCO annotation file lists, against what a detection config reads it with: its images against the
 loader's image folder, its categories against the config's classes, its objects against the images trained on or
-scored. Functions of the parsed file (and a stat per image) only: each file is read once, whole, by
-data_checks.check_annotations, which turns their findings into one error line."""
+scored, its boxes against their images. Functions of the parsed file (and a stat per image) only: each file is read
+once, whole, by data_checks.check_annotations, which turns their findings into one error line (or one warning)."""
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import stat
 from collections import Counter
@@ -134,3 +136,78 @@ def category_problems(categories: Sequence[dict], annotations: Sequence[dict],
            (["its CocoDataset drops the objects of other categories"] if dropped else []))
     return (f"lists the categories {listed} where the config's classes are {', '.join(classes)}: "
             f"{'; '.join(problems)} ({'; '.join(why)})")
+
+
+def _number(value: Any) -> bool:
+    """Whether `value` is a finite real number as JSON gives one (json.load reads NaN and Infinity too)."""
+    if type(value) in (float, int):  # json.load's, first: this runs for each of train2017's 860,001 boxes
+        return math.isfinite(value)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def unsized_images(images: Sequence[dict]) -> List[Any]:
+    """The ids of `images` (an annotation file's images[]) without a positive width and height, in the file's
+    order: MMDetection's CocoDataset reads both for every image (a KeyError traceback where one is missing) and
+    judges each box against them (`box_problem`)."""
+    return [image.get("id") for image in images
+            if not all(_number(image.get(side)) and image[side] > 0 for side in ("width", "height"))]
+
+
+def box_problem(annotation: dict) -> Optional[str]:
+    """What is malformed about the box of `annotation`, or None: a bbox that is not 4 finite numbers (or an area
+    that is not one: MMDetection reads both), or a negative width or height. MMDetection's CocoDataset drops them
+    (NaN: its overlap test; a negative width: its 1 px rule) or keeps them (an infinite width, a NaN area) without
+    a word, or fails (an area it cannot read: a KeyError traceback). A box reaching past its
+    image is no error: it is kept as given (CrowdHuman's full-body boxes do so by design), and one with nothing
+    inside its image is dropped by MMDetection's own rule (`mmdet_drops`, a warning)."""
+    box = annotation.get("bbox")
+    if not (isinstance(box, (list, tuple)) and len(box) == 4 and _number(box[0]) and _number(box[1])
+            and _number(box[2]) and _number(box[3])):
+        return f"bbox {box!r} is not 4 finite numbers"
+    if not _number(annotation.get("area")):
+        return f"area {annotation.get('area')!r} is not a finite number"
+    if box[2] < 0 or box[3] < 0:
+        return f"bbox {box!r} has a negative width or height"
+    return None
+
+
+def malformed_boxes(annotations: Sequence[dict]) -> Tuple[int, Optional[str]]:
+    """(count, what is wrong with the first) of the `annotations` whose box is malformed (`box_problem`)."""
+    count, first = 0, None
+    for annotation in annotations:
+        problem = box_problem(annotation)
+        if problem:
+            count += 1
+            first = first or f"annotation id {annotation.get('id')!r}: {problem}"
+    return count, first
+
+
+def mmdet_drops(annotation: dict, width: float, height: float) -> bool:
+    """Whether MMDetection's CocoDataset (mmdet/datasets/coco.py, parse_data_info, 3.x) drops the well-formed box
+    of `annotation` on an image of `width` x `height` by its own rule: no area inside the image, or an area <= 0,
+    or a width or height under 1 px; a crowd region's too (it would be an ignored region). An object marked
+    `ignore` it skips before, as no box."""
+    x, y, w, h = annotation["bbox"]
+    inside_w = max(0, min(x + w, width) - max(x, 0))
+    inside_h = max(0, min(y + h, height) - max(y, 0))
+    return inside_w * inside_h == 0 or annotation["area"] <= 0 or w < 1 or h < 1
+
+
+def dropped_boxes(images: Sequence[dict], annotations: Sequence[dict]) -> Tuple[int, Any, int]:
+    """(count, the first one's annotation id, images left without any box) of the well-formed `annotations`
+    (`malformed_boxes` finds none) that MMDetection's CocoDataset drops (`mmdet_drops`): COCO 2017's training file
+    holds a few boxes narrower than 1 px. An image is left without any box where the file gives it objects and
+    MMDetection keeps none of them: its filter_empty_gt, which counts the file's objects, keeps it, and it trains
+    as background."""
+    sizes = {image["id"]: (image["width"], image["height"]) for image in images}
+    count, first, given, kept = 0, None, set(), set()
+    for annotation in annotations:
+        if annotation.get("ignore", False):
+            continue
+        given.add(annotation["image_id"])
+        if mmdet_drops(annotation, *sizes[annotation["image_id"]]):
+            count += 1
+            first = annotation.get("id") if count == 1 else first
+        else:
+            kept.add(annotation["image_id"])
+    return count, first, len(given - kept)

@@ -58,7 +58,8 @@ def _evaluator(cfg: Config, loader) -> Any:
 @torch.no_grad()
 def evaluate_detector(model: nn.Module, cfg: Config, loader, probe_maxima: bool = False,
                       progress: bool = True) -> Dict[str, Any]:
-    """COCO box / mask mAP of `model` on `loader` (pycocotools, through MMDetection's CocoMetric), and with
+    """COCO box / mask mAP of `model` on `loader` (pycocotools, through MMDetection's CocoMetric, which rounds it
+    to 3 decimals: 0.1 mAP point, the paper's precision), and with
     `probe_maxima` the activation maxima of the backbone and of the heads (module outputs, see
     `activation_maxima`). Returns {"bbox_mAP": .., "segm_mAP": .., ..., "images": N, "seconds": ..}.
 

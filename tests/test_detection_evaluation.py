@@ -1,0 +1,72 @@
+"""What engine/detection/evaluation.evaluate_detector records as a detector's mAP, against pycocotools' COCOeval run
+directly on the same detections: its value rounded to 3 decimals (MMDetection's CocoMetric rounds it so; README.md
+says it), never another number.
+
+Marked `detection`: they need MMDetection with full mmcv (scripts/install_mmcv.sh).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from detection_runs import SAMPLE_CONFIG
+
+pytestmark = pytest.mark.detection
+
+
+class _Shifted(nn.Module):
+    """A stand-in detector (no training): for each image, every ground-truth box of the annotation file shifted
+    by a few pixels, with a score of its own, so that COCO's mAP is a number of more than 3 decimals."""
+
+    def __init__(self, gt, cat_ids):
+        super().__init__()
+        self.anchor = nn.Parameter(torch.zeros(1))  # evaluate_detector reads the device of the model's parameters
+        self.gt, self.cat_ids, self.detections = gt, cat_ids, []
+
+    def test_step(self, batch):
+        from mmengine.structures import InstanceData
+        samples = batch["data_samples"]
+        for sample in samples:
+            anns = self.gt.imgToAnns[sample.img_id]
+            boxes, scores = [], []
+            for i, ann in enumerate(anns):
+                x, y, w, h = ann["bbox"]
+                shift = 1.5 + 1.7 * ((ann["id"] * 7) % 5)  # IoU from about 0.9 down to about 0.5
+                boxes.append([x + shift, y + 0.5 * shift, x + w + shift, y + h + 0.5 * shift])
+                scores.append(0.9 - 0.13 * i)
+                self.detections.append({"image_id": sample.img_id, "category_id": ann["category_id"],
+                                        "bbox": [x + shift, y + 0.5 * shift, w, h], "score": scores[-1]})
+            sample.pred_instances = InstanceData(
+                bboxes=torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4),
+                scores=torch.tensor(scores, dtype=torch.float32),
+                labels=torch.tensor([self.cat_ids.index(a["category_id"]) for a in anns], dtype=torch.long))
+        return samples
+
+
+def test_the_recorded_map_is_pycocotools_rounded_to_3_decimals(sample):
+    from pycocotools.coco import COCO
+    from pycocotools.cocoeval import COCOeval
+    from engine.detection import build_loader, load_config
+    from engine.detection.evaluation import evaluate_detector
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    cfg.test_evaluator = dict(cfg.test_evaluator, metric="bbox")
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(os.path.join(sample, "annotations", "instances_val2017.json"))
+    model = _Shifted(gt, sorted(gt.getCatIds()))
+    result = evaluate_detector(model, cfg, build_loader(cfg, "test"), progress=False)
+    with contextlib.redirect_stdout(io.StringIO()):  # the reference: COCOeval on the same detections
+        run = COCOeval(gt, gt.loadRes(model.detections), "bbox")
+        run.evaluate()
+        run.accumulate()
+        run.summarize()
+    for key, exact in zip(("bbox_mAP", "bbox_mAP_50", "bbox_mAP_75"), run.stats[:3]):
+        assert result[key] == round(float(exact), 3), (key, result[key], exact)
+    assert result["bbox_mAP"] != float(run.stats[0])  # a number of more than 3 decimals, so the test tells
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    assert ("box / mask mAP by pycocotools, as MMDetection's CocoMetric records it (rounded to 3 decimals"
+            in " ".join(readme.split()))  # what the results file holds, as the docs say
