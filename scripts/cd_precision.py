@@ -51,15 +51,20 @@ class EmulatedTF32(TorchDispatchMode):
     """Within it, every fp32 matrix product takes its matrix operands rounded to TF32 (`round_to_tf32`) and
     multiplies them in fp32, as TF32 tensor cores do; an accumulator (addmm's `self`) stays fp32, as cuBLAS's C
     does. Caught at the dispatcher, so the products CD commits in place (`addmm_`) are emulated as its `mm`s are,
-    whichever path the update takes; a product kind not listed here raises rather than run unemulated."""
+    whichever path the update takes; another product (an aten op named for one: *mm*, *mv*, *dot*, addr) raises
+    rather than run unemulated."""
 
     OPERANDS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "addmm_": (1, 2), "baddbmm": (1, 2),
                 "baddbmm_": (1, 2), "addbmm": (1, 2), "addbmm_": (1, 2)}
-    UNEMULATED = {"mv", "addmv", "addmv_", "dot", "vdot", "_scaled_mm", "addr", "addr_"}
+
+    @staticmethod
+    def unemulated(name: str) -> bool:
+        """Whether the aten op `name` is a product this mode does not emulate (mv, dot, _addmm_activation, ...)."""
+        return any(part in name for part in ("mm", "mv", "dot")) or name in ("addr", "addr_")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if name in self.UNEMULATED:
+        if name not in self.OPERANDS and self.unemulated(name):
             raise NotImplementedError(f"EmulatedTF32: aten.{name} is a product it does not emulate")
         if name in self.OPERANDS:
             args = list(args)
@@ -140,6 +145,14 @@ def main(argv=None) -> list[dict]:
     print(f"{args.model} on {args.device}: one CD update against float64 (product error at s = 1, "
           f"weight error / fp32 rounding at s = {TRAINING_STEP:g}), over the {len(products)} functional pairs "
           f"({roles}) of {len(pairs)}")
+    # the scale the weight errors are in: how far one update moves the weights, and fp32 rounding against it
+    step_ref = reference[TRAINING_STEP]
+    update = [step_ref[n] - before[n] for n in products]
+    moved = _ratio(update, [before[n] for n in products])
+    rounding_share = _ratio([step_ref[n].float().double() - step_ref[n] for n in products], update)
+    rows.append({"update_over_weights": moved, "fp32_rounding_over_update": rounding_share})
+    print(f"  one update at s = {TRAINING_STEP:g} moves these W2 by {moved:.2e} of their norm; fp32 rounding of the "
+          f"result is {100 * rounding_share:.2f} % of the update")
     for precision in ("fp32", "tf32", "bf16"):
         emulate = precision == "tf32" and args.device != "cuda"
         got = updated(model, 1.0, precision, emulate)
@@ -157,7 +170,7 @@ def main(argv=None) -> list[dict]:
     # the fp32 weight error is that of the commit (W2.addmm_(P, W1^T, alpha=-s)) as much as the products': shown apart
     print("the fp32 commit W2.addmm_(P, W1^T, alpha=-s) against W2 - P W1^T computed apart, weight error / fp32 "
           "rounding by the product's inner dimension (a 768 x 768 W2, a product 1e-6 of it):")
-    for inner in (64, 256, 768, 3072):
+    for inner in (64, 192, 193, 256, 768, 3072):
         fused, apart = commit_rounding(inner, args.device)
         rows.append({"commit_inner_dim": inner, "fused": fused, "apart": apart})
         print(f"  inner {inner:<10d} addmm_ {fused:.3f}  apart {apart:.3f}")

@@ -899,10 +899,13 @@ def test_cd_precision_rounds_to_tf32_nearest_with_ties_away_from_zero():
             got = cd_precision.round_to_tf32(torch.tensor([sign * x], dtype=torch.float32))
             assert got.item() == sign * want, (sign * x, got.item())
     a = torch.tensor([[1 + u / 2]], dtype=torch.float32)
-    acc = torch.tensor([[u / 4]], dtype=torch.float32)
+    # 1 + 2^-20 has 21 significant bits: TF32 would round it to 1, and the commit would be -2^-9 - 2^-20
+    acc = torch.tensor([[1 + 2.0 ** -20]], dtype=torch.float32)
     with cd_precision.EmulatedTF32():
         product, committed = torch.mm(a, a), acc.clone().addmm_(a, a, alpha=-1.0)
-    assert product.item() == (1 + u) ** 2 and committed.item() == u / 4 - (1 + u) ** 2, (product, committed)
+    assert product.item() == (1 + u) ** 2 and committed.item() == -(2.0 ** -9), (product, committed)
+    with cd_precision.EmulatedTF32(), pytest.raises(NotImplementedError, match="aten._addmm_activation"):
+        torch._addmm_activation(acc, a, a)  # a product it does not emulate raises, never runs exactly
 
 
 @pytest.mark.parametrize("inner", [64, 768])
