@@ -60,8 +60,8 @@ from .adapters import adapter_parameters, refuse_adapters
 from .layouts import LAYOUTS, Layout, check_layouts
 from .unknown_blocks import _is_norm, _Reader, block_note, unknown_blocks, unknown_half_blocks, unpaired_part
 from .values import check_channel_order
-from .verify import (ADAPTER_FIX, UnsupportedModelError, _fully_sharded, _meta_like, _meta_slots, _Provenance,
-                     _transformers_lm, example_input as default_example, refuse_fsdp1, refuse_shared,
+from .verify import (_MOVES, ADAPTER_FIX, UnsupportedModelError, _fully_sharded, _meta_like, _meta_slots,
+                     _Provenance, _transformers_lm, example_input as default_example, refuse_fsdp1, refuse_shared,
                      refuse_split_devices, verify_pairs)
 from .wrappers import check_model, unwrap_model
 
@@ -728,21 +728,41 @@ _NORM_OPS = frozenset({"native_layer_norm", "native_group_norm", "native_batch_n
 
 
 class _BlockNorms(_Provenance):
-    """`_Provenance` that also labels '0' (a norm of the block) the outputs of every normalizing op (`_NORM_OPS`)
-    that a module of the block's scope runs (`depth`: how many of them are running), whether or not the norm has a
-    weight for its label to follow. An op of the attention itself counts too: a block wrongly told pre-norm keeps
-    the advice of a layout, which its pairs check then tells; one wrongly told post-norm is told no layout pairs it."""
+    """`_Provenance` that tells whether a block's attention reads a norm of the block. The attention's matrices
+    (`attention`: their names) label 'a' what they compute. A product of one of them whose other operands carry no
+    'a' reads the attention's input (the matrices qkv, or q, k and v): `inputs` counts those, `normed` those whose
+    operand depends on a norm of the block (label '0'). A product on what the attention computed (proj on its values)
+    is no such read, so what the attention computes inside (a score scale torch.sqrt(torch.tensor(head_dim)), QK-norm,
+    cosine attention) tells nothing of the block's norms; its outputs carry `after`, the labels of the norms that
+    read the attention's output. Label '0' also marks the outputs of every normalizing op (`_NORM_OPS`) that a module
+    of the block's scope runs (`depth`: how many of them are running), whether or not the norm has a weight for its
+    label to follow."""
 
-    def __init__(self, sources: dict[str, list[tuple[str, bool]]], sinks: dict[str, list[tuple[int, bool]]]):
+    def __init__(self, sources: dict[str, list[tuple[str, bool]]], sinks: dict[str, list[tuple[int, bool]]],
+                 attention: Sequence[str], after: frozenset):
         super().__init__(sources, sinks)
         self.depth = 0
+        self.attention, self.after = frozenset(f"p:{n}" for n in attention), after
+        self.inputs = self.normed = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        ins = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+        held = [bool(self.moved.get(id(t), frozenset()) & self.attention) for t in ins]
+        # read before the op runs: an in-place op's output is its input, which the op labels
+        reads = frozenset().union(*(self.dep.get(id(t), frozenset()) for t, h in zip(ins, held) if not h))
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.depth and func.overloadpacket.__name__ in _NORM_OPS:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.mark(t, frozenset(), frozenset({"0"}))
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if any(held) and name.rstrip("_") not in _MOVES:
+            if "a" in reads:  # a product on the attention's own results: its output is the attention's
+                for t in outs:
+                    self.mark(t, frozenset(), self.after)
+            else:
+                self.inputs += 1
+                self.normed += "0" in reads
+        if self.depth and name in _NORM_OPS:
+            for t in outs:
+                self.mark(t, frozenset(), frozenset({"0"}))
         return out
 
     def watch(self, scope: nn.Module) -> list:
@@ -778,11 +798,12 @@ def _post_norm(root: nn.Module, name: str, block: nn.Module, example: object) ->
     """The norm of `block` (module `name` of `root`, a Transformer block by its structure) that reads the output of
     its attention where the block is post-norm, as BERT's layers are (attention.output.LayerNorm after
     attention.output.dense), else None. Told by one forward on the meta device, as `verify_pairs` runs it
-    (`example`: its input, None for `cd.verify.example_input`): no matrix of the block's attentions depends on the
-    output of a norm of the block (the attention reads the block's input, not a norm of it), and that norm's input
-    depends on theirs. The block's norms are those of its scope (`_block_scope`: a norm its parent holds beside
-    it is one), with an affine scale or without one, or computed in a forward (`_BlockNorms`); the norm named has
-    a scale. A forward that fails tells nothing: None."""
+    (`example`: its input, None for `cd.verify.example_input`): no input matrix of the block's attentions (qkv, or
+    q, k and v) depends on the output of a norm of the block (the attention reads the block's input, not a norm of
+    it), and that norm's input depends on the attention's output. The block's norms are those of its scope
+    (`_block_scope`: a norm its parent holds beside it is one), with an affine scale or without one, or computed in
+    a forward (`_BlockNorms`); a normalizing op that only products past the input matrices read (a score scale,
+    QK-norm) does not count. The norm named has a scale. A forward that fails tells nothing: None."""
     if _fully_sharded(root):  # its forward would run FSDP's hooks and leave them broken (verify_pairs)
         return None
     prefix = f"{name}." if name else ""
@@ -792,14 +813,12 @@ def _post_norm(root: nn.Module, name: str, block: nn.Module, example: object) ->
     attention = set().union(*(ids for m in block.modules() if (ids := reader.attention(m)) is not None))
     norms = [f"{scope_name}.{n}" if scope_name else n for n, m in scope.named_modules() if n and _is_norm(m)]
     matrices = [f"{prefix}{n}" for n, w in block.named_parameters() if id(w) in attention]
-    # label 0: the block's norms, whose uses are the attention's matrices; label k > 0: the attention, whose use is
-    # norm k - 1 (dependence, not moves only: a computation between the norm and its layer is still pre-norm)
+    # label 0: the block's norms, read by the attention's input matrices (`_BlockNorms`); label a: what the attention
+    # computes; label k > 0: the attention's output, whose use is norm k - 1 (dependence, not moves only: a
+    # computation between a norm and the layer reading it still reads the norm)
     sources = {f"{n}.weight": [("0", False)] for n in norms}
-    for n in matrices:
-        sources.setdefault(n, []).extend((str(k), False) for k in range(1, len(norms) + 1))
-    sinks = {n: [(0, False)] for n in matrices}
-    for k, n in enumerate(norms, 1):
-        sinks.setdefault(f"{n}.weight", []).append((k, False))
+    sources.update({n: [("a", False)] for n in matrices})
+    sinks = {f"{n}.weight": [(k, False)] for k, n in enumerate(norms, 1)}
     if example is None:
         try:
             example = default_example(root)
@@ -810,7 +829,7 @@ def _post_norm(root: nn.Module, name: str, block: nn.Module, example: object) ->
                             if not (k == "attention_mask" and _transformers_lm(root))}
     else:
         args, kwargs = tuple(map(_meta_like, example if isinstance(example, (tuple, list)) else (example,))), {}
-    mode = _BlockNorms(sources, sinks)
+    mode = _BlockNorms(sources, sinks, matrices, frozenset(str(k) for k in range(1, len(norms) + 1)))
     meta = _meta_slots(root, mode)
     hooks = mode.watch(scope)
     try:
@@ -821,7 +840,7 @@ def _post_norm(root: nn.Module, name: str, block: nn.Module, example: object) ->
     finally:
         for hook in hooks:
             hook.remove()
-    if not mode.uses.get(0) or mode.bad.get(0, 0) < mode.uses[0]:  # the attention ran on a norm's output
+    if not mode.inputs or mode.normed:  # the attention ran on a norm's output
         return None
     found = next((n for k, n in enumerate(norms, 1) if mode.bad.get(k, 0) < mode.uses.get(k, 0)), None)
     return found[len(prefix):] if found is not None and found.startswith(prefix) else found

@@ -587,6 +587,44 @@ class _UnscaledPreNorm(nn.Module):
         return x + self.down(F.gelu(self.up(self.ln_f(x))))
 
 
+class _ScaledAttention(nn.Module):
+    """An attention (fused qkv, proj) that normalizes inside it: its score scale computed as a tensor,
+    torch.sqrt(torch.tensor(head_dim)) as transformers' DeBERTa writes it ('sqrt'), or q and k normalized by
+    F.normalize (cosine attention, 'normalize')."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.qkv, self.proj = how, nn.Linear(D, 3 * D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+        if self.how == "sqrt":
+            scores = q @ k.transpose(-2, -1) / torch.sqrt(torch.tensor(q.size(-1), dtype=torch.float))
+        else:
+            scores = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1) * 10
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, D))
+
+
+class _PostNorm(nn.Module):
+    """A post-norm block, norm1(x + attn(x)) then norm2(x + fc2(gelu(fc1(x)))), whose attention normalizes inside
+    it: `_ScaledAttention`, or timm's attention with QK-norm ('qk-norm': LayerNorms q_norm and k_norm, with scales)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.attn = (timm_vit.Attention(D, 2, qk_norm=True, norm_layer=nn.LayerNorm) if how == "qk-norm"
+                     else _ScaledAttention(how))
+        self.norm1, self.norm2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.fc1, self.fc2 = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm1(x + self.attn(x))
+        return self.norm2(x + self.fc2(F.gelu(self.fc1(x))))
+
+
+_POST_LAYOUT = Layout("post", norm1="norm1", norm2="norm2", qkv="attn.qkv", proj="attn.proj", fc1="fc1", fc2="fc2")
+
+
 _NESTED_LAYOUT = Layout("nested", norm1="norm1", norm2="body.norm2", qkv="body.attn.qkv", proj="body.attn.proj",
                         fc1="body.fc1", fc2="body.fc2")
 
@@ -612,13 +650,18 @@ def _data2vec():
     (lambda: (_TorchEncoder(True), torch.randn(1, 5, D)), _TORCH_LAYOUT, None),
     (_data2vec, _D2V_LAYOUT, None),
     (lambda: (_Stack(_NestedPreNorm), torch.randn(1, 5, D)), _NESTED_LAYOUT, None),
-], ids=["bert-post-norm", "torch-post-norm", "torch-pre-norm", "data2vec-pre-norm", "nested-pre-norm"])
+    *[(lambda how=how: (_Stack(lambda: _PostNorm(how)), torch.randn(1, 5, D)), _POST_LAYOUT,
+       ("'blocks.0' (_PostNorm)", "norm1")) for how in ("sqrt", "normalize", "qk-norm")],
+], ids=["bert-post-norm", "torch-post-norm", "torch-pre-norm", "data2vec-pre-norm", "nested-pre-norm",
+        "sqrt-scale-post-norm", "cosine-post-norm", "qk-norm-post-norm"])
 def test_no_pair_found_says_a_post_norm_block_is_one_no_layout_pairs(make, layout, post_norm):
     """"No matrix pair found" advised a cd.Layout for a post-norm block (BERT's layers, nn.TransformerEncoderLayer's
     default), and one written for it is refused when its pairs are checked (the reference: `verify_pairs`' forward);
     it now says the block is post-norm, which no layout pairs. A pre-norm block under names of its own keeps the
     advice, which a layout written for it follows (it pairs): one whose attention's norm its parent holds beside the
-    module of its other parts too (that norm is the block's)."""
+    module of its other parts too (that norm is the block's). A post-norm block whose attention normalizes inside it
+    (a score scale by torch.sqrt, QK-norm) was told pre-norm, its proj reading that op's output: the norms of the
+    block are told by what the attention's input matrices read, and the norm named is one reading its output."""
     model, example = make()
     for call in (lambda: find_pairs(model, example_input=example),
                  lambda: ColinearityDecay(model, example_input=example)):
