@@ -180,6 +180,7 @@ def main(argv=None) -> dict:
     from configs.cli import named_twice
     from configs.constraints import WaitHours
     from engine.checkpoint import weights_fingerprint
+    from engine.detection.data_checks import print_warnings
     from engine.distributed import (MainRankWait, OtherRankError, fail_on_every_rank_at_start,
                                     failure_on_every_rank, process_group, raise_on_every_rank, run_on_main)
     from engine.eval_results import EvalResults, check_result_path
@@ -249,7 +250,9 @@ def main(argv=None) -> dict:
         check_image_folders(cfg, loaders, source)
         check_evaluator_annotations(cfg)
         check_scoring_evaluator(cfg)
-        check_annotations(cfg, loaders, source, args.max_images)  # the images scored: --max-images cut
+        # the images scored: --max-images cut; train_dataloader's boxes trained on only by a pipeline that trains
+        warnings = check_annotations(cfg, loaders, source, args.max_images,
+                                     trains=any(PIPELINES[name].trains_model for name in pipelines))
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, args.device)
     with process_group(args.device, wait) as dist:
@@ -324,6 +327,8 @@ def main(argv=None) -> dict:
 
         if gplq_bits:  # on rank 0, which creates them; the other ranks fail with it
             run_on_main(check_folders, "checking GPLQ's stage-1 folders", dist.device)
+        if dist.is_main:  # once nothing above has refused: a refused run warns of nothing
+            print_warnings(warnings)
         results.update(method=model.training_method)
         compute_fp = "fp" not in results.data or args.recompute
         if compute_fp:

@@ -604,8 +604,9 @@ def test_an_image_without_a_size_is_refused_before_training(sample, tmp_path, ca
 
 def test_boxes_mmdetection_drops_are_one_warning_a_file(sample, tmp_path, capsys):
     """COCO 2017's training file holds a few boxes narrower than 1 px, which MMDetection drops: they must not make
-    it unusable. One warning a file, after every check passed, with the count, the first, and the images left
-    without any box; a val file's adds that COCO's evaluation scores them (it reads the file, not the dataset)."""
+    it unusable. One warning a file, returned for the command to print once its last check has passed, with the
+    count, the first, and the images left without any box; a val file's adds that COCO's evaluation scores them
+    (it reads the file, not the dataset)."""
     from engine.detection import check_annotations, load_config
     root = _copy(sample, tmp_path, "coco")
     train = _edit(root, "train2017", _both(_image_boxes(0, [5.0, 5.0, 0.5, 3.0]), _box(5, [9.0, 9.0, 7.0, 0.0])))
@@ -614,13 +615,15 @@ def test_boxes_mmdetection_drops_are_one_warning_a_file(sample, tmp_path, capsys
     first_image = data["images"][0]["id"]
     count = sum(1 for a in data["annotations"] if a["image_id"] == first_image) + 1
     capsys.readouterr()
-    check_annotations(load_config([SAMPLE_CONFIG], data_root=str(root)), ["train_dataloader", "val_dataloader"])
+    warnings = check_annotations(load_config([SAMPLE_CONFIG], data_root=str(root)),
+                                 ["train_dataloader", "val_dataloader"])
+    assert capsys.readouterr().err == ""  # printed by the command, once nothing is refused
     rule = ("that MMDetection's CocoDataset drops by its own rule (no area inside the image, an area <= 0, or a "
             "width or height under 1 px)")
-    assert capsys.readouterr().err.splitlines() == [
-        f"warning: train_dataloader reads {train}, which holds {count} boxes (the first: annotation id "
+    assert warnings == [
+        f"train_dataloader reads {train}, which holds {count} boxes (the first: annotation id "
         f"{data['annotations'][0]['id']}) {rule}, leaving 1 image without any box because of it (trained on as "
         "background)",
-        f"warning: val_dataloader reads {val}, which holds 1 box (the first: annotation id "
+        f"val_dataloader reads {val}, which holds 1 box (the first: annotation id "
         f"{json.loads(open(val).read())['annotations'][1]['id']}) {rule}, leaving no image without a box; COCO's "
         "evaluation, which reads the file itself, scores those boxes all the same"]

@@ -171,10 +171,14 @@ def box_problem(annotation: dict) -> Optional[str]:
     return None
 
 
-def malformed_boxes(annotations: Sequence[dict]) -> Tuple[int, Optional[str]]:
-    """(count, what is wrong with the first) of the `annotations` whose box is malformed (`box_problem`)."""
+def malformed_boxes(annotations: Sequence[dict], skip_ignored: bool = False) -> Tuple[int, Optional[str]]:
+    """(count, what is wrong with the first) of the `annotations` whose box is malformed (`box_problem`); with
+    `skip_ignored`, of those not marked `ignore` (a file read by MMDetection's CocoDataset alone, which skips them
+    before reading a box; COCO's evaluation sets `ignore` from iscrowd and reads every box)."""
     count, first = 0, None
     for annotation in annotations:
+        if skip_ignored and annotation.get("ignore", False):
+            continue
         problem = box_problem(annotation)
         if problem:
             count += 1

@@ -205,7 +205,7 @@ def _image_folder(dataset: dict) -> Optional[str]:
 
 
 def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = None,
-                      max_images: Optional[int] = None) -> None:
+                      max_images: Optional[int] = None, trains: bool = True) -> List[str]:
     """Refuse a COCO annotation file of the loaders `keys` that lists no images, lists images its loader's image
     folder lacks or holds as empty files, holds objects of an image id its images lack (`unlisted_image_problem`:
     MMDetection reads the objects of the listed images only), whose categories are not the config's classes in label
@@ -219,17 +219,20 @@ def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = 
     mAP -1, pycocotools' mark of no ground truth, recorded as a score. Every image the file lists is checked,
     those the training's filter_cfg would skip too. `source` as for
     `check_annotation_files`; `max_images`: the first N images of the test split scored (evaluate_detection.py's
-    --max-images, of its dataset's `indices` where it gives them).
+    --max-images, of its dataset's `indices` where it gives them); `trains`: whether the run trains on
+    train_dataloader's boxes (evaluate_detection.py may read it only to calibrate).
 
     Each file is read once, whole, before any dataset is built, so COCO's train2017 file (about 450 MB) is read
     twice in all, here and by the dataset: json.load of a 317 MB file of train2017's counts (118,287 images,
     860,001 polygons) took 12.4 s and 1.9 GB on a 2-core Intel Xeon VM, per process (every rank of a torchrun
-    reads it); its boxes' checks (`_check_boxes`, `_dropped_boxes_warning`) took 2.7-2.8 s more on a 2-core AMD
-    EPYC VM (860,001 random boxes on 118,287 images). The boxes MMDetection drops by its own rule (narrower than
-    1 px: COCO 2017 has a few) are one warning a file, on rank 0, once nothing is refused."""
+    reads it); its boxes' checks (`_check_boxes`, `_dropped_boxes_warning`) took 2.7-2.8 s more on an idle 2-core
+    AMD EPYC VM (860,001 random boxes on 118,287 images, as Python built them), and 3.75 s of CPU on the same data
+    read back from JSON on a loaded 2-core VM. The boxes MMDetection drops by its own rule (narrower than 1 px:
+    COCO 2017 has a few) are returned, one warning a file, for the caller to print (`print_warnings`) once its
+    last check has passed: a refused run warns of nothing."""
     by_file: dict = {}  # the loaders of each file, so that one read serves them all
     trained: dict = {}  # training file -> its images with an object of the classes: judged together, below
-    warnings: List[str] = []  # of boxes MMDetection drops: printed once nothing is refused
+    warnings: List[str] = []  # of boxes MMDetection drops: the caller prints them once nothing is refused
     for key, dataset in loader_datasets(cfg):
         classes = dataset_classes(dataset) if key in keys and dataset.get("ann_file") else None
         if classes:  # a COCO dataset (others read other formats)
@@ -274,18 +277,27 @@ def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = 
                                          f"configured for, or set {key}.dataset.metainfo.classes to its categories "
                                          "in the file's order")
                 if not boxes_checked:  # once a file (its first reader names it)
-                    _check_boxes(key, path, images, annotations)
+                    # MMDetection's CocoDataset skips an object marked `ignore` before it reads its box; COCO's
+                    # evaluation (a val or test file) sets `ignore` from iscrowd and reads every object's box
+                    _check_boxes(key, path, images, annotations,
+                                 skip_ignored={k for k, *_ in readers} == {"train_dataloader"})
                     boxes_checked = True
                 if key == "train_dataloader":
                     trained[path] = images_with_objects(images, categories, annotations, classes)
                 _check_objects(key, path, images, categories, annotations, classes, indices, limit)
-            warning = _dropped_boxes_warning([key for key, *_ in readers], path, images, annotations)
+            warning = _dropped_boxes_warning([key for key, *_ in readers], path, images, annotations, trains)
             if warning:
                 warnings.append(warning)
         del data, images, annotations  # one file's objects at a time: a parsed train2017 file takes GBs
     if "train_dataloader" in keys:
         _check_training_objects(cfg, trained)
-    if _on_main_rank():  # once a run, after every refusal (a refused run warns of nothing)
+    return warnings
+
+
+def print_warnings(warnings: Sequence[str]) -> None:
+    """Print `warnings` (check_annotations') on stderr, one `warning:` line each, on the main rank only: called
+    by a command once its last refusal has passed (a refused run warns of nothing)."""
+    if _on_main_rank():
         for warning in warnings:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
 
@@ -299,12 +311,13 @@ def _on_main_rank() -> bool:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
-def _check_boxes(key: str, path: str, images: list, annotations: list) -> None:
+def _check_boxes(key: str, path: str, images: list, annotations: list, skip_ignored: bool = False) -> None:
     """Refuse a file with an image of no positive width and height, or with malformed boxes (`box_problem`: not
     4 finite numbers, an area that is not one, a negative width or height), naming the first and the count:
     MMDetection's CocoDataset dropped them (an image whose drawn object was so dropped trained as background) or
     kept them (an infinite width: a box to infinity) without a word, and failed with a KeyError traceback on an
-    image without a size."""
+    image without a size. `skip_ignored`: the file is read by train_dataloader alone, whose CocoDataset skips an
+    object marked `ignore` without reading its box."""
     unsized = unsized_images(images)
     if unsized:
         image = next(i for i in images if i.get("id") == unsized[0])
@@ -312,7 +325,7 @@ def _check_boxes(key: str, path: str, images: list, annotations: list) -> None:
                              f"without a positive width and height (the first: image id {unsized[0]!r}, width "
                              f"{image.get('width')!r}, height {image.get('height')!r}): MMDetection judges every box "
                              "against them; give each image's size in pixels")
-    count, first = malformed_boxes(annotations)
+    count, first = malformed_boxes(annotations, skip_ignored)
     if count:
         raise DetectionError(f"{key} reads {path}, which holds {count} malformed box{'' if count == 1 else 'es'} "
                              f"(the first: {first}): MMDetection's CocoDataset drops or keeps such a box without a "
@@ -320,15 +333,16 @@ def _check_boxes(key: str, path: str, images: list, annotations: list) -> None:
                              "height] in pixels of its image)")
 
 
-def _dropped_boxes_warning(keys: Sequence[str], path: str, images: list, annotations: list) -> Optional[str]:
-    """The warning for a file (read by the loaders `keys`) holding well-formed boxes that MMDetection's CocoDataset
+def _dropped_boxes_warning(keys: Sequence[str], path: str, images: list, annotations: list,
+                           trains: bool = True) -> Optional[str]:
+    """The warning for a file (read by the loaders `keys`, train_dataloader's trained on where `trains`) holding well-formed boxes that MMDetection's CocoDataset
     drops by its own rule (`dropped_boxes`: COCO 2017's training file has a few narrower than 1 px, which must
     not make it unusable), or None: their count, the first, and the images left without any box because of it."""
     count, first, bare = dropped_boxes(images, annotations)
     if not count:
         return None
     keys = list(dict.fromkeys(keys))
-    trained = "train_dataloader" in keys
+    trained = trains and "train_dataloader" in keys  # evaluate_detection.py may read it to calibrate alone
     scored = any(k in ("val_dataloader", "test_dataloader") for k in keys)
     return (f"{' and '.join(keys)} read{'s' if len(keys) == 1 else ''} {path}, which holds {count} "
             f"box{'' if count == 1 else 'es'} (the first: annotation id {first!r}) that MMDetection's CocoDataset "
