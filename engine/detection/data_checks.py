@@ -335,9 +335,10 @@ def _check_boxes(key: str, path: str, images: list, annotations: list, skip_igno
 
 def _dropped_boxes_warning(keys: Sequence[str], path: str, images: list, annotations: list,
                            trains: bool = True) -> Optional[str]:
-    """The warning for a file (read by the loaders `keys`, train_dataloader's trained on where `trains`) holding well-formed boxes that MMDetection's CocoDataset
-    drops by its own rule (`dropped_boxes`: COCO 2017's training file has a few narrower than 1 px, which must
-    not make it unusable), or None: their count, the first, and the images left without any box because of it."""
+    """The warning for a file (read by the loaders `keys`, train_dataloader's trained on where `trains`) holding
+    well-formed boxes that MMDetection's CocoDataset drops by its own rule (`dropped_boxes`: COCO 2017's training
+    file has a few narrower than 1 px, which must not make it unusable), or None: their count, the first, and the
+    images left without any box because of it."""
     count, first, bare = dropped_boxes(images, annotations)
     if not count:
         return None
