@@ -470,7 +470,7 @@ def test_a_negative_map_is_not_recorded(sample, tmp_path, monkeypatch):
     torch.save({"state_dict": MODELS.build(load_config([SAMPLE_CONFIG], {}, str(root), None).model).state_dict(),
                 "meta": {}}, weights)
     _edit(root, "val2017", _no_objects_in(4))
-    monkeypatch.setattr(engine.detection, "check_annotations", lambda *args, **kwargs: None)
+    monkeypatch.setattr(engine.detection, "check_annotations", lambda *args, **kwargs: [])
     out = tmp_path / "x.json"
     with pytest.raises(DetectionError, match=r"bbox_mAP, .*segm_mAP.* of the 4 images scored came out -1, "
                                              "pycocotools' mark of no ground truth"):
