@@ -154,3 +154,76 @@ def test_an_ignored_object_without_an_area_is_refused_only_where_coco_evaluation
     with pytest.raises(DetectionError, match=r"holds 1 malformed box \(the first: annotation id .*: area None is "
                                              "not a finite number\\)"):
         check_annotations(cfg, ["val_dataloader"])
+
+
+def _objects_of_second_image(change):
+    """Apply `change` to each object of the file's second image (the sample's holds three)."""
+    def edit(data):
+        second = data["images"][1]["id"]
+        for annotation in data["annotations"]:
+            if annotation["image_id"] == second:
+                change(annotation)
+    return edit
+
+
+def _first_object(change):
+    def edit(data):
+        change(data["annotations"][0])
+    return edit
+
+
+@pytest.mark.parametrize("name, edit, with_mask", [
+    ("as_is", lambda data: None, True),
+    ("missing", _objects_of_second_image(lambda a: a.pop("segmentation")), True),  # a box-only data set's objects
+    ("empty", _first_object(lambda a: a.update(segmentation=[])), True),
+    ("crowd", _first_object(lambda a: a.update(segmentation=None, iscrowd=1)), True),  # kept as an ignored region
+    ("ignored", _first_object(lambda a: (a.pop("segmentation"), a.update(ignore=1))), True),  # skipped by MMDet
+    ("dropped", _first_object(lambda a: (a.pop("segmentation"), a.update(bbox=DROPPED, area=1.5))), True),
+    ("no_masks", _objects_of_second_image(lambda a: a.pop("segmentation")), False)])  # a pipeline without masks
+def test_objects_without_a_segmentation_are_refused_exactly_where_loading_their_masks_fails(sample, tmp_path, name,
+                                                                                           edit, with_mask):
+    """Mask R-CNN's LoadAnnotations(with_mask=True) failed mid-epoch with a KeyError 'mask' on the first image
+    holding an object without a segmentation; refused before any work, naming the first and the count, exactly
+    where MMDetection's own CocoDataset and LoadAnnotations fail on an image of the file."""
+    from mmcv.transforms import LoadImageFromFile
+    from mmdet.datasets import CocoDataset
+    from mmdet.datasets.transforms import LoadAnnotations
+    from engine.detection import DetectionError, check_annotations, load_config
+    root = tmp_path / name
+    shutil.copytree(sample, root)
+    path = root / "annotations" / "instances_train2017.json"
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    dataset = CocoDataset(ann_file=str(path), data_prefix=dict(img=str(root / "train2017")),
+                          metainfo=dict(classes=("box", "disc")), test_mode=True,
+                          pipeline=[dict(type=LoadImageFromFile),
+                                    dict(type=LoadAnnotations, with_bbox=True, with_mask=with_mask)])
+    # the objects MMDetection reads without a mask
+    unmasked = [inst for k in range(len(dataset)) for inst in dataset.get_data_info(k)["instances"]
+                if "mask" not in inst]
+    failed = 0
+    for index in range(len(dataset)):
+        try:
+            dataset[index]
+        except KeyError as e:
+            assert e.args == ("mask",)
+            failed += 1
+    cfg = load_config([SAMPLE_CONFIG], data_root=str(root))
+    for transform in cfg.train_dataloader.dataset.pipeline:
+        if transform["type"] == "LoadAnnotations":
+            transform["with_mask"] = with_mask
+    if not failed:
+        check_annotations(cfg, ["train_dataloader"])
+        assert name in ("as_is", "ignored", "dropped", "no_masks")
+        return
+    first = next(a["id"] for a in data["annotations"] if not a.get("segmentation"))
+    with pytest.raises(DetectionError) as error:
+        check_annotations(cfg, ["train_dataloader"])
+    count = len(unmasked)
+    assert count == {"missing": 3}.get(name, 1)
+    assert str(error.value) == (
+        f"train_dataloader reads {path}, which holds {count} object{'' if count == 1 else 's'} without a "
+        f"segmentation (the first: annotation id {first!r}), and train_dataloader's pipeline loads masks "
+        "(LoadAnnotations with with_mask=True), which fails on such an object with a KeyError 'mask': give every "
+        "object its segmentation (a polygon or RLE), or train a detector without a mask head, with_mask=False")

@@ -215,3 +215,22 @@ def dropped_boxes(images: Sequence[dict], annotations: Sequence[dict]) -> Tuple[
         else:
             kept.add(annotation["image_id"])
     return count, first, len(given - kept)
+
+
+def unsegmented_objects(images: Sequence[dict], categories: Sequence[dict], annotations: Sequence[dict],
+                        classes: Sequence[str]) -> Tuple[int, Any]:
+    """(count, the first one's annotation id) of the objects MMDetection's CocoDataset keeps (not marked `ignore`,
+    of the config's `classes`, a box it does not drop: `mmdet_drops`; crowd regions too) without a segmentation
+    (none, or an empty one): its parse_data_info gives them no mask, and a pipeline's LoadAnnotations with
+    with_mask=True fails on their image with a KeyError 'mask'. The boxes are well-formed (`malformed_boxes`)."""
+    sizes = {image["id"]: (image["width"], image["height"]) for image in images}
+    kept = _class_ids(categories, classes)
+    count, first = 0, None
+    for annotation in annotations:
+        if (annotation.get("ignore", False) or annotation["category_id"] not in kept
+                or annotation.get("segmentation") or annotation["image_id"] not in sizes
+                or mmdet_drops(annotation, *sizes[annotation["image_id"]])):
+            continue
+        count += 1
+        first = annotation.get("id") if count == 1 else first
+    return count, first

@@ -2,7 +2,8 @@
 and the checks that refuse, before any work, a missing or unreadable annotation file or image folder, an image
 an annotation file lists that its folder lacks, an evaluator scoring against another annotation file than its
 loader's, a pipeline transform that fails on the first image, annotation categories or head class counts
-that do not match the config's classes, and malformed boxes (with a warning of those MMDetection drops)."""
+that do not match the config's classes, malformed boxes (with a warning of those MMDetection drops), and
+objects without a segmentation where a pipeline loads masks."""
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,8 @@ from mmdet.registry import DATASETS
 
 from engine.detection.annotation_contents import (category_problems, dropped_boxes, images_with_objects,
                                                   malformed_boxes, scored_images, scored_objects,
-                                                  unlisted_image_problem, unsized_images, unusable_images)
+                                                  unlisted_image_problem, unsegmented_objects, unsized_images,
+                                                  unusable_images)
 from engine.detection.errors import DetectionError
 from engine.detection.rng_state import RngStateHook
 
@@ -209,7 +211,8 @@ def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = 
     """Refuse a COCO annotation file of the loaders `keys` that lists no images, lists images its loader's image
     folder lacks or holds as empty files, holds objects of an image id its images lack (`unlisted_image_problem`:
     MMDetection reads the objects of the listed images only), whose categories are not the config's classes in label
-    order (`category_problems`), with an image of no size or a malformed box (`_check_boxes`), or that gives no
+    order (`category_problems`), with an image of no size or a malformed box (`_check_boxes`), with a kept object
+    without a segmentation where the loader's pipeline loads masks (`_check_segmentations`), or that gives no
     object to score, and a training split (all the files its loader joins) of no object to train on: MMDetection
     reads an image only when a batch is drawn (a missing val image failed with a traceback after a training
     epoch, an empty training image mid-epoch), drops the objects of other categories without a word, and numbers
@@ -242,15 +245,15 @@ def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = 
             limit = max_images if key == "test_dataloader" and dataset is cfg[key]["dataset"] else None
             by_file.setdefault(path, []).append((key, classes, _image_folder(dataset),
                                                  tuple(indices) if isinstance(indices, (list, tuple)) else indices,
-                                                 limit))
+                                                 limit, _loads_masks(dataset.get("pipeline"))))
     for path, readers in by_file.items():
         with reading_annotations([path]):
             with open(path) as f:
                 data = json.load(f)
             images, categories, annotations = data["images"], data["categories"], data.get("annotations") or []
-            boxes_checked = False
+            boxes_checked = masks_checked = False
             # a file a ConcatDataset reads twice: once
-            for key, classes, folder, indices, limit in dict.fromkeys(readers):
+            for key, classes, folder, indices, limit, masks in dict.fromkeys(readers):
                 if images == []:  # MMEngine's sampler failed on it with "need at least one array to concatenate"
                     raise DetectionError(f"{key} reads {path}, which lists no images: give the data set's annotation "
                                          "file")
@@ -282,6 +285,9 @@ def check_annotations(cfg: Config, keys: Sequence[str], source: Optional[str] = 
                     _check_boxes(key, path, images, annotations,
                                  skip_ignored={k for k, *_ in readers} == {"train_dataloader"})
                     boxes_checked = True
+                if masks and not masks_checked:  # once a file, for its first reader that loads masks
+                    _check_segmentations(key, path, images, categories, annotations, classes)
+                    masks_checked = True
                 if key == "train_dataloader":
                     trained[path] = images_with_objects(images, categories, annotations, classes)
                 _check_objects(key, path, images, categories, annotations, classes, indices, limit)
@@ -331,6 +337,33 @@ def _check_boxes(key: str, path: str, images: list, annotations: list, skip_igno
                              f"(the first: {first}): MMDetection's CocoDataset drops or keeps such a box without a "
                              f"word; correct or remove {'it' if count == 1 else 'them'} (a box is [x, y, width, "
                              "height] in pixels of its image)")
+
+
+def _loads_masks(pipeline: Any) -> bool:
+    """Whether a dataset's `pipeline` (its transforms' dicts, wrappers' inner ones too) has a LoadAnnotations
+    with with_mask=True (MMDetection's default is False)."""
+    if isinstance(pipeline, dict):
+        kind = pipeline.get("type")
+        name = kind if isinstance(kind, str) else getattr(kind, "__name__", "")
+        return ((name.split(".")[-1] == "LoadAnnotations" and bool(pipeline.get("with_mask")))
+                or any(_loads_masks(value) for value in pipeline.values()))
+    if isinstance(pipeline, (list, tuple)):
+        return any(_loads_masks(item) for item in pipeline)
+    return False
+
+
+def _check_segmentations(key: str, path: str, images: list, categories: list, annotations: list,
+                         classes: Sequence[str]) -> None:
+    """Refuse a file whose kept objects (`unsegmented_objects`) lack a segmentation, where `key`'s pipeline loads
+    masks: MMDetection's LoadAnnotations failed on the first image holding one with a KeyError 'mask' traceback,
+    mid-epoch (a box-only data set, as Objects365 or CrowdHuman, given to Mask R-CNN)."""
+    count, first = unsegmented_objects(images, categories, annotations, classes)
+    if count:
+        raise DetectionError(f"{key} reads {path}, which holds {count} object{'' if count == 1 else 's'} without a "
+                             f"segmentation (the first: annotation id {first!r}), and {key}'s pipeline loads masks "
+                             "(LoadAnnotations with with_mask=True), which fails on such an object with a KeyError "
+                             "'mask': give every object its segmentation (a polygon or RLE), or train a detector "
+                             "without a mask head, with_mask=False")
 
 
 def _dropped_boxes_warning(keys: Sequence[str], path: str, images: list, annotations: list,
