@@ -58,7 +58,8 @@ from torch.utils._pytree import tree_flatten
 
 from .adapters import adapter_parameters, refuse_adapters
 from .layouts import LAYOUTS, Layout, check_layouts
-from .unknown_blocks import _is_norm, _Reader, block_note, unknown_blocks, unknown_half_blocks, unpaired_part
+from .unknown_blocks import (_is_norm, _matrices, _own_matrices, _Reader, block_note, unknown_blocks,
+                             unknown_half_blocks, unpaired_part)
 from .values import check_channel_order
 from .verify import (_MOVES, ADAPTER_FIX, UnsupportedModelError, _fully_sharded, _meta_like, _meta_slots,
                      _Provenance, _transformers_lm, example_input as default_example, refuse_fsdp1, refuse_shared,
@@ -782,13 +783,15 @@ def _block_scope(root: nn.Module, name: str) -> str:
     """The name of the highest module of `root` holding block `name` whose other parts hold no matrix: a block's
     norm may sit beside the module holding its other parts (x + body.attn(norm1(x)) in a module of norm1 and body,
     whose norm2 and MLP are body's). A module beside it that holds a matrix (a sibling block, an embedding, a head)
-    ends the climb: the module holding that is not the block's."""
+    ends the climb: the module holding that is not the block's. A layer's matrix, that is (`_own_matrices`), or an
+    embedding's table: a LayerScale kept as (1, 1, D) or a learned position parameter beside the norm is none."""
     while name:
         parent, _, child = name.rpartition(".")
         module = root.get_submodule(parent)
-        own = list(module.parameters(recurse=False))
-        beside = [p for n, c in module.named_children() if n != child for p in c.parameters()]
-        if any(p.dim() >= 2 for p in own + beside):
+        own = [n for n, _ in _own_matrices(module) if n != child]
+        beside = [c for n, c in module.named_children() if n != child]
+        if own or any(_matrices(c) or any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in c.modules())
+                      for c in beside):
             return name
         name = parent
     return name

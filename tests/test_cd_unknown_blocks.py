@@ -572,6 +572,23 @@ class _NestedPreNorm(nn.Module):
         return x + body.fc2(F.gelu(body.fc1(body.norm2(x))))
 
 
+class _NestedPreNormBeside(_NestedPreNorm):
+    """`_NestedPreNorm` with a parameter of 2 or more dimensions beside norm1 that is no layer's matrix: a LayerScale
+    kept as (1, 1, D) on the attention's output (`ls`), or a learned position parameter added first (`pos`)."""
+
+    def __init__(self, extra: str) -> None:
+        super().__init__()
+        self.extra = extra
+        self.beside = nn.Parameter(torch.ones(1, 1, D) if extra == "ls" else torch.zeros(1, 5, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        body = self.body
+        x = x + self.beside if self.extra == "pos" else x
+        attended = body.attn(self.norm1(x))
+        x = x + (self.beside * attended if self.extra == "ls" else attended)
+        return x + body.fc2(F.gelu(body.fc1(body.norm2(x))))
+
+
 class _UnscaledPreNorm(nn.Module):
     """A pre-norm block whose attention reads a norm without an affine scale: nn.LayerNorm(D,
     elementwise_affine=False), or F.layer_norm in its forward (`functional`)."""
@@ -650,16 +667,19 @@ def _data2vec():
     (lambda: (_TorchEncoder(True), torch.randn(1, 5, D)), _TORCH_LAYOUT, None),
     (_data2vec, _D2V_LAYOUT, None),
     (lambda: (_Stack(_NestedPreNorm), torch.randn(1, 5, D)), _NESTED_LAYOUT, None),
+    *[(lambda extra=extra: (_Stack(lambda: _NestedPreNormBeside(extra)), torch.randn(1, 5, D)), _NESTED_LAYOUT, None)
+      for extra in ("ls", "pos")],
     *[(lambda how=how: (_Stack(lambda: _PostNorm(how)), torch.randn(1, 5, D)), _POST_LAYOUT,
        ("'blocks.0' (_PostNorm)", "norm1")) for how in ("sqrt", "normalize", "qk-norm")],
 ], ids=["bert-post-norm", "torch-post-norm", "torch-pre-norm", "data2vec-pre-norm", "nested-pre-norm",
-        "sqrt-scale-post-norm", "cosine-post-norm", "qk-norm-post-norm"])
+        "nested-pre-norm-layer-scale", "nested-pre-norm-position", "sqrt-scale-post-norm", "cosine-post-norm", "qk-norm-post-norm"])
 def test_no_pair_found_says_a_post_norm_block_is_one_no_layout_pairs(make, layout, post_norm):
     """"No matrix pair found" advised a cd.Layout for a post-norm block (BERT's layers, nn.TransformerEncoderLayer's
     default), and one written for it is refused when its pairs are checked (the reference: `verify_pairs`' forward);
     it now says the block is post-norm, which no layout pairs. A pre-norm block under names of its own keeps the
     advice, which a layout written for it follows (it pairs): one whose attention's norm its parent holds beside the
-    module of its other parts too (that norm is the block's). A post-norm block whose attention normalizes inside it
+    module of its other parts too (that norm is the block's), also beside a LayerScale or a position parameter,
+    which are no layer's matrix. A post-norm block whose attention normalizes inside it
     (a score scale by torch.sqrt, QK-norm) was told pre-norm, its proj reading that op's output: the norms of the
     block are told by what the attention's input matrices read, and the norm named is one reading its output."""
     model, example = make()
