@@ -43,9 +43,14 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import warnings
 from typing import Optional, Sequence
 
 import torch
+
+# MMEngine 0.10 imports pkg_resources, of which setuptools 80 warns at each import: two warnings (four lines) on
+# stderr before this command's own output, a one-line refusal too; not this command's to act on
+warnings.filterwarnings("ignore", message="pkg_resources is deprecated as an API", category=UserWarning)
 
 
 def parse_args(argv):

@@ -43,7 +43,12 @@ import json
 import os
 import re
 import sys
+import warnings
 import zipfile
+
+# MMEngine 0.10 imports pkg_resources, of which setuptools 80 warns at each import: two warnings (four lines) on
+# stderr before this command's own output, a one-line refusal too; not this command's to act on
+warnings.filterwarnings("ignore", message="pkg_resources is deprecated as an API", category=UserWarning)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from configs.cli import OneLineParser, first_line  # noqa: E402
