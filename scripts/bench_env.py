@@ -4,6 +4,13 @@ train.logs record them) and in bench_pair_check.py's printed line: a figure mean
 measured on."""
 from __future__ import annotations
 
+if __name__ == "__main__":  # a library: its command line is that of the scripts built on it (before its imports,
+    import sys              # which need the repository root on the path: a traceback run as a script)
+    print("error: scripts/bench_env.py is a library used by "
+          "bench_overhead.py, bench_quant.py, bench_aphq_block.py, bench_pair_check.py and gpu_check.py; run one of "
+          "those (--help says how)", file=sys.stderr)
+    sys.exit(2)
+
 import os
 import sys
 

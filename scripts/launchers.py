@@ -12,6 +12,12 @@ without torch (torchrun's parser, which imports it, is imported where a torchrun
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # a library: its command line is that of the scripts built on it (before its imports,
+    import sys              # which need the repository root on the path: a traceback run as a script)
+    print("error: scripts/launchers.py is a library used by "
+          "sweep.py and overhead_epochs.py; run one of those (--help says how)", file=sys.stderr)
+    sys.exit(2)
+
 import contextlib
 import importlib
 import io

@@ -6,6 +6,12 @@ the runs differ names every value and says that they differ: one run's value wou
 """
 from __future__ import annotations
 
+if __name__ == "__main__":  # a library: its command line is that of the scripts built on it (before its imports,
+    import sys              # which need the repository root on the path: a traceback run as a script)
+    print("error: scripts/training_title.py is a library used by "
+          "dose_report.py and lm_study.py; run one of those (--help says how)", file=sys.stderr)
+    sys.exit(2)
+
 import os
 import sys
 from typing import Optional, Sequence
