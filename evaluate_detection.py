@@ -256,7 +256,7 @@ def main(argv=None) -> dict:
         check_evaluator_annotations(cfg)
         check_scoring_evaluator(cfg)
         # the images scored: --max-images cut; train_dataloader's boxes trained on only by a pipeline that trains
-        warnings = check_annotations(cfg, loaders, source, args.max_images,
+        data_warnings = check_annotations(cfg, loaders, source, args.max_images,
                                      trains=any(PIPELINES[name].trains_model for name in pipelines))
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, args.device)
@@ -333,7 +333,7 @@ def main(argv=None) -> dict:
         if gplq_bits:  # on rank 0, which creates them; the other ranks fail with it
             run_on_main(check_folders, "checking GPLQ's stage-1 folders", dist.device)
         if dist.is_main:  # once nothing above has refused: a refused run warns of nothing
-            print_warnings(warnings)
+            print_warnings(data_warnings)
         results.update(method=model.training_method)
         compute_fp = "fp" not in results.data or args.recompute
         if compute_fp:

@@ -485,7 +485,7 @@ def main(argv=None) -> int:
     start_process_group(args.launcher, cfg)
     dump = os.path.basename(cfg.filename)  # the Runner's config dump in the work dir (check_config_dump)
     refusal = None
-    warnings: list = []  # check_annotations': printed once the last check has passed (train_in_work_dir)
+    data_warnings: list = []  # check_annotations': printed once the last check has passed (train_in_work_dir)
     try:
         check_hooks(cfg)
         check_seed(cfg)
@@ -497,7 +497,7 @@ def main(argv=None) -> int:
         check_annotation_files(cfg, source, ("train_dataloader", "val_dataloader", "val_evaluator"))
         check_image_folders(cfg, ("train_dataloader", "val_dataloader"), source)
         check_evaluator_annotations(cfg, "val")  # the epoch-end validation scores the val loader's predictions
-        warnings = check_annotations(cfg, ("train_dataloader", "val_dataloader"), source)
+        data_warnings = check_annotations(cfg, ("train_dataloader", "val_dataloader"), source)
         check_head_classes(cfg)
         if not args.resume:
             check_backbone_init(cfg)
@@ -515,7 +515,7 @@ def main(argv=None) -> int:
         except Exception as e:
             refusal = e
         refuse_on_every_rank(refusal, resumes_from)
-        return train_in_work_dir(args, cfg, settings, warnings)
+        return train_in_work_dir(args, cfg, settings, data_warnings)
 
 
 # the test loop's keys: Runner.train() builds the train and val loops only
@@ -549,8 +549,8 @@ def check_work_dir_files(args, cfg, overrides) -> tuple:
     return settings, None
 
 
-def train_in_work_dir(args, cfg, settings: dict, warnings=()) -> int:
-    """The training, with the work dir held and its files checked on every rank; check_annotations' `warnings`
+def train_in_work_dir(args, cfg, settings: dict, data_warnings=()) -> int:
+    """The training, with the work dir held and its files checked on every rank; check_annotations' `data_warnings`
     printed once the pipelines' check, the last that refuses, has passed."""
     from engine.detection import annotation_paths, check_pipeline, reading_annotations, RngStateHook
     from engine.detection.data_checks import print_warnings
@@ -590,7 +590,7 @@ def train_in_work_dir(args, cfg, settings: dict, warnings=()) -> int:
         with failure_on_every_rank(get_comm_device(), "checking the loaders' pipelines on its first images"):
             check_pipeline(runner.train_loop.dataloader.dataset, "train_dataloader")
             check_pipeline(runner.val_loop.dataloader.dataset, "val_dataloader")
-        print_warnings(warnings)  # on rank 0
+        print_warnings(data_warnings)  # on rank 0
         if not args.resume:
             record_settings(args.work_dir, settings)
         runner.train()
