@@ -9,7 +9,7 @@ import numbers
 import os
 import stat
 from collections import Counter
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 
 def unusable_images(images: Sequence[dict], folder: str) -> Tuple[List[str], List[str]]:
@@ -197,19 +197,25 @@ def mmdet_drops(annotation: dict, width: float, height: float) -> bool:
     return inside_w * inside_h == 0 or annotation["area"] <= 0 or w < 1 or h < 1
 
 
+def read_boxes(images: Sequence[dict], annotations: Sequence[dict]) -> Iterator[Tuple[dict, bool]]:
+    """(annotation, whether MMDetection's CocoDataset drops its box: `mmdet_drops`) for each of the well-formed
+    `annotations` (`malformed_boxes` finds none) that it reads as a box: not marked `ignore` (skipped before), on
+    an image the file lists."""
+    sizes = {image["id"]: (image["width"], image["height"]) for image in images}
+    for annotation in annotations:
+        if not annotation.get("ignore", False) and annotation["image_id"] in sizes:
+            yield annotation, mmdet_drops(annotation, *sizes[annotation["image_id"]])
+
+
 def dropped_boxes(images: Sequence[dict], annotations: Sequence[dict]) -> Tuple[int, Any, int]:
     """(count, the first one's annotation id, images left without any box) of the well-formed `annotations`
-    (`malformed_boxes` finds none) that MMDetection's CocoDataset drops (`mmdet_drops`): COCO 2017's training file
-    holds a few boxes narrower than 1 px. An image is left without any box where the file gives it objects and
-    MMDetection keeps none of them: its filter_empty_gt, which counts the file's objects, keeps it, and it trains
-    as background."""
-    sizes = {image["id"]: (image["width"], image["height"]) for image in images}
+    that MMDetection's CocoDataset drops (`read_boxes`): COCO 2017's training file holds a few boxes narrower than
+    1 px. An image is left without any box where the file gives it objects and MMDetection keeps none of them:
+    its filter_empty_gt, which counts the file's objects, keeps it, and it trains as background."""
     count, first, given, kept = 0, None, set(), set()
-    for annotation in annotations:
-        if annotation.get("ignore", False):
-            continue
+    for annotation, dropped in read_boxes(images, annotations):
         given.add(annotation["image_id"])
-        if mmdet_drops(annotation, *sizes[annotation["image_id"]]):
+        if dropped:
             count += 1
             first = annotation.get("id") if count == 1 else first
         else:
@@ -219,17 +225,14 @@ def dropped_boxes(images: Sequence[dict], annotations: Sequence[dict]) -> Tuple[
 
 def unsegmented_objects(images: Sequence[dict], categories: Sequence[dict], annotations: Sequence[dict],
                         classes: Sequence[str]) -> Tuple[int, Any]:
-    """(count, the first one's annotation id) of the objects MMDetection's CocoDataset keeps (not marked `ignore`,
-    of the config's `classes`, a box it does not drop: `mmdet_drops`; crowd regions too) without a segmentation
+    """(count, the first one's annotation id) of the objects MMDetection's CocoDataset keeps (`read_boxes`: not
+    marked `ignore`, a box it does not drop; of the config's `classes`; crowd regions too) without a segmentation
     (none, or an empty one): its parse_data_info gives them no mask, and a pipeline's LoadAnnotations with
     with_mask=True fails on their image with a KeyError 'mask'. The boxes are well-formed (`malformed_boxes`)."""
-    sizes = {image["id"]: (image["width"], image["height"]) for image in images}
     kept = _class_ids(categories, classes)
     count, first = 0, None
-    for annotation in annotations:
-        if (annotation.get("ignore", False) or annotation["category_id"] not in kept
-                or annotation.get("segmentation") or annotation["image_id"] not in sizes
-                or mmdet_drops(annotation, *sizes[annotation["image_id"]])):
+    for annotation, dropped in read_boxes(images, annotations):
+        if dropped or annotation["category_id"] not in kept or annotation.get("segmentation"):
             continue
         count += 1
         first = annotation.get("id") if count == 1 else first
