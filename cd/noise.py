@@ -44,6 +44,10 @@ fixed perturbation), and setting it at all, even once, says the caller manages i
 hooks (`module._parameters["weight"]` and `["bias"]` hold the noisy tensors during that module's forward only, as
 `torch.func.functional_call` does): the module code is untouched, and the state dict, the optimizer and checkpoints
 only ever hold the clean Parameters.
+
+A forward on the `meta` device (shapes only, no values: CD's pair check runs one in training mode) gets no noise and
+is not counted as a training forward, and CD's checks on real numbers run in eval mode: ColinearityDecay and
+WeightNoise may be built in either order, and neither order changes the noise or the run.
 """
 from __future__ import annotations
 
@@ -206,8 +210,8 @@ class WeightNoise:
         # perturbation instead of UNIQ's fresh noise. Counted on the model, not per layer: a layer's second forward
         # in one model forward (a layer called twice, activation checkpointing's recomputation) is meant to see the
         # noise its first forward saw.
-        if not module.training or self._step_set:
-            return
+        if not module.training or self._step_set or self._on_meta():
+            return  # a meta forward (shapes only: CD's pair check) is no training forward: it gets no noise either
         self._unset_forwards += 1
         if self._unset_forwards == 2:
             warnings.warn("WeightNoise: a second training forward with noise.step never set draws the same noise as "
@@ -216,7 +220,13 @@ class WeightNoise:
                           "runner.iter; setting it once keeps one noise on purpose and silences this warning",
                           stacklevel=5)  # the caller's model(x), past Module.__call__'s frames
 
+    def _on_meta(self) -> bool:
+        """Whether the model runs on the `meta` device now: its layers hold meta tensors (a model built there, or
+        torch.func.functional_call with meta tensors, as CD's pair check runs it), which have no values to perturb."""
+        return self.layers[0][1]._parameters["weight"].is_meta
+
     def _generator(self, device: torch.device) -> torch.Generator:
+        """This WeightNoise's generator on `device` (one per device, reseeded by each layer's forward)."""
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device)
         return self._generators[device]
@@ -232,6 +242,10 @@ class WeightNoise:
         if key in self._clean:
             raise RuntimeError(f"WeightNoise: {type(module).__name__} called again inside its own forward")
         clean = {name: module._parameters[name] for name in PARAMETERS if module._parameters.get(name) is not None}
+        if clean["weight"].is_meta:
+            # a forward of shapes only (CD's pair check runs one in training mode, whichever was attached first):
+            # no values to perturb, and a noisy tensor in place of the meta weight would hide it from that check
+            return
         gen = self._generator(clean["weight"].device)
         gen.manual_seed(noise_seed(self.seed, self.step, self._index[key]))  # weight's draws, then bias's
         self._clean[key] = clean

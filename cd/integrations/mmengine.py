@@ -25,12 +25,13 @@ stage's optimizer at `before_train_epoch`) gets CD as the first did, with the sa
 
 The model: `runner.model` without its (MM)DistributedDataParallel wrapper, and of it the `backbone` when it has
 one (a detector's, as the paper decays the backbone; `module=` names another part, `module=""` the whole
-model). The pair check runs one forward of that part on the `meta` device (and one real forward of one sample for
-the V rows of a fused qkv, `cd/values.py`); where CD cannot tell the input size
-(MMDetection's Swin has none), an image batch (1, 3, 224, 224) serves; `input_shape` gives another (and is then
-used whatever the model says). The hook's state (the update counter, plain values) is saved in MMEngine's
-checkpoints under "colinearity_decay" ("colinearity_decay:<module>" for a hook given `module=`) and restored by
-`resume`; a run that starts from a checkpoint with `load_from` (fine-tuning) counts from 0.
+model). The pair check runs one forward of that part on the `meta` device (and, in eval mode, 1 + ceil(log2 of the
+widest pair's channel count) real forwards of one sample for the V rows of a fused qkv and the channel order,
+`cd/values.py`); where CD cannot tell the input size (MMDetection's Swin has none), an image batch (1, 3, 224, 224)
+serves; `input_shape` gives another (and is then used whatever the model says). The hook's state (the update
+counter, plain values) is saved in MMEngine's checkpoints under "colinearity_decay" ("colinearity_decay:<module>"
+for a hook given `module=`) and restored by `resume`; a run that starts from a checkpoint with `load_from`
+(fine-tuning) counts from 0.
 """
 from __future__ import annotations
 
@@ -142,9 +143,12 @@ class ColinearityDecayHook(Hook):
             cause = str(e.__cause__).splitlines()[0] if str(e.__cause__) else ""
             raise UnsupportedModelError(
                 f"ColinearityDecayHook: a CD pair check's forward pass of {type(target).__name__} (on the meta "
-                f"device, or the V-row check's real one) failed on an input batch of shape {tried} ({origin}) "
-                f"({type(e.__cause__).__name__}: {cause}); give the hook input_shape= of one input batch of that "
-                "part (e.g. input_shape=(1, 3, 32, 32)), or verify=False to trust the structure alone") from e.__cause__
+                f"device, or a real one of its V-row and channel-order check) failed on an input batch of shape "
+                f"{tried} ({origin}) ({type(e.__cause__).__name__}: {cause}); if that is not the shape of the "
+                "part's input, give the hook input_shape= of one input batch of that part (e.g. input_shape=(1, 3, "
+                "32, 32)); if it is, the forward fails for another reason (the error named: a hook on the part, or a "
+                "step that cannot run on that device), which verify=False passes over by trusting the structure "
+                "alone") from e.__cause__
         # `after_load_checkpoint` comes for `load_from` (fine-tuning from a checkpoint: a new run, counted from 0)
         # as for `resume`; only a resumed run stands past iteration 0 here
         if runner.iter > 0 and self._checkpoint_keys is not None:  # a resumed run
