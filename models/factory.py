@@ -190,6 +190,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
                 shapes = None
         if shapes is not None:
             check_classes_built(shapes, cfg, arch)
+            check_img_size_built(shapes, cfg, arch)
     try:
         model = create_timm_model(arch, kwargs, pretrained=hub)
     except TypeError as e:  # an unknown constructor argument in model.kwargs
@@ -210,6 +211,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         raise
     check_classes_built(model, cfg, arch)
     check_patch_grid(model, cfg)
+    check_img_size_built(model, cfg, arch)
     if hub:  # the scored weights are not all the hub's: logged and recorded as a local file's (models/pretrained.py)
         model.pretrained_resampled, lines = hub_resampled(model, arch)
         for line in lines:
@@ -317,13 +319,56 @@ def is_language_model(model: nn.Module) -> bool:
 
 
 def input_size(model: nn.Module) -> int:
-    """Square input resolution the model was built for (a language model: its context, in tokens)."""
+    """Square input resolution the model was built for (a language model: its context, in tokens): the size its
+    input embedding was built with (built_img_size), else the size timm's pretrained_cfg gives the family."""
     if isinstance(model, GPT):
         return model.context
-    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    size = built_img_size(model)
     if size is None:
         size = model.pretrained_cfg["input_size"][1:]
     return int(size[0]) if isinstance(size, (tuple, list)) else int(size)
+
+
+def built_img_size(model: nn.Module) -> int | tuple | None:
+    """The image size `model` was built for, where its timm class keeps it: its patch embedding's (ViT, DeiT, Swin,
+    EVA), its own (Visformer, EfficientViT-MSRA, MaxViT / CoAtNet, CrossViT), else that of the first module holding
+    one, the input embedding of the families that name it otherwise (MLP-Mixer's stem, TNT's pixel_embed, CoaT's
+    patch_embed1, Twins' patch_embeds.0). None where no module keeps one (LeViT, Hiera, RepViT, ...)."""
+    for module in (getattr(model, "patch_embed", None), *model.modules()):
+        size = getattr(module, "img_size", None)
+        if isinstance(size, (int, tuple, list)):  # None: an embedding of any size (timm's dynamic ones)
+            return size
+    return None
+
+
+def check_img_size_built(model: nn.Module, cfg: ModelConfig, arch: str) -> None:
+    """model.img_size is what the images are sized to (input_size): refuse it where `model` (timm's build of `arch`)
+    was not built for it or keeps no record of its size, which timm's families without a patch embedding that
+    records it take without a word (RepViT, MobileViT: trained at their own size; LeViT, Hiera: a shape error in
+    the first forward; EfficientFormer ignores the argument). CrossViT's branches see the input rescaled: each
+    branch's size must be whole patches of its own."""
+    if cfg.img_size is None:
+        return
+    built = input_size(model)
+    if built != cfg.img_size:
+        kept = ("keeps no record of the input size it was built for" if built_img_size(model) is None else
+                f"was built for {built}-pixel inputs")
+        raise ModelError(f"model.img_size={cfg.img_size}: model '{cfg.name}' ({arch}, timm's "
+                         f"{type(model).__name__}) {kept}, so its images would be sized {built}; leave "
+                         f"model.img_size unset (the model's own {built}), or give a model family that takes it "
+                         f"(ViT, DeiT, Swin, EVA: a patch embedding built for the size)")
+    branches = getattr(model, "patch_embed", None)
+    for i, embed in enumerate(branches if isinstance(branches, nn.ModuleList) else ()):
+        size, patch = getattr(embed, "img_size", None), getattr(embed, "patch_size", None)
+        if size is None or patch is None:
+            continue
+        size, patch = to_2tuple(size), to_2tuple(patch)
+        if any(s % p for s, p in zip(size, patch)):
+            own = model.pretrained_cfg["input_size"][-1]
+            raise ModelError(f"model.img_size={cfg.img_size}: model '{cfg.name}' ({arch}) rescales the input to "
+                             f"{size[0]} pixels for its branch {i}, not a whole number of its patches of {patch[0]}; "
+                             f"leave model.img_size unset (the model's own {own}) or give a size whose every "
+                             f"branch is whole patches")
 
 
 def model_input_size(cfg: ModelConfig) -> int:
