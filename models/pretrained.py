@@ -24,7 +24,8 @@ checked against the model by the family's `check_recorded_settings`. Integer (or
 are floating point, such as a quantized model's codes saved without their scales, are refused, not cast to weights
 (models/weight_dtypes.py); float16 / bfloat16 weights load. A file torch's weights-only reader refuses (a
 safetensors file under another name, Python objects beside the tensors, a numpy .npz archive such as JAX ViT weights)
-is named with what to do about it.
+is named with what to do about it, and a file of no weights format at all (a YAML or JSON file, a numpy .npy array)
+as such.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import re
 import sys
 import zipfile
@@ -67,11 +69,15 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         # both callers read model.pretrained: name the key, and what it takes
         raise ModelError(f"pretrained weights not found: model.pretrained={path}" + (
             " is a folder; give the weights file in it" if os.path.isdir(path) else
+            # ls lists a link whose target is gone (or a loop of links): "no such file" would contradict it
+            " is a link that names no file (a loop of links, or its target is gone); give the path of the weights "
+            "file itself" if os.path.islink(path) else
             " is no such file; give the path of a local .pth, .pt or .safetensors weights file"))
     try:
         state = load_state_dict(path, use_ema=False)
     except (AttributeError, TypeError, KeyError):  # timm reads e.g. a list as if it were a mapping
-        raise ModelError(no_state_dict(path)) from None
+        # torch's legacy reader meets random bytes as pickle opcodes, one of them a memo lookup (a KeyError)
+        raise ModelError(not_weights_file(path) or no_state_dict(path)) from None
     except Exception as e:  # torch / safetensors readers raise RuntimeError, pickle and zip errors alike
         raise ModelError(unreadable(path, e)) from None
     state = module_entry(state)
@@ -274,14 +280,61 @@ def unreadable(path: str, error: Exception) -> str:
         return (f"model.pretrained={path} is a numpy .npz archive, which is not read here: save its arrays as torch "
                 f"tensors, torch.save({{k: torch.from_numpy(v) for k, v in numpy.load('{path}').items()}}, 'x.pth'), "
                 f"and give model.pretrained=x.pth")
+    if problem := not_weights_file(path):  # torch's reader fails on it as on a pickle of Python objects
+        return problem
     reason = " ".join(str(error).split()) or type(error).__name__
-    if "weights_only" in reason:  # torch's weights-only unpickler met a Python object beside the tensors
-        found = re.search(r"Unsupported globals?: (?:GLOBAL )?([\w.]+(?:, [\w.]+)*)", reason)
+    # timm re-raises torch's refusal as its own RuntimeError, whose text names the cause only when timm could list
+    # the globals: the chained errors say which it was (a Python object, or a pickle opcode torch does not read)
+    chain = " ".join(" ".join(str(e).split()) for e in error_chain(error))
+    if "Unsupported global" in chain:  # torch's weights-only unpickler met a Python object beside the tensors
+        found = re.search(r"Unsupported globals?: (?:GLOBAL )?([\w.]+(?:, [\w.]+)*)", chain)
         return (f"model.pretrained={path} holds Python objects beside its tensors"
                 + (f" ({found.group(1).rstrip('.')})" if found else "")
                 + " that weights-only loading refuses: if the file is trusted, load it with torch.load(..., "
                   "weights_only=False), save its state dict alone with torch.save and give that file")
+    if "Unsupported operand" in chain:  # a torch file (not_weights_file) pickled with opcodes torch cannot read safely
+        return (f"model.pretrained={path} is a torch file whose pickle weights-only loading cannot read (e.g. the "
+                f"legacy format saved at pickle protocol 4 or above): if the file is trusted, load it with "
+                f"torch.load(..., weights_only=False), save it again with torch.save and give that file")
     return f"model.pretrained={path} cannot be read as weights: {reason}"
+
+
+def error_chain(error: BaseException) -> list[BaseException]:
+    """`error` and the errors it was raised from or while handling (its __cause__ / __context__), in that order."""
+    chain = []
+    while error is not None and error not in chain:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+# what every file torch.save writes starts with: a zip archive's local file header, or (the legacy format,
+# _use_new_zipfile_serialization=False) torch's magic number pickled at the protocol the file was saved with
+TORCH_HEADS = (b"PK\x03\x04", *(pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=p)
+                                 for p in range(pickle.HIGHEST_PROTOCOL + 1)))
+
+
+def not_weights_file(path: str) -> str:
+    """The error line for model.pretrained=`path` when it is no weights file at all: neither one torch.save wrote
+    (a zip archive, or the legacy pickle format), nor a safetensors file (a YAML, JSON, CSV, numpy .npy, random
+    bytes); '' for a file of one of those formats (what is wrong with it is said otherwise)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(max(len(h) for h in TORCH_HEADS))
+    except OSError:
+        return ""
+    if head.startswith(TORCH_HEADS) or zipfile.is_zipfile(path) or _is_safetensors(path):
+        return ""
+    what = "an empty file" if not head else "a text file" if _is_text(head) else "binary data"
+    return (f"model.pretrained={path} is not a torch or safetensors weights file ({what}, not the zip archive or "
+            f"legacy format torch.save writes, nor safetensors); give a .pth/.pt/.safetensors file")
+
+
+def _is_text(head: bytes) -> bool:
+    """Whether `head`, a file's first bytes, reads as text (a YAML, JSON or CSV file): UTF-8 without control bytes
+    other than white space (a character cut off at the end of `head` aside)."""
+    text = head.decode("utf-8", errors="ignore")
+    return len(text.encode()) >= len(head) - 3 and all(c.isprintable() or c in "\t\n\r" for c in text)
 
 
 def _npz_arrays(path: str) -> list[str]:

@@ -148,5 +148,5 @@ def test_a_compared_weights_file_the_load_refuses_is_named_as_compare(tmp_path, 
     assert result["labels"] == ["Baseline", "ema.pth"]
     (tmp_path / "garbage.pth").write_bytes(b"not a torch file")
     err = refusal(capsys, ["energies", "--checkpoint", base, "--compare", "garbage.pth", "--out", "e2"])
-    assert err.startswith("error: --compare garbage.pth holds Python objects beside its tensors "), err
+    assert err.startswith("error: --compare garbage.pth is not a torch or safetensors weights file (a text file"), err
     assert "model.pretrained" not in err and str(tmp_path) not in err, err
