@@ -10,7 +10,7 @@ The shared core is in this folder (quantizers, layers, attention, spec, convert,
 reparam, units, layout; plan: the evaluation a config asks for and its checks; pipeline_base: the interface
 every pipeline implements, pipeline_data: the training data some draw, registry: PIPELINES by name, scope:
 what each quantizes); each method family is a sub-package: ptq/ (percentile, RepQ-ViT), aphq/, gplq/, gptq/
-(GPTQ, RTN), smoothquant/. quant/ imports torch, timm, numpy, configs (its options), models (the attention
+(GPTQ, RTN), smoothquant/. quant/ imports torch, timm, configs (its options), models (the attention
 classes it replaces) and engine (distributed helpers, the training loop for GPLQ's stage 1, the task of a
 data set); never data/ or the entry points. See quant/README.md.
 """
