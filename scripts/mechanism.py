@@ -17,7 +17,9 @@ What each subcommand writes into --out (existing files are refused unless --over
               CSV ranks every (block, direction i) by its strongest row j; the PNG ranks each block's
               directions by their peak and crops the strongest blocks to their top --crop directions x rows
   remove      remove.json, remove.png        zero FC1's singular values of the top-k aligned directions
-              (k = 0..--k, no retraining) -> FP top-1, max activation, quantized top-1 (RepQ-ViT W4A4)
+              (k = 0..--k, no retraining) -> FP top-1, max activation, quantized top-1 (RepQ-ViT W4A4);
+              the JSON's `settings` record the quantization options, calibration batch, val data, weights
+              (raw / --ema), --config files and overrides the numbers were computed with
   energies    energies.png, energies.csv     ||W2 W1n||_F^2 per role and block (Sec. 3.1, Eq. (2), normalised
               as App. A.2, Eq. (23); separate q, k, v layers as one stacked [W_Q; W_K; W_V]), for one model
               or two side by side (--compare: other weights of the same architecture, their task, model.name
@@ -86,7 +88,8 @@ from engine import outputs  # noqa: E402
 from engine.outputs import save_figure  # noqa: E402
 from engine.run_dir import RunDirError, config_changes, prepare_folder, refuse_existing_outputs  # noqa: E402
 from engine.result_table import method_name  # noqa: E402
-from evaluate import calibration_set, eval_model_config, load_float_model  # noqa: E402
+from engine.quant_settings import quant_settings  # noqa: E402
+from evaluate import calibration_set, data_identity, eval_model_config, load_float_model  # noqa: E402
 from quant.plan import pipeline_options  # noqa: E402
 from models import ModelError, build_model, input_size, is_language_model, model_label  # noqa: E402
 from timm.models import load_state_dict  # noqa: E402
@@ -748,6 +751,7 @@ def cmd_remove(args: argparse.Namespace) -> dict:
     img_size = input_size(model)
     loader = val_loader(cfg, img_size, cfg.train.eval_batch_size_per_gpu)
     calib = calibration_set(cfg, img_size).to(device)
+    settings = remove_settings(args, cfg, img_size)
 
     results = []
     for k in range(args.k + 1):
@@ -774,7 +778,7 @@ def cmd_remove(args: argparse.Namespace) -> dict:
 
     summary = {"source": loaded.source, "model": model_label(cfg.model), "method": loaded.label,
                "pipeline": args.pipeline, "bits": str(bits), "images": len(loader.dataset),
-               "calib_images": cfg.quant.calib_images,
+               "calib_images": cfg.quant.calib_images, "settings": settings,
                # which modules max_act_module is over besides those inside blocks (the maxima's own setting)
                "act_max_extra_modules": list(cfg.quant.act_max_extra_modules), "blocks": [n for n, _ in blocks],
                "results": results, "seconds": round(time.perf_counter() - start, 2)}
@@ -801,6 +805,18 @@ def cmd_remove(args: argparse.Namespace) -> dict:
     save_figure(fig, png, args.overwrite, dpi=120)
     outputs.write_json(json_path, summary, args.overwrite, indent=1)
     return {"files": [json_path, png], **summary}
+
+
+def remove_settings(args: argparse.Namespace, cfg, img_size: int) -> dict:
+    """What `remove`'s numbers depend on besides the weights file and --k / --blocks: the quantization settings as
+    evaluate.py records them with each result (engine/quant_settings.py: --pipeline's options with quant.first_last
+    applied, the calibration batch's count, seed, split and transform, the training transform where it is read),
+    the val data as evaluate.py's result files name it, which weights of the checkpoint, and the --config files and
+    key=value overrides given (a quant.repq.reparam=false result would otherwise read as one of the defaults)."""
+    return {"quant": quant_settings(cfg, args.pipeline), "data": data_identity(cfg.data, img_size),
+            "weights": "ema" if args.ema else "raw",
+            "config_files": [os.path.abspath(path) for path in args.config or ()],
+            "overrides": list(args.overrides)}
 
 
 def distinct_tails(paths: Sequence[str]) -> list[str]:

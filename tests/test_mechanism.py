@@ -579,6 +579,31 @@ def test_remove_records_the_extra_modules_its_maxima_are_over(checkpoints, tmp_p
     assert saved["act_max_extra_modules"] == ["head"]
 
 
+def test_remove_records_the_settings_its_numbers_depend_on(checkpoints, tmp_path, monkeypatch, figures_not_drawn):
+    """remove.json names the quantization options (quant.first_last applied), the calibration batch and the val
+    data its numbers were computed with, and the overrides given: a quant.repq.reparam=false run does not read as
+    one of the defaults. The scoring and the quantization are stubbed out (the record is what this checks)."""
+    monkeypatch.setattr(mechanism, "evaluate", lambda model, loader, device: {"top1": 0.0})
+    monkeypatch.setattr(mechanism, "evaluate_quantized", lambda *args, **kwargs: {"top1": 0.0})
+    given = ["quant.repq.reparam=false", "quant.calib_seed=7", "quant.calib_images=4", "quant.first_last=w8a8",
+             "data.crop_pct=0.5"]
+    runs = {}
+    for name, overrides in (("default", []), ("given", given)):
+        mechanism.main(["remove", "--checkpoint", checkpoints[0], "--out", str(tmp_path / name), "--k", "0",
+                        *overrides])
+        runs[name] = json.loads((tmp_path / name / "remove.json").read_text())["settings"]
+    default, other = runs["default"], runs["given"]
+    assert default["quant"]["options"]["reparam"] is True and other["quant"]["options"]["reparam"] is False
+    # quant.first_last=w8a8: stem and head at 8 bits (configs/quant.py FIRST_LAST_PRESETS), over repq's own None
+    assert default["quant"]["options"]["head_w_bits"] is None
+    assert {k: other["quant"]["options"][k] for k in ("stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits")} \
+        == {"stem_w_bits": 8, "stem_a_bits": 8, "head_w_bits": 8, "head_a_bits": 8}
+    assert (default["quant"]["calibration"]["seed"], other["quant"]["calibration"]["seed"]) == (0, 7)
+    assert other["quant"]["calibration"]["images"] == 4 and other["quant"]["calibration"]["transform"] == "eval"
+    assert other["data"]["eval_transform"]["crop_pct"] == 0.5 != default["data"]["eval_transform"]["crop_pct"]
+    assert (default["overrides"], other["overrides"]) == ([], given) and other["weights"] == "raw"
+
+
 def test_remove_reads_the_options_of_the_pipeline_it_runs():
     """`remove --pipeline percentile` reads quant.percentile.* and not quant.repq.* (the other pipeline's)."""
     from configs import Config
