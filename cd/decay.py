@@ -27,7 +27,7 @@ from .layouts import LAYOUTS, Layout, check_layouts
 from .pairs import ROLES, Pair, check_switches, find_pairs
 from .sharded import any_sharded, block_plans, register_shards, sharded_colinearity_decay_, sharded_pair_energy
 from .update import (PRECISIONS, align_to_task_loss, build_plan, check_tf32_device, colinearity_decay_, is_sharded,
-                     known_zero, pair_energy, pair_penalty, resolve_precision)
+                     known_zero, pair_energy, pair_penalty, refuse_meta, resolve_precision)
 from .verify import UnsupportedModelError
 from .wrappers import (check_model, closure_then, in_outer_step, steps_without_hooks, torch_optimizer,
                        unhooked_step_text, unwrap_model)
@@ -120,23 +120,6 @@ def check_parameters_current(root: Optional[nn.Module], named: list[tuple[str, T
                          f"(load_state_dict(assign=True), to_empty(), a new module, FSDP2's fully_shard, FSDP1). "
                          f"Build {who} after the model's parameters are final (after fully_shard; FSDP1 is not "
                          f"supported)")
-
-
-def refuse_meta(pairs: list[Pair], who: str) -> None:
-    """Refuse pairs whose matrices lie on the `meta` device: they have shapes but no values, so there is nothing to
-    update or measure (torch fails inside the update with an error that names neither the model nor the cause), and
-    materialising them later (`to_empty`) replaces the tensors the pairs hold. `find_pairs` itself takes a meta model
-    (its structure and the meta forward need no values: `python -m cd` lists a model's pairs so).
-
-    Raises:
-        ValueError: naming the first matrix on the meta device and the fix.
-    """
-    named = [(p.name, p.downstream) for p in pairs] + [(p.upstream_name, p.upstream) for p in pairs]
-    on_meta = [name for name, t in named if t.device.type == "meta"]
-    if on_meta:
-        raise ValueError(f"{who}: the model's parameters are on the meta device (no values, e.g. {on_meta[0]}), so "
-                         f"there is nothing to update or measure: materialise them first (model.to_empty(device=...), "
-                         f"then initialise or load the weights) and build {who} after that")
 
 
 def _role_order(key: str) -> tuple[int, str]:
@@ -920,7 +903,9 @@ class ColinearityDecay:
             GradScaler skips, a tensor lr of 0) gave it. The number counts every update CD is called for (`apply`, the
             attached optimizer's steps), one with lr 0 too (a warmup from 0), so that norms_every = the caller's
             log interval gives the norm of the update at each log step; an optimizer step that GradScaler skips
-            without calling step() (non-fused) is not seen.
+            without calling step() (non-fused) is not seen. Between those updates the value is held: a call after
+            another update (train.py's record at an epoch's end, a train.eval_every_steps update or the stop at
+            train.max_steps, when that is no multiple of its log interval) gives the norm of the last multiple's.
         cd/penalty: loss mode, the last unweighted-by-coef penalty. cd/updates: CD updates applied so far
             (a step with lr 0 or skipped by GradScaler is none).
 

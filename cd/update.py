@@ -28,9 +28,10 @@ Implementation notes (why the code looks like this):
   `matmul_precision` names whatever the caller set (`_products_in`: 'fp32' runs IEEE even where the trainer
   enabled TF32; 'auto' is TF32 on CUDA); float64 parameters stay float64; results are written back in the
   parameter dtype.
-- The product is always evaluated as (W2 W1n) W1n^T (2 o r i flops): W1 is r x i and W2 is o x r, and
-  for the paper's pairs (r = i for V -> proj; r = 4i for fc1 -> fc2) it is not more than the other order,
-  W2 (W1n W1n^T), at r^2 (i + o).
+- The product is always evaluated as (W2 W1n) W1n^T, two products of o r i multiply-adds each (4 o r i
+  flops): W1 is r x i and W2 is o x r, and for the paper's pairs (r = i for V -> proj; r = 4i for fc1 -> fc2)
+  it is not more than the other order, W2 (W1n W1n^T), at 2 r^2 (i + o) flops. For fc2 (o = i = D, r = 4D)
+  that is 16 D^3 flops against 64 D^3, for proj (o = r = i = D) 4 D^3 either way.
 """
 from __future__ import annotations
 
@@ -109,11 +110,36 @@ def build_plan(pairs: Sequence[Pair], upstream: Optional[Sequence[bool]] = None)
     return Plan(tuple(tuple(g) for g in groups), tuple(defer))
 
 
+# what to do after materialising a meta model, for the pure functions: to_empty replaces the tensors a pair holds
+_FIND_PAIRS_AGAIN = "call find_pairs after that (to_empty replaces the tensors these pairs hold)"
+
+
+def refuse_meta(pairs: Sequence[Pair], who: str, then: Optional[str] = None) -> None:
+    """Refuse pairs whose matrices lie on the `meta` device: they have shapes but no values, so there is nothing to
+    update or measure (torch fails inside the update with an error that names neither the model nor the cause), and
+    materialising them later (`to_empty`) replaces the tensors the pairs hold. `find_pairs` itself takes a meta model
+    (its structure and the meta forward need no values: `python -m cd` lists a model's pairs so). `then` is what
+    to do once the weights have values (default: build `who` after that).
+
+    Raises:
+        ValueError: naming the first matrix on the meta device and the fix.
+    """
+    named = [(p.name, p.downstream) for p in pairs] + [(p.upstream_name, p.upstream) for p in pairs]
+    on_meta = next((name for name, t in named if t.is_meta), None)
+    if on_meta is not None:
+        raise ValueError(f"{who}: the model's parameters are on the meta device (no values, e.g. {on_meta}), so "
+                         f"there is nothing to update or measure: materialise them first (model.to_empty(device=...), "
+                         f"then initialise or load the weights) and {then or f'build {who} after that'}")
+
+
 def _autocast_off(fn):
     """Run `fn(pairs, ...)` with autocast disabled on the pairs' device: the CD math stays fp32 (or float64)
-    even when called from inside an autocast region (e.g. `ColinearityDecay.apply` in a bf16 loop)."""
+    even when called from inside an autocast region (e.g. `ColinearityDecay.apply` in a bf16 loop). Pairs on the
+    `meta` device are refused first (`refuse_meta`), naming `fn`: an autocast on `meta` fails with torch's
+    "unsupported scalarType", which names neither the cause nor the fix."""
     @functools.wraps(fn)
     def wrapper(pairs, *args, **kwargs):
+        refuse_meta(pairs, fn.__name__, _FIND_PAIRS_AGAIN)
         device_type = pairs[0].w2().device.type if len(pairs) else "cpu"
         with torch.autocast(device_type=device_type, enabled=False):
             return fn(pairs, *args, **kwargs)
@@ -312,8 +338,8 @@ def colinearity_decay_(
         skipped are absent. Without `norms`, {}.
 
     Raises:
-        ValueError: step_sizes has another length than pairs, or a matrix is an FSDP2 shard (a DTensor: see
-            `cd.sharded`).
+        ValueError: step_sizes has another length than pairs, a matrix is an FSDP2 shard (a DTensor: see
+            `cd.sharded`), or one is on the meta device (`refuse_meta`: no values to update).
     """
     n_pairs = len(pairs)
     if len(step_sizes) != n_pairs:
@@ -435,6 +461,9 @@ def pair_energy(pairs: Sequence[Pair], plan: Optional[Plan] = None) -> dict[str,
     Returns:
         dict role -> 0-dim fp32 tensor: the MEAN over the role's blocks of the block's ||W2 W1n||_F^2, summed over
         the pairs of one upstream matrix.
+
+    Raises:
+        ValueError: a matrix is on the meta device (`refuse_meta`: no values to measure).
     """
     plan = plan or build_plan(pairs)
     sums: dict[str, Tensor] = {}
@@ -500,6 +529,9 @@ def pair_penalty(
 
     Returns:
         0-dim fp32 tensor (zero without a graph if every weight is 0).
+
+    Raises:
+        ValueError: a matrix is on the meta device (`refuse_meta`: no values to differentiate).
     """
     plan = plan or build_plan(pairs)
     total: Optional[Tensor] = None

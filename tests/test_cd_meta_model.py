@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cd import ColinearityDecay, find_pairs, pair_energy_source
+from cd.update import colinearity_decay_, pair_energy, pair_penalty
 from cd_models import VIT_DEPTH, randomize_norms, ref_block_update, snapshot, tiny_vit
 
 MESSAGE = r"the model's parameters are on the meta device \(no values, e.g. blocks\.0\..*materialise them first"
@@ -102,3 +103,23 @@ def test_a_partly_meta_model_is_refused_with_the_materialise_fix_not_as_split_ac
 @pytest.mark.parametrize("module", PARTS)
 def test_find_pairs_lists_a_partly_meta_models_pairs_as_a_whole_meta_models(module):
     assert len(find_pairs(_partly_meta_vit(module))) == 4 * VIT_DEPTH
+
+
+FUNCTIONS = {
+    "colinearity_decay_": lambda pairs: colinearity_decay_(pairs, [1e-5] * len(pairs)),
+    "pair_energy": pair_energy,
+    "pair_penalty": lambda pairs: pair_penalty(pairs, [1.0] * len(pairs)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+@pytest.mark.parametrize("module", [None, *PARTS])
+def test_the_functional_form_refuses_meta_pairs_with_the_cause_and_fix(name, module):
+    """cd/README.md's functional form (find_pairs, then colinearity_decay_) on a meta model failed in torch's autocast
+    with "unsupported scalarType", naming neither the cause nor the fix; pair_energy and pair_penalty too."""
+    model = _meta_vit() if module is None else _partly_meta_vit(module)
+    example = r"blocks\.0\..*" if module is None else rf"{re.escape(module)}\.weight"
+    pairs = find_pairs(model)
+    with pytest.raises(ValueError, match=rf"^{name}: the model's parameters are on the meta device \(no values, "
+                                         rf"e\.g\. {example}\).*materialise them first.*call find_pairs after that"):
+        FUNCTIONS[name](pairs)
