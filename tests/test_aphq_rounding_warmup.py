@@ -25,6 +25,7 @@ def test_at_warmup_1_no_iteration_has_a_beta(iters):
     assert below.beta(iters - 1) == 2.0  # below 1 the last iteration has beta_end
 
 
+@pytest.mark.slow
 def test_the_rounding_settings_change_nothing_at_warmup_1():
     """The property the refusal rests on: a reconstruction at warmup 1 gives the same model whatever they say."""
     def quantize(**rounding):

@@ -21,6 +21,7 @@ def quantized_state(**options) -> dict:
     return model.state_dict()
 
 
+@pytest.mark.slow
 def test_calibration_only_is_the_same_under_any_seed_and_search_max_rows_reads_it():
     """The property the rule rests on, and its exception: row subsets of the output-MSE search differ by seed."""
     assert same_state(quantized_state(seed=0), quantized_state(seed=5))

@@ -37,6 +37,7 @@ def recorded_environment(report: dict) -> dict:
     return {k: report.get(k, "missing") for k in expected_environment()}
 
 
+@pytest.mark.slow
 def test_bench_overhead_cpu_smoke(tmp_path, capsys):
     """Both sweeps of every method, the plain TWEO form among them, and outputs that are never replaced."""
     bench = _bench()
@@ -114,6 +115,7 @@ def test_epochs_protocol_reads_epoch_times_of_real_runs(tmp_path, monkeypatch):
     assert recorded_environment(json.load(open(out / "epochs.json"))) == expected_environment()
 
 
+@pytest.mark.slow
 def test_epochs_protocol_refuses_a_launcher_it_cannot_start_before_the_first_run(tmp_path):
     bench = _bench()
     with pytest.raises(SystemExit, match=r"^error: --launcher 'no-such-torchrun --nproc_per_node=4': "
@@ -522,6 +524,7 @@ def test_the_steps_are_timed_with_the_optimizer_train_py_builds(device, fused):
     assert all(g["lr"] == 1e-3 for g in optimizer.param_groups)
 
 
+@pytest.mark.slow
 def test_every_row_says_whether_its_optimizer_was_fused(tmp_path, capsys):
     bench = _bench()
     report = bench.main(["--device", "cpu", "--small", "--batches", "2", "--widths", "64", "--width-batch", "2",

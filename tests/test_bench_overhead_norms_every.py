@@ -42,6 +42,7 @@ APPLY = ["--device", "cpu", "--small", "--apply-only", "--widths", "64", "--warm
 
 
 @pytest.mark.parametrize("given, expected", [([], None), (["--norms-every", "7"], 7)])
+@pytest.mark.slow
 def test_both_cd_arms_of_the_step_protocol_get_norms_every(built, tmp_path, given, expected):
     bench, made = built
     expected = expected or train_py_norms_every()

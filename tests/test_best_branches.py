@@ -5,6 +5,7 @@ own."""
 import copy
 import os
 
+import pytest
 import torch
 
 import train
@@ -87,6 +88,7 @@ def test_a_best_pt_with_a_fingerprint_is_not_the_best_of_a_state_that_records_no
     assert (state.best_value, state.best_step) == (60.0, 6)
 
 
+@pytest.mark.slow
 def test_train_py_back_on_a_branch_keeps_the_other_branch_best_pt_aside_and_evaluates_its_own(tmp_path, caplog):
     """The same through train.py on the digits: run A (2 epochs, a snapshot per epoch), branch B from A's epoch-1
     snapshot with another lr, then A again from its epoch-2 snapshot. Both branches validate at the end of epoch 2,

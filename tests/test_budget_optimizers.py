@@ -82,6 +82,7 @@ def model():
     return tiny_vit().double()
 
 
+@pytest.mark.slow
 def test_the_optimizers_taken_with_the_budget_are_those_whose_decay_is_decoupled(model):
     from timm.optim import list_optimizers
 

@@ -110,6 +110,7 @@ def test_the_precision_check_refuses_an_update_whose_products_ran_in_fp32():
             assert_update_precision(model, before, 0.05, precision)
 
 
+@pytest.mark.slow
 def test_the_precision_check_takes_real_bf16_products_at_vit_b_width():
     """bf16 products run on a CPU too: the floor is below what they give at the GPU tests' sizes (and the model
     there is wide enough for its product matrices to be what the floor is checked on)."""

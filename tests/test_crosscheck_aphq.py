@@ -103,6 +103,7 @@ def run_script(*args):
     return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_an_existing_out_file_is_refused_in_one_error_line(tmp_path, fake_official):
     out = tmp_path / "x.json"
     out.write_text("{}")

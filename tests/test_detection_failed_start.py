@@ -52,6 +52,7 @@ def checkpoint_then_out_of_memory(runner):
     out_of_memory(runner)
 
 
+@pytest.mark.slow
 def test_a_failure_before_the_first_checkpoint_leaves_nothing_that_refuses_the_corrected_command(
         root, tmp_path, monkeypatch):
     """The settings file stayed: the corrected command, with other settings, was refused ("move the file
@@ -72,6 +73,7 @@ def test_a_failure_after_a_checkpoint_keeps_the_run_s_files(root, tmp_path, monk
     assert (work / DUMP).is_file() and (work / "epoch_1.pth").is_file()
 
 
+@pytest.mark.slow
 def test_a_failed_start_keeps_the_files_that_were_there_before_it(root, tmp_path, monkeypatch):
     """The same run started again over an earlier start's settings file and dump (kept: same settings) did not
     write them, so its failure leaves them as they were."""

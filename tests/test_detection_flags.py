@@ -180,6 +180,7 @@ def test_a_new_run_in_another_program_s_run_folder_is_refused_naming_its_files(s
     assert contents() == before
 
 
+@pytest.mark.slow
 def test_a_new_run_over_an_earlier_start_of_another_config_file_is_judged_by_its_settings(
         sample_cfg, tmp_path, monkeypatch, capsys):
     """An earlier start ended (a SIGTERM) before its first checkpoint leaves its settings file, its timestamped log

@@ -88,6 +88,7 @@ def test_a_test_metric_that_dumps_its_predictions_to_a_prefix_is_refused_before_
 @pytest.mark.parametrize("script", ["scripts/train_detection.py", "evaluate_detection.py"])
 @pytest.mark.parametrize("override", ["train_cfg.max_epochs=[1,(2]", "model.test_cfg.rcnn.max_per_img=(1,2",
                                       "model.backbone.init_cfg=dict(type='Pretrained',checkpoint='/x.pt')"])
+@pytest.mark.slow
 def test_an_override_value_mmengine_cannot_parse_is_one_error_line(tmp_path, script, override):
     """MMEngine's DictAction asserts on unbalanced brackets and recurses without end on dict(...): the entry points
     printed a traceback (about 1000 lines for the recursion) instead of their one `error:` line, exit code 2."""

@@ -80,6 +80,7 @@ def test_doses_and_seeds_are_ordered_as_numbers_not_as_text(tmp_path):
     assert [r.seed for r in groups["baseline"]] == [2, 10]
 
 
+@pytest.mark.slow
 def test_report_figures_match_hand_computed_values(sweep, tmp_path):
     report = dose_report.main([str(sweep), "--out", str(tmp_path / "o")])
     first_table = report.split("Pair energy")[0]
@@ -197,6 +198,7 @@ def test_a_partial_last_metrics_line_is_left_out_and_a_damaged_one_named(tmp_pat
         dose_report.read_sweep(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_deleted_best_pt_is_one_error_line(tmp_path):
     """best.pt removed after the evaluation (to save space): the alignment peak cannot be read, said in one
     `error:` line (was a CheckpointError traceback), and nothing is written."""

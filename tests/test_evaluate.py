@@ -101,6 +101,7 @@ def test_block_maxima_match_a_direct_computation(digits_checkpoint, tmp_path):
     assert result["quant"] == {}
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_clear_errors(digits_checkpoint, tmp_path, capsys):
     """One refusal as the process runs (its whole stderr begins with the error), the others in this process
     (a process each would import torch again: seconds each)."""

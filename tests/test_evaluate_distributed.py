@@ -231,6 +231,7 @@ def test_torchrun_prints_one_error_line_per_rank_when_rank_0_cannot_write(checkp
     assert os.path.isdir(f"{out}.lock") and not out.exists()  # nothing of the user's removed
 
 
+@pytest.mark.slow
 def test_a_calibration_batch_that_fails_on_one_rank_ends_every_rank(failing):
     """Every rank draws the calibration batch itself: one failing there ends the other with an error that says
     so, instead of leaving it at the FP pass's all-reduce with a peer that is gone (a gloo traceback)."""

@@ -60,6 +60,7 @@ def test_a_result_marked_for_its_size_names_both_sizes_and_older_files_are_not_m
     assert result_table.evaluated_otherwise({}) is None  # a file written before the field
 
 
+@pytest.mark.slow
 def test_a_result_file_written_before_the_field_was_recorded_is_added_to(tmp_path):
     """A result file written before img_size_changed was recorded takes the field (its input size is compared
     through data.eval_transform): the same command adds to it. A run whose config sets model.img_size (the

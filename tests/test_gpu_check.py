@@ -87,6 +87,7 @@ def stand_in_python(tmp_path, monkeypatch, prelude: str) -> None:
     monkeypatch.setattr(sys, "executable", str(wrapper))
 
 
+@pytest.mark.slow
 def test_a_stage_killed_after_its_first_pipeline_keeps_that_pipeline_s_figures(tmp_path, monkeypatch):
     """The quant stage's process is killed as the driver kills one at its budget (SIGKILL to its process group:
     no `finally` runs) while it times the second pipeline: the float timing and the first pipeline's figures,

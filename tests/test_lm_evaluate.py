@@ -508,6 +508,7 @@ def test_more_val_windows_than_the_held_out_text_has_are_refused_by_evaluate_and
     assert not (out / "checkpoint.pt").exists()
 
 
+@pytest.mark.slow
 def test_a_run_written_when_val_windows_was_at_most_resumes_and_evaluates_on_the_windows_it_scored(tmp_path):
     """A run written before more val windows than the text has were refused recorded e.g. data.val_windows=200 and
     scored all of a text's 124 (here: a run of 0 whose checkpoints and config.yaml record 200, as it wrote them).

@@ -86,6 +86,7 @@ def test_a_stalled_worker_ends_the_iteration_within_the_timeout(tmp_path, monkey
     assert isinstance(stalled.value, DataError)  # the entry points' one-line user errors
 
 
+@pytest.mark.slow
 def test_a_stalled_worker_ends_a_training_run_with_one_error_line_and_its_checkpoint(tmp_path, monkeypatch, capsys):
     """train.py's __main__ in this process (run_entry; its loader workers fork from it, stall included): the
     debug recipe (64 train images, batches of 8, two per update) with one worker and a short timeout; the

@@ -10,6 +10,7 @@ import json
 import os
 import time
 
+import pytest
 import torch
 from tensorboard.backend.event_processing import event_accumulator, plugin_event_accumulator
 from tensorboard.util import tensor_util
@@ -75,6 +76,7 @@ def test_a_finished_run_re_run_without_its_best_pt_writes_it_and_logs_its_valida
     assert best["state"]["step"] == 8 and best["metrics"]["val/top1"] == records[-1]["val/top1"]
 
 
+@pytest.mark.slow
 def test_a_re_run_with_other_validation_settings_logs_its_new_validation(debug_config, tmp_path):
     """A finished run re-run with another eval transform validates its last update again and writes best.pt from
     that new number; the new number is logged too (was: left out, since the update had a val record, so

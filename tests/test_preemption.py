@@ -608,6 +608,7 @@ for name in sys.argv[1:]:  # one loader after the other, each hit by a group sig
 """
 
 
+@pytest.mark.slow
 def test_a_group_signal_while_workers_start_is_a_stop_request_not_a_crash():
     """StopSafeDataLoader starts its workers with the stop signals blocked; torch's plain DataLoader, the
     reference, loses a worker to the same signal (so the test shows the window it closes). One process, the

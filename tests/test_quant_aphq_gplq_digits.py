@@ -73,6 +73,7 @@ def assert_fully_quantized(qmodel):
     assert not any(p.requires_grad for p in qmodel.parameters())
 
 
+@pytest.mark.slow
 def test_aphq_end_to_end(trained):
     model, _, data, calib, xv, yv = trained
     before = snapshot(model)

@@ -42,6 +42,7 @@ def killed_run(tmp_path, kill_at: str, *overrides: str) -> subprocess.CompletedP
                           env={**os.environ, "KILL_AT": kill_at}, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_a_kill_inside_the_first_checkpoint_write_restarts_with_the_same_command(tmp_path, debug_config):
     """The first validation writes best.pt just before the first checkpoint.pt: a kill inside that write left
     best.pt and no checkpoint.pt, a folder the same command refused (best.pt is a result, moved only with

@@ -59,6 +59,7 @@ def test_fp16_turned_on_at_a_resume_starts_a_fresh_loss_scale_and_turned_off_dro
     assert resumed.state.step == 8 and "scaler" not in load(debug_config(name="from_fp16").out_dir, "checkpoint.pt")
 
 
+@pytest.mark.slow
 def test_ema_turned_on_at_a_resume_is_refused_in_one_line_naming_train_ema(debug_config):
     """An EMA begun at the resume is not the average a run with train.ema=true holds at that update (and
     evaluate.py --ema would score it as one): refused, naming train.ema and the ways on, before anything in

@@ -24,6 +24,7 @@ def test_a_folder_as_train_resume_is_refused_naming_the_checkpoint_files_in_it(t
         resume_source(str(tmp_path / "new"), str(missing))
 
 
+@pytest.mark.slow
 def test_train_py_with_a_folder_as_train_resume_ends_with_one_error_line(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()

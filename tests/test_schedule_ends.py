@@ -94,6 +94,7 @@ def test_train_py_trains_poly_down_to_min_lr(tmp_path):
     assert logged[12] == pytest.approx(1.9e-4)  # one tenth of the way from min_lr to the peak
 
 
+@pytest.mark.slow
 def test_a_poly_run_of_another_power_does_not_resume_on_the_new_curve_without_a_word(tmp_path, capsys):
     """A checkpoint of a poly run whose scheduler decayed with create_scheduler_v2's default power (what build_scheduler
     passed before it set the power, recorded in the checkpoint's scheduler state) would continue on another lr curve:

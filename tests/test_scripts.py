@@ -548,6 +548,7 @@ def test_finetune_layout_refuses_a_row_scored_on_other_val_images_under_the_same
     assert "| Pets |" in paper_table.finetune_table([results[0], older])
 
 
+@pytest.mark.slow
 def test_a_sweep_refuses_an_override_of_a_key_its_runs_set():
     path = os.path.join(ROOT, "configs", "sweeps", "finetune.yaml")
     runs = sweep.expand(path, ["model.pretrained=/w/in21k.safetensors"])

@@ -68,6 +68,7 @@ def sweep(tmp_path, store, folders: dict, older: bool = False):
     return root
 
 
+@pytest.mark.slow
 def test_evaluate_records_the_seed_the_run_trained_with(store):
     for run, seed in (("first", 0), ("other", 1), ("again", 0)):
         result = json.loads((store / run / "eval_best.json").read_text())

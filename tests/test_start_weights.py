@@ -1,6 +1,7 @@
 """The weights a run started from (engine/start_weights.py): train.py records them in checkpoint.pt and best.pt,
 evaluate.py in the recipe it writes, so that runs fine-tuned from other weights, or one trained from scratch, are
 no seeds of one experiment for the readers that average seeds (engine/eval_results.recipe_difference)."""
+import pytest
 import torch
 
 import evaluate
@@ -23,6 +24,7 @@ def weights_file(path, seed: int) -> str:
     return weights_fingerprint({k: v for k, v in state.items() if not k.startswith("head.")})
 
 
+@pytest.mark.slow
 def test_runs_from_other_start_weights_or_from_scratch_are_no_seeds_of_one_recipe(tmp_path):
     file_a, file_b = tmp_path / "a.pth", tmp_path / "b.pth"
     fingerprint_a, fingerprint_b = weights_file(file_a, 1), weights_file(file_b, 2)

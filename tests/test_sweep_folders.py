@@ -174,6 +174,7 @@ def test_a_key_every_run_sets_alike_stays_an_override_for_the_whole_sweep():
         assert all("train.batch_size_per_gpu=32" in r["overrides"] for r in runs)
 
 
+@pytest.mark.slow
 def test_a_key_one_runs_preset_sets_is_refused_for_every_run_kept_and_a_key_that_places_work_may_be_set_for_all():
     """finetune.yaml's imagenet preset sets its own batch sizes: train.batch_size_per_gpu=32 for the whole sweep
     would replace its batch (refused, naming the preset), and for a run --only keeps that does not set it too (the
@@ -433,6 +434,7 @@ def _printed(capsys) -> list[list[str]]:
     return [shlex.split(line) for line in commands]
 
 
+@pytest.mark.slow
 def test_printed_commands_run_from_any_folder_as_the_sweep_runs_them(tmp_path):
     """The printed commands' paths (train.py, the config files, a relative out_dir) are the repository root's, as
     --run runs them: started elsewhere (`cd /tmp && python /repo/scripts/sweep.py ...`), pasted into a shell there,

@@ -337,6 +337,7 @@ def test_exact_resume_on_digits_with_augmentation_and_repeated_sampling(tmp_path
     assert a["state"] == b["state"]
 
 
+@pytest.mark.slow
 def test_job_logs_have_a_line_per_log_step_and_a_summary_off_a_terminal(tmp_path):
     import re
 
@@ -482,6 +483,7 @@ def test_the_snapshot_suggested_for_an_unusable_checkpoint_is_the_last_good_one_
         train.main(debug_config("train.keep_every_epochs=1", name="s"))
 
 
+@pytest.mark.slow
 def test_a_corrupt_latest_checkpoint_is_one_error_line_with_the_command_that_continues(tmp_path, capsys,
                                                                                          caplog):
     """The first damage is refused by a real train.py process (its exit status and whole stderr); the others,

@@ -24,6 +24,7 @@ def run(tmp_path, name, *overrides):
     return result, [r for r in records if "train/loss" in r]
 
 
+@pytest.mark.slow
 def test_cd_trains_on_digits_lowers_pair_energy_and_applies_once_per_update(tmp_path):
     _, base = run(tmp_path, "base")
     result, cd = run(tmp_path, "cd", "cd.enabled=true", "cd.lam=1.0", "cd.budget=false")

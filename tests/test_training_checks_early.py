@@ -105,6 +105,7 @@ def test_a_sweep_refuses_a_later_runs_setting_before_the_first_run(tmp_path, ite
         sweep.expand(str(path), [])
 
 
+@pytest.mark.slow
 def test_train_refuses_a_cd_role_before_claiming_its_folder(tmp_path):
     out = tmp_path / "run"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, "cd.enabled=true",
