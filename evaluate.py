@@ -67,7 +67,7 @@ from data.loader import same_split_data, split_location, split_reading
 from data.text import FINGERPRINT_HEAD_BYTES, ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
-from engine.eval_results import EvalResults, ResultsError, check_result_path, checkpoint_kind
+from engine.eval_results import STEP_FIELD, EvalResults, ResultsError, check_result_path, checkpoint_kind
 from engine.snapshots import check_same_weights_on_every_rank
 from engine.train_seeds import SEED_FIELD
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
@@ -254,6 +254,9 @@ def main(args: argparse.Namespace) -> dict:
             as_trained = config_from_dict(payload["config"])
             trained = {"recipe": recipe(config_to_dict(as_trained)) | recipe_entries(payload),
                        SEED_FIELD: as_trained.train.seed,
+                       # the update its weights are of: seeds' snapshots of other epochs are no seeds of one
+                       # evaluation (engine/eval_results.step_difference)
+                       STEP_FIELD: checkpoint_update(payload),
                        # data.root is a path (the recipe leaves it out: it may move): the files the run read under it,
                        # whose val split tables compare with the one scored (result_table.data_root_changed)
                        "trained_data": {"root": as_trained.data.root,
@@ -289,6 +292,14 @@ def main(args: argparse.Namespace) -> dict:
             console_print(markdown_table([results.data]))  # its † and ± on an ASCII console, or a closed pipe
             log.info("wrote %s", out)
     return results.data
+
+
+def checkpoint_update(payload: dict) -> Optional[int]:
+    """The update of training a train.py checkpoint's weights are of (its state.step; a snapshot's, best.pt's
+    and checkpoint.pt's alike), or None where the file records none."""
+    state = payload.get("state")
+    step = state.get("step") if isinstance(state, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def check_out(out: str, writes_log: bool) -> None:

@@ -23,7 +23,9 @@
   (training went on after the evaluation and saved a new best.pt).
 * `refuse_unfinished` (run by the readers that average runs as seeds) refuses runs that did not all end alike:
   one stopped before the end of its schedule (train.max_steps, a signal) beside runs that trained further, told by
-  its metrics.jsonl and config.yaml.
+  its metrics.jsonl and config.yaml; `refuse_unfinished_groups` runs it over result files, per group of results
+  averaged together (the seeds of a row or of a method) or each alone (one result per row or circle), and
+  `stopped_early` says which of a table's or figure's runs that their own train.max_steps stopped to mark (§).
 * the file is rewritten (atomically) after each result, so a crash loses at most the running pipeline;
   each write merges into the file as it is then, under a lock, so that concurrent evaluate.py processes
   writing one file all keep their results (maxima over other modules written meanwhile are refused, or with
@@ -37,7 +39,7 @@ import json
 import logging
 import math
 import os
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -85,6 +87,12 @@ def take_later_data(result: dict) -> None:
 # the kinds of file a result can score (`checkpoint_kind`): a run's best.pt and its checkpoint.pt (the latest) hold
 # weights of different updates, so seeds of one kind and of the other are no seeds of one evaluation
 CHECKPOINT_KINDS = {"best.pt": "best", "checkpoint.pt": "latest"}
+# the update of training the scored checkpoint's weights are of (its state.step), which evaluate.py records for a
+# run's checkpoint. Seeds' snapshots, or files set aside, of one kind may be of other updates (epoch0001.pt beside
+# epoch0002.pt): compared (`step_difference`). A best.pt is of its own run's best validation, whose update differs
+# between seeds by nature, and a checkpoint.pt of its run's end (one that ended early: refuse_unfinished)
+STEP_FIELD = "checkpoint_step"
+STEP_KINDS = ("snapshot", "other")
 
 
 def checkpoint_kind(checkpoint: Optional[str], pretrained: bool = False) -> str:
@@ -174,7 +182,8 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     """How two results of evaluate.py were evaluated differently, besides their weights: the first differing
     of the model, the val data, raw or EMA weights, autocast, the image count, and the settings of each
     quantized entry both hold, the kind of checkpoint scored (of run files: best.pt, checkpoint.pt, a snapshot, a
-    file set aside) and the names of the val images where both record them; None when alike."""
+    file set aside), the update of two snapshots or two files set aside (`step_difference`) and the names of the
+    val images where both record them; None when alike."""
     for key in EVALUATION_KEYS:
         x, y = _plain(a.get(key)), _plain(b.get(key))
         if x != y:
@@ -188,6 +197,9 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     if None not in (x, y) and "weights" not in (x, y) and x != y:
         return Difference("checkpoint_kind", f"{json.dumps(x)} vs {json.dumps(y)}: score the same file of every "
                                              "run (each one's best.pt, or each one's checkpoint.pt)", False)
+    step = step_difference(a, b)
+    if step is not None:
+        return step
     content = content_difference(a, b)
     if content is not None:
         return content
@@ -204,6 +216,21 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
             if x != y:
                 return Difference(f"{pipeline} {bits} settings", settings_diff(x, y), True)
     return None
+
+
+def step_difference(a: dict, b: dict) -> Optional[Difference]:
+    """Other updates of training, where both results score a file of one of STEP_KINDS (two snapshots, or two files
+    set aside or renamed) and record the update its weights are of (STEP_FIELD); None otherwise. Results written
+    before evaluate.py recorded the update have none: not compared (their update is unknown, as their kind is for
+    files written before that was recorded). A renamed copy of a best.pt is a file of kind "other", of its own
+    update: a link to the best.pt is of kind "best"."""
+    kinds = {a.get("checkpoint_kind"), b.get("checkpoint_kind")}
+    x, y = a.get(STEP_FIELD), b.get(STEP_FIELD)
+    if len(kinds) != 1 or not kinds <= set(STEP_KINDS) or None in (x, y) or x == y:
+        return None
+    return Difference(STEP_FIELD, f"update {x} vs update {y} ({kinds.pop()} files): score the file of one update of "
+                                  "every run (each one's snapshot of one epoch), or each one's best.pt (a link to "
+                                  "it, not a copy)", False)
 
 
 def content_difference(a: dict, b: dict) -> Optional[Difference]:
@@ -388,6 +415,78 @@ def run_folder(path: str, result: dict) -> Optional[str]:
         return None
     checkpoint = evaluated_checkpoint(path, result)
     return os.path.dirname(checkpoint if checkpoint else os.path.realpath(path))
+
+
+def refuse_unfinished_groups(groups: Iterable[Sequence[tuple[str, dict, str]]], use: str) -> None:
+    """`refuse_unfinished` over each group of result files, each (the file's path, its result, how to leave it out,
+    e.g. 'leave x.json out of --over-seeds'), judged by the run of its best.pt or checkpoint.pt (`run_folder`; a
+    result of no run's end, a snapshot's, is not judged). A group is what is averaged together: the seeds of one row
+    (paper_table.py --over-seeds: one model and method) or of one method (compare_act_max.py); a table or figure of
+    one result per row or circle makes a group of each (runs of other recipes end at other updates, and none is
+    averaged with another). `use` says what would be done with an unfinished run's numbers."""
+    for group in groups:
+        refuse_unfinished([(folder, result, leave_out) for path, result, leave_out in group
+                           if (folder := run_folder(path, result)) is not None], use=use)
+
+
+# a run its own train.max_steps stopped short of this percentage of its schedule's updates is marked § even where
+# nothing beside it ended elsewhere (`stopped_early`); 20,000 of 20,016 (99.9 %) is not
+SHORT_OF_SCHEDULE = 99
+
+
+def stopped_early(paths: Sequence[str], results: Sequence[dict], names: Sequence[str]) -> list[Optional[str]]:
+    """For each result (at `paths`) whose run stopped before the end of its schedule and was not refused
+    (`refuse_unfinished_groups`: at a train.max_steps of its own, e.g. 3 of 22 updates), how far it got and why a
+    table or figure marks it (§), where EITHER it is shown beside a run that trained to another end (a result of the
+    same model, and data set where both record one, whose run ended at another update, at its schedule's end or at
+    a train.max_steps of its own; its note names that run by `names`) OR it reached less than 99 % of its schedule's
+    updates (SHORT_OF_SCHEDULE: a model trained for a fraction of its recipe, alone or beside runs that all stopped
+    alike); else None. Both reasons are given where both apply. A run records no origin of its train.max_steps (its
+    command line or its recipe file), so a recipe that stops there on purpose is told by its runs stopping alike
+    within 1 % of their schedule's end: a recipe whose train.max_steps stops its runs at 20,000 of their 20,016
+    updates (99.9 %) marks none of them. A damaged metrics.jsonl is a ResultsError."""
+    ends = []  # per result: (how far it got, or None at its schedule's end; the update it validated last at)
+    planned = []  # per result: the updates of its schedule, or None where its files do not tell
+    for path, result in zip(paths, results):
+        folder = run_folder(path, result)
+        end = run_end(folder, result) if folder is not None else None
+        length = (schedule_updates(result["recipe"], metrics_records(folder))
+                  if end is not None and end[0] is not None else None)
+        ends.append(end)
+        planned.append(length[0] if length is not None else None)
+
+    def trained_elsewhere(i: int, j: int) -> bool:
+        """Whether result j is of i's model and data set (where both record one) and its run ended at another
+        update than i's."""
+        first, second = _trained_data_set(results[i]), _trained_data_set(results[j])
+        return (ends[j] is not None and ends[j][1] != ends[i][1] and results[j]["model"] == results[i]["model"]
+                and (first is None or second is None or first == second))
+    found: list[Optional[str]] = []
+    for i, end in enumerate(ends):
+        # one stopped short elsewhere than at its own train.max_steps is refused (refuse_unfinished)
+        if end is None or end[0] is None:
+            found.append(None)
+            continue
+        other = next((j for j in range(len(results)) if trained_elsewhere(i, j)), None)
+        # integers: 99 % of 20,016 updates is 19,815.84, and 20,000 are past it
+        under = planned[i] is not None and 100 * end[1] < SHORT_OF_SCHEDULE * planned[i]
+        reasons = ([f"at {math.floor(1000 * end[1] / planned[i]) / 10} % of its schedule's updates (under "
+                    f"{SHORT_OF_SCHEDULE} %)"] if under else []) \
+            + ([f"while {names[other]} ended at update {ends[other][1]}"] if other is not None else [])
+        found.append(", ".join([f"{end[0]}, where its train.max_steps stopped it", *reasons]) if reasons else None)
+    return found
+
+
+def _trained_data_set(result: dict) -> Optional[tuple]:
+    """What tells the data set a result's model was trained and scored on for `stopped_early` (runs of one model on
+    other data sets end at other updates by their recipes): data.dataset and, for image folders and token files,
+    data.root's last folder (the root may move between machines); None for a result that records no data (an older
+    file)."""
+    data = result.get("data")
+    if not isinstance(data, dict) or "dataset" not in data:
+        return None
+    root = data.get("root") if data["dataset"] in ("folder", "tokens") else None
+    return data["dataset"], os.path.basename(os.path.normpath(root)) if root else ""
 
 
 class EvalResults:
@@ -679,7 +778,7 @@ DETECTION_FIELDS = ("task", "config", "fp", "max_act", "quant")  # an evaluate_d
 # fields a result may lack (older files, weights files) but that the readers use as these types where present:
 # a recipe given as a list, a quantized entry or its settings as a number would stop them on a traceback
 OPTIONAL_FIELD_TYPES = {"recipe": dict, "data": dict, "checkpoint": str, "checkpoint_kind": str, "fingerprint": str,
-                        "weights": str, "eval_amp": str, SEED_FIELD: int}
+                        "weights": str, "eval_amp": str, SEED_FIELD: int, STEP_FIELD: int}
 
 
 def read_result_file(path: str, fields: tuple = TABLE_FIELDS, detection: bool = False) -> dict:

@@ -6,7 +6,10 @@ a method's files with their min-max range shaded; writes the PNG and a CSV, and 
 is read with the result file evaluate.py wrote beside it (`<stem>.json` for `<stem>_act_max.csv`), which says how
 its maxima were measured: the runs of a method must be distinct runs evaluated alike
 (engine.result_table.check_seed_group: data, raw or EMA weights, the kind of checkpoint (best.pt, checkpoint.pt),
-autocast, quant.act_max_extra_modules, model.kwargs, and the method and recipe the result files record); the
+the update of snapshots, autocast, quant.act_max_extra_modules, model.kwargs, and the method and recipe the result
+files record) whose runs ended alike (engine/eval_results.refuse_unfinished: a run stopped by train.max_steps or a
+signal before the others' end is refused, and one stopped by a signal, or evaluated while it trained, even alone,
+as its run folder's metrics.jsonl tells); the
 methods must be measured alike in what sets the float maxima (data, image count, the val images' names, raw or EMA
 weights, autocast, the kind of a run's checkpoint (model.pretrained weights, no file of a run, are drawn beside
 any), the modules counted (quant.act_max_extra_modules): compared as paper_table.py's fine-tuning layout compares
@@ -33,7 +36,8 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser, first_line  # noqa: E402
-from engine.eval_results import EVALUATION_KEYS, first_difference, read_result_file  # noqa: E402
+from engine.eval_results import (EVALUATION_KEYS, first_difference, read_result_file,  # noqa: E402
+                                 refuse_unfinished_groups)
 from engine.figures import new_figure  # noqa: E402
 from engine.console import console_print  # noqa: E402
 from engine.outputs import save_figure, write_csv  # noqa: E402
@@ -84,10 +88,16 @@ def per_block(path: str) -> dict[int, tuple[float, float]]:
     return {b: (block[b], module[b]) for b in sorted(block)}
 
 
+def json_beside(path: str) -> str | None:
+    """The path of the result file evaluate.py wrote with the CSV at `path` (`<stem>.json` beside
+    `<stem>_act_max.csv`), None for a CSV of another name."""
+    return path[:-len(SUFFIX)] + ".json" if path.endswith(SUFFIX) else None
+
+
 def result_beside(path: str) -> dict:
     """The evaluate.py result file written with the CSV at `path` (`<stem>.json` beside `<stem>_act_max.csv`):
     the record of how its maxima were measured; a CSV without one is a ValueError naming it and the fix."""
-    json_path = path[:-len(SUFFIX)] + ".json" if path.endswith(SUFFIX) else None
+    json_path = json_beside(path)
     if json_path is None or not os.path.isfile(json_path):
         raise ValueError(f"{path} has no result file of evaluate.py beside it "
                          f"({json_path or '<stem>.json for a <stem>' + SUFFIX}), so the settings its maxima were "
@@ -104,9 +114,11 @@ def result_beside(path: str) -> dict:
 
 def evaluated_alike(groups: dict[str, list[str]]) -> dict[str, list[str]]:
     """{method: notes} after refusing (ValueError) a method whose files are not distinct runs evaluated alike
-    (`check_seed_group` on their result files); the notes say how a method's model was evaluated otherwise than
-    trained or than the paper evaluates (`evaluated_otherwise`: model.kwargs, data, split, autocast, EMA weights), empty
-    when alike.
+    (`check_seed_group` on their result files) or that did not all end alike (engine.eval_results.
+    refuse_unfinished_groups: one stopped by train.max_steps or a signal before the others' end, as its run folder's
+    metrics.jsonl tells; one stopped by a signal, or evaluated while it trained, even alone); the notes say how a
+    method's model was evaluated otherwise than trained or than the paper evaluates (`evaluated_otherwise`:
+    model.kwargs, data, split, autocast, EMA weights), empty when alike.
     Methods measured with other FLOAT_KEYS settings are refused too (the first run of each: a method's runs are
     alike by then)."""
     notes, firsts = {}, []
@@ -114,6 +126,10 @@ def evaluated_alike(groups: dict[str, list[str]]) -> dict[str, list[str]]:
         results = [result_beside(p) for p in paths]
         # the maxima come from the float pass: the quantized entries' settings play no part in them
         check_seed_group(results[0]["model"], method, [dict(r, quant={}) for r in results], labels=paths)
+        # averaged as seeds: a run stopped before the others of its method ended (train.max_steps, a signal)
+        use = "averaged as a seed of finished ones" if len(paths) > 1 else "drawn as a finished run's"
+        refuse_unfinished_groups([[(json_beside(p), r, f"leave {p} out of method {method!r}")
+                                   for p, r in zip(paths, results)]], use=use)
         notes[method] = sorted({c for r in results if (c := evaluated_otherwise(r))})
         firsts.append((f"{paths[0]} ({method})", float_settings(results[0])))
     found = first_difference(firsts)

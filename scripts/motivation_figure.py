@@ -10,11 +10,16 @@ checkpoint's training config (CD, TWEO, Noise, Baseline).
 Writes motivation.png and motivation.csv (task, model, method, metric, FP and quantized score, maxima) into
 --out; an existing file is replaced only with --overwrite. A classifier evaluated otherwise than it was trained
 or than the paper evaluates (a model.kwargs override: the same weights through another forward; another split; an
-autocast; the EMA weights) is marked † in its model name (a place of its own on the axis, and in the CSV), with a note naming both on stderr
-(engine.result_table.evaluated_otherwise), as evaluate.py's table marks its row. Classifiers measured differently
-in what sets a maximum (data, image count, val images, raw or EMA weights, autocast, the kind of checkpoint, the
-modules counted: what scripts/compare_act_max.py refuses) or in the drawn entry's quantization settings
-(calibration images, pipeline options) are refused: their circles would show a setting as the method's.
+autocast; the EMA weights) is marked † in its model name (a place of its own on the axis, and in the CSV), with a
+note naming both on stderr (engine.result_table.evaluated_otherwise), as evaluate.py's table marks its row.
+Classifiers measured differently in what sets a maximum (data, image count, val images, raw or EMA weights,
+autocast, the kind of checkpoint, the modules counted: what scripts/compare_act_max.py refuses) or in the drawn
+entry's quantization settings (calibration images, pipeline options) are refused: their circles would show a setting
+as the method's. As in paper_table.py's rows layout, a classifier whose run stopped before the end of its schedule
+by a signal (or was evaluated while it trained) is refused, as its run folder's metrics.jsonl tells, and one its own
+train.max_steps stopped is marked § in its model name (a place of its own on the axis, and in the CSV), with a note
+on stderr saying how far it got, where a classifier of its model and data set beside it ended at another update or
+it reached less than 99 % of its schedule's updates (engine/eval_results.stopped_early).
 
     python scripts/motivation_figure.py runs/pretrain/*/eval_best.json runs/det/*/eval_epoch_*.json \
         --out results/motivation
@@ -27,14 +32,16 @@ import argparse
 import os
 import re
 import sys
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
-from engine.eval_results import ResultsError, first_difference, missing_number, read_result_files  # noqa: E402
+from engine.eval_results import (ResultsError, first_difference, missing_number, read_result_files,  # noqa: E402
+                                 refuse_unfinished_groups, stopped_early)
 from engine.figures import colour_rgb, new_figure  # noqa: E402
 from engine.outputs import save_figure, write_csv  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from engine.result_table import dagger_note, evaluated_otherwise, nondefault_settings  # noqa: E402
+from engine.result_table import dagger_note, evaluated_otherwise, nondefault_settings, stopped_note  # noqa: E402
 from compare_act_max import float_settings  # noqa: E402  (scripts/: this folder, as this script runs it)
 from quant import PIPELINES, parse_bits  # noqa: E402
 
@@ -65,12 +72,13 @@ def detector_names(path: str, result: dict) -> tuple[str, str]:
 
 
 def points(paths: list[str], results: list[dict], pipeline: str, bits: str, max_act: str,
-           det_max_act: str = "backbone") -> list[dict]:
+           det_max_act: str = "backbone", stopped: Optional[list[Optional[str]]] = None) -> list[dict]:
     """One row per result that has the (pipeline, bits) entry, in input order: a classifier's top-1, a
     detector's box mAP (in %, on the top-1 scale; the paper's Table 2 writes mAP as a fraction, 0.344), with the
-    maximum the circle's area stands for."""
+    maximum the circle's area stands for. A classifier whose run its own train.max_steps stopped early (`stopped`,
+    per result: `stopped_runs`) has § in its model name, as one evaluated otherwise has †."""
     rows = []
-    for path, r in zip(paths, results):
+    for i, (path, r) in enumerate(zip(paths, results)):
         q = r.get("quant", {}).get(pipeline, {}).get(bits)
         if q is None:
             continue
@@ -90,7 +98,8 @@ def points(paths: list[str], results: list[dict], pipeline: str, bits: str, max_
                          "max_head": r["max_act"]["head"]})
         else:
             changed = evaluated_otherwise(r)  # another forward, split or precision: not a circle of the model as trained
-            rows.append({"task": "classification", "model": r["model"] + ("†" if changed else ""),
+            short = "§" if stopped and stopped[i] else ""  # trained to another length than a circle beside it
+            rows.append({"task": "classification", "model": r["model"] + ("†" if changed else "") + short,
                          "method": r["method"], "metric": "top-1 (%)",
                          "fp": r["fp"]["top1"], "quantized": q["top1"], "max_act": r["max_act"][max_act],
                          "max_module": r["max_act"]["module"], "max_block": r["max_act"]["block"]})
@@ -114,6 +123,24 @@ def refuse_unlike(paths: list[str], results: list[dict], pipeline: str, bits: st
                            f"weights, autocast, quant.act_max_extra_modules and {pipeline} {bits} settings (python "
                            f"evaluate.py --checkpoint <run>/best.pt with one set of settings), or draw them in "
                            f"separate figures")
+
+
+def stopped_runs(paths: list[str], results: list[dict]) -> list[Optional[str]]:
+    """Refuse (ResultsError) a classifier's result whose run stopped before the end of its schedule other than at
+    its own train.max_steps (by a signal, or evaluated while it trained), as paper_table.py's rows layout does
+    (engine.eval_results.refuse_unfinished_groups, each circle judged alone); per result, how far a run its own
+    train.max_steps stopped got and why it is marked § (engine.eval_results.stopped_early: beside a classifier of
+    its model and data set that ended at another update, named by its path, or short of 99 % of its schedule),
+    else None (and for a detector's: evaluate_detection.py records no schedule)."""
+    classifiers = [i for i, r in enumerate(results) if not is_detection(r)]
+    refuse_unfinished_groups([[(paths[i], results[i], f"leave {paths[i]} out of the figure")] for i in classifiers],
+                             use="drawn as a finished run's")
+    how = stopped_early([paths[i] for i in classifiers], [results[i] for i in classifiers],
+                        [paths[i] for i in classifiers])
+    found: list[Optional[str]] = [None] * len(results)
+    for i, note in zip(classifiers, how):
+        found[i] = note
+    return found
 
 
 def circle_areas(values: list[float]) -> list[float]:
@@ -229,8 +256,9 @@ def main(argv=None) -> list[dict]:
                  f"{lacking[0][0]}); run {tool} --quant {args.pipeline} --bits {bits} on their checkpoints, "
                  "or leave them out")
     try:
-        rows = points(args.results, results, args.pipeline, bits, args.max_act, args.det_max_act)
         refuse_unlike(args.results, results, args.pipeline, bits)
+        stopped = stopped_runs(args.results, results)
+        rows = points(args.results, results, args.pipeline, bits, args.max_act, args.det_max_act, stopped)
     except ResultsError as e:
         sys.exit(f"error: {e}")
     # evaluate.py's defaults; a detector's settings are evaluate_detection.py's own (not compared)
@@ -238,11 +266,14 @@ def main(argv=None) -> list[dict]:
                       for d in nondefault_settings(args.pipeline, r["quant"][args.pipeline][bits].get("settings"))})
     if unusual:
         print(f"note: some results were quantized with non-default settings: {', '.join(unusual)}", file=sys.stderr)
-    for r in results:
-        changed = None if is_detection(r) else evaluated_otherwise(r)
+    for r, short in zip(results, stopped):
+        if is_detection(r):  # evaluate_detection.py records neither a model.kwargs change nor a schedule
+            continue
+        label, changed = f"{r['model']} {r['method']}", evaluated_otherwise(r)
         if changed:
-            label = f"{r['model']} {r['method']}"
             print(f"note: {dagger_note(label, changed)}", file=sys.stderr)
+        if short:
+            print(f"note: {stopped_note(label, [short])}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     which = {"classification": args.max_act, "detection": args.det_max_act}
     try:  # never over a file another command wrote since this one started

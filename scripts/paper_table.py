@@ -1,6 +1,8 @@
 """Collect evaluate.py results (JSON files) into markdown tables in the layout of the paper's tables.
 
-    python scripts/paper_table.py runs/pretrain/*/eval_best.json                    # Tables 1, 4, 5, 6
+    python scripts/paper_table.py runs/pretrain/*/eval_best.json                    # Table 1
+    python scripts/paper_table.py runs/sweeps/cd_lambda/*/eval_best.json            # Table 4a (4b: cd_form,
+                                                             # 5: cd_targets, 6: attn_sink; docs/reproduce.md)
     python scripts/paper_table.py runs/sweeps/digits/*/eval_best.json --out results/digits.md
     python scripts/paper_table.py runs/sweeps/fashion_mnist_mini/*/eval_best.json --over-seeds  # mean ± std
     python scripts/paper_table.py --layout finetune runs/sweeps/finetune/*/eval_best.json       # Table 3
@@ -13,12 +15,14 @@ than its run's, another data.val_split, an --amp autocast, the --ema weights) is
 column) in the fine-tuning layout. A module
 maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's set) is marked ‡
 with a note naming them; seeds averaged by --over-seeds must have counted the same modules, scored the same
-kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records) and be runs of
+kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records; snapshots, or
+files set aside, of one update: the `checkpoint_step` it records, where both record one) and be runs of
 distinct train.seed (the `train_seed` evaluate.py records, or for an older file in its run folder that of the run's
 config.yaml: a run trained again with its seed is one seed twice; a result that records neither is averaged, and a
 note below the table names it, as one seed may count twice there), and the run of
-a best.pt or checkpoint.pt must have ended as the others did (one stopped at train.max_steps or by a signal before
-the others' end is refused, as its run folder's metrics.jsonl tells: engine/eval_results.refuse_unfinished). In
+a best.pt or checkpoint.pt must have ended as the other seeds of its row (model and method) did (one stopped at
+train.max_steps or by a signal before their end is refused, as its run folder's metrics.jsonl tells:
+engine/eval_results.refuse_unfinished; rows of other models or methods end where their own recipes do). In
 every layout a result of a run that stopped short of its schedule's end other than at its own train.max_steps (by a
 signal, or evaluated while it trained) is refused: the numbers of an earlier model beside finished ones. A result
 whose checkpoint beside it
@@ -30,8 +34,10 @@ Layouts:
               pipeline (and bit-width) (engine.result_table.markdown_table, the row evaluate.py prints).
               Where two rows would read alike (one model and method: seeds of a sweep, or one recipe
               trained for other lengths), a Run column after Method names each row's run folder, by its
-              last path parts. A row whose run stopped at a train.max_steps of its own before the end of
-              its schedule (its metrics.jsonl tells) is marked § after its method where EITHER the table
+              last path parts, and a note below the table names the training settings (the recipe
+              evaluate.py records) in which a run differs from the first run of its model and method.
+              A row whose run stopped at a train.max_steps of its own before the end of its schedule
+              (its metrics.jsonl tells) is marked § after its method where EITHER the table
               holds a run of the same model (and data set) that ended at another update OR it reached less
               than 99 % of its schedule's updates, with a note saying how far it got and which reason
               applies; with --over-seeds, a row of seeds that all stopped there alike. Runs that all stop
@@ -50,17 +56,15 @@ Layouts:
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
 from engine.console import console_print  # noqa: E402
-from engine.eval_results import (ResultsError, extra_modules, first_difference, metrics_records,  # noqa: E402
-                                 missing_number, read_result_files, refuse_unfinished, run_end, run_folder,
-                                 schedule_updates)
+from engine.eval_results import (ResultsError, extra_modules, first_difference, missing_number,  # noqa: E402
+                                 read_result_files, recipe_difference, refuse_unfinished_groups, run_folder,
+                                 stopped_early)
 from engine.outputs import write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import (FP_COLUMNS, PAPER_NAMES, dagger_note, evaluated_otherwise,  # noqa: E402
@@ -87,9 +91,6 @@ def dataset_of(result: dict) -> str:
 # same point of training)
 ROW_KEYS = ("data", "images", "val_names")
 TABLE_KEYS = ("weights", "eval_amp", "checkpoint_kind")
-# a run its own train.max_steps stopped short of this percentage of its schedule's updates is marked § even where
-# nothing in the table ended elsewhere (`stopped_short`); 20,000 of 20,016 (99.9 %) is not
-SHORT_OF_SCHEDULE = 99
 
 
 def refuse_unlike(results: list[dict], keys: tuple, where: str) -> None:
@@ -189,79 +190,59 @@ def finetune_table(results: list[dict]) -> str:
 
 
 def refuse_unfinished_runs(paths: list[str], results: list[dict], over_seeds: bool) -> None:
-    """A result of a run that stopped before its end is refused (engine.eval_results.refuse_unfinished, told by the
-    run folder of its best.pt or checkpoint.pt): --over-seeds averages each result as a seed, and one that stopped
-    before the others' end is refused; in a table of one result per row or entry each run is judged alone (the runs
-    of other recipes end at other updates), and one stopped by a signal or evaluated while it trained is refused,
-    one its own train.max_steps stops is not."""
+    """A result of a run that stopped before its end is refused (engine.eval_results.refuse_unfinished_groups, told
+    by the run folder of its best.pt or checkpoint.pt): --over-seeds averages the results of one model and method
+    (`seed_key`, its rows) as seeds, and one of them that stopped before the others' end is refused (seeds of one
+    model that all stopped alike are averaged, whatever another row's runs trained to); in a table of one result per
+    row or entry each run is judged alone (the runs of other recipes end at other updates), and one stopped by a
+    signal or evaluated while it trained is refused, one its own train.max_steps stops is not."""
     where = "--over-seeds" if over_seeds else "the table"
-    runs = [(folder, result, f"leave {path} out of {where}") for path, result in zip(paths, results)
-            if (folder := run_folder(path, result)) is not None]
+    files = [(path, result, f"leave {path} out of {where}") for path, result in zip(paths, results)]
+    groups: dict = {}
+    for i, file in enumerate(files):
+        groups.setdefault(seed_key(file[1]) if over_seeds else i, []).append(file)
     try:
-        for group in ([runs] if over_seeds else [[run] for run in runs]):
-            refuse_unfinished(group, use="averaged as a seed of finished ones" if over_seeds
-                              else "tabulated as a finished run's")
+        refuse_unfinished_groups(groups.values(), use="averaged as a seed of finished ones" if over_seeds
+                                 else "tabulated as a finished run's")
     except ResultsError as e:  # also a damaged metrics.jsonl
         sys.exit(f"error: {e}")
+
+
+def seed_key(result: dict) -> tuple:
+    """The row a result is averaged into with --over-seeds: its model and method (engine.result_table.markdown_table
+    groups its rows so)."""
+    return result["model"], result["method"]
 
 
 def stopped_short(paths: list[str], results: list[dict], names: list[str]) -> list:
     """For each result whose run stopped before the end of its schedule and was not refused
     (`refuse_unfinished_runs`: at a train.max_steps of its own, e.g. 3 of 22 updates), how far it got and why the
-    table marks it, where EITHER the table compares it with a run that trained to another end (a result of the same
-    model, and data set where both record one, whose run ended at another update, at its schedule's end or at a
-    train.max_steps of its own; its note names that run, `names`: `run_names`) OR it reached less than 99 % of its
-    schedule's updates (`SHORT_OF_SCHEDULE`: a model trained for a fraction of its recipe, alone or beside runs that
-    all stopped alike); else None. The rows layout marks such a row § (engine.result_table.markdown_table), its note
-    saying which reason applies (both where both do). A run records no origin of its train.max_steps (its command
-    line or its recipe file), so a recipe that stops there on purpose is told by its runs stopping alike within
-    1 % of their schedule's end: a recipe whose train.max_steps stops its runs at 20,000 of their 20,016 updates
-    (99.9 %) marks none of them."""
-    ends = []  # per result: (how far it got, or None at its schedule's end; the update it validated last at)
-    planned = []  # per result: the updates of its schedule, or None where its files do not tell
-    for path, result in zip(paths, results):
-        folder = run_folder(path, result)
-        try:
-            end = run_end(folder, result) if folder is not None else None
-            length = (schedule_updates(result["recipe"], metrics_records(folder))
-                      if end is not None and end[0] is not None else None)
-        except ResultsError as e:  # a damaged metrics.jsonl (refuse_unfinished_runs has read it already)
-            sys.exit(f"error: {e}")
-        ends.append(end)
-        planned.append(length[0] if length is not None else None)
+    table marks it (engine.eval_results.stopped_early: beside a run of its model and data set that ended at another
+    update, named by `names`: `run_names`, or short of 99 % of its schedule), else None. The rows layout marks such
+    a row § (engine.result_table.markdown_table), its note saying which reason applies (both where both do)."""
+    try:
+        return stopped_early(paths, results, names)
+    except ResultsError as e:  # a damaged metrics.jsonl (refuse_unfinished_runs has read it already)
+        sys.exit(f"error: {e}")
 
-    def trained_elsewhere(i: int, j: int) -> bool:
-        """Whether result j is of i's model and data set (where both record one) and its run ended at another
-        update than i's."""
-        first, second = data_set(results[i]), data_set(results[j])
-        return (ends[j] is not None and ends[j][1] != ends[i][1] and results[j]["model"] == results[i]["model"]
-                and (first is None or second is None or first == second))
-    found = []
-    for i, end in enumerate(ends):
-        # one stopped short elsewhere than at its own train.max_steps is refused above (refuse_unfinished)
-        if end is None or end[0] is None:
-            found.append(None)
+
+def recipe_notes(results: list[dict], names: list[str]) -> list[str]:
+    """The notes below a rows-layout table for rows of one model and method (told apart by their Run column) whose
+    runs were trained with other settings (the `recipe` evaluate.py records, engine.eval_results.recipe_difference:
+    another optim.lr, another schedule), one per run that differs from the first run of its model and method: rows
+    that read alike but for their folder names are no seeds of one recipe."""
+    notes: list[str] = []
+    first: dict = {}  # (model, method) -> (name, result) of its first run
+    for name, result in zip(names, results):
+        key = seed_key(result)
+        if key not in first:
+            first[key] = (name, result)
             continue
-        other = next((j for j in range(len(results)) if trained_elsewhere(i, j)), None)
-        # integers: 99 % of 20,016 updates is 19,815.84, and 20,000 are past it
-        under = planned[i] is not None and 100 * end[1] < SHORT_OF_SCHEDULE * planned[i]
-        reasons = ([f"at {math.floor(1000 * end[1] / planned[i]) / 10} % of its schedule's updates (under "
-                    f"{SHORT_OF_SCHEDULE} %)"] if under else []) \
-            + ([f"while {names[other]} ended at update {ends[other][1]}"] if other is not None else [])
-        found.append(", ".join([f"{end[0]}, where its train.max_steps stopped it", *reasons]) if reasons else None)
-    return found
-
-
-def data_set(result: dict) -> Optional[tuple]:
-    """What tells the data set a result's model was trained and scored on for `stopped_short` (runs of one model on
-    other data sets end at other updates by their recipes): data.dataset and, for image folders and token files,
-    data.root's last folder (`dataset_of`; the root may move between machines); None for a result that records no
-    data (an older file)."""
-    data = result.get("data")
-    if not isinstance(data, dict) or "dataset" not in data:
-        return None
-    root = data.get("root") if data["dataset"] in ("folder", "tokens") else None
-    return data["dataset"], os.path.basename(os.path.normpath(root)) if root else ""
+        other = recipe_difference([first[key], (name, result)])
+        if other is not None:
+            notes.append(f"{key[0]} {key[1]}: {other[1]} was trained with other settings than {other[0]} "
+                         f"({other[2]})")
+    return notes
 
 
 def run_names(paths: list[str], results: list[dict]) -> list[str]:
@@ -323,6 +304,10 @@ def main(argv=None) -> str:
                                      stopped=stopped_short(args.results, results, names)))
     except ValueError as e:
         sys.exit(f"error: {e}")
+    # rows of one model and method trained with other settings (--over-seeds refuses such seeds): the notes say how
+    notes = recipe_notes(results, names) if args.layout == "rows" and not args.over_seeds else []
+    if notes:  # below the table's own notes, which follow it after a blank line
+        table += ("\n" if "\n\n" in table else "\n\n") + "\n".join(notes)
     console_print(table)  # its † and ± on an ASCII console, or a closed pipe
     if args.out:
         try:
