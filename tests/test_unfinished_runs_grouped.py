@@ -157,6 +157,7 @@ def test_seeds_of_other_updates_differ_where_they_are_snapshots_or_files_set_asi
         assert evaluation_difference(a, dict(a)) is None
 
 
+@pytest.mark.slow
 def test_evaluate_records_the_update_of_a_snapshot_and_over_seeds_refuses_snapshots_of_other_epochs(debug_config):
     """configs/debug/tiny.yaml: 2 epochs of 4 updates (64 images at batch 16), a snapshot after each
     (train.keep_every_epochs=1). Seed 0's epoch-1 snapshot and seed 1's epoch-2 snapshot were averaged as seeds of
