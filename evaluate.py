@@ -67,7 +67,8 @@ from data.loader import same_split_data, split_location, split_reading
 from data.text import FINGERPRINT_HEAD_BYTES, ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
-from engine.eval_results import STEP_FIELD, EvalResults, ResultsError, check_result_path, checkpoint_kind
+from engine.eval_results import (BEST_FIELD, STEP_FIELD, EvalResults, ResultsError, check_result_path,
+                                 checkpoint_kind)
 from engine.snapshots import check_same_weights_on_every_rank
 from engine.train_seeds import SEED_FIELD
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
@@ -254,9 +255,9 @@ def main(args: argparse.Namespace) -> dict:
             as_trained = config_from_dict(payload["config"])
             trained = {"recipe": recipe(config_to_dict(as_trained)) | recipe_entries(payload),
                        SEED_FIELD: as_trained.train.seed,
-                       # the update its weights are of: seeds' snapshots of other epochs are no seeds of one
-                       # evaluation (engine/eval_results.step_difference)
-                       STEP_FIELD: checkpoint_update(payload),
+                       # the update its weights are of, and whether they are its run's best validation: seeds'
+                       # snapshots of other epochs are no seeds of one evaluation (eval_results.step_difference)
+                       **checkpoint_update(payload),
                        # data.root is a path (the recipe leaves it out: it may move): the files the run read under it,
                        # whose val split tables compare with the one scored (result_table.data_root_changed)
                        "trained_data": {"root": as_trained.data.root,
@@ -294,12 +295,21 @@ def main(args: argparse.Namespace) -> dict:
     return results.data
 
 
-def checkpoint_update(payload: dict) -> Optional[int]:
-    """The update of training a train.py checkpoint's weights are of (its state.step; a snapshot's, best.pt's
-    and checkpoint.pt's alike), or None where the file records none."""
+def checkpoint_update(payload: dict) -> dict:
+    """{STEP_FIELD: the update of training a train.py checkpoint's weights are of (its state.step; a snapshot's,
+    best.pt's and checkpoint.pt's alike), or None where the file records none; BEST_FIELD: whether they are its
+    run's best validation weights, as its state shows: state.best_step is that update and state.best_fingerprint
+    the fingerprint of its raw weights (best.pt, and a copy of it under any name or set aside as
+    best.until_step<N>.pt, whose kind is "other": engine/eval_results.step_difference)}."""
     state = payload.get("state")
-    step = state.get("step") if isinstance(state, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    state = state if isinstance(state, dict) else {}
+    step = state.get("step")
+    step = step if isinstance(step, int) and not isinstance(step, bool) else None
+    # the fingerprint only where the update matches: hashing the weights again costs a pass over them
+    best = (step is not None and state.get("best_step") == step and state.get("best_fingerprint") is not None
+            and isinstance(payload.get("model"), dict)
+            and state["best_fingerprint"] == weights_fingerprint(payload["model"]))
+    return {STEP_FIELD: step, BEST_FIELD: best}
 
 
 def check_out(out: str, writes_log: bool) -> None:

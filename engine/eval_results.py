@@ -93,6 +93,11 @@ CHECKPOINT_KINDS = {"best.pt": "best", "checkpoint.pt": "latest"}
 # between seeds by nature, and a checkpoint.pt of its run's end (one that ended early: refuse_unfinished)
 STEP_FIELD = "checkpoint_step"
 STEP_KINDS = ("snapshot", "other")
+# whether the scored file holds its run's best validation weights, as its own training state shows (evaluate.py:
+# state.step == state.best_step and state.best_fingerprint that of its raw weights): a best.pt renamed or gathered
+# (seed0.pt) or set aside by a resume (best.until_step<N>.pt) is of kind "other", yet of its run's best validation
+# as best.pt is, whose update differs between seeds by nature (`step_difference` does not compare two of them)
+BEST_FIELD = "checkpoint_best"
 
 
 def checkpoint_kind(checkpoint: Optional[str], pretrained: bool = False) -> str:
@@ -222,15 +227,18 @@ def step_difference(a: dict, b: dict) -> Optional[Difference]:
     """Other updates of training, where both results score a file of one of STEP_KINDS (two snapshots, or two files
     set aside or renamed) and record the update its weights are of (STEP_FIELD); None otherwise. Results written
     before evaluate.py recorded the update have none: not compared (their update is unknown, as their kind is for
-    files written before that was recorded). A renamed copy of a best.pt is a file of kind "other", of its own
-    update: a link to the best.pt is of kind "best"."""
+    files written before that was recorded). Two files of kind "other" that both hold their run's best validation
+    weights (BEST_FIELD: best.pt files renamed or set aside as best.until_step<N>.pt) are not compared, as two best.pt
+    files are not; a snapshot is of the epoch it was kept at, whatever validation it holds."""
     kinds = {a.get("checkpoint_kind"), b.get("checkpoint_kind")}
     x, y = a.get(STEP_FIELD), b.get(STEP_FIELD)
     if len(kinds) != 1 or not kinds <= set(STEP_KINDS) or None in (x, y) or x == y:
         return None
+    if kinds == {"other"} and a.get(BEST_FIELD) is True and b.get(BEST_FIELD) is True:
+        return None
     return Difference(STEP_FIELD, f"update {x} vs update {y} ({kinds.pop()} files): score the file of one update of "
-                                  "every run (each one's snapshot of one epoch), or each one's best.pt (a link to "
-                                  "it, not a copy)", False)
+                                  "every run (each one's snapshot of one epoch), or each one's best.pt (a copy of it "
+                                  f"evaluated before evaluate.py recorded {BEST_FIELD}: evaluate it again)", False)
 
 
 def content_difference(a: dict, b: dict) -> Optional[Difference]:
@@ -778,7 +786,8 @@ DETECTION_FIELDS = ("task", "config", "fp", "max_act", "quant")  # an evaluate_d
 # fields a result may lack (older files, weights files) but that the readers use as these types where present:
 # a recipe given as a list, a quantized entry or its settings as a number would stop them on a traceback
 OPTIONAL_FIELD_TYPES = {"recipe": dict, "data": dict, "checkpoint": str, "checkpoint_kind": str, "fingerprint": str,
-                        "weights": str, "eval_amp": str, SEED_FIELD: int, STEP_FIELD: int}
+                        "weights": str, "eval_amp": str, SEED_FIELD: int, STEP_FIELD: int,
+                        BEST_FIELD: bool}
 
 
 def read_result_file(path: str, fields: tuple = TABLE_FIELDS, detection: bool = False) -> dict:

@@ -14,9 +14,12 @@ methods must be measured alike in what sets the float maxima (data, image count,
 weights, autocast, the kind of a run's checkpoint (model.pretrained weights, no file of a run, are drawn beside
 any), the modules counted (quant.act_max_extra_modules): compared as paper_table.py's fine-tuning layout compares
 its methods, engine/eval_results.first_difference), and a method evaluated with other model.kwargs than it trained
-with is marked † with a note below the table, as paper_table.py marks it. A method whose result files record no
-train.seed for some of its runs (older files outside their run folders) is averaged, and a note below the table
-names them: the seed check could not compare them, so one seed may be counted twice.
+with is marked † with a note below the table, as paper_table.py marks it; a method whose runs their own
+train.max_steps stopped before the end of their schedule, beside a method of its model that ended at another update
+or short of 99 % of its schedule, is marked § (in its legend label, table column and CSV `method`) with a note on
+stderr saying how far they got, as paper_table.py and motivation_figure.py mark it. A method whose result files
+record no train.seed for some of its runs (older files outside their run folders) is averaged, and a note below the
+table names them: the seed check could not compare them, so one seed may be counted twice.
 
     python scripts/compare_act_max.py \\
         baseline='runs/sweeps/fashion_mnist_mini/baseline_s*/eval_best_act_max.csv' \\
@@ -37,12 +40,12 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser, first_line  # noqa: E402
 from engine.eval_results import (EVALUATION_KEYS, first_difference, read_result_file,  # noqa: E402
-                                 refuse_unfinished_groups)
+                                 refuse_unfinished_groups, stopped_early)
 from engine.figures import new_figure  # noqa: E402
 from engine.console import console_print  # noqa: E402
 from engine.outputs import save_figure, write_csv  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from engine.result_table import check_seed_group, dagger_note, evaluated_otherwise  # noqa: E402
+from engine.result_table import check_seed_group, dagger_note, evaluated_otherwise, stopped_note  # noqa: E402
 from engine.train_seeds import unrecorded_seed_note  # noqa: E402
 
 SUFFIX = "_act_max.csv"  # evaluate.act_max_paths: <stem>_act_max.csv beside the result file <stem>.json
@@ -141,6 +144,16 @@ def evaluated_alike(groups: dict[str, list[str]]) -> dict[str, list[str]]:
                          f"evaluate.py --checkpoint <run>/best.pt with one set of settings), or compare those "
                          f"methods in separate figures")
     return notes
+
+
+def stopped_methods(groups: dict[str, list[str]]) -> dict[str, str]:
+    """{method: how far its runs got and why it is marked §} for each method whose runs their own train.max_steps
+    stopped before the end of their schedule (engine.eval_results.stopped_early, as paper_table.py and
+    motivation_figure.py mark a row or circle: beside a method of its model that ended at another update, or short
+    of 99 % of its schedule), judged by its first CSV's result: its runs ended alike once `evaluated_alike` passed."""
+    firsts = [(json_beside(paths[0]), result_beside(paths[0])) for paths in groups.values()]
+    how = stopped_early([p for p, _ in firsts], [r for _, r in firsts], [f"method {m!r}" for m in groups])
+    return {method: note for method, note in zip(groups, how) if note}
 
 
 def summarize(groups: dict[str, list[str]]) -> list[dict]:
@@ -253,8 +266,15 @@ def main(argv=None) -> list[dict]:
         rows = summarize(groups)  # everything that can fail, before an output is opened
         notes = evaluated_alike(groups)
         seed_notes = unrecorded_seeds(groups)
+        stopped = stopped_methods(groups)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    # a method trained to another length than the one beside it: § in its label (legend, table, CSV)
+    marked = {method: method + "§" for method in stopped}
+    rows = [dict(r, method=marked.get(r["method"], r["method"])) for r in rows]
+    notes = {marked.get(method, method): n for method, n in notes.items()}
+    for method, how in stopped.items():
+        print(f"note: {stopped_note(method, [how])}", file=sys.stderr)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     try:  # never over a file another command wrote since this one started
         write_csv(args.out + ".csv", rows, list(rows[0]), args.overwrite)  # a method name may carry any letter

@@ -11,8 +11,10 @@ config.yaml's train.max_steps): the numbers the messages must name are those wri
 import csv
 import json
 import os
+import shutil
 
 import pytest
+import torch
 
 import evaluate
 import paper_table
@@ -82,7 +84,34 @@ def test_compare_act_max_refuses_a_seed_stopped_before_the_others_of_its_method(
     alike = [write_run(tmp_path / f"tweo_s{seed}", method="TWEO", seed=seed, reached=3, max_steps=3) for seed in (0, 1)]
     rows = compare.main([f"base={act_max_csv(finished)}", f"tweo={tmp_path}/tweo_s*/eval_best_act_max.csv",
                          "--out", out])
-    assert {(r["method"], r["runs"]) for r in rows} == {("base", 1), ("tweo", 2)}, (rows, alike)
+    assert {(r["method"], r["runs"]) for r in rows} == {("base", 1), ("tweo§", 2)}, (rows, alike)
+
+
+def test_compare_act_max_marks_a_method_its_max_steps_stopped(tmp_path, capsys, monkeypatch):
+    """CD's seeds that train.max_steps=3 stopped at update 3 of 22, beside a finished Baseline of their model, were
+    drawn as an ordinary curve; their method is marked § in the CSV's `method`, the legend and the table, with a note
+    on stderr saying how far they got, as paper_table.py and motivation_figure.py mark it. The finished method is
+    not marked."""
+    compare = load_script("compare_act_max")
+    write_run(tmp_path / "base_s0")
+    for seed in (0, 1):
+        write_run(tmp_path / f"cd_s{seed}", method="CD", seed=seed, reached=3, max_steps=3)
+    legends = []
+    monkeypatch.setattr(compare, "save_figure",
+                        lambda fig, path, overwrite: legends.append(fig.axes[0].get_legend_handles_labels()[1]))
+    out = tmp_path / "cmp" / "x"
+    capsys.readouterr()
+    compare.main([f"base={tmp_path}/base_s*/eval_best_act_max.csv", f"cd={tmp_path}/cd_s*/eval_best_act_max.csv",
+                  "--out", str(out)])
+    with open(f"{out}.csv", newline="") as f:
+        assert sorted({(r["method"], r["runs"]) for r in csv.DictReader(f)}) == [("base", "1"), ("cd§", "2")]
+    assert legends == [["base block output", "base module", "cd§ block output", "cd§ module"]], legends
+    captured = capsys.readouterr()
+    assert "| block | base (block / module) | cd§ (block / module) |" in captured.out, captured.out
+    assert ("note: § cd: stopped before the end of its schedule: validated last at update 3 of the 22 of its "
+            "schedule (sched.steps=22), where its train.max_steps stopped it, at 13.6 % of its schedule's updates "
+            "(under 99 %), while method 'base' ended at update 22") in captured.err, captured.err
+    assert "§ base" not in captured.err
 
 
 def test_motivation_figure_refuses_a_run_a_signal_stopped_and_marks_one_its_max_steps_stopped(tmp_path, capsys):
@@ -155,15 +184,27 @@ def test_seeds_of_other_updates_differ_where_they_are_snapshots_or_files_set_asi
                 f"checkpoint_step: update 4 vs update 8 ({kind} files)"), difference
         assert evaluation_difference(a, {k: v for k, v in b.items() if k != "checkpoint_step"}) is None
         assert evaluation_difference(a, dict(a)) is None
+    # files whose training state shows their run's best validation: renamed best.pt copies (kind "other") are seeds
+    # of one evaluation, as best.pt files are; one of them beside another file, or snapshots, are not
+    for kind, flags, differs in (("other", (True, True), False), ("other", (True, False), True),
+                                 ("other", (True, None), True), ("snapshot", (True, True), True)):
+        a = {"model": "vit_nano", "checkpoint_kind": kind, "checkpoint_step": 4, "checkpoint_best": flags[0]}
+        b = dict(a, checkpoint_step=8, checkpoint_best=flags[1])
+        assert (evaluation_difference(a, b) is not None) == differs, (kind, flags)
 
 
 @pytest.mark.slow
-def test_evaluate_records_the_update_of_a_snapshot_and_over_seeds_refuses_snapshots_of_other_epochs(debug_config):
+def test_evaluate_records_the_update_of_a_snapshot_and_over_seeds_refuses_snapshots_of_other_epochs(debug_config,
+                                                                                                   tmp_path):
     """configs/debug/tiny.yaml: 2 epochs of 4 updates (64 images at batch 16), a snapshot after each
-    (train.keep_every_epochs=1). Seed 0's epoch-1 snapshot and seed 1's epoch-2 snapshot were averaged as seeds of
-    'the same kind of checkpoint'; evaluate.py records each one's update (4 and 8) and --over-seeds refuses them,
-    while the two seeds' best.pt results are averaged."""
-    runs = [debug_config(f"train.seed={seed}", "train.keep_every_epochs=1", name=f"snap_s{seed}") for seed in (0, 1)]
+    (train.keep_every_epochs=1); seed 0 validates every 2 updates (train.eval_every_steps, no recipe setting), so its
+    best validation falls at another update than seed 1's. Seed 0's epoch-1 snapshot and seed 1's epoch-2 snapshot
+    were averaged as seeds of 'the same kind of checkpoint'; evaluate.py records each one's update (4 and 8) and
+    --over-seeds refuses them, while the two seeds' best.pt results are averaged, and so are copies of their best.pt
+    files under other names (gathered/seed<N>.pt, kind "other", which were refused for their updates); copies of the
+    two snapshots under other names are still refused."""
+    runs = [debug_config(f"train.seed={seed}", "train.keep_every_epochs=1", name=f"snap_s{seed}",
+                         *(["train.eval_every_steps=2"] if seed == 0 else [])) for seed in (0, 1)]
     for cfg in runs:
         assert train.main(cfg).state.step == 8
     paths = []
@@ -178,3 +219,24 @@ def test_evaluate_records_the_update_of_a_snapshot_and_over_seeds_refuses_snapsh
         evaluate.main(evaluate.parse_args(["--checkpoint", os.path.join(cfg.out_dir, "best.pt"), "--quant"]))
         best.append(os.path.join(cfg.out_dir, "eval_best.json"))
     assert "| vit_nano | Baseline (n=2) |" in paper_table.main([*best, "--over-seeds"])
+    gathered = tmp_path / "gathered"
+    gathered.mkdir()
+    copies = {}
+    for name, sources in (("seed", [os.path.join(cfg.out_dir, "best.pt") for cfg in runs]),
+                          ("snap", [os.path.join(cfg.out_dir, c) for cfg, c in zip(runs, ("snapshots/epoch0001.pt",
+                                                                                        "snapshots/epoch0002.pt"))])):
+        copies[name] = []
+        for seed, source in enumerate(sources):
+            shutil.copyfile(source, gathered / f"{name}{seed}.pt")
+            evaluate.main(evaluate.parse_args(["--checkpoint", str(gathered / f"{name}{seed}.pt"), "--quant"]))
+            copies[name].append(str(gathered / f"eval_{name}{seed}.json"))
+    # the best validations' updates, as train.py's state in each best.pt records them: other updates
+    steps = [torch.load(os.path.join(cfg.out_dir, "best.pt"), weights_only=True)["state"]["best_step"] for cfg in runs]
+    assert steps[0] != steps[1], steps
+    recorded = [json.load(open(p)) for p in copies["seed"]]
+    assert [(r["checkpoint_kind"], r["checkpoint_step"], r["checkpoint_best"]) for r in recorded] == \
+        [("other", steps[0], True), ("other", steps[1], True)], recorded
+    assert "| vit_nano | Baseline (n=2) |" in paper_table.main([*copies["seed"], "--over-seeds"])
+    message = refusal(paper_table.main, [*copies["snap"], "--over-seeds"])
+    assert "were evaluated differently (checkpoint_step: update 4 vs update 8 (other files)" in message, message
+
