@@ -221,9 +221,10 @@ class WeightNoise:
                           stacklevel=5)  # the caller's model(x), past Module.__call__'s frames
 
     def _on_meta(self) -> bool:
-        """Whether the model runs on the `meta` device now: its layers hold meta tensors (a model built there, or
-        torch.func.functional_call with meta tensors, as CD's pair check runs it), which have no values to perturb."""
-        return self.layers[0][1]._parameters["weight"].is_meta
+        """Whether the model runs on the `meta` device now: all its layers hold meta tensors (a model built there, or
+        torch.func.functional_call with meta tensors, as CD's pair check runs it), which have no values to perturb.
+        All of them: a layer left on meta (an unused one) beside real ones makes no forward one of shapes only."""
+        return all(layer._parameters["weight"].is_meta for _, layer in self.layers)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         """This WeightNoise's generator on `device` (one per device, reseeded by each layer's forward)."""

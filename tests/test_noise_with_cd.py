@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from cd.decay import ColinearityDecay
@@ -113,3 +114,28 @@ def test_the_hooks_refusal_of_a_failed_check_names_a_cause_other_than_the_input_
     message = str(refusal.value)
     assert "this step reads values" in message and "if that is not the shape of the part's input" in message
     assert "fails for another reason" in message and "verify=False" in message and "\n" not in message
+
+
+def test_a_real_forward_beside_an_unused_meta_layer_is_counted():
+    """A forward is one of shapes only where every noised layer is on meta: an unused layer left on meta (listed
+    first) beside a real one must not make real training forwards uncounted, so the second one with noise.step
+    never set still warns (and the real layer is still perturbed)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.aux = nn.Linear(4, 4, device="meta")  # never called
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    net = Net().train()
+    clean = net.fc(torch.ones(1, 4)).detach()
+    WeightNoise(net)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = net(torch.ones(1, 4))
+        net(torch.ones(1, 4))
+    assert not torch.equal(first.detach(), clean)
+    assert [str(w.message) for w in caught if "noise.step never set" in str(w.message)], caught
