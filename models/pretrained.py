@@ -293,8 +293,9 @@ def unreadable(path: str, error: Exception) -> str:
                 + " that weights-only loading refuses: if the file is trusted, load it with torch.load(..., "
                   "weights_only=False), save its state dict alone with torch.save and give that file")
     if "Unsupported operand" in chain:  # a torch file (not_weights_file) pickled with opcodes torch cannot read safely
-        return (f"model.pretrained={path} is a torch file whose pickle weights-only loading cannot read (e.g. the "
-                f"legacy format saved at pickle protocol 4 or above): if the file is trusted, load it with "
+        return (f"model.pretrained={path} is a torch file whose pickle weights-only loading cannot read (a "
+                f"pickle protocol other than torch's default 2 or 3, e.g. torch.save(..., pickle_protocol=4 or 5)): "
+                f"if the file is trusted, load it with "
                 f"torch.load(..., weights_only=False), save it again with torch.save and give that file")
     return f"model.pretrained={path} cannot be read as weights: {reason}"
 

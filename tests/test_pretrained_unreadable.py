@@ -82,13 +82,15 @@ def test_the_legacy_torch_format_loads_and_one_weights_only_reading_cannot_read_
     torch.save(source, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
     loaded = load(tmp_path / "legacy.pth")
     assert all(torch.equal(loaded[k], v) for k, v in source.items())
-    path = tmp_path / "legacy4.pth"
-    torch.save(source, path, _use_new_zipfile_serialization=False, pickle_protocol=4)
-    with pytest.raises(ModelError) as refused:
-        load(path)
-    message = str(refused.value)
-    assert message.startswith(f"model.pretrained={path} is a torch file whose pickle weights-only loading cannot "
-                              f"read") and "Python objects" not in message, message
+    for name, legacy, protocol in (("legacy4.pth", True, 4), ("zip5.pth", False, 5)):  # the current format too
+        path = tmp_path / name
+        torch.save(source, path, _use_new_zipfile_serialization=not legacy, pickle_protocol=protocol)
+        with pytest.raises(ModelError) as refused:
+            load(path)
+        message = str(refused.value)
+        assert message.startswith(f"model.pretrained={path} is a torch file whose pickle weights-only loading "
+                                  f"cannot read (a pickle protocol other than torch's default 2 or 3") \
+            and "legacy format" not in message and "Python objects" not in message, message
     torch.save(torch.load(path, weights_only=False), tmp_path / "again.pth")  # the advice, followed
     loaded = load(tmp_path / "again.pth")
     assert all(torch.equal(loaded[k], v) for k, v in source.items())
