@@ -193,7 +193,6 @@ NO_COUNTER = (r"ColinearityDecayCallback: resuming at step 2 with no CD state un
               r"\(cd/updates\) starts at the restored global_step, 2, ")
 
 
-@pytest.mark.slow
 def test_a_checkpoint_without_the_saved_counter_resumes_it_at_the_global_step_with_a_warning(tmp_path):
     """A checkpoint saved before the counter was saved with it (no entry in trainer_state.json's
     stateful_callbacks): the counter starts at the restored global_step, as it did then. A run without CD leaves

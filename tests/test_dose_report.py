@@ -80,7 +80,6 @@ def test_doses_and_seeds_are_ordered_as_numbers_not_as_text(tmp_path):
     assert [r.seed for r in groups["baseline"]] == [2, 10]
 
 
-@pytest.mark.slow
 def test_report_figures_match_hand_computed_values(sweep, tmp_path):
     report = dose_report.main([str(sweep), "--out", str(tmp_path / "o")])
     first_table = report.split("Pair energy")[0]

@@ -84,7 +84,6 @@ def test_refuses_existing_outputs_and_image_sweeps(sweep, tmp_path):
         lm_study.main([str(image), "--out", str(tmp_path / "out")])
 
 
-@pytest.mark.slow
 def test_a_perplexity_at_the_cap_is_shown_as_the_bound(tmp_path):
     """A seed whose model collapsed has the capped perplexity exp(700) (its exp overflowed): the point's cells
     say so, never a 305-digit mean of it."""

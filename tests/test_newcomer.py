@@ -41,7 +41,6 @@ def test_the_own_loop_example_needs_only_what_its_install_line_installs():
     assert imported - sys.stdlib_module_names <= installed, (imported, installed)
 
 
-@pytest.mark.slow
 def test_the_own_loop_example_runs_as_written_on_a_smaller_model(monkeypatch, capsys, one_thread):
     """The README's code, as it stands, with timm building a two-block model (the example's deit_tiny
     takes half a minute on a 2-core CPU; the wheel test runs the installed package the same way)."""
