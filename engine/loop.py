@@ -488,8 +488,10 @@ class TrainLoop:
             window_loss = window.check_finite(state.step, self.saved_step)  # never a checkpoint of a diverged run
             self._settle_skipped_steps(state)
             self._settle_initial_loss(state)
-            # the window's sums hold the micro-batches of the unfinished update, read again on resume: not carried
-            written = self.checkpoint(state, window_loss if window.micro else None, carry_window=micro == 0)
+            # the window is carried as at the last completed update (`_Window.record`: the unfinished update's
+            # micro-batches are read again on resume); the sources' sums hold this update's forwards too, once it
+            # has begun, and cannot leave them out: not carried then (their next record is the resumed run's own)
+            written = self.checkpoint(state, window_loss if window.micro else None, carry_sources=micro == 0)
         except Exception as save_error:  # noqa: BLE001 - the first error is the one to raise
             log.error("%s at update %d, and checkpoint.pt could not be written (%s); %s", type(error).__name__,
                       state.step + 1, save_error, last)
@@ -550,7 +552,7 @@ class TrainLoop:
         self.checkpoint(state, window_loss if window.micro else None, goes_on=True)
 
     def checkpoint(self, state: TrainState, window_loss: Optional[float] = None, final: bool = False,
-                   carry_window: bool = True, goes_on: bool = False,
+                   carry_sources: bool = True, goes_on: bool = False,
                    on_kept: Optional[Callable[[], None]] = None) -> bool:
         """Write checkpoint.pt from `state` (`save`), unless the divergence guard sees a high loss: a streak of
         high log windows (`state.divergence_streak` > 0), or `window_loss` (the mean loss of the updates since the
@@ -564,8 +566,9 @@ class TrainLoop:
         trains on after this write: train.ckpt_every_steps, an epoch's end, a validation's update) holds the write
         back (`checkpoint_file`) until the next update has measured its weights (`_settle_held`): only then does it
         replace checkpoint.pt and become `saved_step`, and `on_kept` (at once for a write made at once) runs.
-        `carry_window`: the log window open since the last log step goes into the checkpoint
-        (TrainState.log_window; not where it holds part of an update). Returns whether checkpoint.pt was written
+        The log window open since the last log step goes into the checkpoint (TrainState.log_window), as it was at
+        the last completed update; `carry_sources`: with the window sources' sums (False after an error inside an
+        update, whose forwards they hold and cannot leave out). Returns whether checkpoint.pt was written
         (or held back). The same decision on every rank (the streak and the loss are all-reduced values)."""
         if self.save is None:
             return False
@@ -588,9 +591,9 @@ class TrainLoop:
                         "checkpoint.pt is written all the same, the run's last weights", state.step, why)
         # a window open since the last log step (this write comes between two, or a stop cut it): its sums over
         # every rank go into the checkpoint, the resumed run goes on with them (TrainState.log_window)
-        if carry_window and self._window is not None and self._window.updates:
+        if self._window is not None and self._window.updates:
             state.log_window = {"loop": self._window.record(),
-                                **{name: get() for name, (get, _) in self.window_sources.items()}}
+                                **{name: get() for name, (get, _) in self.window_sources.items() if carry_sources}}
         held = goes_on and self.checkpoint_file is not None
         try:
             if held:
@@ -718,9 +721,11 @@ class _Window:
         self.data_wait = 0.0  # seconds the main process waited for the next batch
         self.unreadable = 0  # training samples replaced because they could not be read
         self.t0 = time.perf_counter()
+        self._close_update()
 
     def add_loss(self, loss: torch.Tensor) -> None:
-        self.loss_sum += loss.double()
+        # a new tensor, not a sum in place: `_completed` keeps the one of the last update's step
+        self.loss_sum = self.loss_sum + loss.double()
         self.micro += 1
 
     def add_update(self, images: int, grad_norm: Optional[torch.Tensor]) -> None:
@@ -728,33 +733,47 @@ class _Window:
         self.images += images
         if grad_norm is not None:
             self.grad_norm = grad_norm
+        self._close_update()
 
-    def _global_sums(self) -> tuple[float, float, float]:
+    def _close_update(self) -> None:
+        """Keep the sums as they are now, at an update's step (or the window's start): what `record` carries into a
+        checkpoint. The micro-batches (losses, unreadable samples, waits) of the update in progress stay apart from
+        them: after an error inside that update the resumed run reads its micro-batches again, which carried as well
+        would count twice in the window's train/loss."""
+        self._completed = (self.loss_sum, self.micro, self.unreadable, self.data_wait, time.perf_counter())
+
+    def _global_sums(self, completed: bool = False) -> tuple[float, float, float]:
         """(sum of losses, micro-batches, unreadable samples) over all ranks: a NaN on any rank stops every
         rank (the NaN gradient was averaged into all of them), and train/loss is the global mean. One
         collective, which also carries whether a rank failed to load a batch: then every rank raises (that
-        rank its own error, the others OtherRankError)."""
-        counts = [self.micro, self.unreadable, self.data_error is not None]
-        totals = torch.cat([self.loss_sum.reshape(1), torch.tensor(counts, dtype=torch.float64, device=self.device)])
+        rank its own error, the others OtherRankError). `completed`: those of the completed updates only, the
+        update in progress left out (`_close_update`)."""
+        loss_sum, micro, unreadable = self._completed[:3] if completed else (self.loss_sum, self.micro,
+                                                                             self.unreadable)
+        counts = [micro, unreadable, self.data_error is not None]
+        totals = torch.cat([loss_sum.reshape(1), torch.tensor(counts, dtype=torch.float64, device=self.device)])
         loss_sum, micro, unreadable, failed = all_reduce(totals).tolist()
         raise_where_failed(self.data_error, bool(failed), lambda: OtherRankError(
             f"another rank could not load its training batches ({int(failed)} rank(s)); its output says why"))
         return loss_sum, micro, unreadable
 
     def record(self) -> dict:
-        """The window's sums so far, over every rank (one collective, as `flush`): what a checkpoint written inside
-        it carries (`TrainLoop.checkpoint`) for the resumed run to go on with (`carry_on`)."""
-        loss_sum, micro, unreadable = self._global_sums()
+        """The window's sums at its last completed update, over every rank (one collective, as `flush`): what a
+        checkpoint written inside it carries (`TrainLoop.checkpoint`) for the resumed run to go on with (`carry_on`).
+        The checkpoint holds that update's state, so the update in progress, if any, is left out: the resumed run
+        reads its micro-batches again."""
+        loss_sum, micro, unreadable = self._global_sums(completed=True)
+        data_wait, closed_at = self._completed[3:]
         return {"loss_sum": loss_sum, "micro": micro, "unreadable": unreadable, "updates": self.updates,
                 "images": self.images, "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
-                "data_wait": self.data_wait, "seconds": time.perf_counter() - self.t0}
+                "data_wait": data_wait, "seconds": closed_at - self.t0}
 
     def carry_on(self, record: dict, main: bool) -> None:
         """Go on with the window a checkpoint cut (`record`): the sums over all ranks on the main rank only (`main`;
         `flush` adds every rank's), the counts every rank keeps alike on every rank; its time (the seconds before the
         stop) counts in train/img_per_s and train/data_wait, the resume's start-up does not."""
         if main:
-            self.loss_sum += record["loss_sum"]
+            self.loss_sum = self.loss_sum + record["loss_sum"]
             self.micro += int(record["micro"])
             self.unreadable += int(record["unreadable"])
         self.updates += record["updates"]
@@ -762,6 +781,7 @@ class _Window:
         self.grad_norm = record["grad_norm"]
         self.data_wait += record["data_wait"]
         self.t0 -= record["seconds"]
+        self._close_update()  # the carried updates are completed ones
 
     def check_finite(self, step: Optional[int], kept_step: Optional[int], sums: Optional[tuple] = None) -> float:
         """Raise NonFiniteLossError if the window's loss is NaN/inf on any rank, naming the checkpoint kept
