@@ -693,11 +693,20 @@ def check_keys_read(cfg: Config, given: dict, sources: Optional[dict] = None,
             else:
                 readers = " or ".join(map(_show, read_with))
                 fix = (f"drop it from {sources[key]}, or layer it over a recipe whose {decider} is {readers}"
-                       if key in sources else f"drop it or set {decider} as well")
+                       if key in sources else _override_fix(decider, read_with, value))
                 why = f"{key} is read only when {decider} is {readers}, and it is {_show(value)}"
             raise IgnoredOverrideError(
                 f"{f'{sources[key]}: ' if key in sources else ''}{key}={_show(given[key])} would be ignored: "
                 f"{why}; {fix}")
+
+
+def _override_fix(decider: str, read_with: tuple, value: Any) -> str:
+    """The fix a refused override is offered, by the deciding key's current `value`: at null the key needs a value,
+    given beside the override; set, where the override is read only at null (sched.per_step beside sched.steps=6), it
+    goes back to null ("set sched.steps as well" would name a key set already)."""
+    if value is not None and None in read_with:
+        return f"drop it or set {decider}=null as well"
+    return f"drop it or set {decider} as well"
 
 
 def check_options_read(options: Any, given: Iterable[str], classifier: bool = False) -> None:
