@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Literal, Optional, Tuple
+from typing import Dict, List, Literal, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -59,6 +59,21 @@ def _in_unit(fqn: str, unit: Unit) -> bool:
     return fqn == unit.name or fqn.startswith(unit.name + ".")
 
 
+def unit_weights(model: nn.Module, units: List[Unit]) -> List[int]:
+    """Each unit's Linear and convolution weights (element count, at least 1): the measure of its search's work.
+
+    Every candidate of the search runs a layer's weights over all captured rows, so a unit's time grows with its
+    weights: a ViT's patch embedding has a small fraction of a block's, and its search takes as small a one."""
+    return [max(1, sum(m.weight.numel() for m in model.get_submodule(u.name).modules()
+                       if isinstance(m, (nn.Linear, nn.Conv2d))))
+            for u in units]
+
+
+def time_left(spent: float, costs: Sequence[int], done: int) -> float:
+    """Seconds the units after the first `done` should take, at the seconds per unit of cost those took (`spent`)."""
+    return spent * sum(costs[done:]) / sum(costs[:done])
+
+
 @torch.no_grad()
 def calibrate_aphq(model: nn.Module, units: List[Unit], images: Inputs, settings: SearchSettings,
                    generator: Optional[torch.Generator] = None) -> Dict[str, object]:
@@ -86,6 +101,7 @@ def calibrate_aphq(model: nn.Module, units: List[Unit], images: Inputs, settings
     folded: List[str] = []
     n_layers = n_matmuls = 0
     grid = dict(eq_n=settings.eq_n)
+    costs = unit_weights(model, units)  # an estimate from the units' count would take the cheap stem for a block
     for done, unit in enumerate(units):
         unit_start = time.perf_counter()
         module = model.get_submodule(unit.name)
@@ -138,10 +154,12 @@ def calibrate_aphq(model: nn.Module, units: List[Unit], images: Inputs, settings
                               steps=settings.matmul_steps, rounds=settings.rounds)
                 n_matmuls += 1
         del caps
-        spent, left = time.perf_counter() - start, len(units) - done - 1
+        now = time.perf_counter()
+        left = len(units) - done - 1
         log.info("APHQ calibration: unit %d/%d %s searched [%.1fs]%s", done + 1, len(units), unit.name,
-                 time.perf_counter() - unit_start,
-                 f"; about {duration(spent / (done + 1) * left)} left for the other {left}" if left else "")
+                 now - unit_start,
+                 f"; about {duration(time_left(now - start, costs, done + 1))} left for the other {left}"
+                 if left else "")
     missing = [n for n, q in to_fit if not q.calibrated]
     for _, q in to_fit:
         q.search_label = "output-MSE search"

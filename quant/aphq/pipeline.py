@@ -17,7 +17,8 @@ order to reduce quantization time" (CD paper Sec. 4.1). Procedure, after GoatWu/
 4. Reconstruction (reconstruct.py), unit by unit in module order (patch embedding, blocks, Swin patch
    merging, head): AdaRound + activation scales, QDrop at the unit input and inside the quantizers,
    APH-weighted MSE (hessian.py; computed on the float model, T = 20, +-1e-6 on every output element,
-   averaged over samples), KL for the head, loss normalised to 2 at the first iteration.
+   averaged over samples), KL for the head, loss normalised to 2 at the first iteration. A fully float stem or head
+   (`stem_w_bits=0`; `head_w_bits=0` with `head_a_bits=0`) has nothing to learn: skipped, with 0 iterations.
 5. Optional MLP reconstruction before step 2 (`mlp_reconstruct=True`, mlp_recon.py).
 
 A detector (`PipelineData.detector_samples`) follows the official detection code instead: detector.py.
@@ -46,7 +47,7 @@ from ..calibrate import Images
 from ..convert import quantize_model
 from ..fold_windows import check_fold_windows
 from ..layout import standard_layout
-from ..modes import set_quant_state
+from ..modes import quant_state, set_quant_state
 from ..pipeline_base import Pipeline, PTQResult, StageTimer, isolated_rng, parse_options, pipeline_report
 from ..pipeline_data import PipelineData, require_data
 from ..reparam import REPQ_FOLD_SITES, check_fold_sites
@@ -57,7 +58,7 @@ from .calibration import SearchSettings, calibrate_aphq
 from .detector import quantize_detector
 from .hessian import perturbation_hessian
 from .mlp_recon import MLPReconSettings, reconstruct_mlps
-from .reconstruct import ReconSettings, reconstruct_unit
+from .reconstruct import ReconSettings, reconstruct_unit, reconstructs_anything, skipped_stats
 
 log = logging.getLogger("quant.aphq")
 
@@ -305,11 +306,20 @@ class APHQPipeline(Pipeline):
                  "after the first iterations", len(units), options.iters)
         with timer("reconstruct", device):
             for i, unit in enumerate(units):
+                module = model.get_submodule(unit.name)
+                with quant_state(module, weights=True, activations=True):
+                    float_unit = not reconstructs_anything(module)
+                if float_unit:  # a float stem or head: no captures, no APH, nothing trained
+                    set_quant_state(module, weights=True, activations=True)  # switched on as every unit (no-op)
+                    log.info("unit %d/%d %s (%s): float, nothing to reconstruct: skipped", i + 1, len(units),
+                             unit.name, unit.kind)
+                    unit_stats.append({"unit": unit.name, "kind": unit.kind, **skipped_stats(),
+                                       "hessian_seconds": 0.0})
+                    continue
                 fp_in, fp_out = capture_unit(frozen, unit.name, images, bs, inputs=True, outputs=True,
                                              store_device=cache)
                 q_in, _ = capture_unit(model, unit.name, images, bs, store_device=cache)
                 weight = None if unit.kind == "head" or options.loss == "mse" else hessian(unit.name)
-                module = model.get_submodule(unit.name)
                 set_quant_state(module, weights=True, activations=True)
                 log.info("unit %d/%d %s (%s): %d iterations",
                          i + 1, len(units), unit.name, unit.kind, options.iters)
@@ -323,8 +333,9 @@ class APHQPipeline(Pipeline):
                 unit_stats.append(stats)
                 left = len(units) - i - 1
                 if left:
-                    spent = sum(u["seconds"] + u["hessian_seconds"] for u in unit_stats)
+                    # from the units reconstructed: a skipped float unit's 0 s says nothing of the others' time
+                    ran = [u["seconds"] + u["hessian_seconds"] for u in unit_stats if u["iters"]]
                     log.info("APHQ reconstruction: about %s left for the other %d units", duration(
-                        spent / len(unit_stats) * left), left)
+                        sum(ran) / len(ran) * left), left)
                 del fp_in, fp_out, q_in
         return unit_stats

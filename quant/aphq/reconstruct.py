@@ -76,6 +76,18 @@ def _act_quantizers(unit: nn.Module) -> List[UniformQuantizer]:
     return qs
 
 
+def reconstructs_anything(unit: nn.Module) -> bool:
+    """Whether `unit`, in its current quantizer state, has anything to learn: an enabled AdaRound weight or an
+    enabled activation quantizer. A float unit (`stem_w_bits=0`; `head_w_bits=0` with `head_a_bits=0`) has neither:
+    its output is the float model's already."""
+    return bool(_weight_layers(unit) or _act_quantizers(unit))
+
+
+def skipped_stats() -> Dict[str, float]:
+    """The stats of a unit with nothing to reconstruct (`reconstructs_anything`): no iteration ran."""
+    return {"iters": 0, "seconds": 0.0, "rec_first": 0.0, "rec_last": 0.0, "round_last": 0.0}
+
+
 def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, target: torch.Tensor,
                      hessian: Optional[torch.Tensor], loss_kind: Literal["weighted_mse", "kl"],
                      settings: ReconSettings, generator: torch.Generator, name: str = "",
@@ -167,10 +179,16 @@ def optimize_unit(unit: nn.Module, reconstruction_error: Callable[[int], torch.T
                   ) -> Dict[str, float]:
     """The optimisation every reconstruction shares: AdaRound alphas and activation scales of `unit` trained on
     `reconstruction_error(iteration)` (normalised to 2 at the first iteration) plus the rounding regulariser,
-    under QDrop; then hard rounding baked in and the quantizers frozen (module docstring)."""
+    under QDrop; then hard rounding baked in and the quantizers frozen (module docstring). A unit with nothing to
+    learn (not `reconstructs_anything`) and no parameter that requires grad is skipped: 0 iterations,
+    `reconstruction_error` never called."""
     device = next(unit.parameters()).device
     layers = _weight_layers(unit)
     acts = _act_quantizers(unit)
+    if not layers and not acts and not any(p.requires_grad for p in unit.parameters()):
+        # a float unit of a frozen model: its loss has no gradient, and nothing would change
+        log.info("%s: skipped: no quantized weight or activation to reconstruct (a float unit)", name)
+        return skipped_stats()
     alphas = [layer.weight_quantizer.start_rounding(layer.weight) for layer in layers]
     for q in acts:
         if not isinstance(q.scale, nn.Parameter):
