@@ -126,7 +126,8 @@ def main(args: argparse.Namespace) -> dict:
             prepare_folder(os.path.dirname(os.path.abspath(out)), setting="--out")  # default: beside the checkpoint
             open_eval_log(out, dist.is_main)
         log_environment(log, dist)
-        log.info("%s", describe_precision(args.amp, device, key="--amp", scaler=False))
+        # TF32 as torch leaves it (evaluate.py sets no switch): on CUDA the line says what the fp32 math ran at
+        log.info("%s", describe_precision(args.amp, device, key="--amp", scaler=False, tf32=""))
 
         with failure_on_every_rank(device, "loading the weights"):  # each rank reads its own node's files
             model = load_float_model(cfg, payload, args)

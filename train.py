@@ -64,7 +64,7 @@ from engine.rank_agreement import check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
 from engine.metrics import METRICS_FINGERPRINT, MetricLogger, duration, progress_line
 from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, schedule_length, use_fused
-from engine.precision import describe_precision, grad_scaler
+from engine.precision import describe_precision, grad_scaler, set_tf32
 from engine.exit_codes import EXIT_INTERRUPTED
 from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, ignore_sigterm_until_exit, preempted_line
 from engine.resume import (check_schedule_holds, epoch_layout, epoch_position, optimizer_param_names,
@@ -73,7 +73,7 @@ from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, c
                               keep_abandoned_checkpoint, keep_missing_snapshot, keep_snapshot, resume_source,
                               started_at_step)
 from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside, resumes_in,
-                            save_config_history, start_only_changes, validation_changes)
+                            save_config_history, start_only_changes, training_changes, validation_changes)
 from engine.running_stats import average_running_stats
 from engine.start_weights import START_WEIGHTS, classifier_keys, start_record
 from engine.runinfo import SAME_ON_EVERY_RANK, exit_with_error, foreign_log, log_environment, setup_logging
@@ -189,13 +189,18 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResu
     if dist.distributed:  # each rank looked on its own node
         check_same_start_on_every_rank(cfg.out_dir, resume_path, payload, dist.device, dist.rank,
                                        cfg.train.resume)
-    check_resume(cfg, resume_path, payload)  # settings the checkpoint cannot continue with: before the model and data
+    # settings the checkpoint cannot continue with: before the model and data; the changed settings it continues
+    # with are said once the run's length is known to leave them updates to act on (check_something_to_train)
+    check_resume(cfg, resume_path, payload, warn=False)
     # the weights the run started from: a resumed run's are its checkpoint's (None for one written before the record)
     run = build_run(cfg, dist, resumed=resume_path is not None,
                     start_weights=payload.get(START_WEIGHTS) if resume_path is not None else None,
                     checkpoint=(resume_path, payload) if resume_path is not None else None)
     if resume_path is not None:
+        if changed := config_changes(payload["config"], compared_config(payload["config"], cfg)):
+            log.warning("resuming with changed settings: %s", "; ".join(changed), extra=SAME_ON_EVERY_RANK)
         resume_run(run, resume_path, payload)
+        release_log_file()  # the run goes on: its lines so far go to train.log (HeldLog), the next ones as they come
         other_validation = validation_changes(payload["config"], as_scored(payload["config"], cfg))
         # of out_dir's metrics.jsonl only: another folder's checkpoint describes that folder's records
         metrics_fingerprint = payload.get(METRICS_FINGERPRINT) if is_inside(resume_path, cfg.out_dir) else None
@@ -417,6 +422,34 @@ def check_resume_point(cfg: Config, payload: dict, checkpoint: str, total_steps:
     here)."""
     check_schedule_holds(payload["state"]["step"], total_steps, schedule_text(cfg, updates_per_epoch), checkpoint)
     check_max_steps_reach(cfg, payload, checkpoint)
+    check_something_to_train(cfg, payload, checkpoint, total_steps, updates_per_epoch)
+
+
+def check_something_to_train(cfg: Config, payload: dict, checkpoint: str, total_steps: int,
+                             updates_per_epoch: int) -> None:
+    """Refuse changed training settings (train.allow_changed_config=true) on a resume with no update left to train:
+    `checkpoint` (its `payload`) at the end of the run's schedule (a finished run re-run) or at its train.max_steps.
+    The run would validate again and record the new settings in config.yaml while its weights, checkpoint.pt and
+    best.pt had none of them. A new validation set (engine/run_dir.py VALIDATION_KEYS) acts on that validation and
+    stays allowed, as do the settings that may always change (ENVIRONMENT_KEYS: train.max_steps, quant.*, ...).
+    Epochs of another number of updates than the checkpoint's are left to engine/resume.py resume_position, whose
+    refusal names the batch and data to resume with (this run's end is then counted in other updates)."""
+    step = payload["state"]["step"]
+    at_end, at_max = step >= total_steps, bool(cfg.train.max_steps) and step >= cfg.train.max_steps
+    recorded = payload.get("epoch_position")
+    other_layout = isinstance(recorded, dict) and recorded.get("updates_per_epoch") != updates_per_epoch
+    if not (at_end or at_max) or other_layout:
+        return
+    changed = training_changes(payload["config"], compared_config(payload["config"], cfg))
+    if not changed:
+        return
+    schedule = "sched.steps" if cfg.sched.steps is not None else "sched.epochs"
+    end, longer = ((f"the end of the run's schedule ({schedule_text(cfg, updates_per_epoch)})", f"a longer {schedule}")
+                   if at_end else (f"train.max_steps={cfg.train.max_steps}", "a larger train.max_steps"))
+    raise ConfigError(f"{checkpoint} is at update {step}, {end}: nothing is left to train, so the changed "
+                      f"settings ({'; '.join(changed)}) would act on no update while config.yaml recorded them; "
+                      f"give {longer} to train on with them, re-run with the checkpoint's settings, or train them in "
+                      f"another out_dir (model.pretrained={checkpoint} starts from its weights)")
 
 
 def check_max_steps_reach(cfg: Config, payload: dict, checkpoint: str) -> None:
@@ -516,7 +549,7 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
                  cfg.optim.weight_decay, weight_decay, cfg.cd.lam)
     optimizer = as_config_error("optim", build_optimizer, model, cfg.optim, lr, weight_decay, device)
     scheduler = as_config_error("sched", build_scheduler, optimizer, cfg.sched, updates_per_epoch)
-    log.info("%s", describe_precision(cfg.train.amp, device))
+    log.info("%s", describe_precision(cfg.train.amp, device, tf32=f"train.tf32={str(cfg.train.tf32).lower()}"))
     ema = build_ema(model, cfg.train)
     if ema is not None:  # scored beside the raw weights, which best.pt and the closing lines follow (DeiT's report)
         log.info("EMA of the weights: decay %g per update%s; scored as val_ema/* at each validation, best.pt chosen "
@@ -742,7 +775,7 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     schedule_at_resume(run)
     if run.decay is not None and "cd" in payload:
         # ColinearityDecay warns its library users of a CD config other than its state's (a raw UserWarning with a
-        # source line); here check_resumable's "resuming with changed settings" line names the cd.* settings that
+        # source line); here run_training's "resuming with changed settings" line names the cd.* settings that
         # changed, so it would say them twice: what they leave unsaid (other decayed matrices under the same
         # settings: another release's pairing) is logged instead, once
         with warnings.catch_warnings():
@@ -772,7 +805,7 @@ def cd_change_unsaid(saved_run: dict, cfg: Config, saved_cd: Optional[dict], now
     """ColinearityDecay's warning of its checkpointed state's config `saved_cd` (None: not recorded) against this
     run's `now_cd` (cd/decay.py config_change), where the run's cd.* settings, as its checkpoint's config `saved_run`
     and `cfg` hold them, do not account for it; None where they do, as the "resuming with changed settings" line
-    names them (check_resumable), or where nothing differs. An entry whose settings changed is taken as now; what
+    names them (run_training), or where nothing differs. An entry whose settings changed is taken as now; what
     still differs (e.g. other decayed matrices under the same cd.targets) is left for the warning to tell."""
     if saved_cd is None:
         return None
@@ -1002,13 +1035,73 @@ def run_summary(state: TrainState, reason: str, epochs: int, wall_seconds: float
 
 
 def setup_process(cfg: Config, dist: DistInfo) -> None:
-    """Logging to out_dir/train.log (main rank), TF32 matmuls, and deterministic kernels if asked."""
+    """Logging to out_dir/train.log (main rank; held back while a resume of out_dir's run may yet be refused, where
+    the run has a train.log to append to: `HeldLog`), TF32 as train.tf32 asks (engine/precision.py set_tf32), and
+    deterministic kernels if asked."""
+    # after the claim, as it judged the folder; a train.log this command creates is its own, and has every line
+    held = (dist.is_main and resumes_in(cfg.out_dir, cfg.train.resume)
+            and os.path.isfile(os.path.join(cfg.out_dir, "train.log")))
     setup_logging(cfg.out_dir, dist.is_main)
+    if held:
+        hold_log_file()
     log_environment(log, dist)
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    set_tf32(cfg.train.tf32)
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+
+
+class HeldLog(logging.Handler):
+    """train.log's handler while a resume of out_dir's run may yet be refused: its records wait here, and go to the
+    file (`write_held`) once the run continues. A command that ends before then (a refusal such as "use another
+    out_dir", an error) leaves the run's train.log as it was, its lines said on the console only; exit_with_error's
+    line goes to the run's FileHandler, which is not among the root logger's handlers while held."""
+
+    def __init__(self, target: logging.FileHandler):
+        super().__init__(target.level)
+        self.target, self.records = target, []
+        self._cd_run = True  # as setup_logging's handlers: a later run in this process (a test) closes it
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Keep a copy of `record` with its message made now (its arguments may change before the release)."""
+        held = logging.makeLogRecord(record.__dict__)
+        try:
+            held.msg, held.args = record.getMessage(), None
+        except Exception:  # noqa: BLE001 - arguments that do not fit the message: logging's report, as any handler's
+            self.handleError(record)
+            return
+        self.records.append(held)
+
+    def write_held(self) -> None:
+        """Put the file's handler back in this one's place and write the records held, in their order (not named
+        `release`: that is logging.Handler's lock method, which `handle` calls)."""
+        root = logging.getLogger()
+        root.removeHandler(self)
+        root.addHandler(self.target)
+        for record in self.records:
+            self.target.handle(record)
+        self.records = []
+
+    def close(self) -> None:
+        """Close the file's handler too (never written to where the records were not released)."""
+        self.target.close()
+        super().close()
+
+
+def hold_log_file() -> None:
+    """Put setup_logging's train.log handler behind a HeldLog (main rank)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if getattr(handler, "_cd_run", False) and isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+            root.addHandler(HeldLog(handler))
+
+
+def release_log_file() -> None:
+    """Write what a HeldLog holds to train.log, and log there directly from now on (nothing held: nothing to do)."""
+    for handler in list(logging.getLogger().handlers):
+        if isinstance(handler, HeldLog):
+            handler.write_held()
 
 
 def accumulation_steps(cfg: Config, world_size: int) -> int:
@@ -1075,7 +1168,8 @@ def check_resume(cfg: Config, resume_path: Optional[str], payload: Optional[dict
     """The settings the checkpoint `resume_path` (resume_source's; None: a fresh start) cannot continue with
     (check_resumable), the schedule check, which check_before_start leaves to here where a checkpoint may be
     continued (may_resume), and a train.max_steps below the checkpoint's update (check_max_steps_reach). The run and
-    --print-config make it alike; `warn` as check_resumable's."""
+    --print-config make it alike; `warn` as check_resumable's (the run says the changed settings itself, once
+    its length is known to leave them updates: check_something_to_train)."""
     if resume_path is not None:
         check_resumable(payload["config"], cfg, resume_path, warn=warn)
     check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)
@@ -1092,17 +1186,23 @@ def as_scored(saved: dict, current: Config) -> dict:
     return current_d
 
 
+def compared_config(saved: dict, current: Config) -> dict:
+    """`current` as a dict to compare with a checkpoint's config `saved`: `as_scored`, and model.img_size null,
+    which is the model's own size, taken as that size where the other config names it (vit_nano's 32: one model)."""
+    current_d = as_scored(saved, current)
+    trained_size, size = saved["model"].get("img_size"), current.model.img_size
+    if (trained_size is None) != (size is None) and own_img_size(current.model) == (trained_size or size):
+        current_d["model"]["img_size"] = trained_size
+    return current_d
+
+
 def check_resumable(saved: dict, current: Config, source: str, warn: bool = True) -> None:
     """The checkpoint `source` (out_dir's checkpoint.pt or the train.resume file) must be of the same model
     and data set; other settings that change what the run computes may differ only with
     train.allow_changed_config=true (paths, logging and train.max_steps may always change:
     engine/run_dir.py ENVIRONMENT_KEYS), logged as such unless `warn` is False (a sweep's check before its runs
     start: the resume it would announce is the run's own, at its turn)."""
-    current_d = as_scored(saved, current)
-    # model.img_size null is the model's own size: null and that size (vit_nano's 32) name one model
-    trained_size, size = saved["model"].get("img_size"), current.model.img_size
-    if (trained_size is None) != (size is None) and own_img_size(current.model) == (trained_size or size):
-        current_d["model"]["img_size"] = trained_size
+    current_d = compared_config(saved, current)
     own = os.path.abspath(source) == os.path.abspath(os.path.join(current.out_dir, "checkpoint.pt"))
     other = "use another out_dir" if own else "give train.resume a checkpoint of this model and data set"
     # the model's build (not its start weights, nor its drop rates, model.drop(_path)'s or model.kwargs' *drop_rate:

@@ -261,6 +261,9 @@ class TrainConfig:
     ckpt_every_steps: Annotated[int, NonNegative] = 0
     log_every_steps: Annotated[int, AtLeastOne] = 50  # training metrics every N updates
     deterministic: bool = False  # cuDNN/cuBLAS deterministic algorithms (slower)
+    # TF32 for CUDA's float32 matmuls and cuDNN convolutions (timm's training); false: full float32 precision. A CPU
+    # has no TF32: it computes the same either way. CD's update products follow cd.matmul_precision instead
+    tf32: bool = True
     # stop when the loss stays above this multiple of its first value (engine/divergence.py); None: off
     divergence_factor: Annotated[Optional[float], Range(1, low_open=True)] = 3.0
     divergence_windows: Annotated[int, AtLeastOne] = 3  # ... for this many consecutive log windows

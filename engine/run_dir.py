@@ -94,6 +94,12 @@ VALIDATION_KEYS = ("data.val_split", "data.val_windows", "data.kjv_val_fraction"
                    "data.crop_pct", "data.crop_mode")
 
 
+# Settings added since runs were first written, with the value that a run whose config lacks the key ran with (its
+# config.yaml and checkpoints predate the key): compared as that value on resume, not as a change from none.
+# train.tf32: train.py turned TF32 on, for every run, before the key existed.
+SETTINGS_BEFORE_THEIR_KEY = {"train.tf32": True}
+
+
 class RunDirError(ValueError):
     """An out_dir that cannot be used: not writable, in use, or holding an earlier run's results."""
 
@@ -124,11 +130,21 @@ def _unread_in_both(saved: dict, current: dict, keys: list[str]) -> set[str]:
 def config_changes(saved: dict, current: dict) -> list[str]:
     """'key: old -> new' for every setting that differs and changes what the run computes. A key that both
     configs leave unread is no change: a run saved with train.ema=false beside train.ema_decay=0.5 resumes with
-    train.ema_decay left out (the loader refuses an option given beside a switch that leaves it unread)."""
-    old, new = _flat(saved), _flat(current)
+    train.ema_decay left out (the loader refuses an option given beside a switch that leaves it unread). A key a
+    config lacks that was added since it was written is compared as the value such a run ran with
+    (SETTINGS_BEFORE_THEIR_KEY)."""
+    old, new = ({**SETTINGS_BEFORE_THEIR_KEY, **_flat(config)} for config in (saved, current))
     differ = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k) and not _is_environment(k)]
     moot = _unread_in_both(saved, current, differ)
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in differ if k not in moot]
+
+
+def training_changes(saved: dict, current: dict) -> list[str]:
+    """`config_changes` but those of VALIDATION_KEYS: the changes that act on the updates a run trains, which a
+    run with none left to train (finished, or at its train.max_steps) could not apply (train.py
+    check_something_to_train). A new validation set acts on the validation such a run makes again."""
+    validation = set(VALIDATION_KEYS)
+    return [change for change in config_changes(saved, current) if change.split(":", 1)[0] not in validation]
 
 
 def recipe(config: dict) -> dict:
