@@ -145,7 +145,9 @@ LONGER = ["sched.epochs=2", "sched.warmup_epochs=0", "log.tensorboard=false", "t
 # environment: train.max_steps may always change; 4 is run a's length (a stop beyond it train.py refuses at its start).
 # more data: 128 samples in batches of 32 are 4 updates per epoch, as the checkpoint's 64 in batches of 16 (the
 # checkpoint's count of 64 in batches of 32 would be 2, which the sweep refused though train.py continued the run)
-@pytest.mark.parametrize("items", [ITEMS, [*ITEMS, "optim.lr=0.01", "train.allow_changed_config=true"],
+# allowed: a finished run takes a changed validation setting (a changed training setting would act on no update:
+# train.py refuses it, tests/test_resume_nothing_to_train.py)
+@pytest.mark.parametrize("items", [ITEMS, [*ITEMS, "data.synthetic_val_size=32", "train.allow_changed_config=true"],
                                    [*ITEMS, "train.max_steps=4"], LONGER,
                                    [*LONGER, "data.synthetic_train_size=128", "train.batch_size=32",
                                     "train.batch_size_per_gpu=16"]],
