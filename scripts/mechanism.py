@@ -76,7 +76,7 @@ from cd.verify import UnsupportedModelError, verify_pairs  # noqa: E402
 from cd.wrappers import unwrap_model  # noqa: E402
 from configs import ConfigError, config_from_dict, config_to_dict, layer_config, load_config  # noqa: E402
 from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
-from configs.loader import LM_DATA, override_keys  # noqa: E402
+from configs.loader import LM_DATA, dict_fields, override_keys, schema_keys  # noqa: E402
 from configs.schema import (TRAIN_BATCH_OVERRIDE_KEYS, TRAIN_MODE_MODEL_KEYS,  # noqa: E402
                             TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS)
 from data import DataError, build_eval_loader  # noqa: E402
@@ -385,6 +385,7 @@ def load(args: argparse.Namespace, images: bool = False) -> Loaded:
     if args.checkpoint and (args.model or args.weights):
         raise MechanismError("give either --checkpoint, or --model NAME --weights FILE, not both")
     check_flag_overrides(args)
+    check_overrides_first(args)
     if args.checkpoint:
         if not os.path.isfile(args.checkpoint):
             raise MechanismError(f"--checkpoint {args.checkpoint}: no such file; give the best.pt or "
@@ -895,13 +896,16 @@ TEXT_DATA_KEYS = ("data.val_windows", "data.kjv_val_fraction")
 
 def unread_keys(command: str, cfg) -> dict[str, str]:
     """{key: why it is not read} of the keys below a READS section (model.*, data.*) that `command` does not read
-    with the config `cfg` (data.hflip, data.mixup, model.drop_path were accepted and ignored)."""
+    with the config `cfg` (data.hflip, data.mixup, model.drop_path were accepted and ignored); with `cfg` None,
+    those it reads with no config (remove's training-transform keys, read with quant.calib_transform=train, left
+    out)."""
     unread = dict.fromkeys(TRAIN_MODE_MODEL_KEYS, "a training-mode setting, and the model is read in eval mode")
     if command not in ("surrogate", "remove"):
         return unread
     unread.update(dict.fromkeys(TRAIN_BATCH_OVERRIDE_KEYS, "a setting of training batches"))
     unread.update(dict.fromkeys(TEXT_DATA_KEYS, "a language model's data, which it refuses"))
-    if command == "surrogate" or cfg.quant.calib_transform != "train":  # remove's calibration: training transform
+    # remove's calibration reads the training transform with quant.calib_transform=train
+    if command == "surrogate" or (cfg is not None and cfg.quant.calib_transform != "train"):
         unread.update(dict.fromkeys(TRAIN_TRANSFORM_ONLY_OVERRIDE_KEYS, "a setting of the training transform, and "
                                     "it reads eval-transform images only (quant.calib_transform=eval)"))
     if command == "surrogate":  # val images only: remove calibrates on train-split images
@@ -966,6 +970,28 @@ def check_overrides(args: argparse.Namespace, cfg) -> None:
         for key in override_keys(item):
             if not is_read(key, reads, unread):
                 raise MechanismError(f"{item}: {not_read(args.command, key, reads, unread)}; drop it")
+
+
+def check_overrides_first(args: argparse.Namespace) -> None:
+    """Refuse, before the config is loaded, an override of a schema key that `args.command` reads under no config
+    (unread_keys with none): the loader's rules would first ask for a deciding key that it does not read either
+    (`alignment` of a digits checkpoint with data.root=/x: 'set data.dataset as well', then data.dataset=folder
+    refused), where dropping it is the fix. A key the schema does not know is left to the loader, which names the
+    key meant; the keys read under some configs only, to check_overrides."""
+    reads, unread = reads_of(args), unread_keys(args.command, None)
+    for item in args.overrides:
+        for key in override_keys(item):
+            if is_setting(key) and not is_read(key, reads, unread):
+                raise MechanismError(f"{item}: {not_read(args.command, key, reads, unread)}; drop it")
+
+
+def is_setting(key: str) -> bool:
+    """Whether `key` is a setting of the schema: a key that holds a value (not a section), or an entry of a dict
+    field (model.kwargs.depth)."""
+    keys = schema_keys()
+    if any(key.startswith(field + ".") for field in dict_fields()):
+        return True
+    return key in keys and not any(k.startswith(key + ".") for k in keys)
 
 
 def build_parser(command: str) -> argparse.ArgumentParser:
