@@ -648,7 +648,7 @@ def main(argv=None) -> int:
             # refuse them at that run's turn, after the runs before it
             refuse_changed_training_settings(runs, args.sweep, world_size)
             if args.evaluate:
-                plan_changed_evaluations(runs, args.recompute, world_size, args.sweep)
+                plan_changed_evaluations(runs, args.recompute, world_size, args.sweep, args.overrides)
         except ConfigError as e:
             sys.exit(f"error: {e}")
     if not args.run:
@@ -1033,7 +1033,8 @@ def check_resume_length(cfg, payload: dict, checkpoint: str, world_size: Optiona
                     step=int(state["step"]), checkpoint=checkpoint)
 
 
-def plan_changed_evaluations(runs: list[dict], recompute: bool, world_size: Optional[int], sweep_path: str) -> None:
+def plan_changed_evaluations(runs: list[dict], recompute: bool, world_size: Optional[int], sweep_path: str,
+                             overrides: Sequence[str] = ()) -> None:
     """evaluate.py adds to a result file only what the sweep's settings compute alike (engine/eval_results.py): an
     entry of a pipeline and bit-width it is to run, computed with other settings ('evaluate' edited since: another
     quant.calib_images), or activation maxima over other quant.act_max_extra_modules, it refuses, advising --out
@@ -1041,8 +1042,9 @@ def plan_changed_evaluations(runs: list[dict], recompute: bool, world_size: Opti
     validation) and evaluate.py's loading of the model, the later runs not started. With `recompute` (the sweep's
     --recompute) such a run's evaluate.py command gets --recompute (run['recompute']: the old entries go to the
     file's history; files that agree get none, so that a requeued sweep computes nothing twice); without it, refused
-    before anything starts (ConfigError). Not checked: a file of other weights than the run's best.pt holds, or that
-    evaluate.py cannot read as a result (moved aside, move_stale_result). A run that
+    before anything starts (ConfigError), naming where the difference comes from (change_sources): the command
+    line's `overrides` (the sweep file as it was), the sweep file, or both. Not checked: a file of other weights than
+    the run's best.pt holds, or that evaluate.py cannot read as a result (moved aside, move_stale_result). A run that
     is to train further may yet write a newer best.pt, which would have the file moved aside: that is not known
     before it trains, and the file is refused (as refuse_results_of_another_autocast)."""
     for run in runs:
@@ -1060,21 +1062,58 @@ def plan_changed_evaluations(runs: list[dict], recompute: bool, world_size: Opti
         if recompute:
             run["recompute"] = True
             continue
-        raise ConfigError(f"sweep run '{run['name']}': {result} holds {change}, and evaluate.py would refuse to add "
-                          f"to it: give the sweep --recompute to evaluate the run again with the sweep's settings "
-                          f"(evaluate.py keeps the old entries in the file's 'history'), or put the settings in "
-                          f"{sweep_path} back as they were")
+        behind, by_file = change_sources(run, data, world_size, change, overrides)
+        raise ConfigError(f"sweep run '{run['name']}': {result} holds {change}"
+                          + refusal_advice(behind, by_file, sweep_path))
 
 
-def evaluation_change(run: dict, data: dict, world_size: Optional[int]) -> Optional[str]:
+def refusal_advice(behind: list[str], by_file: bool, sweep_path: str) -> str:
+    """The end of plan_changed_evaluations' refusal: where the change comes from (the command line's overrides
+    `behind`, the sweep file `sweep_path` where `by_file`, or both) and how to undo it, or --recompute."""
+    given = " ".join(behind)
+    if not behind:  # the sweep file's settings alone
+        source, settings, undo = "", "the sweep's settings", f"put the settings in {sweep_path} back as they were"
+    elif not by_file:  # the sweep file is as it was: only the command line's overrides would undo it
+        source, settings = f", set by the command line's {given}", "it" if len(behind) == 1 else "them"
+        undo = f"drop {given} from the command line"
+    else:
+        source, settings = f", set by the command line's {given} and by {sweep_path}", "the sweep's settings and " \
+            "the command line's"
+        undo = f"drop {given} from the command line and put the settings in {sweep_path} back as they were"
+    return (f"{source}, and evaluate.py would refuse to add to it: give the sweep --recompute to evaluate the run "
+            f"again with {settings} (evaluate.py keeps the old entries in the file's 'history'), or {undo}")
+
+
+def change_sources(run: dict, data: dict, world_size: Optional[int], change: str,
+                   overrides: Sequence[str]) -> tuple[list[str], bool]:
+    """Where `change` of the run's evaluation from its result file `data` comes from: (the command line's
+    `overrides` that make it, whether the sweep file's settings do). The overrides that reach evaluate.py make it
+    where the command without them differs otherwise or not at all: of them, those whose removal alone alters
+    `change`, or all where none does alone. The sweep file makes it where the command without them still differs,
+    or would be refused (the difference then not known to be theirs alone)."""
+    given = [o for o in overrides if o in evaluation_overrides(run)]  # those that reach evaluate.py
+    rest = evaluation_change(without(run, given), data, world_size, refused=change) if given else change
+    if rest == change:
+        return [], True
+    behind = [o for o in given if evaluation_change(without(run, [o]), data, world_size, refused=change) != change]
+    return behind or given, rest is not None
+
+
+def without(run: dict, items: Sequence[str]) -> dict:
+    """`run` with the override `items` left out of its overrides (a copy)."""
+    return {**run, "overrides": [o for o in run["overrides"] if o not in items]}
+
+
+def evaluation_change(run: dict, data: dict, world_size: Optional[int],
+                      refused: Optional[str] = None) -> Optional[str]:
     """What of the result file `data` of `run` the run's evaluate.py command would refuse to add to, or None: an
     entry it plans that was computed with other settings, or activation maxima over other modules. Its config is
     resolved by evaluate.py's own resolve_config from the run's best.pt and the command's overrides, and compared as
     evaluate.py compares (engine/eval_results.py settings_change, extra_modules); in the repository root, where the
     commands run (relative data paths: a token file's train split is part of its settings). A data-parallel
     pipeline's result depends on the number of processes (GPLQ): the launcher's, which a launcher that does not say
-    how many it starts leaves uncompared. None where evaluate.py would refuse the command itself: its error says
-    why."""
+    how many it starts leaves uncompared. `refused` (default None) where evaluate.py would refuse the command itself:
+    its error says why."""
     import evaluate
     from engine.eval_results import extra_modules, settings_change
     from engine.quant_settings import quant_settings
@@ -1100,7 +1139,7 @@ def evaluation_change(run: dict, data: dict, world_size: Optional[int]) -> Optio
             if change:
                 return f"{name} {bits} computed with other settings ({change})"
     except evaluate.USER_ERRORS:  # e.g. a token file that is not there: evaluate.py's refusal, in its own words
-        return None
+        return refused
     finally:
         os.chdir(here)
     before, now = extra_modules(data), sorted(cfg.quant.act_max_extra_modules)
