@@ -34,7 +34,7 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
     reads_batch = reads_calibration_batch(pipeline, task_for(cfg.data.dataset).language)
     if reads_batch:
         settings["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
-                                   "split": cfg.data.train_split, "transform": cfg.quant.calib_transform}
+                                   **train_split(cfg), "transform": cfg.quant.calib_transform}
         if cfg.data.dataset == "tokens":  # the windows are read from the train file: its content, as the val file's
             settings["calibration"]["train_file"] = token_file_fingerprint(cfg.data, "train")
     if sees_training_transform(cfg, pipeline):
@@ -59,5 +59,14 @@ def train_mode_settings(cfg: Config) -> dict:
 
 def training_data(cfg: Config) -> dict:
     """The training split and its transform: what training-transform images depend on besides their seed."""
-    return {"split": cfg.data.train_split, **train_transform_settings(cfg.data)}
+    return {**train_split(cfg), **train_transform_settings(cfg.data)}
+
+
+def train_split(cfg: Config) -> dict:
+    """The training split images are drawn from: its name and, for synthetic data, its size. The calibration batch
+    and APHQ's and GPLQ's images are a seeded permutation of the whole split (data.loader.calibration_images), so
+    another data.synthetic_train_size is another batch. An entry written before the size was recorded lacks it
+    and reads as computed with other settings (--recompute), as one without the token train file's content."""
+    size = {"synthetic_train_size": cfg.data.synthetic_train_size} if cfg.data.dataset == "synthetic" else {}
+    return {"split": cfg.data.train_split, **size}
 
