@@ -657,7 +657,8 @@ class ColinearityDecay:
             RuntimeError: this object is attached already, or another CD update in `optimizer`'s step
                 decays one of these matrices (the update would run twice per step), or `optimizer` (or its wrapper)
                 keeps a `step` of the torch optimizer that calls no step hooks (`cd.wrappers.steps_without_hooks`).
-            ValueError: no decayed matrix is in `optimizer` (CD would never act), naming the matrices, the
+            ValueError: no decayed matrix is in `optimizer` and some are trainable (CD would never act), naming
+                the matrices (all of them frozen is a warning: a stage added with add_param_group once unfrozen), the
                 model's parameters were replaced after this object found its pairs, or a param group holding a
                 decayed matrix has no lr to follow (None; Adafactor's relative_step=True).
         """
@@ -681,12 +682,10 @@ class ColinearityDecay:
         decayed = self._decayed_named()
         outside = [name for name, t in decayed if id(t) not in index]
         if len(outside) == len(decayed):
-            raise ValueError(f"ColinearityDecay.attach: none of the {len(outside)} decayed matrices is in the "
-                             f"optimizer (not in the optimizer: e.g. {outside[:3]}), so CD would never act; give "
-                             f"the optimizer the model's parameters")
+            self._refuse_none_held(decayed)
         register_step_update(self, self, optimizer, "ColinearityDecay.attach")
         self._warn_if_all_frozen(index, "ColinearityDecay.attach")
-        if outside:
+        if outside and len(outside) < len(decayed):  # all of them outside: said by _refuse_none_held
             warnings.warn(f"ColinearityDecay.attach: {len(outside)} decayed matrices are not in the optimizer "
                           f"(e.g. {outside[:3]}); the optimizer never changes them, so CD leaves them alone too",
                           stacklevel=2)
@@ -727,6 +726,24 @@ class ColinearityDecay:
 
     def _decayed(self) -> list[Tensor]:
         return [t for _, t in self._decayed_named()]
+
+    @staticmethod
+    def _refuse_none_held(decayed: list[tuple[str, Tensor]]) -> None:
+        """An optimizer that holds none of the decayed matrices (`decayed`: name, tensor): CD would never act, an
+        error while some of them are trainable. All of them frozen (a stage left out of the optimizer, to be added
+        with add_param_group when it is unfrozen, as Lightning's BaseFinetuning does) is a warning, as in
+        `cd.integrations.bind_optimizers`: the hook reads the param groups at each step, so CD follows them.
+
+        Raises:
+            ValueError: naming the matrices and the fix.
+        """
+        if any(t.requires_grad for _, t in decayed):
+            raise ValueError(f"ColinearityDecay.attach: none of the {len(decayed)} decayed matrices is in the "
+                             f"optimizer (not in the optimizer: e.g. {[n for n, _ in decayed[:3]]}), so CD would "
+                             f"never act; give the optimizer the model's parameters")
+        warnings.warn(f"ColinearityDecay.attach: all {len(decayed)} decayed matrices are frozen (requires_grad=False, "
+                      f"e.g. {decayed[0][0]}) and not in the optimizer: CD acts on each once it is unfrozen into "
+                      f"the optimizer (add_param_group)", stacklevel=3)
 
     def _warn_if_all_frozen(self, held: Mapping[int, Any], who: str) -> None:
         """Warn when every decayed matrix in the optimizer is frozen (requires_grad=False): CD changes only what
