@@ -51,6 +51,7 @@ from .wrappers import unwrap_model
 
 SCHEDULES = ("constant", "cosine")
 FORMS = ("memory_saving", "plain")
+TAU, EPS = 3.0, 1e-6  # TWEO's magnitude scale and its epsilon where none is given
 
 
 def _window_dtype(device: torch.device) -> torch.dtype:
@@ -119,8 +120,9 @@ def _check_types(lam: object, p: object, tau: object, eps: object, total_steps: 
 def check_tweo_settings(lam: object, p: object, tau: object, eps: object, schedule: object, total_steps: object,
                         rescale: object, form: object) -> None:
     """Refuse TWEO settings that cannot run, without a model: what `TWEO` checks first, for the integrations to
-    check when they are built (a hook in a Runner's config) rather than when training starts. Raises ValueError
-    naming the setting."""
+    check when they are built (a hook in a Runner's config) rather than when training starts. `tau` and `eps`
+    None: the defaults (TAU, EPS). Raises ValueError naming the setting."""
+    tau, eps = TAU if tau is None else tau, EPS if eps is None else eps
     if form not in FORMS:
         raise ValueError(f"tweo form must be one of {FORMS}, got {form!r}")
     if schedule not in SCHEDULES:
@@ -138,13 +140,34 @@ def check_tweo_settings(lam: object, p: object, tau: object, eps: object, schedu
                          f"got p={p}, tau={tau}, eps={eps}, lam={lam}")
 
 
+def check_scale_read(who: str, rescale: bool, tau: Optional[float], eps: Optional[float]) -> None:
+    """Refuse `tau` or `eps` given (not None) beside rescale=True, where nothing reads them: the rescaled term
+    lam * P * detach(|L| / P) has the gradient lam * |L| * grad(P) / P, from which P's factor (tau + eps)^-p
+    cancels, so they would change only the logged penalty (train.py refuses `tweo.tau` beside `tweo.rescale=true`
+    alike). `who` names the entry point in the message.
+
+    Raises:
+        ValueError: naming the settings given, why they would be ignored and the fix.
+    """
+    given = {key: value for key, value in (("tau", tau), ("eps", eps)) if value is not None}
+    if not rescale or not given:
+        return
+    shown, keys = ", ".join(f"{key}={value!r}" for key, value in given.items()), " and ".join(given)
+    one = len(given) == 1
+    raise ValueError(f"{who} {shown} would be ignored: {keys} {'is' if one else 'are'} read only when "
+                     "rescale=False (the rescaled term's gradient lam * |L_task| * grad(P) / P does not "
+                     f"depend on {'it' if one else 'them'}), and here rescale=True; drop {keys}, or give "
+                     "rescale=False")
+
+
 class TWEO:
     """TWEO auxiliary loss on block outputs, through forward hooks kept for the run.
 
     Args:
         model: the model (possibly DDP/torch.compile-wrapped); hooks go on its pre-norm blocks.
         lam: peak weight lambda.
-        p, tau, eps: penalty exponent, magnitude scale and its epsilon.
+        p, tau, eps: penalty exponent, magnitude scale and its epsilon; tau and eps None (the default): 3.0 and
+            1e-6 (TAU, EPS). The rescaled form does not read tau and eps: given with rescale=True, refused.
         schedule: 'constant' or 'cosine' (lam(t) = lam * (1 + cos(pi * t / total_steps)) / 2, 0 after).
         total_steps: number of optimizer updates of the run (needed for 'cosine', refused for 'constant').
         rescale: multiply the term by detach(|task_loss| / penalty) before lam (the "rescaled" variant).
@@ -156,16 +179,18 @@ class TWEO:
     Raises:
         ValueError: naming the setting: lam, p, tau or eps not a real number (a bool, a string) or out of range,
             total_steps not an integer (a bool), not > 0 for 'cosine' or given for 'constant', rescale not a bool,
-            an unknown schedule or form, or no pre-norm block in the model; an UnsupportedModelError (a ValueError)
-            for a block under names no layout has beside the blocks found (`cd.pairs.find_blocks`), which would get
-            no term.
+            tau or eps given beside rescale=True (`check_scale_read`), an unknown schedule or form, or no pre-norm
+            block in the model; an UnsupportedModelError (a ValueError) for a block under names no layout has
+            beside the blocks found (`cd.pairs.find_blocks`), which would get no term.
     """
 
-    def __init__(self, model: nn.Module, lam: float = 0.01, p: float = 4.0, tau: float = 3.0,
-                 eps: float = 1e-6, schedule: str = "constant", total_steps: Optional[int] = None,
+    def __init__(self, model: nn.Module, lam: float = 0.01, p: float = 4.0, tau: Optional[float] = None,
+                 eps: Optional[float] = None, schedule: str = "constant", total_steps: Optional[int] = None,
                  rescale: bool = False, form: str = "memory_saving", layouts: Sequence[Layout] = LAYOUTS) -> None:
         check_tweo_settings(lam=lam, p=p, tau=tau, eps=eps, schedule=schedule, total_steps=total_steps,
                             rescale=rescale, form=form)
+        check_scale_read("TWEO", rescale, tau, eps)
+        tau, eps = TAU if tau is None else tau, EPS if eps is None else eps
         self.lam, self.p, self.tau, self.eps = float(lam), float(p), float(tau), float(eps)
         self.schedule, self.total_steps, self.rescale, self.form = schedule, total_steps, rescale, form
         self._penalty = tweo_penalty if form == "memory_saving" else plain_tweo_penalty
@@ -194,8 +219,12 @@ class TWEO:
     def from_config(cls, cfg_tweo: Any, model: nn.Module, total_steps: Optional[int] = None) -> "TWEO":
         """Build from a `TWEOConfig` (lam, p, tau, eps, schedule, rescale, form);
         `enabled` is the trainer's switch. `total_steps`, the run's length that a trainer knows whatever the
-        schedule, is passed on for schedule 'cosine' only (the constant schedule refuses one)."""
-        return cls(model, lam=cfg_tweo.lam, p=cfg_tweo.p, tau=cfg_tweo.tau, eps=cfg_tweo.eps,
+        schedule, is passed on for schedule 'cosine' only (the constant schedule refuses one). Beside rescale,
+        tau and eps at their defaults are the config's fill-ins, not settings, and are left out; others are passed
+        on, for TWEO to refuse (load_config refuses them first; a TWEOConfig made in code does not)."""
+        tau = None if cfg_tweo.rescale and cfg_tweo.tau == TAU else cfg_tweo.tau
+        eps = None if cfg_tweo.rescale and cfg_tweo.eps == EPS else cfg_tweo.eps
+        return cls(model, lam=cfg_tweo.lam, p=cfg_tweo.p, tau=tau, eps=eps,
                    schedule=cfg_tweo.schedule, total_steps=total_steps if cfg_tweo.schedule == "cosine" else None,
                    rescale=cfg_tweo.rescale, form=cfg_tweo.form)
 

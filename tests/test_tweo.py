@@ -323,16 +323,18 @@ def test_the_rescaled_term_trains_with_p_and_not_with_tau_or_eps():
     _, _, _, _, g4, _ = _term_and_grads(["tweo.rescale=true", "tweo.p=4"], x, target)
     assert not torch.allclose(g, g4, rtol=1e-3)
 
-    def direct(**settings):  # TWEO itself: the config refuses tau and eps beside rescale
+    def direct(**scale):  # TWEO itself, which refuses tau and eps beside rescale: set on the object its hooks read
         model = tiny_vit().double()
-        with TWEO(model, lam=0.05, rescale=True, **settings) as tweo:
+        with TWEO(model, lam=0.05, p=3.0, rescale=True) as tweo:
+            for key, value in scale.items():
+                setattr(tweo, key, value)
             term = tweo.aux_loss(F.cross_entropy(model(x), target))
         return _flat_grad(term, list(model.parameters()))
 
-    base = direct(p=3.0)
+    base = direct()
     torch.testing.assert_close(base, g, rtol=1e-12, atol=1e-16)
-    for settings in (dict(tau=30.0), dict(tau=0.5), dict(eps=2.0)):
-        torch.testing.assert_close(direct(p=3.0, **settings), base, rtol=1e-12, atol=1e-16)
+    for scale in (dict(tau=30.0), dict(tau=0.5), dict(eps=2.0)):
+        torch.testing.assert_close(direct(**scale), base, rtol=1e-12, atol=1e-16)
 
 
 def saved_storages(use_tweo: bool, form: str = "memory_saving", batch: int = 8) -> dict:
