@@ -148,26 +148,46 @@ def _detector_defaults(pipeline: str, options: dict) -> dict:
     return {**options, "act_lr": APHQ_DETECTION.get("act_lr", APHQOptions.act_lr)}
 
 
-def comparable_settings(settings: Optional[dict], pipeline: str, detector: bool = False) -> dict:
-    """A quantized entry's settings of `pipeline` as compared: plain JSON types, without its NEUTRAL_OPTIONS and
+def comparable_settings(settings: Optional[dict], pipeline: str, detector: bool = False,
+                        bits: Optional[str] = None) -> dict:
+    """A quantized entry's settings of `pipeline` as compared: plain JSON types, without its NEUTRAL_OPTIONS,
     without the options unread under its own (`read_options`, by a `detector`'s rules for an entry of
     evaluate_detection.py; entries written before evaluate.py left them out hold them, maybe with another value than
-    the default a command now records)."""
+    the default a command now records), and, given the entry's `bits` (its key, e.g. "w4a8"), without the options
+    the pipeline does not read at those bits (`unread_at_bits`: APHQ's round_zero_point at a_bits != w_bits)."""
     plain = _plain(settings or {})
     if isinstance(plain.get("options"), dict):
-        neutral = NEUTRAL_OPTIONS.get(pipeline, ())
+        skipped = {*NEUTRAL_OPTIONS.get(pipeline, ()), *unread_at_bits(pipeline, bits)}
         options = read_options(pipeline, plain["options"], detector)
         plain["options"] = {k: v for k, v in (_detector_defaults(pipeline, options) if detector else options).items()
-                            if k not in neutral}
+                            if k not in skipped}
     return plain
 
 
-def settings_change(entry: dict, settings: dict, pipeline: str, detector: bool = False) -> Optional[str]:
+def unread_at_bits(pipeline: str, bits: Optional[str]) -> set[str]:
+    """The options `pipeline` does not read at `bits`, whatever their value (the pipeline's `unread_at`): every
+    entry at those bits is the same result whatever they hold. None for no bits, an unknown pipeline, or a key that
+    names no bit-width: nothing is left out."""
+    # imported here: the quantization package imports engine modules, which must not wait on it
+    from quant import PIPELINES, parse_bits
+    unread_at = getattr(PIPELINES.get(pipeline), "unread_at", None)
+    if bits is None or unread_at is None:
+        return set()
+    try:
+        parsed = parse_bits(bits)
+    except (ValueError, TypeError):  # a hand-edited key: compared in full
+        return set()
+    return set(unread_at(parsed))
+
+
+def settings_change(entry: dict, settings: dict, pipeline: str, detector: bool = False,
+                    bits: Optional[str] = None) -> Optional[str]:
     """How the settings a quantized entry of `pipeline` in a result file was computed with differ from `settings`
-    ('key old -> new; ...', its NEUTRAL_OPTIONS aside), or None when alike: such an entry is no result of
-    `settings`. `detector`: the file is evaluate_detection.py's (`detector_result`), compared by its rules."""
-    stored = comparable_settings(entry.get("settings"), pipeline, detector)
-    asked = comparable_settings(settings, pipeline, detector)
+    ('key old -> new; ...', its NEUTRAL_OPTIONS aside, and given the entry's `bits` the options unread at them), or
+    None when alike: such an entry is no result of `settings`. `detector`: the file is evaluate_detection.py's
+    (`detector_result`), compared by its rules."""
+    stored = comparable_settings(entry.get("settings"), pipeline, detector, bits)
+    asked = comparable_settings(settings, pipeline, detector, bits)
     return None if stored == asked else settings_diff(stored, asked)
 
 
@@ -216,8 +236,8 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     quant_a, quant_b = a.get("quant") or {}, b.get("quant") or {}
     for pipeline in sorted(set(quant_a) & set(quant_b)):
         for bits in sorted(set(quant_a[pipeline]) & set(quant_b[pipeline])):
-            x, y = (comparable_settings(r["quant"][pipeline][bits].get("settings"), pipeline, detector_result(r))
-                    for r in (a, b))
+            x, y = (comparable_settings(r["quant"][pipeline][bits].get("settings"), pipeline, detector_result(r),
+                                        bits) for r in (a, b))
             if x != y:
                 return Difference(f"{pipeline} {bits} settings", settings_diff(x, y), True)
     return None
@@ -517,7 +537,7 @@ class EvalResults:
         entry = self.data["quant"].get(pipeline, {}).get(bits)
         if entry is None or recompute:
             return True
-        change = settings_change(entry, settings, pipeline, detector_result(self.identity))
+        change = settings_change(entry, settings, pipeline, detector_result(self.identity), bits)
         if change is None:
             return False
         raise ResultsError(f"{self.path} already has {pipeline} {bits}, computed with other settings ({change}): "
