@@ -121,10 +121,13 @@ def main(cfg: Config) -> RunResult:
         check_device_settings(cfg, dist.device)
         # out_dir belongs to this run until it ends (engine/run_dir.py); from here on SIGTERM / SIGINT
         # request a checkpoint at the next update boundary (engine/preemption.py).
-        with claim_on_main_rank(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing, dist), \
+        # the claim's notes on the folder's files (moved to the archive, partial writes removed or kept) come before
+        # train.log is opened: on stderr, and kept to be written into train.log too (setup_process)
+        with ClaimNotes() as notes, \
+                claim_on_main_rank(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing, dist), \
                 Preemption(dist.device, distributed=dist.distributed,
                            saves_at=os.path.join(cfg.out_dir, "checkpoint.pt")) as preemption:
-            return run_training(cfg, dist, preemption)
+            return run_training(cfg, dist, preemption, notes)
 
 
 def check_before_start(cfg: Config, packages: bool = True) -> None:
@@ -180,10 +183,12 @@ def check_device_settings(cfg: Config, device: torch.device) -> None:
             raise ConfigError(str(e)) from None
 
 
-def run_training(cfg: Config, dist: DistInfo, preemption: Preemption) -> RunResult:
-    """The run itself: build everything, resume if possible, train epoch by epoch, validate, checkpoint."""
+def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
+                 notes: Optional["ClaimNotes"] = None) -> RunResult:
+    """The run itself: build everything, resume if possible, train epoch by epoch, validate, checkpoint. `notes`:
+    what the claim of out_dir said of its files, for train.log."""
     run_started = time.perf_counter()
-    setup_process(cfg, dist)
+    setup_process(cfg, dist, notes)
     with failure_on_every_rank(dist.device, "finding the checkpoint to resume from"):  # on each node's disk
         resume_path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # out_dir's, or train.resume=PATH
     if dist.distributed:  # each rank looked on its own node
@@ -1034,21 +1039,70 @@ def run_summary(state: TrainState, reason: str, epochs: int, wall_seconds: float
             f"({speed})")
 
 
-def setup_process(cfg: Config, dist: DistInfo) -> None:
+def setup_process(cfg: Config, dist: DistInfo, notes: Optional["ClaimNotes"] = None) -> None:
     """Logging to out_dir/train.log (main rank; held back while a resume of out_dir's run may yet be refused, where
-    the run has a train.log to append to: `HeldLog`), TF32 as train.tf32 asks (engine/precision.py set_tf32), and
-    deterministic kernels if asked."""
+    the run has a train.log to append to: `HeldLog`) with the claim's `notes` first, TF32 as train.tf32 asks
+    (engine/precision.py set_tf32), and deterministic kernels if asked."""
     # after the claim, as it judged the folder; a train.log this command creates is its own, and has every line
     held = (dist.is_main and resumes_in(cfg.out_dir, cfg.train.resume)
             and os.path.isfile(os.path.join(cfg.out_dir, "train.log")))
+    if notes is not None:
+        notes.stop()  # what engine.run_dir logs from here on reaches train.log as any line
     setup_logging(cfg.out_dir, dist.is_main)
     if held:
         hold_log_file()
+    if notes is not None:
+        notes.write_to_log_file()
     log_environment(log, dist)
     set_tf32(cfg.train.tf32)
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+
+
+class ClaimNotes(logging.Filter):
+    """The notes engine/run_dir.py logs while out_dir is claimed ("moved the earlier run's ... to ...", "removed
+    ... a partial write", "kept in out_dir: ..."): they come before train.log is opened, so Python's last-resort
+    handler says them on stderr. A filter on that logger (not a handler, which would take that handler's place)
+    keeps a copy of each, which `write_to_log_file` gives to train.log once it is open: a job read through its
+    train.log sees that the earlier run's files were moved aside."""
+
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.logger = logging.getLogger("engine.run_dir")
+
+    def __enter__(self) -> "ClaimNotes":
+        """Keep the notes from now on."""
+        self.logger.addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Keep no more (a command that ends before setup_process)."""
+        self.stop()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Keep a copy of `record` with its message made now; the record goes on as before."""
+        kept = logging.makeLogRecord(record.__dict__)
+        try:
+            kept.msg, kept.args = record.getMessage(), None
+        except Exception:  # noqa: BLE001 - arguments that do not fit the message: the handlers report it, as before
+            return True
+        self.records.append(kept)
+        return True
+
+    def stop(self) -> None:
+        """Keep no more notes (those logged once train.log is open reach it directly)."""
+        self.logger.removeFilter(self)
+
+    def write_to_log_file(self) -> None:
+        """Write the notes kept to train.log only (main rank; stderr has said them): to its handler, or to the
+        HeldLog in its place, which writes them with its other lines once the run goes on."""
+        for handler in list(logging.getLogger().handlers):
+            if getattr(handler, "_cd_run", False) and isinstance(handler, (logging.FileHandler, HeldLog)):
+                for record in self.records:
+                    handler.handle(record)
+        self.records = []
 
 
 class HeldLog(logging.Handler):
