@@ -28,7 +28,7 @@ from quant import PIPELINES, bits_order
 from quant.plan import pipeline_options
 
 from .eval_results import (NEUTRAL_OPTIONS, extra_modules, first_difference, read_options, recipe_difference,
-                           repeated_weights)
+                           repeated_weights, unread_at_bits)
 from .quant_settings import quant_settings
 from .tasks import capped_cell
 from .train_seeds import repeated_seed, unrecorded_seed_note
@@ -147,7 +147,7 @@ def markdown_table(results: list[dict], over_seeds: bool = False, runs: Optional
         """The cell of pipeline p at bits b; '*' and a note when a result has non-default settings."""
         entries = [r["quant"][p][b] for r in group if b in r["quant"].get(p, {})]
         cell = fmt([e[score] for e in entries], spec, of=len(group), ppl=language)
-        unusual = entries_nondefault(p, entries)
+        unusual = entries_nondefault(p, entries, b)
         if unusual:
             cell += "*"
             notes.append(settings_note(label, p, b, unusual))
@@ -265,12 +265,13 @@ def method_difference(labelled: list[tuple[str, dict]]) -> Optional[str]:
     return f"{named[0][0]} and {other[0]} are results of other methods ({named[0][1]!r} vs {other[1]!r})"
 
 
-def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
+def nondefault_settings(pipeline: str, settings: Optional[dict], bits: Optional[str] = None) -> list[str]:
     """'quant.<pipeline>.<option>=value' (and quant.calib_*) for every setting a quantized result was
     computed with that differs from the default config's; a table marks such results (a degenerate APHQ
     grid or a 2-iteration run scores far from what the pipeline does). Settings the result does not record
-    (an older file), and options unread under the others (engine.eval_results.read_options), are not
-    compared."""
+    (an older file), options unread under the others (engine.eval_results.read_options) and, given the
+    result's `bits`, options the pipeline does not read at them (APHQ's round_zero_point at a_bits != w_bits:
+    engine.eval_results.unread_at_bits) are not compared."""
     if not settings or pipeline not in PIPELINES:
         return []
     plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples as lists, as in the file
@@ -278,11 +279,11 @@ def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
     # every default option, also those the defaults leave unread (the MLP reconstruction's, read where it is on)
     defaults["options"] = plain(dataclasses.asdict(pipeline_options(Config(), pipeline)))
     names = {"images": "quant.calib_images", "seed": "quant.calib_seed", "transform": "quant.calib_transform"}
-    found = []
+    found, unread = [], unread_at_bits(pipeline, bits)
     # the options read under the entry's own (an older entry holds unread ones, at whatever value it was given)
     for key, value in read_options(pipeline, settings.get("options") or {}).items():
         default = defaults["options"].get(key, value)
-        if value != default and key not in NEUTRAL_OPTIONS.get(pipeline, ()):
+        if value != default and key not in NEUTRAL_OPTIONS.get(pipeline, ()) and key not in unread:
             found.append(f"quant.{pipeline}.{key}={value}")
     for key, value in (settings.get("calibration") or {}).items():
         if key in names and value != defaults["calibration"].get(key, value):
@@ -290,9 +291,10 @@ def nondefault_settings(pipeline: str, settings: Optional[dict]) -> list[str]:
     return found
 
 
-def entries_nondefault(pipeline: str, entries: list[dict]) -> list[str]:
-    """`nondefault_settings` of any of the quantized `entries` of `pipeline` (the seeds of one cell), sorted."""
-    return sorted({d for e in entries for d in nondefault_settings(pipeline, e.get("settings"))})
+def entries_nondefault(pipeline: str, entries: list[dict], bits: Optional[str] = None) -> list[str]:
+    """`nondefault_settings` of any of the quantized `entries` of `pipeline` at `bits` (the seeds of one cell),
+    sorted."""
+    return sorted({d for e in entries for d in nondefault_settings(pipeline, e.get("settings"), bits)})
 
 
 def settings_note(label: str, pipeline: str, bits: str, unusual: list[str]) -> str:

@@ -305,7 +305,7 @@ def settings_marks(groups: dict[str, list[Run]], columns) -> tuple[dict[tuple[st
     for point, runs in groups.items():
         for pipeline, bits in columns:
             unusual = entries_nondefault(pipeline, [r.result["quant"][pipeline][bits] for r in runs
-                                                    if bits in r.result["quant"].get(pipeline, {})])
+                                                    if bits in r.result["quant"].get(pipeline, {})], bits)
             if unusual:
                 marks[(point, pipeline, bits)] = "*"
                 points.setdefault((pipeline, bits, tuple(unusual)), []).append(point)

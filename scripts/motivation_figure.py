@@ -263,7 +263,8 @@ def main(argv=None) -> list[dict]:
         sys.exit(f"error: {e}")
     # evaluate.py's defaults; a detector's settings are evaluate_detection.py's own (not compared)
     unusual = sorted({d for r in results if not is_detection(r)
-                      for d in nondefault_settings(args.pipeline, r["quant"][args.pipeline][bits].get("settings"))})
+                      for d in nondefault_settings(args.pipeline, r["quant"][args.pipeline][bits].get("settings"),
+                                                   bits)})
     if unusual:
         print(f"note: some results were quantized with non-default settings: {', '.join(unusual)}", file=sys.stderr)
     for r, short in zip(results, stopped):

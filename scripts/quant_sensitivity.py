@@ -148,7 +148,8 @@ def refuse_other_settings(path: str, cfg, variant: str, out_dir: str, checkpoint
     for pipeline, bits in planned(cfg):
         entries = quant.get(pipeline) if isinstance(quant, dict) else None
         entry = entries.get(bits) if isinstance(entries, dict) else None
-        change = settings_change(entry, quant_settings(cfg, pipeline), pipeline) if isinstance(entry, dict) else None
+        change = (settings_change(entry, quant_settings(cfg, pipeline), pipeline, bits=bits) if isinstance(entry, dict)
+                  else None)
         if change is not None:
             raise ResultsError(f"{path} holds {pipeline} {bits} of variant '{variant}' computed with other settings "
                                f"({change}) by an earlier run of this command into --out {out_dir}: give --out "

@@ -1135,7 +1135,7 @@ def evaluation_change(run: dict, data: dict, world_size: Optional[int],
             if "world_size" in asked:  # quant_settings records this process's (1), not the launcher's
                 stored = entry.get("settings") if isinstance(entry.get("settings"), dict) else {}
                 asked["world_size"] = world_size if world_size is not None else stored.get("world_size")
-            change = settings_change(entry, asked, name)
+            change = settings_change(entry, asked, name, bits=bits)
             if change:
                 return f"{name} {bits} computed with other settings ({change})"
     except evaluate.USER_ERRORS:  # e.g. a token file that is not there: evaluate.py's refusal, in its own words

@@ -42,3 +42,14 @@ def test_results_differing_only_in_an_unread_option_are_one_evaluation(bits, ali
     a, b = ({**IDENTITY, "quant": {"aphq": {bits: {"top1": 50.0, "settings": settings(z)}}}} for z in (True, False))
     difference = evaluation_difference(a, b)
     assert (difference is None) is alike, difference
+
+
+@pytest.mark.parametrize("bits, marked", [("w4a8", []), ("w8a4", []), ("w4a4", ["quant.aphq.round_zero_point=False"])])
+def test_a_table_marks_round_zero_point_only_where_it_is_read(bits, marked):
+    """paper_table.py / dose_report.py / evaluate.py's table mark a result computed with non-default settings '*':
+    not for an option the entry's bits leave unread (its number is the default's), also through the cell helper."""
+    from engine.result_table import entries_nondefault, nondefault_settings
+    entry = settings(round_zero_point=False)
+    assert nondefault_settings("aphq", entry, bits) == marked
+    assert entries_nondefault("aphq", [{"settings": entry}], bits) == marked
+    assert nondefault_settings("aphq", entry) == ["quant.aphq.round_zero_point=False"]  # no bits: compared in full
