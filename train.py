@@ -1326,7 +1326,8 @@ PRINT_CONFIG_HELP = ("print the resolved config (YAML) and exit without running,
                      "where out_dir holds checkpoint.pt or train.resume is given, the settings, schedule and "
                      "train.max_steps that checkpoint can continue with); what needs the model, the data or the "
                      "run's length built (model.name, model.kwargs the model rejects, data.root's files, "
-                     "train.max_steps and the cadences beyond the run's updates, a resume's epoch layout), and "
+                     "train.max_steps and the cadences beyond the run's updates, a resume's epoch layout, changed "
+                     "settings on a resumed run with nothing left to train), and "
                      "whether another run holds out_dir or it can be written, is checked when a run starts")
 
 
