@@ -10,6 +10,7 @@ import train
 from configs import load_config
 from engine.eval_results import ResultsError
 from tests.conftest import DEBUG_CONFIG
+from tests.sweep_refusals import refused_at_start
 
 import sweep  # noqa: E402  (scripts/, on the path of the tests)
 
@@ -33,15 +34,6 @@ def sweep_file(root, path, evaluated=EVALUATED) -> str:
     path.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {root / 'runs'}\n"
                     f"evaluate: [{', '.join(repr(e) for e in evaluated)}]\nruns:\n  a: [{', '.join(ITEMS)}]\n")
     return str(path)
-
-
-def refused_at_start(path: str, *words: str) -> str:
-    """The one error line of `sweep.py path --run --evaluate words` (SystemExit before anything starts)."""
-    with pytest.raises(SystemExit) as stop:
-        sweep.main([path, "--run", "--evaluate", *words])
-    message = str(stop.value.code)
-    assert message.startswith("error: sweep run 'a': ") and "\n" not in message, message
-    return message
 
 
 def evaluate_refuses(trained, overrides) -> None:

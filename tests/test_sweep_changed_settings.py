@@ -21,6 +21,7 @@ from configs import ConfigError, load_config
 from engine.checkpoint import CheckpointError
 from engine.eval_results import ResultsError
 from tests.conftest import DEBUG_CONFIG
+from tests.sweep_refusals import refused_at_start
 
 import sweep  # noqa: E402  (scripts/, on the path of the tests)
 
@@ -46,15 +47,6 @@ def sweep_file(root, path, items=ITEMS, evaluated=EVALUATED, before=False) -> st
     path.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {root / 'runs'}\n"
                     f"evaluate: [{', '.join(repr(e) for e in evaluated)}]\nruns:\n{runs}")
     return str(path)
-
-
-def refused_at_start(path: str, *flags: str) -> str:
-    """The one error line of `sweep.py path --run --evaluate flags` (SystemExit before anything starts)."""
-    with pytest.raises(SystemExit) as stop:
-        sweep.main([path, "--run", "--evaluate", *flags])
-    message = str(stop.value.code)
-    assert message.startswith("error: sweep run 'a': ") and "\n" not in message, message
-    return message
 
 
 @pytest.mark.parametrize("evaluated, says", [
