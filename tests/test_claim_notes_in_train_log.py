@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from configs import config_to_dict
 from engine.run_dir import save_config_history
 from tests.conftest import DEBUG_CONFIG, ROOT
@@ -11,6 +13,7 @@ from tests.conftest import DEBUG_CONFIG, ROOT
 NOTE = "moved the earlier run's"
 
 
+@pytest.mark.slow
 def test_the_archive_note_is_in_the_new_train_log_and_on_stderr_once_each(debug_config):
     """A restart of the same run before its first checkpoint archives its logs (docs/operations.md): run as a
     process, so that stderr is what a job's stderr would be (no test handlers on the root logger)."""

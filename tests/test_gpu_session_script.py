@@ -78,6 +78,7 @@ def out(tmp_path):
     return folder
 
 
+@pytest.mark.slow
 def test_figures_first_then_pytest_beside_a_study_that_stops_before_its_deadline(tmp_path, out):
     limit = 8
     done, calls = run_script(tmp_path, OUT=str(out), KIT=make_kit(tmp_path), LIMIT=str(limit), END_MARGIN="0")
@@ -120,6 +121,7 @@ def test_the_streams_hold_every_run_of_the_sweep_file_first_seeds_first():
     assert {n for s in streams for n in s[:2]} == {n for n in sweep_runs() if n.endswith("_s0")}
 
 
+@pytest.mark.slow
 def test_a_first_run_still_going_at_the_deadline_is_stopped_there(tmp_path, out):
     """Nothing foretells a stream's first run's time: it starts, and gets SIGTERM at the study's deadline."""
     done, calls = run_script(tmp_path, OUT=str(out), KIT=make_kit(tmp_path), LIMIT="4", END_MARGIN="0",
@@ -131,6 +133,7 @@ def test_a_first_run_still_going_at_the_deadline_is_stopped_there(tmp_path, out)
     assert ran(calls, "scripts/dose_report.py")[0][0] <= script_start + 4 + 2  # not after the 30 s runs
 
 
+@pytest.mark.slow
 def test_a_call_killed_midway_returns_a_whole_archive_of_what_had_finished(tmp_path, out):
     """The device tool ends a call at its limit with everything it started: the archive packed after the figures,
     the pytest stage and the first runs (by the streams and the pytest stage, up to three at once) is whole."""
@@ -143,6 +146,7 @@ def test_a_call_killed_midway_returns_a_whole_archive_of_what_had_finished(tmp_p
     assert {"figures.log", "pytest.log", "run_baseline_s0.log", "run_cd100x_s0.log"} <= names, names
 
 
+@pytest.mark.slow
 def test_a_failing_run_makes_the_exit_status_1_and_the_other_runs_go_on(tmp_path, out):
     done, calls = run_script(tmp_path, OUT=str(out), KIT=make_kit(tmp_path), LIMIT="6", END_MARGIN="0",
                              FAKE_FAILING_RUN="baseline_s0")

@@ -111,6 +111,7 @@ def test_a_stalled_worker_ends_a_training_run_with_one_error_line_and_its_checkp
     assert saved["state"]["step"] == 2 and saved["state"]["epoch_batches"] == 4  # update 3 is read again
 
 
+@pytest.mark.slow
 def test_a_stalled_worker_in_a_validation_keeps_the_epoch_and_the_resumed_run_validates(debug_config, tmp_path,
                                                                                       monkeypatch, caplog):
     monkeypatch.setattr(SyntheticDataset, "__getitem__", SyntheticDataset.__getitem__)  # undone after the test
