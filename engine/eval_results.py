@@ -47,7 +47,7 @@ from configs.loader import ConfigError, unread_options
 from configs.quant import APHQ_DETECTION, APHQOptions
 
 from .checkpoint import weights_fingerprint
-from .run_dir import SNAPSHOTS, exclusive_lock, partial_path, saved_train_setting
+from .run_dir import SETTINGS_BEFORE_THEIR_KEY, SNAPSHOTS, exclusive_lock, partial_path, saved_train_setting
 from .train_seeds import SEED_FIELD, config_seed
 
 log = logging.getLogger(__name__)
@@ -293,8 +293,10 @@ def recipe_difference(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[st
     """(label, label, how) of the first result trained with other settings than the first one (the `recipe`
     evaluate.py records: every training setting but the seed), or None. Results written before the recipe was
     recorded have none and are not compared; nor are keys only one recipe has (a setting added to the config
-    between two evaluate.py versions: the older result could not record it)."""
-    recipes = [(label, result["recipe"]) for label, result in labelled if result.get("recipe")]
+    between two evaluate.py versions: the older result could not record it), but those of SETTINGS_BEFORE_THEIR_KEY,
+    compared as the value every run had before its key: a train.tf32=false run is no seed of an older result's."""
+    recipes = [(label, {**SETTINGS_BEFORE_THEIR_KEY, **result["recipe"]}) for label, result in labelled
+               if result.get("recipe")]
     for label, other in recipes[1:]:
         first = recipes[0][1]
         shared = set(first) & set(other)

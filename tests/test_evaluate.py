@@ -1121,6 +1121,19 @@ def test_two_seeds_trained_with_other_settings_are_refused():
     assert recipe_difference([("a", a), ("c", {"recipe": {"optim.lr": 0.1, "new.key": 1}})]) is None
 
 
+def test_a_result_recorded_before_the_tf32_key_is_compared_as_tf32_on():
+    """evaluate.py recorded no train.tf32 before the key existed, when every run trained with TF32 on
+    (engine/run_dir.py SETTINGS_BEFORE_THEIR_KEY): such a result is no seed of a train.tf32=false run's, and
+    is one of a train.tf32=true run's."""
+    from engine.eval_results import recipe_difference
+
+    older = {"recipe": {"optim.lr": 0.1}}
+    off, on = ({"recipe": {"optim.lr": 0.1, "train.tf32": value}} for value in (False, True))
+    assert recipe_difference([("older", older), ("off", off)]) == ("older", "off", "train.tf32 True -> False")
+    assert recipe_difference([("off", off), ("older", older)]) == ("off", "older", "train.tf32 False -> True")
+    assert recipe_difference([("older", older), ("on", on)]) is None
+
+
 def test_seeds_scored_on_other_image_counts_are_evaluated_differently():
     """The image count is part of an evaluation (a val folder that lost or gained images since): two seeds
     scored on 360 and on 100 images are not averaged."""
