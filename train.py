@@ -60,6 +60,7 @@ from engine.distributed import (DistInfo, OtherRankError, all_reduce, fail_on_ev
 from engine.divergence import (DivergenceError, DivergenceGuard, best_withheld_line, withheld_max_steps_line,
                                withheld_stop_line, write_withheld)
 from engine.ema import build_ema
+from engine.held_log import ClaimNotes, hold_log_file, release_log_file
 from engine.rank_agreement import check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
 from engine.metrics import METRICS_FINGERPRINT, MetricLogger, duration, progress_line
@@ -184,7 +185,7 @@ def check_device_settings(cfg: Config, device: torch.device) -> None:
 
 
 def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
-                 notes: Optional["ClaimNotes"] = None) -> RunResult:
+                 notes: Optional[ClaimNotes] = None) -> RunResult:
     """The run itself: build everything, resume if possible, train epoch by epoch, validate, checkpoint. `notes`:
     what the claim of out_dir said of its files, for train.log."""
     run_started = time.perf_counter()
@@ -1039,7 +1040,7 @@ def run_summary(state: TrainState, reason: str, epochs: int, wall_seconds: float
             f"({speed})")
 
 
-def setup_process(cfg: Config, dist: DistInfo, notes: Optional["ClaimNotes"] = None) -> None:
+def setup_process(cfg: Config, dist: DistInfo, notes: Optional[ClaimNotes] = None) -> None:
     """Logging to out_dir/train.log (main rank; held back while a resume of out_dir's run may yet be refused, where
     the run has a train.log to append to: `HeldLog`) with the claim's `notes` first, TF32 as train.tf32 asks
     (engine/precision.py set_tf32), and deterministic kernels if asked."""
@@ -1058,104 +1059,6 @@ def setup_process(cfg: Config, dist: DistInfo, notes: Optional["ClaimNotes"] = N
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-
-
-class ClaimNotes(logging.Filter):
-    """The notes engine/run_dir.py logs while out_dir is claimed ("moved the earlier run's ... to ...", "removed
-    ... a partial write", "kept in out_dir: ..."): they come before train.log is opened, so Python's last-resort
-    handler says them on stderr. A filter on that logger (not a handler, which would take that handler's place)
-    keeps a copy of each, which `write_to_log_file` gives to train.log once it is open: a job read through its
-    train.log sees that the earlier run's files were moved aside."""
-
-    def __init__(self):
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-        self.logger = logging.getLogger("engine.run_dir")
-
-    def __enter__(self) -> "ClaimNotes":
-        """Keep the notes from now on."""
-        self.logger.addFilter(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        """Keep no more (a command that ends before setup_process)."""
-        self.stop()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """Keep a copy of `record` with its message made now; the record goes on as before."""
-        kept = logging.makeLogRecord(record.__dict__)
-        try:
-            kept.msg, kept.args = record.getMessage(), None
-        except Exception:  # noqa: BLE001 - arguments that do not fit the message: the handlers report it, as before
-            return True
-        self.records.append(kept)
-        return True
-
-    def stop(self) -> None:
-        """Keep no more notes (those logged once train.log is open reach it directly)."""
-        self.logger.removeFilter(self)
-
-    def write_to_log_file(self) -> None:
-        """Write the notes kept to train.log only (main rank; stderr has said them): to its handler, or to the
-        HeldLog in its place, which writes them with its other lines once the run goes on."""
-        for handler in list(logging.getLogger().handlers):
-            if getattr(handler, "_cd_run", False) and isinstance(handler, (logging.FileHandler, HeldLog)):
-                for record in self.records:
-                    handler.handle(record)
-        self.records = []
-
-
-class HeldLog(logging.Handler):
-    """train.log's handler while a resume of out_dir's run may yet be refused: its records wait here, and go to the
-    file (`write_held`) once the run continues. A command that ends before then (a refusal such as "use another
-    out_dir", an error) leaves the run's train.log as it was, its lines said on the console only; exit_with_error's
-    line goes to the run's FileHandler, which is not among the root logger's handlers while held."""
-
-    def __init__(self, target: logging.FileHandler):
-        super().__init__(target.level)
-        self.target, self.records = target, []
-        self._cd_run = True  # as setup_logging's handlers: a later run in this process (a test) closes it
-
-    def emit(self, record: logging.LogRecord) -> None:
-        """Keep a copy of `record` with its message made now (its arguments may change before the release)."""
-        held = logging.makeLogRecord(record.__dict__)
-        try:
-            held.msg, held.args = record.getMessage(), None
-        except Exception:  # noqa: BLE001 - arguments that do not fit the message: logging's report, as any handler's
-            self.handleError(record)
-            return
-        self.records.append(held)
-
-    def write_held(self) -> None:
-        """Put the file's handler back in this one's place and write the records held, in their order (not named
-        `release`: that is logging.Handler's lock method, which `handle` calls)."""
-        root = logging.getLogger()
-        root.removeHandler(self)
-        root.addHandler(self.target)
-        for record in self.records:
-            self.target.handle(record)
-        self.records = []
-
-    def close(self) -> None:
-        """Close the file's handler too (never written to where the records were not released)."""
-        self.target.close()
-        super().close()
-
-
-def hold_log_file() -> None:
-    """Put setup_logging's train.log handler behind a HeldLog (main rank)."""
-    root = logging.getLogger()
-    for handler in list(root.handlers):
-        if getattr(handler, "_cd_run", False) and isinstance(handler, logging.FileHandler):
-            root.removeHandler(handler)
-            root.addHandler(HeldLog(handler))
-
-
-def release_log_file() -> None:
-    """Write what a HeldLog holds to train.log, and log there directly from now on (nothing held: nothing to do)."""
-    for handler in list(logging.getLogger().handlers):
-        if isinstance(handler, HeldLog):
-            handler.write_held()
 
 
 def accumulation_steps(cfg: Config, world_size: int) -> int:
