@@ -83,13 +83,15 @@ def test_a_run_that_diverges_at_its_second_update_keeps_no_checkpoint(debug_conf
     assert partial_writes_of(os.path.join(cfg.out_dir, "checkpoint.pt")) == []
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 @pytest.mark.parametrize("where", ["model", "ema"])
-def test_weights_with_a_nan_are_never_written_not_even_at_the_runs_end(where, caplog):
-    """The write that ends the schedule is made during a streak, but never of weights (or EMA weights) with a NaN."""
+def test_weights_with_a_nan_or_an_inf_are_never_written_not_even_at_the_runs_end(where, bad, caplog):
+    """The write that ends the schedule is made during a streak, but never of weights (or EMA weights) with a NaN,
+    nor with an inf of either sign (a max-norm of inf is as unusable as one of NaN)."""
     model = torch.nn.Linear(3, 2)
     ema = torch.nn.Linear(3, 2)
     with torch.no_grad():
-        (model if where == "model" else ema).weight[0, 1] = math.nan
+        (model if where == "model" else ema).weight[0, 1] = bad
     saves = []
     loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), compute_loss=None,
                      device=torch.device("cpu"), ema=ema, save=lambda: saves.append(1), saved_step=3)
