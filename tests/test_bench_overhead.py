@@ -205,14 +205,24 @@ def test_launcher_world_size(launcher, world):
 
 
 @pytest.mark.parametrize("framework", ["plain", "mmengine"])
-def test_bench_integrations_prints_a_row_per_framework(framework, capsys):
+def test_bench_integrations_prints_a_row_per_framework(framework, capsys, monkeypatch):
+    """Each framework's runs train for real; their step times are then replaced by set ones (40 ms without CD,
+    50 ms with), so the row must read those times, their ratio with / without and CD's cost with - without."""
     if framework != "plain":
         pytest.importorskip(framework)
     bench = load_script("bench_integrations")
+    real, measured = bench.RUNS[framework], []
+
+    def timed_as_set(args, with_cd):
+        measured.append(real(args, with_cd=with_cd))
+        return 0.050 if with_cd else 0.040
+
+    monkeypatch.setitem(bench.RUNS, framework, timed_as_set)
     bench.main(["--frameworks", framework, "--steps", "2", "--warmup", "1", "--repeats", "1", "--width", "32",
                 "--depth", "1", "--batch", "2", "--threads", "1"])
+    assert len(measured) == 2 and all(t > 0 for t in measured)  # one run without CD, one with
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(f"| {framework} |")]
-    assert len(rows) == 1 and float(rows[0].split(" | ")[3]) > 0  # the ratio
+    assert rows == [f"| {framework} | 40.0 | 50.0 | 1.250 | 10.0 |"]
 
 
 @pytest.mark.parametrize("framework", ["plain", "hf", "lightning", "mmengine"])
