@@ -8,7 +8,7 @@ recipe's own stop, are not marked); and the checks that results
 averaged as seeds are alike.
 A model marked † has a note below the table that says how it was evaluated: other model.kwargs, another input
 size, other data or another eval transform than its run's (data.dataset, data.root's val files, data.crop_pct and
-the like), another split, an autocast, or its EMA weights (evaluate.py --ema).
+the like), another split, an autocast, its EMA weights (evaluate.py --ema), or val images left out as unreadable.
 
     print(markdown_table(read_result_files(paths), over_seeds=True))  # engine.eval_results: older files as new
 
@@ -78,7 +78,8 @@ def markdown_table(results: list[dict], over_seeds: bool = False, runs: Optional
     column per pipeline (and bit-width, when several were run); '-' where a result lacks a column. For
     language models (Table 8): perplexities, FP32 and BF16 first. A quantized cell of non-default settings is
     marked * (`nondefault_settings`), the model of a row evaluated otherwise than trained or than the paper
-    evaluates (other model.kwargs, other data or eval transform, another split, an autocast, the EMA weights) †
+    evaluates (other model.kwargs, other data or eval transform, another split, an autocast, the EMA weights,
+    images left out as unreadable) †
     (`evaluated_otherwise`), a module maximum also over quant.act_max_extra_modules ‡, the method of a row whose
     run stopped before the end of its schedule beside a run of its model that ended elsewhere, or short of 99 % of
     its schedule, § (`stopped`), each
@@ -328,15 +329,18 @@ def evaluated_otherwise(result: dict) -> Optional[str]:
     split, in fp32), or None: `model_kwargs_changed`, an input size other than the one trained at, other data or
     another eval transform than the run's (`data_changed`), a `data.val_split` other than 'val' (scoring the
     training images gives a number that reads as a validation accuracy), an `--amp` autocast and the EMA weights
-    (`--ema`: an average of the trained weights, whose row would otherwise read as the raw weights'), joined by
-    '; '. Tables mark such results † with a `dagger_note`; results that do not record
-    a setting (older files) are not marked for it.
+    (`--ema`: an average of the trained weights, whose row would otherwise read as the raw weights') and images left
+    out as unreadable (`unreadable_left_out`: a score of fewer images than the split holds), joined by '; '. Tables
+    mark such results † with a `dagger_note`; results that do not record a setting (older files) are not marked for
+    it.
     A language model's FP32 and BF16 PPL are computed in fp32 and bf16 whatever --amp is, its quantized ones under
     --amp: its row is marked for those."""
     found = [changed] if (changed := model_kwargs_changed(result)) else []
     if result.get("img_size_changed"):  # model.img_size given at evaluation: the weights at another input size
         found.append(f"model.img_size={result['img_size_changed']}")
     found += data_changed(result)
+    if left_out := unreadable_left_out(result):
+        found.append(left_out)
     data = result.get("data") or {}
     split, root = data.get("val_split", "val"), str(data.get("root") or "")
     # find_split joins the split onto data.root: 'val/', './val' and data.root's own val folder by its full path
@@ -348,6 +352,32 @@ def evaluated_otherwise(result: dict) -> Optional[str]:
     if result.get("weights") == "ema":
         found.append("--ema (the EMA weights)")
     return "; ".join(found) or None
+
+
+def unreadable_left_out(result: dict) -> Optional[str]:
+    """'<n> of its <images> <split> images left out as unreadable' when a pass of the result (its `fp`, a quantized
+    entry) scored fewer images than its split holds: engine/loop.py leaves out each image data/folder.py could not
+    read (a broken file, a link to nothing, an I/O error) and records their number as `excluded`. The score is then
+    of other images than a reader takes it to be of, as a val split that holds fewer files is (`data_root_changed`).
+    Passes that left out other numbers are named with theirs, e.g. '... (FP); 2 ... (RepQ-ViT W4A4)'. Results that
+    record no `excluded` (older files, a language model's) are not marked."""
+    passes = [("FP", result.get("fp"))] + [(f"{PAPER_NAMES.get(p, p)} {b.upper()}", entry)
+                                          for p, by_bits in (result.get("quant") or {}).items()
+                                          for b, entry in by_bits.items()]
+    counts = [(name, entry["excluded"]) for name, entry in passes if isinstance(entry, dict)
+              and isinstance(entry.get("excluded"), int) and not isinstance(entry["excluded"], bool)]
+    left = {}  # how many were left out -> the passes that left out as many
+    for name, excluded in counts:
+        if excluded > 0:
+            left.setdefault(excluded, []).append(name)
+    if not left:
+        return None
+    images, split = result.get("images"), (result.get("data") or {}).get("val_split", "val")
+    of = f" of its {images}" if isinstance(images, int) else ""
+    if len(left) == 1 and len(next(iter(left.values()))) == len(counts):  # every pass left out the same
+        return f"{next(iter(left))}{of} {split} images left out as unreadable"
+    return "; ".join(f"{n}{of} {split} images left out as unreadable ({', '.join(names)})"
+                     for n, names in sorted(left.items()))
 
 
 def data_changed(result: dict) -> list[str]:

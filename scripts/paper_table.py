@@ -10,9 +10,9 @@
 A quantized number computed with settings other than the defaults (pipeline options, calibration set)
 is marked with * and a note naming them (engine.result_table.nondefault_settings); a result evaluated otherwise
 than it was trained or than the paper evaluates (a model.kwargs override, other data or another eval transform
-than its run's, another data.val_split, an --amp autocast, the --ema weights) is marked † with a note
-(engine.result_table.evaluated_otherwise): its row's model in the rows layout, its entries (and the Average of its
-column) in the fine-tuning layout. A module
+than its run's, another data.val_split, an --amp autocast, the --ema weights, val images left out as unreadable:
+how many, of how many) is marked † with a note (engine.result_table.evaluated_otherwise): its row's model in the rows
+layout, its entries (and the Average of its column) in the fine-tuning layout. A module
 maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's set) is marked ‡
 with a note naming them; seeds averaged by --over-seeds must have counted the same modules, scored the same
 kind of checkpoint (best.pt, checkpoint.pt, a snapshot: the `checkpoint_kind` evaluate.py records; snapshots, or
