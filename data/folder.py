@@ -1,7 +1,8 @@
 """ImageNet-style folders (`root/<split>/<class>/<image>`) through timm's ImageDataset, checked early.
 
-A missing root, a missing split folder (or a link to one) or a split without class folders is a clear error here
-rather than an exception from inside a DataLoader worker. The classes are the split's sub-folders, each holding
+A missing root, a missing split folder (or a link to one), a class folder that is a link to nothing or a split
+without class folders is a clear error here rather than an exception from inside a DataLoader worker (or a class
+that drops out without a word). The classes are the split's sub-folders, each holding
 its images directly: an image elsewhere or an empty class folder is an error (`check_class_folders`), as
 either would change the class set silently. timm's reader also accepts a .tar per split, checked by the same
 rules: its class folders are the tar's top-level folders, or the class tars it holds (ImageNet's train tar),
@@ -123,15 +124,27 @@ def find_split(root: str, split: str) -> str:
                     f"data.train_split / data.val_split")
 
 
-def check_link_target(path: str) -> None:
-    """A split `path` that is a symbolic link to nothing (a moved data set, an unmounted disk) is a DataError naming
-    the link's target; anything else passes."""
+def check_link_target(path: str, meant: str = "the split's folder or .tar") -> None:
+    """A split `path` (or a class folder: `meant` names what the link should lead to) that is a symbolic link to
+    nothing (a moved data set, an unmounted disk) is a DataError naming the link's target; anything else passes."""
     if not os.path.islink(path) or os.path.exists(path):
         return
     target, end = os.readlink(path), os.path.realpath(path)
     via = "" if end == target else f", which leads to {end}"  # a relative target, or a chain of links
     raise DataError(f"{path} is a symbolic link to {target}{via}, which does not exist: mount or restore it, or "
-                    f"point the link at the split's folder or .tar")
+                    f"point the link at {meant}")
+
+
+def split_sub_folders(path: str) -> list[os.DirEntry]:
+    """The sub-folders of the split folder `path` (links to folders count, as timm's walk follows them). An entry
+    that is a symbolic link to nothing (`check_link_target`), such as a class folder on a disk no longer mounted, is
+    a DataError: it is no folder to os.scandir or to timm's walk, so its class would drop out of the class set (and
+    the class count a run is advised to set) without a word. Hidden entries are no classes and are not checked."""
+    entries = list(os.scandir(path))
+    for entry in entries:
+        if not entry.name.startswith("."):
+            check_link_target(entry.path, "the class's folder")
+    return [entry for entry in entries if entry.is_dir()]
 
 
 def check_split_kind(path: str) -> None:
@@ -259,7 +272,7 @@ def build_folder_dataset(root: str, split: str, transform=None) -> ImageDataset:
     """`root/split` as an ImageFolderDataset (unreadable images marked, see its docstring)."""
     path = find_split(root, split)
     if os.path.isdir(path):
-        classes = [d for d in os.scandir(path) if d.is_dir()]
+        classes = split_sub_folders(path)
         if not classes:
             raise DataError(f"{path} has no class sub-folders (expected {path}/<class>/<image>)")
     check_skipped_images(path)
@@ -300,9 +313,9 @@ def folder_fingerprint(dataset: ImageDataset) -> dict:
 
 def class_folders(path: str) -> list[str]:
     """The class names of the split `path` by the rule `check_class_folders` enforces, sorted as timm numbers them:
-    a folder's sub-folders, a .tar's top-level folders and the class tars it holds (`tar_class_folders`); hidden
-    ones, such as .ipynb_checkpoints, aside."""
-    names = ([d.name for d in os.scandir(path) if d.is_dir()] if os.path.isdir(path) else tar_class_folders(path))
+    a folder's sub-folders (`split_sub_folders`: a link to nothing among them is an error), a .tar's top-level
+    folders and the class tars it holds (`tar_class_folders`); hidden ones, such as .ipynb_checkpoints, aside."""
+    names = [d.name for d in split_sub_folders(path)] if os.path.isdir(path) else tar_class_folders(path)
     return visible_in_label_order(names)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from data.folder import DataError, build_folder_dataset, find_split
+from data.folder import DataError, build_folder_dataset, class_folders, find_split
 
 
 def image_split(folder):
@@ -52,3 +52,42 @@ def test_a_link_to_nothing_beside_the_split_s_tar_leaves_the_tar_read(tmp_path):
             tar.add(tmp_path / "files" / name, arcname=name)
     os.symlink(tmp_path / "nowhere", root / "train")
     assert find_split(str(root), "train") == str(root / "train.tar")
+
+
+def test_a_class_folder_linked_to_nothing_is_refused_not_dropped_from_the_classes(tmp_path):
+    """train/n2 -> /mnt/gone/train/n2: no folder to os.scandir or timm's walk, so the class set was three classes and
+    the run advised model.num_classes=3. Each place that lists a split's classes names the link and its target; a
+    live link to a class folder is a class, and a hidden link to nothing (no class) is left alone."""
+    root = tmp_path / "data"
+    image_split(root / "train")
+    image_split(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere" / "cat", root / "train" / "lion")  # a live link: a class
+    os.symlink(tmp_path / "gone" / "n2", root / "train" / "n2")
+    os.symlink(tmp_path / "gone" / "cache", root / "train" / ".cache")
+    expected = (f"{root / 'train' / 'n2'} is a symbolic link to {tmp_path / 'gone' / 'n2'}, which does not exist: "
+                "mount or restore it, or point the link at the class's folder")
+    for read in (lambda: class_folders(str(root / "train")), lambda: build_folder_dataset(str(root), "train")):
+        with pytest.raises(DataError) as refused:
+            read()
+        assert str(refused.value) == expected
+    os.unlink(root / "train" / "n2")
+    assert class_folders(str(root / "train")) == ["cat", "dog", "lion"]
+    assert len(build_folder_dataset(str(root), "train")) == 3
+
+
+def test_a_run_is_refused_on_a_class_folder_linked_to_nothing_before_it_trains(tmp_path):
+    """The count the run used to advise (one class fewer) does not make it train without that class."""
+    import train
+    from configs import load_config
+    from tests.conftest import DEBUG_CONFIG, make_folder
+
+    root = tmp_path / "data"
+    make_folder(root, {"train": {"cat": 8, "dog": 8}, "val": {"cat": 2, "dog": 2}})  # a run of 2 classes trains on it
+    for split in ("train", "val"):
+        os.symlink(tmp_path / "gone" / split / "n2", root / split / "n2")
+    cfg = load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / 'run'}", "model.num_classes=2", "data.dataset=folder",
+                                       f"data.root={root}", "train.max_steps=1", "log.tensorboard=false"])
+    with pytest.raises(DataError, match=re.escape(f"{root / 'train' / 'n2'} is a symbolic link to "
+                                                  f"{tmp_path / 'gone' / 'train' / 'n2'}, which does not exist")):
+        train.main(cfg)
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
