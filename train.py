@@ -68,8 +68,8 @@ from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, sch
 from engine.precision import describe_precision, grad_scaler, set_tf32
 from engine.exit_codes import EXIT_INTERRUPTED
 from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, ignore_sigterm_until_exit, preempted_line
-from engine.resume import (check_schedule_holds, epoch_layout, epoch_position, optimizer_param_names,
-                           restore_optimizer, resume_position, same_val_windows)
+from engine.resume import (check_schedule_holds, continue_sample_order, epoch_layout, epoch_position,
+                           optimizer_param_names, restore_optimizer, resume_position, same_val_windows)
 from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, check_same_weights_on_every_rank,
                               keep_abandoned_checkpoint, keep_missing_snapshot, keep_snapshot, resume_source,
                               started_at_step)
@@ -778,6 +778,7 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     state.epoch_batches = resume_position(
         payload.get("epoch_position"), epoch_position(epoch_batches=0, **run.position),
         epoch_batches=state.epoch_batches, step=state.step, checkpoint=resume_path)
+    continue_sample_order(payload, run.loaders.train.sampler, run.position, resume_path)
     schedule_at_resume(run)
     if run.decay is not None and "cd" in payload:
         # ColinearityDecay warns its library users of a CD config other than its state's (a raw UserWarning with a

@@ -233,7 +233,7 @@ def _train_batches(cfg: DataConfig, train_set, batch_size_per_gpu: int, rank: in
         # DeiT's repeated augmentation; honoured with any number of processes
         base = RepeatAugSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
                                 num_repeats=cfg.repeated_aug, selected_round=SELECTED_ROUND)
-    else:
+    else:  # each epoch's shuffle is seeded by SeededSampler.set_epoch (samplers.order_seed), not by seed + epoch
         base = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                   drop_last=True)
     if len(base) < batch_size_per_gpu:

@@ -26,7 +26,9 @@ at that update:
   k*b*W / W' positions skipped each. A position that does not fall on a whole update of the new layout,
   an epoch with another number of updates (the step counter would no longer match the schedule), or a
   mid-epoch change of what orders the samples (seed, repeated augmentation, the number of training samples) is
-  refused with a CheckpointError that names the cause and the fix.
+  refused with a CheckpointError that names the cause and the fix. The rule that seeds each epoch's shuffle from
+  (seed, epoch) is recorded too (`order_rule`, data/samplers.py ORDER_RULE): a checkpoint without it was written
+  under the earlier rule, which its run keeps to its end (`continue_sample_order`), so that it resumes exactly.
 * validation windows (`same_val_windows`): a language model's `data.val_windows` is compared by the windows it
   scores, not by its number: 0, the text's count and (in a run written before more were refused) a value past it
   all score every window.
@@ -39,6 +41,7 @@ from typing import Optional
 import torch
 
 from data.folder import DataError
+from data.samplers import OLD_ORDER_RULE, ORDER_RULE, ORDER_RULES
 from data.text import TOKEN_DATASETS, scored_val_windows, window_count
 from models import ModelError, model_input_size
 
@@ -47,7 +50,7 @@ from .checkpoint import CheckpointError
 log = logging.getLogger(__name__)
 
 __all__ = ["optimizer_param_names", "restore_optimizer", "is_group_counter", "epoch_position", "epoch_layout",
-           "resume_position", "check_schedule_holds", "same_val_windows"]
+           "resume_position", "continue_sample_order", "check_schedule_holds", "same_val_windows"]
 
 
 def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -123,12 +126,14 @@ def check_schedule_holds(step: int, total_steps: int, schedule: str, checkpoint:
 
 
 def epoch_position(*, epoch_batches: int, batch_size_per_gpu: int, world_size: int, accum_steps: int,
-                   updates_per_epoch: int, train_images: int, seed: int, repeated_aug: int) -> dict:
-    """What a checkpoint records about where in the epoch it stands and what that position depends on."""
+                   updates_per_epoch: int, train_images: int, seed: int, repeated_aug: int,
+                   order_rule: str = ORDER_RULE) -> dict:
+    """What a checkpoint records about where in the epoch it stands and what that position depends on (`order_rule`:
+    the run's rule of data/samplers.py order_seed, the current one unless `continue_sample_order` kept the older)."""
     return {"samples": epoch_batches * batch_size_per_gpu * world_size, "world_size": world_size,
             "batch_size_per_gpu": batch_size_per_gpu, "accum_steps": accum_steps,
             "updates_per_epoch": updates_per_epoch, "train_images": train_images, "seed": seed,
-            "repeated_aug": repeated_aug}
+            "repeated_aug": repeated_aug, "order_rule": order_rule}
 
 
 def epoch_layout(cfg, *, world_size: int, accum_steps: int, updates_per_epoch: int, train_images: int,
@@ -189,6 +194,43 @@ def resume_position(saved: Optional[dict], now: dict, *, epoch_batches: int, ste
                  "by %d x %d", samples, saved["world_size"], saved["batch_size_per_gpu"], now["world_size"],
                  now["batch_size_per_gpu"])
     return samples // per_batch
+
+
+def _shuffled_by_seed(payload: dict) -> tuple[Optional[int], bool]:
+    """(train.seed, whether a DistributedSampler ordered its epochs, not repeated augmentation) of the run that wrote
+    the checkpoint `payload`: from its epoch_position, or from its config where it predates that."""
+    saved = payload.get("epoch_position")
+    if isinstance(saved, dict):
+        return saved.get("seed"), saved.get("repeated_aug", 1) <= 1
+    config = payload.get("config") or {}
+    train, data = config.get("train") or {}, config.get("data") or {}
+    return (train.get("seed", 0),
+            data.get("dataset") in TOKEN_DATASETS or data.get("repeated_aug", 1) <= 1)
+
+
+def continue_sample_order(payload: dict, sampler, position: dict, checkpoint: str) -> None:
+    """Set the rule of data/samplers.py order_seed that the run resumed from `payload` goes on with, in its train
+    `sampler` (a SeededSampler) and in `position` (what its checkpoints record: `epoch_position`'s arguments).
+
+    A checkpoint that records no rule was written under OLD_ORDER_RULE. Where that ordered its run (a
+    DistributedSampler under a seed other than 0, whose orders the rules tell apart) and this run keeps its seed, the
+    rest of the run, and the checkpoints it writes, stay under it, so that it continues exactly as it began; a note
+    in the log says so. Otherwise the run takes the current rule: seed 0's orders are the same under both, and a new
+    train.seed orders its epochs as a fresh run of that seed would. A rule this version does not know is refused."""
+    saved = payload.get("epoch_position")
+    rule = saved.get("order_rule") if isinstance(saved, dict) else None
+    if rule is None:
+        seed, shuffled = _shuffled_by_seed(payload)
+        rule = OLD_ORDER_RULE if shuffled and seed == sampler.seed and seed != 0 else ORDER_RULE
+    if rule not in ORDER_RULES:
+        raise CheckpointError(f"{checkpoint} orders its epochs by the rule {rule!r}, which this version does not "
+                              f"know ({', '.join(map(repr, ORDER_RULES))}): resume it with the version that wrote it")
+    sampler.order_rule = position["order_rule"] = rule
+    if rule == OLD_ORDER_RULE and sampler.shuffles_by_seed():
+        log.info("%s was written before each train.seed had sample orders of its own: this run keeps the order it "
+                 "began with (epoch e of seed %d shuffled as torch's DistributedSampler(seed=%d) does, as seed %d "
+                 "does epoch e - 1), to its end, so that it continues exactly; a fresh run of this seed orders its "
+                 "epochs otherwise", checkpoint, sampler.seed, sampler.seed, sampler.seed + 1)
 
 
 def same_val_windows(saved: dict, current) -> bool:
