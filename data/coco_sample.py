@@ -69,6 +69,7 @@ def _image(rng: random.Random, size: int, objects) -> Image.Image:
 
 
 MAX_SIZE = 2048  # pixels per side
+MAX_IMAGES = 100_000  # per split: val's ids start at 100_001
 
 
 def write_coco_sample(root: str, train: int = 16, val: int = 8, size: int = 64, seed: int = 0) -> Dict[str, int]:
@@ -77,10 +78,11 @@ def write_coco_sample(root: str, train: int = 16, val: int = 8, size: int = 64, 
     Returns:
         {"train2017": images, "val2017": images, "annotations": objects in all}.
     """
-    # val ids start at 100_001, so more train images would share their ids; a side above MAX_SIZE is no smoke
-    # set (one image is size^2 * 3 bytes of noise in memory)
-    if not (1 <= train <= 100_000 and val >= 1 and 32 <= size <= MAX_SIZE):
-        raise ValueError(f"need 1 <= train <= 100000, val >= 1 and 32 <= size <= {MAX_SIZE} "
+    # val ids start at 100_001, so more train images would share their ids; val is held to the same count (a
+    # smoke set's: without a bound any count was written, image by image); a side above MAX_SIZE is no smoke set
+    # either (one image is size^2 * 3 bytes of noise in memory)
+    if not (1 <= train <= MAX_IMAGES and 1 <= val <= MAX_IMAGES and 32 <= size <= MAX_SIZE):
+        raise ValueError(f"need 1 <= train <= {MAX_IMAGES}, 1 <= val <= {MAX_IMAGES} and 32 <= size <= {MAX_SIZE} "
                          f"(got {train}, {val}, {size})")
     if seed < 0:  # random.Random seeds with abs(seed): -1 would write seed 1's set as if it were another
         raise ValueError(f"seed {seed}: give a seed >= 0 (a negative one draws the set of {-seed})")

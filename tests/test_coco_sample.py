@@ -210,3 +210,17 @@ def test_the_seed_decides_the_set(tmp_path):
         write_coco_sample(str(tmp_path / name), train=2, val=1, size=48, seed=seed)
         return (tmp_path / name / "annotations" / "instances_train2017.json").read_text()
     assert annotations("a", 3) == annotations("b", 3) != annotations("c", 4)
+
+
+def test_a_val_count_above_the_bound_is_one_error_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    """--val is bounded as --train is (100000 images a split): a larger count was taken, and written image by
+    image. Drawing an object fails here, so that a count taken fails at once instead of writing the set."""
+    import data.coco_sample as coco_sample
+
+    def drawn(*args):
+        raise AssertionError("a set was drawn")
+    monkeypatch.setattr(coco_sample, "_objects", drawn)
+    assert make_coco_sample.main([str(tmp_path / "new"), "--val", "100001"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: need ") and "1 <= val <= 100000" in lines[0], lines
+    assert not (tmp_path / "new").exists()
