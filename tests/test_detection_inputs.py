@@ -292,6 +292,11 @@ def test_evaluation_refuses_a_pipeline_or_bit_width_named_twice(mmdet_ready, tmp
     ("[dict(type='ColinearityDecayHook', lam=0.005)]", "CD"),
     ("(dict(type='mmdet.TweoHook', lam=1e-4),)", "TWEO"),  # a scoped type, in a tuple
     ("[dict(type='ColinearityDecayHook'), dict(type='TweoHook'), dict(type='EMAHook')]", "CD+TWEO"),
+    # CD at every strength 0 updates no weight (custom_hooks.0.lam=0): the run is a baseline, not one of CD's
+    ("[dict(type='ColinearityDecayHook', lam=0)]", "Baseline"),
+    ("[dict(type='ColinearityDecayHook', lam=0.0, lam_per_role=dict(fc2=0))]", "Baseline"),
+    ("[dict(type='ColinearityDecayHook', lam=0, module='neck'), dict(type='TweoHook')]", "TWEO"),
+    ("[dict(type='ColinearityDecayHook', lam=0, lam_per_role=dict(fc2=0.02))]", "CD"),  # fc2 is decayed
 ])
 def test_the_training_method_is_read_from_the_config_a_checkpoint_keeps(mmdet_ready, tmp_path, monkeypatch, hooks,
                                                                        method):

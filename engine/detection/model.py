@@ -14,6 +14,7 @@ from torch import nn
 from mmengine.config import Config
 from mmdet.registry import MODELS
 
+from cd.decay import DEFAULT_LAM
 from cd.integrations.mmengine import type_name
 from engine.checkpoint import is_run_checkpoint
 from engine.detection.errors import DetectionError
@@ -197,7 +198,9 @@ METHOD_HOOKS = {"ColinearityDecayHook": "CD", "TweoHook": "TWEO", "WeightNoiseHo
 def training_method(meta: dict) -> Optional[str]:
     """The method a detector was trained with, from the training config its MMEngine checkpoint keeps
     (meta["cfg"]): "CD", "TWEO", "Noise" (joined by "+" when several), "Baseline" when it ran none of their
-    hooks; None when the checkpoint keeps no readable config (a file converted or written elsewhere)."""
+    hooks, or only CD hooks that decay nothing (`decays_nothing`: custom_hooks.0.lam=0 made no update in any step,
+    so Fig. 1 would have plotted a baseline as CD); None when the checkpoint keeps no readable config (a file
+    converted or written elsewhere)."""
     text = meta.get("cfg") if isinstance(meta, dict) else None
     if not isinstance(text, str):
         return None
@@ -209,5 +212,18 @@ def training_method(meta: dict) -> Optional[str]:
             hooks = Config.fromfile(path, import_custom_modules=False).get("custom_hooks") or []
         except Exception:  # noqa: BLE001 - MMEngine executes the text: any failure means "not known"
             return None
-    types = [type_name(hook.get("type")) for hook in hooks if isinstance(hook, dict)]  # mmdet.X too
-    return "+".join(METHOD_HOOKS[t] for t in types if t in METHOD_HOOKS) or "Baseline"
+    types = [type_name(hook.get("type")) for hook in hooks if isinstance(hook, dict) and not decays_nothing(hook)]
+    return "+".join(METHOD_HOOKS[t] for t in types if t in METHOD_HOOKS) or "Baseline"  # mmdet.X too
+
+
+def decays_nothing(hook: dict) -> bool:
+    """Whether the custom_hooks entry `hook` is a ColinearityDecayHook whose every strength is 0: lam 0 (its
+    default is ColinearityDecay's) and no lam_per_role entry above 0, since a role without one takes lam. Its
+    decoupled update is skipped in every step (cd/decay.py), so the run trains as the baseline does."""
+    if type_name(hook.get("type")) != "ColinearityDecayHook":
+        return False
+    per_role = hook.get("lam_per_role") or {}
+    if not isinstance(per_role, dict):  # not a hook that was built (its check refuses it): not read here
+        return False
+    strengths = [hook.get("lam", DEFAULT_LAM), *per_role.values()]
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0 for v in strengths)
