@@ -142,8 +142,10 @@ def report(a: list[Run], b: list[Run], score: str) -> str:
         mean_a, mean_b = statistics.fmean(ga), statistics.fmean(gb)
         # the difference first: two near-zero gaps (0.002 -> 0.004) read +100 % relative, a change of nothing
         # relative to the size of the first gap: a negative one (a quantized top-1 above the fp32 one, a perplexity
-        # below) gives the change its own sign, not the opposite
-        change = f"{mean_b - mean_a:+.{d}f}" + (f" ({(mean_b - mean_a) / abs(mean_a) * 100:+.0f} %)" if mean_a else "")
+        # below) gives the change its own sign, not the opposite; a first gap that prints as zero gives none (gaps of
+        # mean zero sum to a float residue, 1e-17, whose relative change reads +1e16 %)
+        relative = f" ({(mean_b - mean_a) / abs(mean_a) * 100:+.0f} %)" if round(mean_a, d) else ""
+        change = f"{mean_b - mean_a:+.{d}f}" + relative
         test = welch(ga, gb)
         outcome = "- | - | - (no spread)" if test is None else "{:.2f} | {:.1f} | {:.2g}".format(*test)
         mark = "*" if any((point, pipeline, bits) in starred for point in points) else ""

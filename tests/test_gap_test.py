@@ -165,6 +165,19 @@ def test_a_negative_first_gap_gives_the_change_its_own_sign(tmp_path):
     assert cells[1:4] == ["-0.50 ± 0.20", "0.50 ± 0.10", "+1.00 (+200 %)"]
 
 
+def test_a_first_gap_that_prints_as_zero_gives_no_relative_change(tmp_path):
+    """Perplexity gaps +0.3, -0.1, -0.2 have mean zero, which their float sum misses by about 1e-17: the first
+    mean prints as 0.000 and the change as a difference alone, not a relative change of some 1e16 %."""
+    for point, rtns in (("baseline", (4.3, 3.9, 3.8)), ("cd10x", (4.1, 4.2, 4.0))):
+        for seed, rtn in enumerate(rtns):
+            write_run(tmp_path, f"{point}_s{seed}", ppl=4.0, rtn=rtn, block_max=10.0, kurtosis=5.0, fc2_final=50.0,
+                      strict_a5=None)
+    gaps = [rtn - 4.0 for rtn in (4.3, 3.9, 3.8)]
+    assert sum(gaps) != 0 and abs(sum(gaps)) < 1e-12  # the premise: a float residue, not zero
+    cells = row(gap_test.main([str(tmp_path), "baseline", "cd10x"]), "rtn W4A16")
+    assert cells[1].startswith(("0.000 ±", "-0.000 ±")) and cells[3] == "+0.100"
+
+
 def test_points_evaluated_otherwise_are_marked_and_the_way_is_named(tmp_path):
     """A gap under --amp bf16 is quantized-under-autocast minus fp32 (a language model's FP32 PPL ignores --amp):
     the table said nothing of it, where dose_report.py and lm_study.py mark the point †."""
