@@ -23,7 +23,7 @@ from cd.wrappers import unwrap_model
 from models.pretrained import mapped_payload
 
 from .distributed import raise_on_every_rank
-from .run_dir import partial_path
+from .run_dir import ARCHIVE, partial_path
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +102,14 @@ class CheckpointFile:
         except CheckpointError as error:
             try:
                 kept = self.publish(collective=False)  # every rank is here (save_on_main_rank raised on each)
-            except CheckpointError as publish_error:
-                raise CheckpointError(f"{error}; {publish_error}") from error
+            except CheckpointError as publish_error:  # its advice is the one that holds now
+                raise CheckpointError(f"{str(error).replace('. ' + _RERUN, '')}; {publish_error}") from error
             if kept is None:
-                raise
+                if os.path.isfile(self.path):
+                    raise
+                # the first write failed: _write_failure's re-run of the same command is refused
+                raise CheckpointError(str(error).replace(_RERUN, f"Free space (or fix the folder); "
+                                                                  f"{rerun_advice(self.path)}")) from error
             now = f"checkpoint.pt is now the write of update {kept} held back before this one"
             text = str(error)
             for before in _PREVIOUS_STATES:  # _write_failure's word on checkpoint.pt, no longer true
@@ -129,8 +133,7 @@ class CheckpointFile:
             except OSError as e:
                 with contextlib.suppress(OSError):
                     os.remove(held)
-                error = CheckpointError(f"could not rename {held} to {self.path}: {e}; the previous checkpoint.pt is "
-                                        f"unchanged: re-run the same command to resume from it")
+                error = CheckpointError(f"could not rename {held} to {self.path}: {e}; {rerun_advice(self.path)}")
         if collective:
             raise_on_every_rank(error, self.device,
                                 lambda: CheckpointError(f"rank 0 could not write {self.path} (its error says why)"))
@@ -148,17 +151,32 @@ class CheckpointFile:
         return step
 
 
+def rerun_advice(checkpoint: str) -> str:
+    """What a failed write of a train.py run's `checkpoint` (out_dir/checkpoint.pt, as it is now) leaves, and the
+    re-run that goes on: the same command resumes from an earlier checkpoint.pt. Without one the run cannot resume,
+    and that command is refused where its first validation, before its first checkpoint, wrote best.pt (an earlier
+    run's result to engine/run_dir.check_fresh_start): the re-runs claim_run_dir accepts are named instead."""
+    if os.path.isfile(checkpoint):
+        return "the previous checkpoint.pt is unchanged: re-run the same command to resume from it"
+    out_dir = os.path.dirname(checkpoint)
+    return (f"no checkpoint.pt was written yet, so the run cannot resume: re-run with train.archive_existing=true, "
+            f"which moves this run's files to {os.path.join(out_dir, ARCHIVE)}/<time>/ and starts the run over, "
+            f"or use another out_dir")
+
+
 _PREVIOUS_STATES = ("the previous file is unchanged", "no earlier file existed")  # _write_failure's, of `path`
+# _write_failure's advice, right for a file that existed before (CheckpointFile.save words it for one that did not)
+_RERUN = "Free space (or fix the folder) and re-run the same command to resume from the last checkpoint"
 
 
 def _write_failure(path: str, error: BaseException) -> str:
+    """The error line of a failed write of `path` (`error`): why, what is left, and what to do."""
     folder = os.path.dirname(os.path.abspath(path))
     # torch's zip writer reports ENOSPC as "unexpected pos"; an OSError carries its errno
     full = getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in str(error)
     reason = f"the disk is full ({_free_space(folder)})" if full else f"{error}"
     previous = _PREVIOUS_STATES[0] if os.path.exists(path) else _PREVIOUS_STATES[1]
-    return (f"could not write {path}: {reason}; {previous} and no partial file was left. Free space (or fix "
-            f"the folder) and re-run the same command to resume from the last checkpoint")
+    return f"could not write {path}: {reason}; {previous} and no partial file was left. {_RERUN}"
 
 
 def _free_space(folder: str) -> str:
