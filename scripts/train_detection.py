@@ -11,6 +11,11 @@ with this repository's guards (data root, backbone checkpoint and load_from, not
 Overrides are `key=value` words anywhere on the line, or after `--cfg-options` as MMDetection's tools take them;
 those of the test loop (test_dataloader, test_evaluator, test_cfg), which training never builds, are refused (they
 are evaluate_detection.py's), and so is a method's hook given twice (a fragment in a _base_ list and as a --config).
+A key of a --config file that the class its dict builds does not take (`optim_wrapper.optimizer.betas_`,
+`train_cfg.max_epoch`; the model is checked down to its parts: backbone, neck, heads) is refused as the same
+override is, naming the file, before the Runner is built; so is a top-level setting of MMDetection 2.x's configs
+(`lr_config`, `runner`, `evaluation`, `checkpoint_config`, ...), which MMEngine's Runner does not read, naming the
+key that replaced it. A file's own variables (`size`, `dims` of the sample config) are not settings and pass.
 
 A work dir that already holds checkpoints is refused unless --resume continues the run in it (MMEngine's
 `last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config dump

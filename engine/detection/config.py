@@ -8,6 +8,7 @@ import copy
 import difflib
 import inspect
 import os
+import re
 from typing import Any, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence
 
 import torch
@@ -72,8 +73,10 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
     are replaced, except that each file's `custom_hooks` are added to the earlier ones and its
     `custom_imports.imports` joined with theirs, so that two method fragments both apply), then `overrides`
     (dotted keys, as MMEngine's --cfg-options), then `data_root`. `reads`: the keys the command reads
-    (check_override_keys; None: all a Runner reads). Where the command runs the config's custom_hooks (`reads`
-    None or holding them), a method's hook given twice is refused (check_method_hooks)."""
+    (check_override_keys, check_file_keys; None: all a Runner reads). The files' keys are checked as overrides
+    are: MMDetection 2.x's top-level settings (check_legacy_keys) and an argument the class its dict builds does
+    not take (check_file_keys) are refused. Where the command runs the config's custom_hooks (`reads` None or
+    holding them), a method's hook given twice is refused (check_method_hooks)."""
     if not paths:
         raise DetectionError("no --config given: name an MMDetection config, e.g. configs/detection/"
                              "mask_rcnn_swin_t_1x.py")
@@ -87,11 +90,13 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
     if problem:
         raise DetectionError(problem)
     cfg = read_config(paths[0])
+    files = [(paths[0], cfg.to_dict())]  # each file's own settings, for the --config that check_file_keys names
     # which --config brought each hook, for check_method_hooks: the first file's (its _base_ files' included),
     # then each fragment's, which merge_fragment adds after them
     sources = [f"--config {paths[0]}"] * len(cfg.get("custom_hooks") or [])
     for path in paths[1:]:
         fragment = read_config(path).to_dict()
+        files.append((path, fragment))
         sources += [f"--config {path}"] * len(fragment.get("custom_hooks") or [])
         merge_fragment(cfg, fragment)
     model = cfg.get("model")
@@ -99,12 +104,15 @@ def load_config(paths: Sequence[str], overrides: Optional[Dict[str, Any]] = None
         raise DetectionError(f"--config {' '.join(paths)}: no MMDetection detector in it (a `model` dict with a "
                              "`type`): give a detector config first, e.g. configs/detection/mask_rcnn_swin_t_1x.py, "
                              "and a method fragment (configs/detection/method/) after it")
+    check_legacy_keys(cfg, files)
     if overrides:
         check_override_keys(cfg, overrides, reads)
         try:
             cfg.merge_from_dict(dict(overrides))
         except TypeError as e:  # a dict given where the config has another value (MMEngine's message says how)
             raise DetectionError(f"overrides {' '.join(overrides)}: {e}") from None
+    # the files' own keys, which the override checks above do not see (an override of a type is checked with them)
+    check_file_keys(cfg, files, overrides or {}, reads)
     if data_root is not None:
         set_data_root(cfg, data_root, keep=overrides or {})
     if reads is None or "custom_hooks" in reads.keys:
@@ -269,6 +277,108 @@ def check_override_keys(cfg: Config, overrides: Dict[str, Any], reads: Optional[
             raise DetectionError(f"override {key}: {reads.does} and does not read {unread}, so it would change "
                                  f"nothing; {f'give {instead} instead' if instead else 'drop it'}")
         _check_nested_key(cfg, key, overrides[key])
+
+
+# MMDetection 2.x's top-level settings, which MMDetection 3.x's Runner (MMEngine) reads none of: a 2.x file's
+# schedule, checkpoints or evaluation were stored and ignored without a word; each with the key that replaced it
+LEGACY_KEYS = {
+    "lr_config": "param_scheduler (a list of schedulers, e.g. [dict(type='MultiStepLR', milestones=[8, 11], "
+                 "by_epoch=True)])",
+    "optimizer_config": "optim_wrapper (its grad_clip is optim_wrapper.clip_grad, its cumulative_iters "
+                        "optim_wrapper.accumulative_counts)",
+    "runner": "train_cfg (e.g. dict(type='EpochBasedTrainLoop', max_epochs=12, val_interval=1))",
+    "evaluation": "val_evaluator (the metric) and train_cfg.val_interval (how often it runs)",
+    "checkpoint_config": "default_hooks.checkpoint (e.g. dict(type='CheckpointHook', interval=1))",
+    "log_config": "default_hooks.logger (its interval) and visualizer.vis_backends (where the logs go)",
+    "total_epochs": "train_cfg.max_epochs",
+    "workflow": "train_cfg and val_cfg (the loops; validation every train_cfg.val_interval epochs)",
+}
+# dicts with checks of their own that build or look up each entry whole (check_hooks, check_default_hooks), and
+# those whose readers take any key (OPEN_DICTS)
+FILE_KEYS_CHECKED_ELSEWHERE = ("custom_hooks",) + OPEN_DICTS
+# the model's dicts whose classes are built with all their keys: the detector (the Runner builds it) and its
+# parts (backbone, neck, heads: the detector builds each whole). A part's own dicts are its code's to read, and
+# some read a key out before building the rest (DETRHead takes loss_cls.bg_cls_weight, FCNMaskHead
+# upsample_cfg.scale_factor): their classes' arguments do not tell what is read
+MODEL_DEPTH_CHECKED = 2
+
+
+def check_legacy_keys(cfg: Config, files: Sequence[tuple]) -> None:
+    """Refuse a top-level key of MMDetection 2.x's configs in the merged files (LEGACY_KEYS: `lr_config`, ...),
+    naming the --config that sets it and the key that replaced it. `files`: (path, its settings) in order."""
+    for key, successor in LEGACY_KEYS.items():
+        if key in cfg:
+            raise DetectionError(f"{_file_origin(key, files)}: {key} is a setting of MMDetection 2.x configs, which "
+                                 f"MMDetection 3.x (MMEngine's Runner) does not read, so it would change nothing: "
+                                 f"give {successor} instead")
+
+
+def check_file_keys(cfg: Config, files: Sequence[tuple], overrides: Mapping[str, Any],
+                    reads: Optional[CommandReads] = None) -> None:
+    """Refuse a key of the merged config that the class its dict builds does not take, as check_override_keys
+    refuses an override's new key: a typo in a config file (`optim_wrapper.optimizer.betas_`,
+    `train_cfg.max_epoch`) failed with a TypeError traceback inside runner.train(), or was blamed on the loaders.
+    Checked are the dicts with a `type`, the loop dicts (train_cfg, ...) and the loaders' dicts, under the
+    top-level keys the command reads (`reads`; None: all a Runner reads), of the model down to its parts only
+    (MODEL_DEPTH_CHECKED); the error names the --config (or the override) that gave the key. `files`: (path, its
+    settings) in order, as load_config merged them."""
+    read = set(reads.keys) if reads is not None else runner_keys()
+    for parent, node in _config_dicts({k: v for k, v in cfg.items() if k in read}):
+        parts = parent.split(".")
+        if parts[0] in FILE_KEYS_CHECKED_ELSEWHERE or parts[0] == "model" and len(parts) > MODEL_DEPTH_CHECKED:
+            continue
+        for part in node:
+            key = f"{parent}.{part}"
+            if part == "type" or _builder_key(str(part), parent, node):
+                continue
+            if reads is not None and reads.unread(key) is not None:  # the command does not read it: not its to judge
+                continue
+            try:
+                problem = _unknown_argument(node, str(part), parent)
+            except ImportError:  # a registry that cannot be imported (mmcv without its ops): the Runner's to say
+                continue
+            if problem:
+                typed = next((o for o in overrides if _under(f"{parent}.type", o)), None)
+                given = next((o for o in overrides if _under(key, o)), None)
+                origin = f"override {given}" if given else _file_origin(key, files)
+                after = f" (its type set by the override {typed})" if typed and not given else ""
+                text, close = problem
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise DetectionError(f"{origin}: {key}{after}: {text}{hint}: fix the key, or drop it")
+
+
+def _under(key: str, given: str) -> bool:
+    """Whether the dotted `key` is the override key `given` or lies below it."""
+    return key == given or key.startswith(given + ".")
+
+
+def _config_dicts(tree: Any, prefix: str = "") -> List[tuple]:
+    """(dotted key, dict) of every dict below `tree` (list items by index), outermost first."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    found = []
+    for name, inner in items:
+        path = f"{prefix}.{name}" if prefix else str(name)
+        if isinstance(inner, dict):
+            found.append((path, inner))
+        found += _config_dicts(inner, path)
+    return found
+
+
+def _file_origin(key: str, files: Sequence[tuple]) -> str:
+    """`--config PATH` of the last of `files` ((path, its settings)) that sets the dotted `key`, or of them all
+    where none alone does (a key merged from several)."""
+    for path, tree in reversed(files):
+        node: Any = tree
+        for part in key.split("."):
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                break
+        else:
+            return f"--config {path}"
+    return f"--config {' '.join(path for path, _ in files)}"
 
 
 def check_hooks(cfg: Config) -> None:
@@ -488,23 +598,65 @@ def _check_no_index(key: str, parts: list) -> None:
 
 def _check_new_key(node: dict, part: str, parent: str, key: str) -> None:
     """Refuse the new key `part` of the dict `parent` (`node`) when nothing would read it (check_override_keys)."""
-    top = parent.split(".")[0]
-    if part.startswith("_") or part in BUILDER_KEYS["*"] + BUILDER_KEYS.get(parent, ()) or top in OPEN_DICTS:
+    if _builder_key(part, parent, node) or parent.split(".")[0] in OPEN_DICTS:
         return
-    if parent in LOADERS:
-        takes, what = loader_arguments() | {"dataset"}, "torch's DataLoader"
-    elif node.get("type") is None:
+    if parent not in LOADERS and node.get("type") is None and _loop_class(parent, node) is None:
         close = difflib.get_close_matches(part, [str(k) for k in node], n=3)
         hint = f" (did you mean {', '.join(parent + '.' + c for c in close)}?)" if close else ""
         raise DetectionError(f"override {key}: the config has no such key{hint}, and {parent} (a dict without a "
                              f"`type`) is read for the keys it has only; to add a key its code reads, set it in a "
                              "config file given as a later --config")
-    else:
+    problem = _unknown_argument(node, part, parent)
+    if problem:
+        text, close = problem
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise DetectionError(f"override {key}: {text}{hint}")
+
+
+def _builder_key(part: str, parent: str, node: dict) -> bool:
+    """Whether the key `part` of the dict `parent` (`node`) is taken out by what builds it rather than passed to
+    its class (BUILDER_KEYS; a train loop's by_epoch without a type; a scheduler's convert_to_iter_based and
+    epoch_length; a norm layer's requires_grad), or is MMEngine's own (`_scope_`, `_delete_`)."""
+    if part.startswith("_") or part in BUILDER_KEYS["*"] + BUILDER_KEYS.get(parent, ()):
+        return True
+    if parent == "train_cfg" and "type" not in node:
+        return part == "by_epoch"  # Runner.build_train_loop picks the loop's class by it
+    if re.fullmatch(r"param_scheduler(\.\d+)?", parent):  # mmengine build_scheduler_from_cfg
+        return part in ("convert_to_iter_based", "epoch_length")
+    return parent.split(".")[-1].endswith("norm_cfg") and part == "requires_grad"  # mmcv build_norm_layer
+
+
+def _loop_class(parent: str, node: dict) -> Optional[type]:
+    """The loop class MMEngine's Runner builds from the top-level loop dict `parent` (`node`) that has no `type`
+    (Runner.build_train_loop: by_epoch picks an epoch or an iteration loop; build_val_loop, build_test_loop), or
+    None for another dict."""
+    from mmengine.runner import EpochBasedTrainLoop, IterBasedTrainLoop, TestLoop, ValLoop
+    if "type" in node or parent not in LOOP_KEYS:
+        return None
+    if parent == "train_cfg":
+        return EpochBasedTrainLoop if node.get("by_epoch", True) else IterBasedTrainLoop
+    return ValLoop if parent == "val_cfg" else TestLoop
+
+
+def _unknown_argument(node: dict, part: str, parent: str) -> Optional[tuple]:
+    """Why the key `part` of the dict `parent` (`node`) is passed to a class that does not take it, with the
+    dotted keys of the arguments it may have meant, or None. A loader's dict is torch's DataLoader arguments, a
+    dict with a `type` builds that registered class, a loop dict without one the class the Runner builds it as
+    (_loop_class); None also where the arguments are not known (a **kwargs, a class no registry holds, a dict of
+    another kind)."""
+    loop = _loop_class(parent, node)
+    if parent in LOADERS:
+        takes, what = loader_arguments() | {"dataset"}, "torch's DataLoader"
+    elif node.get("type") is not None:
         takes, what = _init_parameters(node["type"]), f"{node['type']} ({parent})"
-    if takes is not None and part not in takes:
-        close = difflib.get_close_matches(part, sorted(takes - {"self"}), n=3)
-        hint = f"; did you mean {', '.join(parent + '.' + c for c in close)}?" if close else ""
-        raise DetectionError(f"override {key}: {what} takes no argument '{part}'{hint}")
+    elif loop is not None:
+        takes, what = _init_parameters(loop), f"{loop.__name__} ({parent}, the loop MMEngine's Runner builds from it)"
+    else:
+        return None
+    if takes is None or part in takes:
+        return None
+    close = difflib.get_close_matches(part, sorted(takes - {"self"}), n=3)
+    return f"{what} takes no argument '{part}'", [f"{parent}.{c}" for c in close]
 
 
 def loader_arguments() -> set:
