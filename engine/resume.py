@@ -219,16 +219,18 @@ def continue_sample_order(payload: dict, sampler, position: dict, checkpoint: st
     train.seed orders its epochs as a fresh run of that seed would. A rule this version does not know is refused."""
     saved = payload.get("epoch_position")
     rule = saved.get("order_rule") if isinstance(saved, dict) else None
-    if rule is None:
-        seed, shuffled = _shuffled_by_seed(payload)
+    seed, shuffled = _shuffled_by_seed(payload)
+    # the old rule goes on only where it ordered the run (recorded, by a run resumed once already, or not): a run
+    # resumed with another train.seed is ordered as a fresh run of that seed, whatever its checkpoint recorded
+    if rule in (None, OLD_ORDER_RULE):
         rule = OLD_ORDER_RULE if shuffled and seed == sampler.seed and seed != 0 else ORDER_RULE
     if rule not in ORDER_RULES:
         raise CheckpointError(f"{checkpoint} orders its epochs by the rule {rule!r}, which this version does not "
                               f"know ({', '.join(map(repr, ORDER_RULES))}): resume it with the version that wrote it")
     sampler.order_rule = position["order_rule"] = rule
     if rule == OLD_ORDER_RULE and sampler.shuffles_by_seed():
-        log.info("%s was written before each train.seed had sample orders of its own: this run keeps the order it "
-                 "began with (epoch e of seed %d shuffled as torch's DistributedSampler(seed=%d) does, as seed %d "
+        log.info("%s continues a run begun before each train.seed had sample orders of its own: this run keeps "
+                 "the order it began with (epoch e of seed %d shuffled as torch's DistributedSampler(seed=%d) does, as seed %d "
                  "does epoch e - 1), to its end, so that it continues exactly; a fresh run of this seed orders its "
                  "epochs otherwise", checkpoint, sampler.seed, sampler.seed, sampler.seed + 1)
 

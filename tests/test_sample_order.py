@@ -104,7 +104,7 @@ def test_a_checkpoint_of_the_earlier_order_rule_resumes_mid_epoch_in_the_order_i
     assert orders(fresh, (1,)) != [resumed[1]]  # the current rule would have read another epoch 1
     assert torch.load(path, weights_only=True)["epoch_position"]["order_rule"] == OLD_ORDER_RULE
     with open(os.path.join(cfg.out_dir, "train.log")) as f:
-        assert "was written before each train.seed had sample orders of its own" in f.read()
+        assert "continues a run begun before each train.seed had sample orders of its own" in f.read()
 
 
 @pytest.mark.parametrize("seed", [0, 5])
@@ -122,6 +122,13 @@ def test_a_checkpoint_without_the_rule_takes_the_current_one_where_the_earlier_n
         continue_sample_order({"epoch_position": saved}, sampler, position, "c.pt")
         assert sampler.order_rule == position["order_rule"] == ORDER_RULE
     continue_sample_order({"epoch_position": {"seed": seed, "repeated_aug": 1}}, sampler, position, "c.pt")
+    assert sampler.order_rule == (ORDER_RULE if seed == 0 else OLD_ORDER_RULE)
+    # a checkpoint that records the earlier rule (a run begun under it, resumed once already) is read alike: it goes
+    # on with its seed, and a new train.seed takes the current rule, as a fresh run of that seed
+    recorded = {"seed": 7, "repeated_aug": 1, "order_rule": OLD_ORDER_RULE}
+    continue_sample_order({"epoch_position": recorded}, sampler, position, "c.pt")
+    assert sampler.order_rule == position["order_rule"] == ORDER_RULE
+    continue_sample_order({"epoch_position": {**recorded, "seed": seed}}, sampler, position, "c.pt")
     assert sampler.order_rule == (ORDER_RULE if seed == 0 else OLD_ORDER_RULE)
     with pytest.raises(CheckpointError, match="c.pt orders its epochs by the rule 'shuffle', which this version"):
         continue_sample_order({"epoch_position": {"order_rule": "shuffle"}}, sampler, {}, "c.pt")
