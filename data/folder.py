@@ -143,7 +143,8 @@ def split_sub_folders(path: str) -> list[os.DirEntry]:
     entries = list(os.scandir(path))
     for entry in entries:
         if not entry.name.startswith("."):
-            check_link_target(entry.path, "the class's folder")
+            # a dangling link's name cannot tell a class from another file (a metadata .csv beside the classes)
+            check_link_target(entry.path, "the class's folder; or remove it if it was no class folder")
     return [entry for entry in entries if entry.is_dir()]
 
 
