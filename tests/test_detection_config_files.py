@@ -54,6 +54,13 @@ FILE_TYPOS = [
      "train_dataloader.dataset.pipeline.0.to_float32"),
     ("model = dict(neck=dict(out_channel=32))\n", "model.neck.out_channel", lambda: _registered("FPN"),
      "model.neck.out_channels"),
+    # classes whose __init__ takes **kwargs and hands them to its parent's: MMEngine's MultiStepLR (its mixin's
+    # __init__(optimizer, *args, **kwargs)) builds a MultiStepParamScheduler, CocoDataset a BaseDataset
+    ("param_scheduler = [dict(type='MultiStepLR', milestones=[8, 11], gama=0.5, by_epoch=True)]\n",
+     "param_scheduler.0.gama", lambda: __import__("mmengine.optim", fromlist=["x"]).MultiStepParamScheduler,
+     "param_scheduler.0.gamma"),
+    ("train_dataloader = dict(dataset=dict(filter_cfgg=dict(min_size=8)))\n", "train_dataloader.dataset.filter_cfgg",
+     lambda: __import__("mmengine.dataset", fromlist=["x"]).BaseDataset, "train_dataloader.dataset.filter_cfg"),
 ]
 
 
@@ -72,6 +79,21 @@ def test_a_config_file_key_its_class_does_not_take_is_refused_naming_the_file(mm
     message = str(refused.value)
     assert message.startswith(f"--config {fragment}: {key}: ") and f"takes no argument '{part}'" in message, message
     assert f"(did you mean {meant}" in message, message
+
+
+def test_the_shipped_configs_load_with_each_method_fragment(mmdet_ready):
+    """The checks of the files' keys refuse none of the shipped detector configs, alone or with a method fragment
+    (their schedulers, datasets and model parts take every key they give)."""
+    import glob
+    import os
+    from engine.detection import load_config
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    detectors = sorted(glob.glob(os.path.join(root, "configs", "detection", "*.py"))) + [SAMPLE_CONFIG]
+    fragments = [None] + sorted(glob.glob(os.path.join(root, "configs", "detection", "method", "*.py")))
+    assert len(detectors) >= 4 and len(fragments) >= 4
+    for detector in detectors:
+        for fragment in fragments:
+            load_config([detector] + ([fragment] if fragment else []))
 
 
 def test_the_optimizer_typo_of_a_file_is_one_error_line_before_the_work_dir_is_made(mmdet_ready, tmp_path, capsys):

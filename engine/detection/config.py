@@ -4,11 +4,13 @@ would be stored and then ignored or fail far away."""
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import difflib
 import inspect
 import os
 import re
+import textwrap
 from typing import Any, Dict, FrozenSet, List, Mapping, NamedTuple, Optional, Sequence
 
 import torch
@@ -666,18 +668,74 @@ def loader_arguments() -> set:
 
 def _init_parameters(kind: Any) -> Optional[set]:
     """The keyword arguments the class registered as `kind` takes (in MMDetection's or MMEngine's registries),
-    or None where that is not known: no registered class, a **kwargs, a signature that cannot be read."""
+    or None where that is not known: no registered class, a **kwargs handed to no parent's __init__
+    (_class_arguments), a signature that cannot be read."""
     from mmengine.registry import Registry
     import mmdet.registry as registries
     found = [kind] if callable(kind) else [c for r in vars(registries).values() if isinstance(r, Registry)
                                            for c in [r.get(kind)] if c is not None]
     taken: set = set()
     for builder in found:
-        try:
-            parameters = inspect.signature(builder.__init__ if inspect.isclass(builder) else builder).parameters
-        except (TypeError, ValueError):
+        takes = _class_arguments(builder) if inspect.isclass(builder) else _signature_arguments(builder)
+        if takes is None:
             return None
-        if not found or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
-            return None
-        taken |= set(parameters)
+        taken |= takes
     return taken or None
+
+
+def _class_arguments(cls: type) -> Optional[set]:
+    """The keyword arguments the class `cls` takes: its __init__'s, and where that takes **kwargs, those of the
+    __init__s up its MRO that it hands them to (MMEngine's MultiStepLR: LRSchedulerMixin's **kwargs go to
+    MultiStepParamScheduler; CocoDataset's to BaseDataset), up to the first without **kwargs; None where one does
+    more with its **kwargs than hand them to its parent (_hands_kwargs_to_parent), where every one takes **kwargs
+    (the keys go to no signature read here), or where a signature cannot be read."""
+    taken: set = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):  # inherited: its parent's __init__ comes later in the MRO
+            continue
+        takes = _signature_arguments(klass.__init__)
+        if takes is None:
+            return None
+        taken |= takes - {"**"}
+        if "**" not in takes:
+            return taken
+        if not _hands_kwargs_to_parent(klass.__init__):  # read, dropped or passed elsewhere: not known here
+            return None
+    return None
+
+
+def _hands_kwargs_to_parent(init: Any) -> bool:
+    """Whether the __init__ `init` does nothing with its **kwargs but hand them on whole to its parent's
+    (`super().__init__(..., **kwargs)`): some read a key out of them first (MMCV's MultiheadAttention), pass them
+    to another class, or drop them (RPN, BaseBBoxCoder), and what those take is not told by the parents."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    function = tree.body[0] if tree.body and isinstance(tree.body[0], ast.FunctionDef) else None
+    if function is None or function.args.kwarg is None:
+        return False
+    name = function.args.kwarg.arg
+    handed = [k for node in ast.walk(function) if isinstance(node, ast.Call) and _is_super_init(node.func)
+              for k in node.keywords if k.arg is None and isinstance(k.value, ast.Name) and k.value.id == name]
+    uses = [node for node in ast.walk(function) if isinstance(node, ast.Name) and node.id == name]
+    return len(handed) == 1 and len(uses) == 1
+
+
+def _is_super_init(func: ast.expr) -> bool:
+    """Whether `func` is `super().__init__` (or `super(Cls, self).__init__`)."""
+    return (isinstance(func, ast.Attribute) and func.attr == "__init__" and isinstance(func.value, ast.Call)
+            and isinstance(func.value.func, ast.Name) and func.value.func.id == "super")
+
+
+def _signature_arguments(function: Any) -> Optional[set]:
+    """The parameter names of `function`, with "**" where it takes **kwargs; None where its signature cannot be
+    read or it takes **kwargs and is no class's __init__ (a builder function's keys go elsewhere)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return None
+    names = {n for n, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return names | {"**"} if function.__name__ == "__init__" else None
+    return names
