@@ -96,6 +96,22 @@ def test_the_shipped_configs_load_with_each_method_fragment(mmdet_ready):
             load_config([detector] + ([fragment] if fragment else []))
 
 
+def test_a_loaders_num_batch_per_epoch_is_taken_in_a_file_and_an_override(mmdet_ready, tmp_path):
+    """`num_batch_per_epoch` is no argument of torch's DataLoader, but MMEngine's Runner.build_dataloader takes it
+    out and trains (or evaluates) on that many batches of the dataset: a file or an override giving it is kept."""
+    import torch
+    from engine.detection import load_config, parse_overrides
+    from mmengine.runner import Runner
+    assert "num_batch_per_epoch" not in _takes(torch.utils.data.DataLoader)
+    loader = Runner.build_dataloader(dict(dataset=list(range(10)), batch_size=2, num_batch_per_epoch=2,
+                                          sampler=dict(type="DefaultSampler", shuffle=False)))
+    assert len(loader) == 2  # what the Runner does with it
+    cfg = load_config([SAMPLE_CONFIG, _fragment(tmp_path, "train_dataloader = dict(num_batch_per_epoch=2)\n")])
+    assert cfg.train_dataloader.num_batch_per_epoch == 2
+    cfg = load_config([SAMPLE_CONFIG], parse_overrides(["val_dataloader.num_batch_per_epoch=1"]))
+    assert cfg.val_dataloader.num_batch_per_epoch == 1
+
+
 def test_the_optimizer_typo_of_a_file_is_one_error_line_before_the_work_dir_is_made(mmdet_ready, tmp_path, capsys):
     """Through train_detection.py: the reviewer's file (weight decay and a misspelt betas) fails as one line, and
     nothing is written (the Runner made its timestamped log folder before its optimizer failed)."""

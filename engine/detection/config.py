@@ -236,8 +236,10 @@ POSITIVE_LOOP_COUNTS = ("max_epochs", "max_iters", "val_interval")  # counts MME
 # dicts whose keys their readers take as they come (hook names, environment settings); default_hooks' entries are
 # checked whole once merged (check_default_hooks)
 OPEN_DICTS = ("default_hooks", "env_cfg")
-# keys a builder takes out of a module's dict before calling its class (MMEngine's hooks and optim wrapper)
-BUILDER_KEYS = {"*": ("priority",), "optim_wrapper": ("constructor", "paramwise_cfg")}
+# keys a builder takes out of a module's dict before calling its class (MMEngine's hooks and optim wrapper; the
+# loaders' num_batch_per_epoch, which Runner.build_dataloader pops to train or evaluate on a slice of the dataset)
+BUILDER_KEYS = {"*": ("priority",), "optim_wrapper": ("constructor", "paramwise_cfg"),
+                **{loader: ("num_batch_per_epoch",) for loader in LOADERS}}
 
 
 def runner_keys() -> set:
@@ -617,8 +619,9 @@ def _check_new_key(node: dict, part: str, parent: str, key: str) -> None:
 
 def _builder_key(part: str, parent: str, node: dict) -> bool:
     """Whether the key `part` of the dict `parent` (`node`) is taken out by what builds it rather than passed to
-    its class (BUILDER_KEYS; a train loop's by_epoch without a type; a scheduler's convert_to_iter_based and
-    epoch_length; a norm layer's requires_grad), or is MMEngine's own (`_scope_`, `_delete_`)."""
+    its class (BUILDER_KEYS: a hook's priority, a loader's num_batch_per_epoch, ...; a train loop's by_epoch
+    without a type; a scheduler's convert_to_iter_based and epoch_length; a norm layer's requires_grad), or is
+    MMEngine's own (`_scope_`, `_delete_`)."""
     if part.startswith("_") or part in BUILDER_KEYS["*"] + BUILDER_KEYS.get(parent, ()):
         return True
     if parent == "train_cfg" and "type" not in node:
