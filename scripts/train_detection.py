@@ -15,7 +15,8 @@ A key of a --config file that the class its dict builds does not take (`optim_wr
 `train_cfg.max_epoch`; the model is checked down to its parts: backbone, neck, heads) is refused as the same
 override is, naming the file, before the Runner is built; so is a top-level setting of MMDetection 2.x's configs
 (`lr_config`, `runner`, `evaluation`, `checkpoint_config`, ...), which MMEngine's Runner does not read, naming the
-key that replaced it. A file's own variables (`size`, `dims` of the sample config) are not settings and pass.
+key that replaced it. A file's own variables (`size`, `dims` of the sample config; a number under a 2.x name that
+the file copies into a setting, `total_epochs` into train_cfg.max_epochs) are not settings and pass.
 
 A work dir that already holds checkpoints is refused unless --resume continues the run in it (MMEngine's
 `last_checkpoint`), so no run overwrites another's epoch_N.pth, and so is one holding a file named as the config dump

@@ -182,6 +182,26 @@ def test_an_mmdetection_2_setting_in_a_file_is_refused_naming_its_successor(mmde
     assert f"give {successor}" in message, message
 
 
+def test_a_variable_with_a_2_x_name_that_the_file_copies_into_a_setting_passes(mmdet_ready, tmp_path):
+    """`total_epochs = 3` copied into train_cfg.max_epochs is a variable of the file, as `max_epochs` is: it
+    passes and sets the loop's epochs. The same name left unused is 2.x's setting, refused, and so is a 2.x dict
+    (checkpoint_config) even where the file copies it into the key that replaced it."""
+    from engine.detection import DetectionError, load_config
+    from mmengine.runner import Runner
+    assert "total_epochs" not in _takes(Runner)
+    copied = "total_epochs = 3\ntrain_cfg = dict(max_epochs=total_epochs)\n"
+    cfg = load_config([SAMPLE_CONFIG, _fragment(tmp_path, copied)])
+    assert cfg.train_cfg.max_epochs == 3
+    assert load_config([SAMPLE_CONFIG]).train_cfg.max_epochs != 3  # an unused 3 below is no copy of the config's
+    fragment = _fragment(tmp_path, "total_epochs = 3\n")
+    with pytest.raises(DetectionError, match=rf"^--config {fragment}: total_epochs is a setting of MMDetection 2.x"):
+        load_config([SAMPLE_CONFIG, fragment])
+    fragment = _fragment(tmp_path, "checkpoint_config = dict(type='CheckpointHook', interval=1)\n"
+                                   "default_hooks = dict(checkpoint=checkpoint_config)\n")
+    with pytest.raises(DetectionError, match=rf"^--config {fragment}: checkpoint_config is a setting of MMDetection"):
+        load_config([SAMPLE_CONFIG, fragment])
+
+
 def test_a_file_key_the_evaluation_does_not_read_is_left_to_the_training(mmdet_ready, tmp_path, capsys):
     """evaluate_detection.py builds no optimizer: a file's optimizer typo is not its refusal, while a typo in
     what it reads (the test loader) is, naming the file."""

@@ -309,8 +309,14 @@ MODEL_DEPTH_CHECKED = 2
 
 def check_legacy_keys(cfg: Config, files: Sequence[tuple]) -> None:
     """Refuse a top-level key of MMDetection 2.x's configs in the merged files (LEGACY_KEYS: `lr_config`, ...),
-    naming the --config that sets it and the key that replaced it. `files`: (path, its settings) in order."""
+    naming the --config that sets it and the key that replaced it. `files`: (path, its settings) in order. A
+    number or text under such a name that the files copy into a setting the Runner reads (`total_epochs = 3`,
+    `train_cfg = dict(max_epochs=total_epochs)`) is a variable of theirs, and passes; a dict or list (lr_config,
+    workflow) is 2.x's own setting, refused wherever its value is found."""
+    read = runner_keys()
     for key, successor in LEGACY_KEYS.items():
+        if key in cfg and not isinstance(cfg[key], (dict, list, tuple)) and _uses(cfg, key, read):
+            continue
         if key in cfg:
             raise DetectionError(f"{_file_origin(key, files)}: {key} is a setting of MMDetection 2.x configs, which "
                                  f"MMDetection 3.x (MMEngine's Runner) does not read, so it would change nothing: "
@@ -523,17 +529,21 @@ def check_tweo_checkpointing(cfg: Config, hook: TweoHook) -> None:
 def _uses(cfg: Config, variable: str, read: set) -> List[str]:
     """Dotted keys under the `read` top-level keys of `cfg` that hold the value of its top-level `variable`: where
     it was copied to (train_pipeline -> train_dataloader.dataset.pipeline, pretrained ->
-    model.backbone.init_cfg.checkpoint); a number or flag only under a name like the variable's (max_epochs ->
-    train_cfg.max_epochs: another 12 is no copy). MMDetection's base files tag their own dicts with a `_scope_`
-    that the copies lack: it is not compared."""
+    model.backbone.init_cfg.checkpoint); a number or flag only under a name like the variable's, one ending as
+    it does or in its last word (max_epochs, total_epochs -> train_cfg.max_epochs: another 12 is no copy).
+    MMDetection's base files tag their own dicts with a `_scope_` that the copies lack: it is not compared."""
     value, found = _unscoped(cfg[variable]), []
     any_name = isinstance(value, (str, list, dict)) and bool(value)
+    word = variable.split("_")[-1]
+
+    def alike(name: str) -> bool:
+        return variable.endswith(name) or name.endswith(variable) or name.split("_")[-1] == word
 
     def walk(prefix, node):
         items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
         for name, inner in items:
             path, name = f"{prefix}.{name}" if prefix else str(name), str(name)
-            if _unscoped(inner) == value and (any_name or variable.endswith(name) or name.endswith(variable)):
+            if _unscoped(inner) == value and (any_name or alike(name)):
                 found.append(path)
             else:
                 walk(path, inner)
