@@ -139,6 +139,24 @@ def test_a_file_key_left_invalid_by_an_override_of_its_type_names_the_override(m
                                                 "optim_wrapper.optimizer.type): SGD") in message, message
 
 
+def test_a_file_key_left_invalid_by_a_later_files_type_names_that_file(mmdet_ready, tmp_path):
+    """A later --config that sets `optim_wrapper.optimizer.type='SGD'` without `_delete_=True` keeps the Swin
+    recipe's AdamW betas (MMEngine merges the dicts): the line names the recipe's key, the file that changed the
+    type, and the way to replace the dict there; with `_delete_=True` the file passes."""
+    import torch
+    from engine.detection import DetectionError, load_config
+    assert "betas" not in _takes(torch.optim.SGD) and "momentum" in _takes(torch.optim.SGD)
+    sgd = "optim_wrapper = dict(optimizer=dict({}type='SGD', lr=0.01, momentum=0.9))\n"
+    fragment = _fragment(tmp_path, sgd.format(""))
+    with pytest.raises(DetectionError) as refused:
+        load_config([SAMPLE_CONFIG, fragment])
+    message = str(refused.value)
+    assert message.startswith(f"--config {SAMPLE_CONFIG}: optim_wrapper.optimizer.betas (its type set by --config "
+                              f"{fragment}; give _delete_=True there to replace the dict): SGD"), message
+    cfg = load_config([SAMPLE_CONFIG, _fragment(tmp_path, sgd.format("_delete_=True, "))])
+    assert cfg.optim_wrapper.optimizer.type == "SGD" and "betas" not in cfg.optim_wrapper.optimizer
+
+
 def test_helper_variables_and_a_parts_own_dicts_pass_while_a_typo_beside_them_is_refused(mmdet_ready, tmp_path):
     """Top-level variables a file copies into its settings (`size`, `dims` of the sample config) are not read by
     the Runner and stay allowed, and so are keys of a model part's own dicts, which the part's code may read

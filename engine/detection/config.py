@@ -330,8 +330,9 @@ def check_file_keys(cfg: Config, files: Sequence[tuple], overrides: Mapping[str,
     `train_cfg.max_epoch`) failed with a TypeError traceback inside runner.train(), or was blamed on the loaders.
     Checked are the dicts with a `type`, the loop dicts (train_cfg, ...) and the loaders' dicts, under the
     top-level keys the command reads (`reads`; None: all a Runner reads), of the model down to its parts only
-    (MODEL_DEPTH_CHECKED); the error names the --config (or the override) that gave the key. `files`: (path, its
-    settings) in order, as load_config merged them."""
+    (MODEL_DEPTH_CHECKED); the error names the --config (or the override) that gave the key, and the later one
+    that changed the dict's type where one did (_later_type). `files`: (path, its settings) in order, as
+    load_config merged them."""
     read = set(reads.keys) if reads is not None else runner_keys()
     for parent, node in _config_dicts({k: v for k, v in cfg.items() if k in read}):
         parts = parent.split(".")
@@ -352,6 +353,9 @@ def check_file_keys(cfg: Config, files: Sequence[tuple], overrides: Mapping[str,
                 given = next((o for o in overrides if _under(key, o)), None)
                 origin = f"override {given}" if given else _file_origin(key, files)
                 after = f" (its type set by the override {typed})" if typed and not given else ""
+                retyped = None if typed or given else _later_type(key, f"{parent}.type", files)
+                if retyped is not None:
+                    after = f" (its type set by --config {retyped}; give _delete_=True there to replace the dict)"
                 text, close = problem
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise DetectionError(f"{origin}: {key}{after}: {text}{hint}: fix the key, or drop it")
@@ -377,6 +381,23 @@ def _config_dicts(tree: Any, prefix: str = "") -> List[tuple]:
 def _file_origin(key: str, files: Sequence[tuple]) -> str:
     """`--config PATH` of the last of `files` ((path, its settings)) that sets the dotted `key`, or of them all
     where none alone does (a key merged from several)."""
+    found = _file_setting(key, files)
+    return f"--config {found if found is not None else ' '.join(path for path, _ in files)}"
+
+
+def _later_type(key: str, type_key: str, files: Sequence[tuple]) -> Optional[str]:
+    """The path of the file of `files` that sets `type_key` (a dict's type) where it comes after the last one that
+    sets `key` in that dict: the later file changed the class and MMEngine merged the earlier keys into it (SGD's
+    type under the Swin recipe's AdamW betas); None otherwise."""
+    paths = [path for path, _ in files]
+    typed, keyed = _file_setting(type_key, files), _file_setting(key, files)
+    if typed is None or keyed is None or paths.index(typed) <= paths.index(keyed):
+        return None
+    return typed
+
+
+def _file_setting(key: str, files: Sequence[tuple]) -> Optional[str]:
+    """The path of the last of `files` ((path, its settings)) that sets the dotted `key`, or None."""
     for path, tree in reversed(files):
         node: Any = tree
         for part in key.split("."):
@@ -387,8 +408,8 @@ def _file_origin(key: str, files: Sequence[tuple]) -> str:
             else:
                 break
         else:
-            return f"--config {path}"
-    return f"--config {' '.join(path for path, _ in files)}"
+            return path
+    return None
 
 
 def check_hooks(cfg: Config) -> None:
