@@ -41,7 +41,20 @@ def check_advice_works(debug_config, message: str, settings: tuple) -> None:
     assert "best.pt" in os.listdir(os.path.join(out_dir, "archive", archived))
 
 
-def test_a_full_disk_at_the_first_checkpoint_write_advises_a_rerun_that_is_accepted(debug_config, monkeypatch):
+def first_write_error(debug_config, settings: tuple, target, name: str, failing, match: str) -> str:
+    """The CheckpointError line of a run of `settings` with `target.name` replaced by `failing`; it must say that no
+    checkpoint exists and not advise the same command."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(target, name, failing)
+        with pytest.raises(CheckpointError, match=match) as error:
+            train.main(debug_config(*settings))
+    message = str(error.value)
+    assert "no checkpoint.pt was written yet, so the run cannot resume" in message, message
+    assert "re-run the same command" not in message and "another out_dir" in message, message
+    return message
+
+
+def test_a_full_disk_at_the_first_checkpoint_write_advises_a_rerun_that_is_accepted(debug_config):
     """Before, the error said 'no earlier file existed ... re-run the same command to resume from the last
     checkpoint', a command refused for want of a checkpoint."""
     real = torch.save
@@ -51,17 +64,11 @@ def test_a_full_disk_at_the_first_checkpoint_write_advises_a_rerun_that_is_accep
             raise FULL
         return real(obj, f, *args, **kwargs)
 
-    with monkeypatch.context() as patch:
-        patch.setattr(torch, "save", full_disk)
-        with pytest.raises(CheckpointError, match=r"the disk is full") as error:
-            train.main(debug_config(*SHORT))
-    message = str(error.value)
-    assert "no checkpoint.pt was written yet, so the run cannot resume" in message, message
-    assert "re-run the same command" not in message and "another out_dir" in message, message
+    message = first_write_error(debug_config, SHORT, torch, "save", full_disk, r"the disk is full")
     check_advice_works(debug_config, message, SHORT)
 
 
-def test_a_failed_rename_of_a_held_first_checkpoint_advises_a_rerun_that_is_accepted(debug_config, monkeypatch):
+def test_a_failed_rename_of_a_held_first_checkpoint_advises_a_rerun_that_is_accepted(debug_config):
     """train.ckpt_every_steps=2: update 2's write is held and validated (best.pt), and its rename over
     checkpoint.pt fails at update 3. Before, the error said 'the previous checkpoint.pt is unchanged: re-run the
     same command to resume from it', of a checkpoint.pt that never existed."""
@@ -73,11 +80,7 @@ def test_a_failed_rename_of_a_held_first_checkpoint_advises_a_rerun_that_is_acce
             raise FULL
         return real(src, dst, *args, **kwargs)
 
-    with monkeypatch.context() as patch:
-        patch.setattr(os, "replace", full_disk)
-        with pytest.raises(CheckpointError, match=r"could not rename .* to .*checkpoint.pt: \[Errno 28\]") as error:
-            train.main(debug_config(*settings))
-    message = str(error.value)
-    assert "no checkpoint.pt was written yet, so the run cannot resume" in message, message
-    assert "unchanged" not in message and "re-run the same command" not in message, message
+    message = first_write_error(debug_config, settings, os, "replace", full_disk,
+                                r"could not rename .* to .*checkpoint.pt: \[Errno 28\]")
+    assert "unchanged" not in message, message
     check_advice_works(debug_config, message, settings)
