@@ -230,9 +230,9 @@ def continue_sample_order(payload: dict, sampler, position: dict, checkpoint: st
     sampler.order_rule = position["order_rule"] = rule
     if rule == OLD_ORDER_RULE and sampler.shuffles_by_seed():
         log.info("%s continues a run begun before each train.seed had sample orders of its own: this run keeps "
-                 "the order it began with (epoch e of seed %d shuffled as torch's DistributedSampler(seed=%d) does, as seed %d "
-                 "does epoch e - 1), to its end, so that it continues exactly; a fresh run of this seed orders its "
-                 "epochs otherwise", checkpoint, sampler.seed, sampler.seed, sampler.seed + 1)
+                 "the order it began with (epoch e of seed %d shuffled as torch's DistributedSampler(seed=%d) does, "
+                 "as seed %d does epoch e - 1), to its end, so that it continues exactly; a fresh run of this seed "
+                 "orders its epochs otherwise", checkpoint, sampler.seed, sampler.seed, sampler.seed + 1)
 
 
 def same_val_windows(saved: dict, current) -> bool:
