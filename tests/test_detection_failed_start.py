@@ -65,6 +65,7 @@ def test_a_failure_before_the_first_checkpoint_leaves_nothing_that_refuses_the_c
     assert json.loads((work / SETTINGS).read_text())["train_cfg.max_epochs"] == "2"
 
 
+@pytest.mark.slow
 def test_a_failure_after_a_checkpoint_keeps_the_run_s_files(root, tmp_path, monkeypatch):
     work = tmp_path / "work"
     with pytest.raises(RuntimeError, match="out of memory"):

@@ -11,6 +11,7 @@ from detection_runs import SAMPLE_CONFIG, error_line  # noqa: E402
 
 
 @pytest.mark.parametrize("device", ["cpu", "mps"])
+@pytest.mark.slow
 def test_amp_training_without_a_gpu_is_one_error_line_before_any_work(tmp_path, capsys, monkeypatch, device):
     """The shipped Swin configs train with AmpOptimWrapper, whose constructor asserts a GPU inside runner.train(),
     after the config dump and the settings file were written: an AssertionError traceback on a CPU machine."""
@@ -41,6 +42,7 @@ def test_amp_training_on_a_gpu_and_fp32_training_on_the_cpu_pass_the_amp_check(m
 
 
 @pytest.mark.parametrize("counts", ["0", "-1", "True", "2.0"])
+@pytest.mark.slow
 def test_an_accumulation_count_that_is_no_whole_number_of_at_least_1_is_one_error_line_before_any_work(
         sample_cfg, tmp_path, capsys, counts):
     """MMEngine's OptimWrapper asserts accumulative_counts > 0 inside runner.train(), after the Runner had made its
@@ -96,6 +98,7 @@ def save_detector(cfg, path, **model_changes):
     return str(path)
 
 
+@pytest.mark.slow
 def test_a_load_from_that_is_missing_or_a_url_is_one_error_line_before_any_work(sample_cfg, tmp_path, capsys):
     """MMEngine read load_from inside runner.train(), after the config dump and settings file were written: a
     missing file was a FileNotFoundError traceback, and a URL was downloaded."""
@@ -111,6 +114,7 @@ def test_a_load_from_that_is_missing_or_a_url_is_one_error_line_before_any_work(
     assert not work.exists()
 
 
+@pytest.mark.slow
 def test_a_load_from_of_another_detector_is_refused_and_one_of_other_classes_only_is_taken(sample_cfg, tmp_path):
     """MMEngine loads load_from with strict=False and only logs what it leaves: a checkpoint of another model
     trained from random weights. A detector of other backbone widths does not fit; one that differs only in the
@@ -136,6 +140,7 @@ def test_a_load_from_of_another_detector_is_refused_and_one_of_other_classes_onl
         check_load_from(load(f"load_from={tmp_path / 'cut.pth'}"))
 
 
+@pytest.mark.slow
 def test_an_annotation_file_of_no_images_is_one_error_line_naming_it(sample_cfg, tmp_path, capsys):
     """A training file whose `images` list is empty failed inside MMEngine's sampler with "need at least one array
     to concatenate", naming neither the file nor the problem."""
@@ -153,6 +158,7 @@ def test_an_annotation_file_of_no_images_is_one_error_line_naming_it(sample_cfg,
     assert not work.exists()
 
 
+@pytest.mark.slow
 def test_a_new_run_in_another_program_s_run_folder_is_refused_naming_its_files(sample_cfg, debug_config, capsys):
     """A train.py run folder (checkpoint.pt, best.pt, config.yaml, metrics.jsonl, ...) given as --work-dir was
     taken: the detector trained into it beside the classifier's files and exited 0, where train.py refuses the
@@ -208,6 +214,7 @@ def test_a_new_run_over_an_earlier_start_of_another_config_file_is_judged_by_its
                     "a new --work-dir, or move the file away"), line
 
 
+@pytest.mark.slow
 def test_a_list_index_under_a_key_the_config_lacks_is_one_error_line_before_any_work(sample_cfg, tmp_path, capsys):
     """`custom_hooks.0.lam=0.01` on a config without custom_hooks (the sample without a method fragment): MMEngine's
     merge made custom_hooks a dict keyed '0', and the hooks' check failed on it with an AttributeError traceback."""
@@ -318,6 +325,7 @@ def test_a_config_the_node_lacks_is_told_to_the_ranks_the_launcher_started(monke
 
 
 @pytest.mark.parametrize("bad", ["file", "foreign folder", "cut-off identity", "another run"])
+@pytest.mark.slow
 def test_a_bad_gplq_stage1_folder_is_refused_before_the_full_precision_score(sample_cfg, tmp_path, monkeypatch, bad):
     """The stage-1 folder was checked when stage 1 started, after the full-precision score (minutes on COCO); a
     folder of another run (here: other bits) that holds its checkpoints was refused only then; each is left as it
