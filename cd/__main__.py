@@ -134,7 +134,8 @@ _CLI_SWITCH = "--gated-mlp (gated_mlp=True, cd.gated_mlp=true)"
 def main(argv: Optional[list[str]] = None) -> None:
     parser = OneLineParser(prog="python -m cd",  # not argparse's default, `__main__.py`
                            description="List the CD matrix pairs of a timm model (meta device).")
-    parser.add_argument("--model", default=None, action=StoreOnce, help="timm model name (default vit_base_patch16_224)")
+    parser.add_argument("--model", default=None, action=StoreOnce,
+                        help="timm model name (default vit_base_patch16_224)")
     parser.add_argument("--families", action="store_true",
                         help="a table of timm's Transformer families: the pairs per block, or why refused")
     parser.add_argument("--gated-mlp", action="store_true",

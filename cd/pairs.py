@@ -18,7 +18,8 @@ Discovery is structural, then checked: a block is any module with children `norm
 ViT/DeiT/BEiT/CaiT/XCiT `blocks.N` (XCiT's XCA blocks then fail the V-order check below), Swin
 `layers.N.blocks.M` and `layers.N.downsample`, and attention variants that keep the `qkv`/`proj` names (extra
 parameters in `attn`, e.g. attention-sink biases, are ignored). Other libraries name the same layers
-differently: `LAYOUTS` (`cd/layouts.py`) maps their names onto these roles (GPT-2, as transformers and nanoGPT name it; transformers' ViT and Llama; MMDetection's Swin;
+differently: `LAYOUTS` (`cd/layouts.py`) maps their names onto these roles (GPT-2, as transformers and nanoGPT
+name it; transformers' ViT and Llama; MMDetection's Swin;
 torchvision's ViT, whose `nn.MultiheadAttention` holds the fused qkv as its own Parameter `in_proj_weight`, and
 Swin), and a model with names of its own passes its own `Layout`s as `layouts=`, checked as the built-in ones. Each
 layer's storage is read off the layer itself: `nn.Linear` stores (out, in), transformers' `Conv1D` (in, out),

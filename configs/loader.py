@@ -6,7 +6,8 @@ Values are parsed as YAML (so `1e-3`, `true`, `null`, `[1, 2]` work; numbers as 
 field refuses `010` and `1:30`, which YAML 1.1 reads as octal 8 and base-60 90) and checked against the field's
 annotation (an int also against int64's range); an override value that YAML would cut at an unquoted ` #` (a
 comment), or read as the empty string (`|`, `>`: block scalars with no lines), is refused, a quoted one keeps it; a
-number, date or boolean given to a text field is refused with its quoted form (`data.val_split='2012'`). An unknown key is an error that names the key and its
+number, date or boolean given to a text field is refused with its quoted form (`data.val_split='2012'`). An unknown
+key is an error that names the key and its
 closest matches in any section; so is a value of the wrong type or outside a `Literal` choice, a key given twice in one
 YAML mapping, and a key that two overrides set. `dict` fields (e.g. `model.kwargs`, `cd.lam_per_role`) accept
 any keys, also as dotted overrides (`cd.lam_per_role.fc2=0.02`); a mapping given to one adds its entries to what

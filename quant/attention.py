@@ -19,7 +19,8 @@ The softmax scale is applied after the first matmul for both model families (Rep
 ViT; for Swin it scales q first). Uniform quantizers with percentile/min-max ranges are equivariant
 to a positive scale, so both orders give the same codes and values up to float rounding.
 
-Conversion is by exact source type (`ATTENTION_TYPES`; MMDetection's Swin `WindowMSA` by its qualified name). A subclass of timm's Attention needs its own
+Conversion is by exact source type (`ATTENTION_TYPES`; MMDetection's Swin `WindowMSA` by its qualified name). A
+subclass of timm's Attention needs its own
 entry there; it is never silently converted with the parent's forward. The attention-sink variants have
 theirs: each quantized variant combines the variant's mixin from models/attention_sinks.py with the
 classes here, so softmax1 / attn_bias replace `attention_probs` (the probabilities, whose rows then sum to

@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Optional
 
-from .spec import (ATTENTION, BLOCK_LINEARS, BLOCK_POST_NORM_LINEARS, DETECTOR_HEADS, HEAD, MERGE_LINEARS, POST_NORM_LINEARS, STEM,
+from .spec import (ATTENTION, BLOCK_LINEARS, BLOCK_POST_NORM_LINEARS, DETECTOR_HEADS, HEAD, MERGE_LINEARS,
+                   POST_NORM_LINEARS, STEM,
                    AttentionRule, LinearRule, QuantizerSpec, QuantSpec)
 
 

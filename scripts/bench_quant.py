@@ -114,7 +114,8 @@ def undivided_heads(flag: str, embed_dim: int) -> Optional[str]:
     heads = vit_heads(embed_dim)
     if embed_dim % heads == 0:
         return None
-    return f"{flag} {embed_dim}: its {heads} heads (dim // 64) do not divide it; give a multiple of 64, or less than 128"
+    return (f"{flag} {embed_dim}: its {heads} heads (dim // 64) do not divide it; give a multiple of 64, "
+            "or less than 128")
 
 
 def refuse_unbuildable(p, args) -> Optional[int]:

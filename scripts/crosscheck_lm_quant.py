@@ -324,7 +324,8 @@ def load_smoothquant(path: str, calib: torch.Tensor) -> types.SimpleNamespace:
     sys.modules["datasets"] = stub
     sys.path.insert(0, path)
     try:
-        mods = {name: importlib.import_module(f"smoothquant.{name}") for name in ("smooth", "fake_quant", "calibration")}
+        mods = {name: importlib.import_module(f"smoothquant.{name}")
+                for name in ("smooth", "fake_quant", "calibration")}
     finally:
         sys.path.remove(path)
         if saved is not None:
@@ -511,7 +512,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     fp = train_model(args, train)
     ctx = fp.context
     g = torch.Generator().manual_seed(0)
-    calib = torch.stack([train[i:i + ctx] for i in torch.randint(len(train) - ctx, (args.calib,), generator=g).tolist()])
+    starts = torch.randint(len(train) - ctx, (args.calib,), generator=g).tolist()
+    calib = torch.stack([train[i:i + ctx] for i in starts])
     windows = held_out[:args.eval_windows * ctx].view(-1, ctx)
     gq, sq = load_gptq(args.gptq), load_smoothquant(args.smoothquant, calib)
     results: Dict[str, dict] = {"fp": {"perplexity": perplexity(fp, windows)}}

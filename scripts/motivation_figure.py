@@ -5,8 +5,8 @@ activation, one colour per method (Baseline, CD, TWEO, ...; shades of it for eac
 strengths). The paper's reading: TWEO has the smaller circles, CD the higher ones, most of all in detection.
 evaluate.py's results (image classifiers: top-1, maxima of a block's modules or of block outputs, --max-act) make
 the classification panel; evaluate_detection.py's (box mAP in %, backbone or head maximum, --det-max-act) the
-detection panel beside it. A detector is named by its first config file, its method by what evaluate_detection.py read from the
-checkpoint's training config (CD, TWEO, Noise, Baseline).
+detection panel beside it. A detector is named by its first config file, its method by what evaluate_detection.py read
+from the checkpoint's training config (CD, TWEO, Noise, Baseline).
 Writes motivation.png and motivation.csv (task, model, method, metric, FP and quantized score, maxima) into
 --out; an existing file is replaced only with --overwrite. A classifier evaluated otherwise than it was trained
 or than the paper evaluates (a model.kwargs override: the same weights through another forward; another split; an
@@ -97,7 +97,8 @@ def points(paths: list[str], results: list[dict], pipeline: str, bits: str, max_
                          "max_act": r["max_act"][det_max_act], "max_backbone": r["max_act"]["backbone"],
                          "max_head": r["max_act"]["head"]})
         else:
-            changed = evaluated_otherwise(r)  # another forward, split or precision: not a circle of the model as trained
+            # another forward, split or precision: not a circle of the model as trained
+            changed = evaluated_otherwise(r)
             short = "§" if stopped and stopped[i] else ""  # trained to another length than a circle beside it
             rows.append({"task": "classification", "model": r["model"] + ("†" if changed else "") + short,
                          "method": r["method"], "metric": "top-1 (%)",

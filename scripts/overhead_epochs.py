@@ -360,7 +360,8 @@ def main(argv: Optional[list[str]] = None, parents: tuple = ()) -> dict:
     fmt = lambda v, spec: "n/a".rjust(int(spec.split(".")[0])) if v is None else format(v, spec)
     for r in rows:
         print(f"{r['sweep']:6s} {r['model']:24s} {r['batch']:5d} {r['method']:10s} "
-              f"{fmt(r['epoch_s'], '9.2f')} {fmt(r['epoch_s_after_first'], '9.2f')} {fmt(r['epoch_s_over_baseline'], '7.3f')} "
+              f"{fmt(r['epoch_s'], '9.2f')} {fmt(r['epoch_s_after_first'], '9.2f')} "
+              f"{fmt(r['epoch_s_over_baseline'], '7.3f')} "
               f"{fmt(r['peak_mib'], '9.0f')} {fmt(r['peak_mib_over_baseline'], '7.3f')}")
     os.makedirs(args.out, exist_ok=True)
     # the machine the runs trained on, as their train.logs record it (the same fields as bench_overhead.py's JSON):

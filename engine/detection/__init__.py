@@ -35,7 +35,8 @@ try:
                                          load_config, loader_arguments, merge_fragment, parse_overrides, read_config,
                                          runner_keys)
     from engine.detection.annotation_contents import (category_problems, dropped_objects, images_with_objects,
-                                                      label_names, scored_images, scored_objects, unlisted_image_problem,
+                                                      label_names, scored_images, scored_objects,
+                                                      unlisted_image_problem,
                                                       unusable_images)
     from engine.detection.data_checks import (annotation_files, annotation_paths, check_annotation_files,
                                               check_annotations, check_evaluator_annotations, check_head_classes,

@@ -219,9 +219,10 @@ def parse_overrides(items):
         try:
             DictAction(option_strings=[], dest="options")(None, namespace, [item])
         except (AssertionError, RecursionError):
-            raise DetectionError(f"{item!r}: the value cannot be parsed: give MMEngine's override syntax: a dict key by "
-                                 "key (key.sub=value items), a number, True/False/None, a string, or a list/tuple "
-                                 "literal with balanced brackets such as key=[1,2] or key=\"(1,2)\"") from None
+            syntax = ("a dict key by key (key.sub=value items), a number, True/False/None, a string, or a "
+                      "list/tuple literal with balanced brackets such as key=[1,2] or key=\"(1,2)\"")
+            raise DetectionError(f"{item!r}: the value cannot be parsed: give MMEngine's override syntax: "
+                                 f"{syntax}") from None
     return getattr(namespace, "options", {})
 
 

@@ -139,8 +139,9 @@ def rpn_output_loss(out: RPNOutputs, ref: RPNOutputs) -> torch.Tensor:
     return sum(term / term.detach() for term in (cls, reg) if isinstance(term, torch.Tensor) and term.detach() != 0)
 
 
-def detector_hessians(model: nn.Module, unit: str, feed: SampleFeed, rpn_outputs: Callable[[nn.Module, int], RPNOutputs],
-                      refs: List[RPNOutputs], eps: float = 1e-3) -> List[List[torch.Tensor]]:
+def detector_hessians(model: nn.Module, unit: str, feed: SampleFeed,
+                      rpn_outputs: Callable[[nn.Module, int], RPNOutputs], refs: List[RPNOutputs],
+                      eps: float = 1e-3) -> List[List[torch.Tensor]]:
     """Per image of `feed`, the APH weight of each output tensor of unit `unit` of the float detector `model`.
 
     As the official detection code: +eps on every element of the unit output, then -eps, the gradient of

@@ -8,7 +8,8 @@ As wujx2001/QwT `QwT-cls-RepQ-ViT` fits it. Blocks are processed in order. For b
 
 and the block becomes block_q(x) + x W + c (`add_compensation`: a float Linear child and a forward
 hook; in eval mode x W runs in FP16, as QwT's CompensationBlock runs it in eval, which here includes the
-compensated prefix of the later blocks' fits, where QwT's new blocks are still in training mode, FP32). The fit uses the normal equations accumulated in float64 over the fitting images and solved with
+compensated prefix of the later blocks' fits, where QwT's new blocks are still in training mode, FP32). The fit
+uses the normal equations accumulated in float64 over the fitting images and solved with
 `lstsq` (rank deficiency safe); QwT's script uses a plain inverse with a bias column, the paper writes ridge.
 R^2 = 1 - sum_c SSE_c / sum_c SST_c, pooled over output channels as QwT's `lienar_regression` computes
 it (each channel centred on its own mean). The
