@@ -30,12 +30,15 @@ from configs import Config
 from configs.loader import unread_by_rules
 from configs.schema import ModelConfig
 
+from .attention_sinks import VARIANTS as ATTENTION_VARIANTS
 from .pretrained import NEW_CLASSIFIER, ModelError, check_patch_size, conversion_failed, relative_table_resize
 from .sink_weights import is_sink_key
 from .variants import VARIANTS
 
 # attention-sink variants with parameters of their own, which no hub weights hold (models/attention_sinks.py)
 SINK_VARIANTS = ("attn_bias", "kv_bias")
+# model.attn of each module type models/attention_sinks.py puts in place of timm's attentions
+ATTN_OF_MODULE = {variant: attn for attn, types in ATTENTION_VARIANTS.items() for variant in types.values()}
 
 
 def check_hub_variant(name: str) -> None:
@@ -68,7 +71,8 @@ def check_pretrained_tag(name: str, arch: str) -> None:
 def check_hub_weights_fit(cfg: ModelConfig, arch: str, kwargs: dict | None = None) -> None:
     """Refuse the hub weights of `arch` (timm's name, with its tag) for the model of `cfg` where loading them would
     replace what they hold: a classifier of another number of outputs than model.num_classes, a classifier where they
-    hold none, an attention-sink variant's parameters, or a patch embedding of another patch size than the model's
+    hold none, their softmax attention (any other model.attn: softmax1, or a sink variant, whose parameters they
+    lack), or a patch embedding of another patch size than the model's
     (built with `kwargs`, models/factory.py's model_kwargs; None: the patch size is not compared). Called where the
     weights must be used as they are (model.pretrained_strict, an evaluation), with the words a local file gets there
     (models/pretrained.py)."""
@@ -85,10 +89,12 @@ def check_hub_weights_fit(cfg: ModelConfig, arch: str, kwargs: dict | None = Non
         head = hub.classifier if isinstance(hub.classifier, str) else hub.classifier[0]
         raise ModelError(f"{source}: its classifier '{head}.weight' has {classes} outputs, model.num_classes="
                          f"{cfg.num_classes}: set model.num_classes={classes} to use it as it is ({NEW_CLASSIFIER})")
-    if cfg.attn in SINK_VARIANTS:
-        raise ModelError(f"{source} has no parameters of model.attn={cfg.attn} (they would keep their zero init): "
-                         f"drop the model.attn override, or fine-tune the weights with it (model.pretrained_strict="
-                         f"false)")
+    if cfg.attn != "softmax":  # timm's attentions are all softmax: any variant is another function of the weights
+        sinks = (f" has no parameters of model.attn={cfg.attn} (they would keep their zero init), and"
+                 if cfg.attn in SINK_VARIANTS else ":")
+        raise ModelError(f"{source}{sinks} timm's hub weights are softmax attention, which model.attn={cfg.attn} "
+                         f"would turn into another function than the one they were trained as; drop the model.attn "
+                         f"override, or fine-tune into it with model.pretrained_strict=false")
     if kwargs is not None:
         weights, model = _meta_model(arch), _meta_model(arch, kwargs)
         if weights is not None and model is not None:  # timm would resample the patch embedding (FlexiViT's resize)
@@ -129,12 +135,18 @@ def hub_resampled(model: nn.Module, arch: str) -> tuple[dict, list[str]]:
 
 
 def hub_new_sinks(model: nn.Module, arch: str) -> str:
-    """The line to log for the attention-sink parameters of `model` (its model.attn variant, after
-    models/attention_sinks.py took timm's attentions over), which no hub weights hold: they keep their zero init, as a
-    local file's loading says of those not in the file; '' for a variant without any."""
+    """The line to log where `model` computes another attention than the hub weights' softmax (its model.attn
+    variant, after models/attention_sinks.py took timm's attentions over), which fine-tuning the weights then adapts
+    them to: the variant, and its attention-sink parameters, which no hub weights hold and which keep their zero
+    init, as a local file's loading says of those not in the file; '' for softmax attention."""
+    attns = sorted({ATTN_OF_MODULE[type(module)] for module in model.modules() if type(module) in ATTN_OF_MODULE})
+    if not attns:
+        return ""
     sinks = [name for name, _ in model.named_parameters() if is_sink_key(name)]
-    return (f"model.pretrained=hub ({arch}): {len(sinks)} attention-sink parameters not in the weights keep their "
-            f"zero init" if sinks else "")
+    # softmax1 has no parameters of its own: without this line nothing would show that the function changed
+    kept = f"; {len(sinks)} attention-sink parameters not in the weights keep their zero init" if sinks else ""
+    return (f"model.pretrained=hub ({arch}): the weights' softmax attention is computed as model.attn="
+            f"{', '.join(attns)} (another function, which fine-tuning adapts them to){kept}")
 
 
 def _position_table_resize(model: nn.Module, weights: nn.Module, arch: str) -> tuple[dict, str]:

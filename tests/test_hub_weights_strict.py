@@ -1,5 +1,6 @@
 """model.pretrained=hub under model.pretrained_strict=true is refused where a local file of the same weights is
-(timm's loading replaced a classifier of another size by a random one, with a line of its log), and a position
+(timm's loading replaced a classifier of another size by a random one, with a line of its log), and so is any
+model.attn but softmax, the hub weights' attention (fine-tuning into it logs the change), and a position
 table timm resampled to the model's grid is logged and recorded as a local file's is. The hub is a Hugging Face
 cache made here (offline: nothing is fetched)."""
 import logging
@@ -10,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import train
+from conftest import DEBUG_CONFIG, run_entry
 from hub_cache import make_hub_cache, serve_hub_cache
 from configs import load_config
 from models import ModelError, build_model
@@ -56,9 +58,47 @@ def test_train_py_refuses_them_before_the_data(hub, debug_config):
                                 "model.img_size=32"))
 
 
-def test_strict_hub_weights_of_another_attention_variant_are_refused(hub):
-    with pytest.raises(ModelError, match=r"has no parameters of model.attn=kv_bias"):
-        build_model(model_cfg("model.pretrained=hub", "model.pretrained_strict=true", "model.attn=kv_bias"))
+SOFTMAX_ONLY = (r"timm's hub weights are softmax attention, which model.attn={attn} would turn into another function"
+                r" than the one they were trained as; drop the model.attn override, or fine-tune into it with "
+                r"model.pretrained_strict=false")
+
+
+@pytest.mark.parametrize("attn", ["softmax1", "kv_bias", "attn_bias"])
+def test_strict_hub_weights_of_another_attention_function_are_refused(hub, attn):
+    # softmax1 adds no parameter: only the attention function tells it from the weights' softmax
+    with pytest.raises(ModelError, match=SOFTMAX_ONLY.format(attn=attn)):
+        build_model(model_cfg("model.pretrained=hub", "model.pretrained_strict=true", f"model.attn={attn}"))
+
+
+def test_evaluate_py_refuses_hub_weights_under_another_attention_function_in_one_error_line(hub, tmp_path, capsys):
+    out = tmp_path / "e.json"
+    code, _, err = run_entry("evaluate.py", [
+        "--config", DEBUG_CONFIG, f"model.name={NAME}", "model.pretrained=hub", "model.num_classes=1000",
+        "model.img_size=32", "model.attn=softmax1", "--quant", "--out", str(out)], capsys)
+    lines = err.strip().splitlines()
+    assert code == 1 and not any("Traceback" in line for line in lines), err
+    assert lines[-1].startswith(f"error: model.pretrained=hub ({NAME}): "), lines[-1]
+    assert re.search(SOFTMAX_ONLY.format(attn="softmax1"), lines[-1]), lines[-1]
+    assert not out.exists()
+
+
+def test_fine_tuning_hub_weights_into_softmax1_logs_the_change_of_function(hub, caplog):
+    with caplog.at_level(logging.INFO):
+        model = build_model(model_cfg("model.pretrained=hub", "model.num_classes=10", "model.img_size=32",
+                                      "model.attn=softmax1"))
+    lines = [r.getMessage() for r in caplog.records if "softmax attention is computed as" in r.getMessage()]
+    assert lines == [f"model.pretrained=hub ({NAME}): the weights' softmax attention is computed as "
+                     f"model.attn=softmax1 (another function, which fine-tuning adapts them to)"], caplog.text
+    # the weights are loaded all the same (no parameter of softmax1's own), and the function is another: a
+    # reference softmax model of the same weights gives other outputs
+    plain = build_model(load_config(None, ["model.name=vit_tiny_patch16_224", "model.num_classes=10",
+                                           "model.img_size=32"]).model)
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert not torch.allclose(model.eval()(x), plain.eval()(x), atol=1e-4)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in hub.items()
+               if not k.startswith("head.") and k != "pos_embed")
 
 
 def test_fitting_hub_weights_load_as_they_are_and_a_resampled_position_table_is_named(hub, caplog):
@@ -81,4 +121,5 @@ def test_fine_tuning_hub_weights_still_replaces_their_classifier(hub):
     model = build_model(model_cfg("model.pretrained=hub", "model.num_classes=10", "model.img_size=224"))
     loaded = model.state_dict()
     assert loaded["head.weight"].shape == (10, 192)
-    assert all(torch.equal(loaded[k], v) for k, v in hub.items() if not k.startswith("head."))
+    assert all(torch.equal(loaded[k], v) for k, v in hub.items()
+               if not k.startswith("head.") and k != "pos_embed")
