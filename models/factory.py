@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
 import logging
 import math
-from typing import Callable
+from typing import Callable, Optional
 
 import timm
 import torch
@@ -171,6 +172,63 @@ def check_classes_built(model: nn.Module, cfg: ModelConfig, arch: str) -> None:
                          f"classifier, whose outputs are no class scores); give a model.name with a classifier")
 
 
+# what timm's constructors raise for values they cannot build with: their checks (embed_dim % num_heads, an unknown
+# global_pool), sizes they divide by (patch_size=0), names they look up (act_layer=nonexistent: KeyError), per-stage
+# lists shorter than the stages (Swin's num_heads: IndexError), and torch's refusal of the tensors they size
+# (embed_dim=-8) or fill (init_values=a); TypeError is build_model's own except clause
+VALUE_ERRORS = (AssertionError, ValueError, ZeroDivisionError, RuntimeError, KeyError, IndexError)
+
+
+def rejected_arguments(cfg: ModelConfig, arch: str, kwargs: dict, error: Exception) -> str:
+    """The error line for timm's constructor of `arch` refusing `kwargs` (model_kwargs' of `cfg`) with `error`, on
+    one line (torch's messages span several; a bare assert has none), ending with the entries to check."""
+    reason = " ".join(str(error).split()).rstrip(".") or type(error).__name__  # the line goes on after it
+    if isinstance(error, (KeyError, IndexError)):  # their text alone is a bare key ('nonexistent') or index message
+        reason = f"{type(error).__name__}: {reason}"
+    reason = reason if len(reason) <= 300 else reason[:300] + " ..."
+    given = [f"model.kwargs.{key}" for key in cfg.kwargs] + (["model.img_size"] if cfg.img_size is not None else [])
+    module = timm.models.model_entrypoint(arch.split(".")[0]).__module__
+    return (f"model '{cfg.name}' ({arch}) rejected its arguments {kwargs}: {reason}; check "
+            f"{', '.join(given) or 'model.kwargs'} against the model's constructor ({module})")
+
+
+# texts that say a switch's value (YAML 1.1's spellings and digits), for naming the unquoted value meant
+TEXT_SWITCHES = {**dict.fromkeys(("true", "yes", "on", "y", "1"), "true"),
+                 **dict.fromkeys(("false", "no", "off", "n", "0"), "false")}
+
+
+def takes_bool(parameter: inspect.Parameter) -> bool:
+    """Whether a constructor `parameter` is a true/false switch: a bool default, or annotated bool / Optional[bool]
+    (timm's fc_norm=None: decided by the model unless given)."""
+    return isinstance(parameter.default, bool) or parameter.annotation in (bool, "bool", Optional[bool],
+                                                                            "Optional[bool]", "bool | None")
+
+
+def check_text_for_bool(cfg: ModelConfig, arch: str, kwargs: dict) -> None:
+    """Refuse a text value in model.kwargs for a true/false argument of the model's constructor: timm tests it as
+    Python does, any non-empty text as true, so qkv_bias: "false" (quoted in YAML) would build the biases it
+    turns off. timm's entry points take **kwargs: the switches are those of the class they build, found by a
+    build on the meta device (no weights, no memory) without the text values; a build that fails leaves the
+    refusal to the real one."""
+    texts = {key: value for key, value in cfg.kwargs.items() if isinstance(value, str)}
+    if not texts:
+        return
+    try:
+        with torch.device("meta"):
+            built = create_timm_model(arch, {key: value for key, value in kwargs.items() if key not in texts})
+    except Exception:  # noqa: BLE001 - the real build raises (and build_model refuses) the same
+        return
+    entry = timm.models.model_entrypoint(arch.split(".")[0])
+    parameters = {**inspect.signature(type(built).__init__).parameters, **inspect.signature(entry).parameters}
+    switches = sorted(key for key in texts if key in parameters and takes_bool(parameters[key]))
+    if switches:
+        key = switches[0]
+        meant = TEXT_SWITCHES.get(texts[key].strip().lower())
+        raise ModelError(f"model.kwargs.{key}={texts[key]!r}: a text for {type(built).__name__}'s true/false "
+                         f"argument {key}, which any non-empty text turns on; give true or false unquoted"
+                         + (f" (model.kwargs.{key}={meant})" if meant else ""))
+
+
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Create the model of `cfg` (a ModelConfig), with its attention variant, and load its pretrained
     weights, if any."""
@@ -180,6 +238,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     if hub:  # before the variant resolves to its timm architecture, whose hub weights timm would fetch
         check_hub_variant(cfg.name)
     arch, kwargs = model_kwargs(cfg)
+    check_text_for_bool(cfg, arch, kwargs)
     if hub and cfg.pretrained_strict:  # timm would fit the weights to the model (a random classifier), not refuse
         check_hub_weights_fit(cfg, arch, kwargs)
     if hub:  # refused before the download of the weights (hundreds of MB for an encoder), on the model's shapes
@@ -193,21 +252,19 @@ def build_model(cfg: ModelConfig) -> nn.Module:
             check_img_size_built(shapes, cfg, arch)
     try:
         model = create_timm_model(arch, kwargs, pretrained=hub)
-    except TypeError as e:  # an unknown constructor argument in model.kwargs
+    except TypeError as e:  # an unknown constructor argument in model.kwargs, or a value of another type
         if rejects_argument(e, "drop_path_rate"):  # above 0 (create_timm_model leaves 0 out): refused, not dropped
             default = (f"; {ModelConfig.drop_path} is the schema's default, meant for the ViT / Swin recipes, which a "
                        f"config of such a model must set to 0" if cfg.drop_path == ModelConfig.drop_path else "")
             raise ModelError(f"model.drop_path={cfg.drop_path}: model '{cfg.name}' ({arch}) has no stochastic depth "
                              f"(its constructor takes no drop_path_rate); set model.drop_path=0{default}") from e
-        raise ModelError(f"model '{cfg.name}' ({arch}) rejected its arguments {kwargs}: {e}") from e
+        raise ModelError(rejected_arguments(cfg, arch, kwargs, e)) from e
     except Exception as e:
         if hub:  # not fetched (no internet, no cached copy), or fetched but not fitting the model
             raise ModelError(hub_load_failure(arch, kwargs, e)) from e
-        # timm's checks of the values (embed_dim % num_heads), sizes it divides by (patch_size=0), and torch's
-        # refusal of the tensors they size (embed_dim=-8); without hub weights nothing else raises these here
-        if isinstance(e, (AssertionError, ValueError, ZeroDivisionError, RuntimeError)):
-            raise ModelError(f"model '{cfg.name}' ({arch}) rejected its arguments {kwargs}: "
-                             f"{e or type(e).__name__}") from e
+        # without hub weights nothing but the constructor's own refusal of its arguments raises these here
+        if isinstance(e, VALUE_ERRORS):
+            raise ModelError(rejected_arguments(cfg, arch, kwargs, e)) from e
         raise
     check_classes_built(model, cfg, arch)
     check_patch_grid(model, cfg)
