@@ -5,13 +5,17 @@ leaves it out (engine/run_dir.py ENVIRONMENT_KEYS); but what a run computes depe
 there, or on whether it loaded any. train.py records them in checkpoint.pt and best.pt under `START_WEIGHTS`:
 
     {"pretrained": "file" | "hub" | None,     # a model.pretrained file, timm's hub weights, or a random init
-     "fingerprint": "<16 hex digits>" | None} # `start_fingerprint` of the model as loaded; None for a random init
+     "fingerprint": "<16 hex digits>" | None, # `start_fingerprint` of the model as loaded; None for a random init
+     "classifier": "<16 hex digits>" | None}  # a file's only: `classifier_fingerprint`, None for a new classifier
 
 A resumed run carries its start's record over (it loads no pretrained weights itself). evaluate.py adds the record
-to the recipe it writes (`recipe_entries`: `start.pretrained`, `start.fingerprint`), which the readers that average
-seeds compare (engine/eval_results.py recipe_difference): runs fine-tuned from other weights, or one trained from
-scratch beside fine-tuned ones, are no seeds of one experiment. A checkpoint written before the record has none,
-and its result no such recipe keys: it is not compared on them, as any setting an older result could not record.
+to the recipe it writes (`recipe_entries`: `start.pretrained`, `start.fingerprint`, `start.classifier`), which the
+readers that average seeds compare (engine/eval_results.py recipe_difference): runs fine-tuned from other weights
+(another backbone, or another classifier kept from the file), or one trained from scratch beside fine-tuned ones, are
+no seeds of one experiment. A checkpoint written before the record has none, and its result no such recipe keys: it
+is not compared on them, as any setting an older result could not record; one written before `classifier` was
+recorded is compared on the other two. Hub weights record no `classifier`: the classifier timm keeps is that of
+model.name's weights, which the recipe names.
 scripts/dose_report.py rebuilds its "start" model from the runs' model.pretrained file and refuses a file whose
 weights are no longer those the runs started from (`check_start_file`).
 """
@@ -40,45 +44,67 @@ def classifier_keys(model: nn.Module) -> set[str]:
 
 
 def start_fingerprint(model: nn.Module) -> str:
-    """engine.checkpoint.weights_fingerprint of `model`'s weights less its classifier: a fine-tune to other classes
-    starts from a new, random classifier (drawn with train.seed, so each seed's is another), and the backbone is
-    what it starts from. A classifier kept from the file belongs to the data set's classes (models/pretrained.py
-    replaces one of other classes), which the run's data settings record."""
+    """engine.checkpoint.weights_fingerprint of `model`'s weights less its classifier: the backbone it starts from.
+    A fine-tune to other classes starts from a new, random classifier (drawn with train.seed, so each seed's is
+    another); a classifier kept from a file is fingerprinted on its own (`classifier_fingerprint`), so that the
+    backbone's fingerprint is the one runs recorded before the classifier was."""
     leave_out = classifier_keys(model)
     return weights_fingerprint({k: v for k, v in model.state_dict().items() if k not in leave_out})
 
 
+def classifier_fingerprint(model: nn.Module) -> Optional[str]:
+    """engine.checkpoint.weights_fingerprint of the classifier tensors `model` took from its model.pretrained file:
+    its `classifier_keys` less those models/pretrained.py drew anew (`pretrained_new_classifier`: the file's
+    classifier was of other classes, or it had none); None where all were drawn anew, or it has no classifier."""
+    kept = classifier_keys(model) - set(model.pretrained_new_classifier)
+    return weights_fingerprint({k: v for k, v in model.state_dict().items() if k in kept}) if kept else None
+
+
 def start_record(pretrained: str, model: nn.Module) -> dict:
     """The `START_WEIGHTS` record of a fresh run whose model was built with model.pretrained=`pretrained` ('' for
-    a random init, 'hub', or a file) and holds those weights now, before its first update."""
+    a random init, 'hub', or a file) and holds those weights now, before its first update; a file's classifier
+    where the model records which of its classifier tensors were drawn anew (models/pretrained.py)."""
     if not pretrained:
         return {"pretrained": None, "fingerprint": None}
-    return {"pretrained": "hub" if pretrained == "hub" else "file", "fingerprint": start_fingerprint(model)}
+    record = {"pretrained": "hub" if pretrained == "hub" else "file", "fingerprint": start_fingerprint(model)}
+    if pretrained != "hub" and hasattr(model, "pretrained_new_classifier"):
+        record["classifier"] = classifier_fingerprint(model)
+    return record
 
 
 def recipe_entries(payload: Optional[dict]) -> dict:
-    """The recipe keys (`start.pretrained`, `start.fingerprint`) of a checkpoint's record; {} for a checkpoint
-    written before it (nothing known: left out of the comparison, not guessed) or for a weights file."""
+    """The recipe keys (`start.pretrained`, `start.fingerprint`, and `start.classifier` where the record has it) of
+    a checkpoint's record; {} for a checkpoint written before it (nothing known: left out of the comparison, not
+    guessed) or for a weights file."""
     record = (payload or {}).get(START_WEIGHTS)
     if not isinstance(record, dict):
         return {}
-    return {"start.pretrained": record.get("pretrained"), "start.fingerprint": record.get("fingerprint")}
+    return {"start.pretrained": record.get("pretrained"), "start.fingerprint": record.get("fingerprint"),
+            **({"start.classifier": record["classifier"]} if "classifier" in record else {})}
 
 
 def check_start_file(payload: dict, checkpoint: str, pretrained: str, model: nn.Module) -> Optional[str]:
     """Why `model`, built now from model.pretrained=`pretrained` of the run whose best.pt is `checkpoint` (its
     `payload`), is not the start that run recorded: the file holds other weights now (overwritten, another copy
-    under its name); None when it is, and when the checkpoint records no start (written before the record)."""
+    under its name); None when it is, and when the checkpoint records no start (written before the record). The
+    classifier is compared where the record has it (written since it was recorded)."""
     record = payload.get(START_WEIGHTS)
     if not isinstance(record, dict) or record.get("fingerprint") is None:
         return None
     now = start_fingerprint(model)
-    if now == record["fingerprint"]:
-        return None
-    if pretrained == "hub":
+    if now != record["fingerprint"] and pretrained == "hub":
         return (f"model.pretrained=hub: timm's weights of model.name are not those the run of {checkpoint} started "
                 f"from (fingerprint {now} now, {record['fingerprint']} recorded): another timm version or hub cache; "
                 f"use the one the runs trained with")
-    return (f"model.pretrained={pretrained} is not the weights the run of {checkpoint} started from (fingerprint {now} "
-            f"now, {record['fingerprint']} recorded: the file was replaced since); put the file the runs started from "
-            f"back at that path")
+    if now != record["fingerprint"]:
+        return (f"model.pretrained={pretrained} is not the weights the run of {checkpoint} started from (fingerprint "
+                f"{now} now, {record['fingerprint']} recorded: the file was replaced since); put the file the runs "
+                f"started from back at that path")
+    if "classifier" in record and hasattr(model, "pretrained_new_classifier"):
+        head = classifier_fingerprint(model)
+        if head != record["classifier"]:  # the backbone is the run's start: the classifier kept from the file is not
+            return (f"model.pretrained={pretrained} holds another classifier than the run of {checkpoint} started "
+                    f"from (classifier fingerprint {head} now, {record['classifier']} recorded; None: drawn anew, "
+                    f"not the file's): the file was replaced since; put the file the runs started from back at that "
+                    f"path")
+    return None

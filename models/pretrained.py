@@ -12,12 +12,15 @@ ViT's pre-logits layer; not the buffers the model rebuilds) are named: logged wh
 (models/dropped_keys.py).
 On top of that: `_orig_mod.` prefixes (compiled models) are stripped, a classifier of another shape (any of its
 keys: another number of outputs or input width) is dropped as a whole, weight and bias, when fine-tuning (unless
-strict, where the error names what differs), the parameters of an attention-sink variant (`attn.sink_*`) may
-be missing when weights of the plain model are loaded into a variant (they keep their zero init; unless strict;
-where sink parameters alone differ, the error names the file's model.attn variant and the setting that loads it,
-models/sink_weights.py),
-and any other missing or unexpected key is an error that names the keys, so a checkpoint of another model fails
-early (a Swin of more blocks or stages too, whose conversion by timm fails on an attention the model lacks); a file
+strict, where the error names what differs; the classifier keys drawn anew are named in the model's
+`pretrained_new_classifier`, which engine/start_weights.py reads), the parameters of an attention-sink variant
+(`attn.sink_*`) may be missing when weights of the plain model are loaded into a variant (they keep their zero init;
+unless strict; where sink parameters alone differ, the error names the file's model.attn variant and the setting
+that loads it, models/sink_weights.py),
+and any other missing or unexpected key is an error that names the keys (or, where the file's keys are the
+model's under one prefix, the attribute a wrapper such as a Lightning module held it under, that prefix, with how to
+save the file without it), so a checkpoint of another model fails early (a Swin of more blocks or stages too, whose
+conversion by timm fails on an attention the model lacks); a file
 of the other kind of model (a GPT's weights given to a ViT, or the reverse) is named as such, with the weights to
 give instead. A file that records its architecture (nanoGPT's `model_args`, transformers' config.json beside it) is
 checked against the model by the family's `check_recorded_settings`. Integer (or bool) tensors where the model's
@@ -98,17 +101,49 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     codes = codes_refusal(state, own, path)  # before a table is resampled: integer codes are no table either
     if codes:
         raise ModelError(codes)
+    file_state = dict(state)  # the file's keys, before timm's conversion renames, resamples or pops any of them
+    try:
+        notes, tables, skipped, new_sinks = _fit_and_load(model, state, own, path, strict, family)
+    except ModelError:
+        # the model's keys under a wrapper's attribute (a Lightning module's `model.`): the refusal names keys the
+        # model lacks, or a conversion that failed on them, not the prefix that is the cause
+        wrapped = wrapper_prefix_refusal(file_state, own, strict, path, model)
+        if wrapped:
+            raise ModelError(wrapped) from None
+        raise
+    for line in notes:  # logged once the file has loaded: a file refused above was never resampled into it
+        log.warning(line)
+    # the scored tables are not the file's: what an evaluation of these weights records ({'pos_embed_resampled':
+    # '2x2->4x4'}; {} for none)
+    model.pretrained_resampled = {key: change for record, _ in tables for key, change in record.items()}
+    # the model's keys drawn anew, not loaded (a classifier of another shape, or none in the file): what the start
+    # of a run is less them (engine/start_weights.py)
+    model.pretrained_new_classifier = sorted(k for k in skipped if k in own)
+    ema = ema_copy(path)
+    log.info("loaded %s%s%s%s", path,
+             f" (raw weights; the file's EMA copy ({ema}) is not used: to start from it, {ema_advice(ema)})"
+             if ema else "",
+             f" (new classifier: {', '.join(skipped)})" if skipped else "",
+             f" ({len(new_sinks)} attention-sink parameters not in the file keep their zero init)"
+             if new_sinks else "")
+
+
+def _fit_and_load(model: nn.Module, state: dict, own: dict, path: str, strict: bool, family) -> tuple:
+    """Convert `state` (the weights read from `path`) to `model`'s layout with its `family`'s timm conversion, check
+    it against the model's state dict `own` and load it into the model; raise ModelError where it does not fit.
+    Returns (lines to log, the position tables resampled, the classifier keys drawn anew, the attention-sink
+    parameters that keep their zero init)."""
     tables = [position_table_resize(state, own, model, path), relative_table_resize(state, own, model, path)]
     # lines to log once the file has loaded: tables resampled, tensors timm's conversion left out
     notes = [line for line in (check_patch_size(state, own, path, strict), *(line for _, line in tables)) if line]
     filter_fn = getattr(family, "checkpoint_filter_fn", None)
     head_prefixes = classifier_prefixes(model)
+    before = dict(state)  # the filter may pop keys of the dict it is given (DINOv2's conversion does)
     if filter_fn is not None:
         # DeiT III's official files name their layer scales blocks.N.gamma_1; timm's DeiT entry points
         # rename them with this flag, which touches no other key
         takes = inspect.signature(filter_fn).parameters
         filter_args = {"adapt_layer_scale": True} if "adapt_layer_scale" in takes else {}
-        before = dict(state)  # the filter may pop keys of the dict it is given (DINOv2's conversion does)
         try:
             state = filter_fn(state, model, **filter_args)
         except FILTER_ERRORS as e:
@@ -149,8 +184,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
                     skipped.append(k)
                     del state[k]
             else:
-                raise ModelError(f"{path}: '{key}' has shape {tuple(state[key].shape)}, the model expects "
-                                 f"{tuple(own[key].shape)}: a checkpoint of another model?")
+                raise ModelError(shape_mismatch(key, before, state, own, path))
     missing, unexpected = model.load_state_dict(state, strict=False)
     if not strict:  # a file without a classifier (a backbone) gets a new one, logged as one of another size is
         skipped += [k for k in missing if k.startswith(head_prefixes) and k not in skipped]
@@ -167,18 +201,55 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         raise ModelError(f"{path} does not fit {type(model).__name__}: missing {missing[:8]}"
                          f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
                          f"{'...' if len(unexpected) > 8 else ''}")
-    for line in notes:  # logged once the file has loaded: a file refused above was never resampled into it
-        log.warning(line)
-    # the scored tables are not the file's: what an evaluation of these weights records ({'pos_embed_resampled':
-    # '2x2->4x4'}; {} for none)
-    model.pretrained_resampled = {key: change for record, _ in tables for key, change in record.items()}
-    ema = ema_copy(path)
-    log.info("loaded %s%s%s%s", path,
-             f" (raw weights; the file's EMA copy ({ema}) is not used: to start from it, {ema_advice(ema)})"
-             if ema else "",
-             f" (new classifier: {', '.join(skipped)})" if skipped else "",
-             f" ({len(new_sinks)} attention-sink parameters not in the file keep their zero init)"
-             if new_sinks else "")
+    return notes, tables, skipped, new_sinks
+
+
+def shape_mismatch(key: str, before: dict, state: dict, own: dict, path: str) -> str:
+    """The error line for the tensor `key` of another shape than the model's (`own`), named by its shape in the
+    file (`before` the family's conversion, which resamples a patch embedding to the model's patch size: the
+    converted shape is none the file has); by the converted one where the file names the tensor otherwise (the
+    conversion renamed it: an official or nanoGPT layout)."""
+    found = before.get(key)
+    shape = found.shape if found is not None and found.shape != own[key].shape else state[key].shape
+    return (f"{path}: '{key}' has shape {tuple(shape)}, the model expects {tuple(own[key].shape)}: a checkpoint of "
+            f"another model?")
+
+
+def wrapper_prefix_refusal(state: dict, own: dict, strict: bool, path: str, model: nn.Module) -> str:
+    """The error line for a file (its keys as read: `state`) that holds the model's weights under a prefix of
+    their keys, the attribute a wrapper held the model under (a Lightning module's `model.`), which timm does not
+    strip as it strips DDP's `module.`: without the prefix its keys are the model's (`own`; less a classifier and
+    attention-sink parameters when not strict, as loading tolerates). '' for any other file.
+    The prefix is named, not stripped: it is the wrapper's own attribute name, one of several a file may hold (a
+    student and its teacher), and the family's conversion strips the prefixes of the layouts it reads
+    (OpenCLIP's `visual.trunk.`) before any comparison of keys here could tell the two apart."""
+    head_prefixes = classifier_prefixes(model)
+    candidates = {k[:i + 1] for k in state if k not in own
+                  for i, c in enumerate(k) if c == "." and k[i + 1:] in own}
+    fits = sorted(p for p in candidates if not any(k.startswith(p) for k in own)
+                  and _keys_off({k[len(p):]: v for k, v in state.items() if k.startswith(p)}, own, strict,
+                                head_prefixes) == ([], []))
+    if not fits:
+        return ""
+    prefix = fits[0]
+    others = [k for k in state if not k.startswith(prefix)]
+    read = "safetensors.torch.load_file" if path.endswith(".safetensors") else "torch.load"
+    entry = _raw_entry(path)
+    return (f"{path} does not fit {type(model).__name__}: the file's keys carry the prefix '{prefix}' (the attribute "
+            f"a wrapper, e.g. a Lightning module, holds the model under) and are the model's once it is removed"
+            + (f"; so do those under {', '.join(repr(p) for p in fits[1:])}" if len(fits) > 1 else "")
+            + (f"; its {len(others)} other key(s) are no part of it ({_few(others)})" if others else "")
+            + f": save them so, torch.save({{k.removeprefix('{prefix}'): v for k, v in {read}('{path}')"
+            f"{f'[{entry!r}]' if entry else ''}.items() if k.startswith('{prefix}')}}, 'x.pth'), and give "
+            f"model.pretrained=x.pth")
+
+
+def _raw_entry(path: str) -> str:
+    """The entry of the torch file `path` that timm's reader took the raw weights from ('state_dict', 'model',
+    or module_entry's 'module'); '' for a file that is a state dict as a whole, and for a safetensors file."""
+    payload = mapped_payload(path)
+    entries = payload if isinstance(payload, dict) else {}
+    return next((k for k in RAW_KEYS if isinstance(entries.get(k), dict)), "")
 
 
 # the entries that timm's reader (use_ema=False) takes the raw weights from, in its order, then module_entry's

@@ -7,9 +7,10 @@ import torch
 import evaluate
 import train
 from configs import load_config
+from configs.schema import ModelConfig
 from engine.checkpoint import weights_fingerprint
 from engine.eval_results import recipe_difference
-from engine.start_weights import classifier_keys
+from engine.start_weights import START_WEIGHTS, check_start_file, classifier_keys, recipe_entries, start_record
 from models import build_model
 from tests.conftest import DEBUG_CONFIG
 
@@ -38,8 +39,8 @@ def test_runs_from_other_start_weights_or_from_scratch_are_no_seeds_of_one_recip
                                                 "model.num_classes=6", "train.max_steps=1", "log.tensorboard=false"]))
         for kept in ("best.pt", "checkpoint.pt"):
             assert torch.load(out / kept, weights_only=False)["start_weights"] == (
-                {"pretrained": "file", "fingerprint": {file_a: fingerprint_a, file_b: fingerprint_b}[weights]}
-                if weights else {"pretrained": None, "fingerprint": None})
+                {"pretrained": "file", "fingerprint": {file_a: fingerprint_a, file_b: fingerprint_b}[weights],
+                 "classifier": None} if weights else {"pretrained": None, "fingerprint": None})
         results[name] = evaluate.main(evaluate.parse_args(["--checkpoint", str(out / "best.pt"), "--quant"]))
     assert recipe_difference([(n, results[n]) for n in ("a_s0", "a_s1")]) is None
     other_file = recipe_difference([(n, results[n]) for n in ("a_s0", "a_s1", "b_s2")])
@@ -93,5 +94,47 @@ def test_a_distilled_deit_s_two_heads_are_its_classifier_and_its_seeds_share_a_s
         train.main(load_config([DEBUG_CONFIG], DISTILLED + [
             f"out_dir={out}", f"model.pretrained={tmp_path / 'deit.pth'}", f"train.seed={seed}", "model.num_classes=6",
             "train.max_steps=1", "log.tensorboard=false"]))
-        assert torch.load(out / "best.pt", weights_only=False)["start_weights"] == {"pretrained": "file",
-                                                                                   "fingerprint": fingerprint}
+        assert torch.load(out / "best.pt", weights_only=False)["start_weights"] == {
+            "pretrained": "file", "fingerprint": fingerprint, "classifier": None}
+
+
+def test_files_that_differ_in_a_classifier_the_run_keeps_are_other_starts_and_a_new_one_is_left_out(tmp_path):
+    """Two files of one backbone and other classifiers: where the classifier fits model.num_classes it is loaded and
+    is part of the start (the runs are no seeds of one recipe, and a file whose classifier was replaced since is no
+    longer the runs' start); where it is drawn anew (other classes), it is no part of it. The backbone's fingerprint
+    is the one recorded before the classifier was: such older records stay comparable."""
+    torch.manual_seed(0)
+    state = build_model(ModelConfig(name="vit_nano", num_classes=4, drop_path=0.0)).state_dict()
+    paths = [tmp_path / "a.pth", tmp_path / "b.pth"]
+    torch.save(state, paths[0])
+    torch.save({k: torch.randn_like(v) if k.startswith("head.") else v for k, v in state.items()}, paths[1])
+    files = [torch.load(path) for path in paths]
+    backbone = weights_fingerprint({k: v for k, v in files[0].items() if not k.startswith("head.")})
+    heads = [weights_fingerprint({k: v for k, v in file.items() if k.startswith("head.")}) for file in files]
+    assert heads[0] != heads[1]
+
+    def started(path, classes: int, seed: int = 0) -> tuple:
+        """(the start record, the model) of vit_nano of `classes` classes built from `path` after seed `seed`."""
+        torch.manual_seed(seed)  # train.py draws a new classifier after train.seed
+        model = build_model(ModelConfig(name="vit_nano", num_classes=classes, drop_path=0.0, pretrained=str(path)))
+        return start_record(str(path), model), model
+
+    def result(record: dict) -> dict:
+        """An evaluate.py result of a run that recorded `record` (its recipe's start keys)."""
+        return {"recipe": {"model.name": "vit_nano", **recipe_entries({START_WEIGHTS: record})}}
+
+    kept = [started(path, 4)[0] for path in paths]
+    assert kept == [{"pretrained": "file", "fingerprint": backbone, "classifier": head} for head in heads]
+    differ = recipe_difference([("a", result(kept[0])), ("b", result(kept[1]))])
+    assert differ is not None and "start.classifier" in differ[2], differ
+    new = [started(path, 6, seed)[0] for seed, path in enumerate(paths)]  # each seed's classifier another
+    assert new == [{"pretrained": "file", "fingerprint": backbone, "classifier": None}] * 2
+    assert recipe_difference([("a", result(new[0])), ("b", result(new[1]))]) is None
+    # a record of before the classifier's (no such key) is compared on the backbone alone, as it was
+    older = {"pretrained": "file", "fingerprint": backbone}
+    assert recipe_difference([("old", result(older)), ("a", result(kept[0]))]) is None
+    model = started(paths[1], 4)[1]  # b.pth's classifier now under the path a run of a.pth's started from
+    assert check_start_file({START_WEIGHTS: older}, "run/best.pt", str(paths[1]), model) is None
+    refused = check_start_file({START_WEIGHTS: kept[0]}, "run/best.pt", str(paths[1]), model)
+    assert refused is not None and "another classifier" in refused and heads[0] in refused, refused
+    assert check_start_file({START_WEIGHTS: kept[1]}, "run/best.pt", str(paths[1]), model) is None
