@@ -456,7 +456,8 @@ def load_float_model(cfg: Config, payload: Optional[dict], args: argparse.Namesp
         key = "model_ema" if args.ema else "model"
         if key not in payload:
             raise CheckpointError(f"{args.checkpoint} has no '{key}' weights" +
-                                  (" (it was trained without train.ema=true)" if args.ema else ""))
+                                  (" (it was trained without train.ema=true); drop --ema to score its raw weights"
+                                   if args.ema else ""))
         own, saved = model.state_dict(), payload[key]
         missing, unexpected = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
         shapes = [k for k in saved if k in own and getattr(saved[k], "shape", None) != own[k].shape]

@@ -229,8 +229,22 @@ def is_nanogpt_checkpoint(payload: object) -> bool:
     return isinstance(payload, dict) and NANOGPT_KEYS <= set(payload)
 
 
-def load_checkpoint(path: str) -> dict:
-    """Read a checkpoint written by this code base (with its `config` and `model` entries)."""
+# what to do about a checkpoint torch cannot read that the user named (evaluate.py and scripts/mechanism.py
+# --checkpoint); a caller that reads a file of its own, where no other file can be given, passes its own fix
+READ_ANOTHER = "copy it again from the run, or give the run's other checkpoint (checkpoint.pt / best.pt)"
+
+
+def torch_reason(error: Exception) -> str:
+    """The first sentence of why torch could not read a file: its zip reader's errors go on for some 300
+    characters of generic advice, its weights_only refusal over several lines; the error's type where it says
+    nothing (EOFError of an empty file)."""
+    lines = str(error).strip().splitlines()
+    return (lines[0].split(". ", 1)[0].rstrip(".") if lines else "") or type(error).__name__
+
+
+def load_checkpoint(path: str, unreadable: str = READ_ANOTHER) -> dict:
+    """Read a checkpoint written by this code base (with its `config` and `model` entries). `unreadable`: what
+    to do, named in the error, when torch cannot read the file (cut short or corrupted)."""
     if os.path.isdir(path):  # e.g. a run's out_dir: which of its files is meant is not ours to guess
         raise CheckpointError(f"{path} is a folder, not a checkpoint file: give a file in it, e.g. "
                               f"{os.path.join(path, 'best.pt')} or {os.path.join(path, 'checkpoint.pt')}")
@@ -247,8 +261,9 @@ def load_checkpoint(path: str) -> dict:
         foreign = foreign_objects(e)
         if foreign:
             raise CheckpointError(f"{path} is not a checkpoint of this code base: {foreign}") from None
-        raise CheckpointError(f"cannot read checkpoint {path} ({os.path.getsize(path)} bytes): {e}; a file cut short "
-                              f"(a copy or a save that did not finish) or corrupted reads so") from e
+        raise CheckpointError(f"cannot read checkpoint {path} ({os.path.getsize(path)} bytes): {torch_reason(e)}; "
+                              f"a file cut short (a copy or a save that did not finish) or corrupted reads so; "
+                              f"{unreadable}") from e
     if is_nanogpt_checkpoint(payload):
         raise CheckpointError(f"{path} is nanoGPT's checkpoint (its model_args and iter_num), not one of train.py: "
                               f"give it as model.pretrained={path}, with a config of its model (e.g. "
