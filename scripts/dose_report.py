@@ -402,9 +402,13 @@ def alignment_peak(model: torch.nn.Module) -> dict:
     return {k: top[k] for k in ("block", "direction", "row", "alpha", "singular_value")}
 
 
+# the report reads each run's own best.pt: no other checkpoint stands in for it
+RUN_UNREADABLE = "copy the run's folder again from where it trained, or train the run again"
+
+
 def model_of(checkpoint: str, weights: str = "raw") -> torch.nn.Module:
     """The model of a train.py checkpoint with its raw or EMA weights, loaded by evaluate.py's own loader."""
-    payload = load_checkpoint(checkpoint)
+    payload = load_checkpoint(checkpoint, unreadable=RUN_UNREADABLE)
     args = evaluate.parse_args(["--checkpoint", checkpoint, *(["--ema"] if weights == "ema" else [])])
     return evaluate.load_float_model(config_from_dict(payload["config"]), payload, args).eval()
 
@@ -435,7 +439,7 @@ def evaluated_model(run: Run) -> torch.nn.Module:
 
 def run_config(run: Run) -> Config:
     """The config the run trained with, as its best.pt records it."""
-    return config_from_dict(load_checkpoint(os.path.join(run.folder, "best.pt"))["config"])
+    return config_from_dict(load_checkpoint(os.path.join(run.folder, "best.pt"), unreadable=RUN_UNREADABLE)["config"])
 
 
 def pretrained_model(run: Run) -> Optional[torch.nn.Module]:
@@ -444,7 +448,7 @@ def pretrained_model(run: Run) -> Optional[torch.nn.Module]:
     weights the run started from (overwritten since: the fingerprint its best.pt records, engine/start_weights.py)
     is refused, not reported as the start. A best.pt written before that record is not checked."""
     checkpoint = os.path.join(run.folder, "best.pt")
-    payload = load_checkpoint(checkpoint)
+    payload = load_checkpoint(checkpoint, unreadable=RUN_UNREADABLE)
     cfg = config_from_dict(payload["config"]).model
     if not cfg.pretrained:
         return None

@@ -81,3 +81,29 @@ def test_ema_of_a_run_without_ema_names_dropping_ema(checkpoint, tmp_path, capsy
     assert mechanism.cli(["energies", "--checkpoint", checkpoint, "--ema", "--out", str(tmp_path / "o")]) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1] == f"error: {checkpoint} has no 'model_ema' weights {EMA_FIX}", lines[-3:]
+
+
+def test_a_cut_short_gplq_stage1_file_is_refused_with_the_fix_for_that_file(checkpoint, tmp_path):
+    """GPLQ's stage-1 file is the evaluation's own resume file: no run holds another copy of it, so the fix is to
+    move it away, not the run's other checkpoint."""
+    from types import SimpleNamespace
+
+    from quant.gplq.pipeline import check_stage1_checkpoint
+    path = cut(checkpoint, tmp_path, 100000)
+    data = SimpleNamespace(work_path=lambda suffix: path)
+    with pytest.raises(CheckpointError) as e:
+        check_stage1_checkpoint(None, "w4a4", None, data)
+    assert str(e.value).endswith("reads so; move the file away to start stage 1 anew"), str(e.value)
+
+
+def test_dose_report_names_the_fix_for_a_runs_own_cut_short_best_pt(checkpoint, tmp_path):
+    """dose_report reads each run's best.pt: giving checkpoint.pt instead is no fix there."""
+    import dose_report
+    run = tmp_path / "run"
+    run.mkdir()
+    cut(checkpoint, run, 100000)
+    (run / "trunc.pt").rename(run / "best.pt")
+    with pytest.raises(CheckpointError) as e:
+        dose_report.run_config(dose_report.Run("p", 0, str(run), {}, {}, []))
+    assert str(e.value).endswith("reads so; copy the run's folder again from where it trained, or train the run "
+                                 "again"), str(e.value)

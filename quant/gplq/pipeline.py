@@ -73,7 +73,7 @@ from .lsq import LSQQuantizer
 from .pca import fit_pca
 from .pca_images import given_for_this_call, pca_images_exact, pca_images_given
 from .pca_width import pca_settings_unread
-from .qat import Stage1Settings, refuse_other_run, run_stage1
+from .qat import STAGE1_UNREADABLE, Stage1Settings, refuse_other_run, run_stage1
 from .qwt import CompensationFit, fit_block_compensation
 from .stage2 import FitBlock, quantize_weights_and_compensate
 
@@ -108,7 +108,8 @@ def check_stage1_checkpoint(fp_model: nn.Module, bits: Bits, options: GPLQOption
     whether stage 1 resumes)."""
     path = stage1_checkpoint(data, bits)
     if path is not None and os.path.exists(path):
-        refuse_other_run(path, load_checkpoint(path)["config"], stage1_identity(fp_model, bits, options, data))
+        saved = load_checkpoint(path, unreadable=STAGE1_UNREADABLE)["config"]
+        refuse_other_run(path, saved, stage1_identity(fp_model, bits, options, data))
 
 
 def default_lr(global_batch: int) -> float:

@@ -107,6 +107,10 @@ def _flat(entries: dict, prefix: str = "") -> dict:
     return out
 
 
+# a stage-1 file is this evaluation's own, resumed at its path: no other copy of it to give instead
+STAGE1_UNREADABLE = "move the file away to start stage 1 anew"
+
+
 def refuse_other_run(checkpoint: str, saved: dict, config: dict) -> None:
     """A CheckpointError (the entry point's one `error:` line) when the stage-1 checkpoint at `checkpoint` was
     written with another identity than `config`; the file is kept, it is another run's."""
@@ -182,7 +186,7 @@ def run_stage1(student: nn.Module, teacher: nn.Module, fit_pca: Callable[[], PCA
                 raise CheckpointError(f"the GPLQ stage-1 checkpoint {checkpoint} that rank 0 resumes from is not on "
                                       f"this rank's node: give --out a folder every node sees (a shared file "
                                       f"system)")
-            payload = load_checkpoint(checkpoint)
+            payload = load_checkpoint(checkpoint, unreadable=STAGE1_UNREADABLE)
             refuse_other_run(checkpoint, payload["config"], config)
             restore_training(payload, model=train_model, optimizer=optimizer, state=state, scaler=scaler)
             pca = PCAProjection.from_state_dict(payload["pca"], device) if aligned else None
