@@ -869,6 +869,10 @@ def _assign(node: Any, parts: list, value: Any, path: str, source: str) -> None:
             return _assign(current, rest, value, key + ".", source)
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: '{key}' is a section; give its keys, not {value!r}")
+        if not value:  # it reads as "back to the defaults", yet sets nothing: every key an earlier layer set stays
+            first = dataclasses.fields(current)[0].name
+            example = f"{key}.{first}=..." if source == "command line" else f"{{{first}: ...}}"
+            raise ConfigError(f"{source}: '{key}' = {{}} changes nothing; give its keys ({example})")
         return _merge(current, value, key + ".", source)
     annotation = hints[name]
     if not rest and isinstance(value, dict) and current and (annotation is dict or _origin(annotation) is dict):
@@ -964,7 +968,8 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
 
     def fail(reason: str = ""):
         refusal = (f"{source}: '{key}' expects {describe_type(annotation)}, got {value!r}"
-                   f" ({type(value).__name__}){reason}{_one_item_list_fix(value, annotation, key, source)}")
+                   f" ({type(value).__name__}){reason}{_one_item_list_fix(value, annotation, key, source)}"
+                   f"{_spelling_fix(value, annotation, key, source)}")
         if isinstance(value, (int, float, datetime.date)) and takes_text(annotation):  # bool is an int
             raise TextReadAsValue(refusal, key, _show(value))
         raise RefusedValueError(refusal, key)
@@ -1075,6 +1080,37 @@ def _one_item_list_fix(value: Any, annotation: Any, key: str, source: str) -> st
     except ConfigError:
         return ""  # not an item the list takes either: the type named is the whole answer
     return f"; give a list: {key + '=' if source == 'command line' else ''}{_show([value])}"
+
+
+def _spelling_fix(value: Any, annotation: Any, key: str, source: str) -> str:
+    """The fix for a value that means one the field takes but is written another way: Python's None for null
+    ('; YAML spells it null: optim.lr=null'), a whole float for an int ('; give sched.epochs=3'), 0 or 1 for a bool
+    ('; give true or false'); '' otherwise. The override's form on the command line; elsewhere (a file's line, a
+    mapping's entry, a list's item) the value alone, written where the refused one stands ('; give 3')."""
+    if takes_text(annotation):  # a number or bool there is text YAML read otherwise: TextReadAsValue says to quote it
+        return ""
+    given = f"{key}=" if source == "command line" and "[" not in key else ""
+    if isinstance(value, str) and value.strip().lower() == "none" and _takes(annotation, type(None)):
+        return f"; YAML spells it null: {given}null" if given else "; YAML spells it null"
+    if isinstance(value, float) and value.is_integer() and _takes(annotation, int):
+        try:  # the field's own check: a count beyond int64 is no fix
+            coerce_value(int(value), annotation, key, source)
+        except ConfigError:
+            return ""
+        return f"; give {given}{int(value)}"
+    if type(value) is int and value in (0, 1) and _takes(annotation, bool):
+        return "; give true or false"
+    return ""
+
+
+def _takes(annotation: Any, kind: type) -> bool:
+    """Whether a field of `annotation` takes values of type `kind` itself (through Annotated and Union)."""
+    origin = _origin(annotation)
+    if origin is Annotated:
+        return _takes(typing.get_args(annotation)[0], kind)
+    if origin in (Union, types.UnionType):
+        return any(_takes(arg, kind) for arg in typing.get_args(annotation))
+    return annotation is kind
 
 
 class TextReadAsValue(ConfigError):

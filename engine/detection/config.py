@@ -177,11 +177,47 @@ def _hook_name(hook: Any) -> Optional[str]:
 
 def read_config(path: str) -> Config:
     """The config file `path`, or one error line naming it."""
+    loop = base_loop(path)
+    if loop:  # MMEngine follows it to Python's recursion limit (12-26 s for two files here), then says only that
+        raise DetectionError(f"--config {path}: _base_ chain loops: {' -> '.join(loop)}; remove one _base_")
     try:
         return Config.fromfile(path)
     except Exception as e:  # noqa: BLE001 - MMEngine executes the file: any error in it (syntax, a missing
         # _base_, not Python at all) is the same one-line error about that file
         raise DetectionError(f"--config {path}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def base_loop(path: str) -> List[str]:
+    """The files of a `_base_` chain from `path` that comes back to a file already in it (a.py -> b.py -> a.py),
+    shown relative to `path`'s folder; [] where there is none. The bases are read as MMEngine reads them
+    (Config._get_base_files: the `_base_` assignment alone, not the file run). Only local bases are followed: an
+    installed package's (`mmdet::...`) cannot name the user's files, and resolving one reads the package's
+    metafiles (about 0.3 s), which every load would pay. A base that cannot be read ends the walk there:
+    Config.fromfile names that problem."""
+    folder = os.path.dirname(os.path.abspath(path))
+    finished = set()  # files whose bases were all followed without a loop (a base two files share: read once)
+
+    def visit(file: str, chain: List[str]) -> List[str]:  # chain: the files from `path` down to `file`
+        file = os.path.abspath(file)  # as MMEngine's _file2dict: a base is beside the file as named (a link's)
+        real = os.path.realpath(file)
+        chain = chain + [file]
+        if real in map(os.path.realpath, chain[:-1]):
+            return [os.path.relpath(f, folder) for f in chain]
+        if real in finished:
+            return []
+        try:
+            bases = Config._get_base_files(file)
+        except Exception:  # noqa: BLE001 - not Python/YAML/JSON, a syntax error: Config.fromfile says which
+            bases = []
+        for base in bases:
+            if isinstance(base, str) and "::" not in base:  # MMEngine's _get_cfg_path for a local base
+                found = visit(os.path.join(os.path.dirname(file), base), chain)
+                if found:
+                    return found
+        finished.add(real)
+        return []
+
+    return visit(path, [])
 
 
 def merge_fragment(cfg: Config, fragment: Dict[str, Any]) -> None:

@@ -1,0 +1,81 @@
+"""Values refused for their spelling, not their meaning, say the spelling the field takes (Python's None for
+null, a whole float for an int, 0/1 for a bool), in the override's form on the command line and as the value
+alone in a file; and a section given as an empty mapping (`model={}`, `model: {}`), which sets nothing, is
+refused as a dict field's `{}` is, rather than passed as a reset to the defaults that it is not."""
+from __future__ import annotations
+
+import glob
+
+import pytest
+
+from configs.loader import ConfigError, load_config
+
+TINY = "configs/debug/tiny.yaml"
+
+
+@pytest.mark.parametrize("override, fix, named, unnamed", [
+    # each with a value alike in form that the field takes in no spelling: nothing is named for it
+    ("optim.lr=None", "; YAML spells it null: optim.lr=null", "optim.lr=null", "sched.epochs=None"),  # not optional
+    ("optim.lr=none", "; YAML spells it null: optim.lr=null", "optim.lr=null", "sched.epochs=none"),
+    ("optim={lr: None}", "; YAML spells it null: optim.lr=null", "optim.lr=null", "optim={lr: Nine}"),
+    ("sched.epochs=3.0", "; give sched.epochs=3", "sched.epochs=3", "train.batch_size=1.5"),  # no whole number
+    ("train.seed=4.0", "; give train.seed=4", "train.seed=4", "sched.epochs=1e30"),  # 10**30: beyond int64
+    ("train.compile=1", "; give true or false", "train.compile=true", "train.compile=2"),  # no bool
+    ("train.compile=0", "; give true or false", "train.compile=false", "train.compile=1.0"),
+])
+def test_an_override_spelt_another_way_names_the_spelling_that_is_taken(override, fix, named, unnamed):
+    with pytest.raises(ConfigError) as refused:
+        load_config([TINY], [override])
+    message = str(refused.value)
+    assert message.startswith("command line: '") and message.endswith(fix) and "\n" not in message, message
+    load_config([TINY], [named])  # the spelling named is taken
+    with pytest.raises(ConfigError) as refused:
+        load_config([TINY], [unnamed])
+    assert "; give" not in str(refused.value) and "spells it" not in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("text, fix", [
+    ("optim:\n  lr: None\n", "; YAML spells it null"),
+    ("optim.lr: none\n", "; YAML spells it null"),
+    ("sched:\n  epochs: 3.0\n", "; give 3"),
+    ("train:\n  compile: 1\n", "; give true or false"),
+])
+def test_a_file_value_spelt_another_way_names_the_value_to_write_in_its_place(tmp_path, text, fix):
+    """In a file the fix is the value alone, written where the refused one stands: `optim.lr=null` is no YAML
+    line, and `optim.lr: null` beside an `optim:` mapping would be a key set twice."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as refused:
+        load_config([TINY, str(path)])
+    assert str(refused.value).startswith(f"{path}: '") and str(refused.value).endswith(fix), refused.value
+    mended = text.replace("None", "null").replace("none", "null").replace("3.0", "3").replace(": 1", ": true")
+    path.write_text(mended)
+    load_config([TINY, str(path)])  # the value the fix names is taken
+
+
+@pytest.mark.parametrize("override, key, example", [
+    ("model={}", "model", "model.name=..."),
+    ("cd={}", "cd", "cd.enabled=..."),
+    ("quant={aphq: {}}", "quant.aphq", "quant.aphq.stem_w_bits=..."),  # a section inside a section
+])
+def test_a_section_given_as_an_empty_mapping_is_refused(override, key, example):
+    """`model=null` is refused as a section and `model.kwargs={}` as a mapping that changes nothing; `model={}` was
+    taken, leaving every key the recipe set."""
+    with pytest.raises(ConfigError) as refused:
+        load_config([TINY], [override])
+    assert str(refused.value) == f"command line: '{key}' = {{}} changes nothing; give its keys ({example})"
+
+
+def test_a_file_section_given_as_an_empty_mapping_is_refused_and_no_shipped_config_has_one(tmp_path):
+    """A file's `model: {}` reads as a reset to the defaults as much as the override does (over an earlier file's
+    model, it would keep that file's keys): the same refusal, with the file's form of the fix. Every config
+    shipped in configs/ (sweep files aside, which are not configs) still loads."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text("model: {}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config([TINY, str(path)])
+    assert str(refused.value) == f"{path}: 'model' = {{}} changes nothing; give its keys ({{name: ...}})"
+    configs = [p for p in glob.glob("configs/**/*.yaml", recursive=True) if "/sweeps/" not in p]
+    assert len(configs) > 20
+    for config in configs:
+        load_config([config])
