@@ -14,6 +14,7 @@ import torch  # noqa: E402
 
 from configs.cli import OneLineParser  # noqa: E402
 from engine.console import console_print  # noqa: E402
+from engine.outputs import write_text  # noqa: E402
 
 
 def marked_table(text: str, begin: str, end: str) -> str:
@@ -42,7 +43,8 @@ def table_command(description: str, table: Callable[[], str], document: Path, be
         raise SystemExit(f"error: {document} lacks the markers {begin} ... {end} around its table; put them back "
                          "(git diff shows them) and run --write again")
     head, rest = text.split(begin, 1)
-    document.write_text(head + begin + "\n" + out + "\n" + end + rest.split(end, 1)[1], encoding="utf-8")
+    # rewritten on purpose (overwrite), but whole: a kill mid-write leaves the document as it was, never cut short
+    write_text(str(document), head + begin + "\n" + out + "\n" + end + rest.split(end, 1)[1], overwrite=True)
     print(f"wrote the table into {document}")
 
 
