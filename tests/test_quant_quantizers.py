@@ -64,6 +64,21 @@ def test_constant_group_is_represented_exactly_with_a_zero_point_in_range(value)
     assert q.zero_point[0].item() < 0
 
 
+
+@pytest.mark.parametrize("value", [3.7, -0.25])
+def test_near_constant_group_keeps_a_zero_point_in_range_and_its_values(value):
+    """A channel that varies by ~1e-7 around `value` (a LayerNorm channel with gamma ~ 1e-6, not exactly 0):
+    its range is widened to include 0 as an exactly constant one is, so the zero point is a code of the grid
+    and the values come back to within a step's rounding of the constant. With no widening the range's width is
+    ~1e-6 and the zero point |value| / scale, of order 1e7, which a LayerNorm fold turns into huge biases."""
+    wobble = 1e-7 * torch.randn(500, generator=gen(5))
+    x = torch.stack([torch.linspace(10.0, 20.0, 500), value + wobble], dim=1)
+    q = fitted(UniformQuantizer(4, channel_dim=-1), x)
+    assert q.qmin <= q.zero_point[1].item() <= q.qmax, q.zero_point
+    # the widened range [min(value, 0), max(value, 0)] has a step of |value| / 15: the constant is its end point
+    assert q.scale[1].item() == pytest.approx(abs(value) / (2 ** 4 - 1), rel=1e-5)
+    assert (q(x)[:, 1] - x[:, 1]).abs().max() <= 1e-6
+
 def brute_force_pick(row, bits, levels):
     """Independent numpy reference of RepQ-ViT's per-row search (first candidate wins ties)."""
     best, best_err = None, np.inf
