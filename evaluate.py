@@ -29,7 +29,9 @@ pipeline runs, and the training augmentation, data.scale / reprob / auto_augment
 sees training-transform images; the quant.* settings a --config file changes are checked as overrides, its
 other sections are its recipe). Writes one JSON
 (default: next to the checkpoint; without one, runs/eval/<model.name>.json), a per-layer activation-max CSV
-and plot beside it, and prints a markdown row in the layout of the paper's tables. A later call adds to that JSON;
+and plot beside it (the JSON records their paths, sizes and SHA-256: a file at those names that is not the one it
+records, e.g. beside a copy of the JSON, is refused and never replaced), and prints a markdown row in the layout of
+the paper's tables. A later call adds to that JSON;
 maxima over other quant.act_max_extra_modules than it holds are refused unless --recompute, which keeps the old
 ones under "history" and their files as <name>_act_max.replaced<N>.csv / .png (also under quant.act_max_csv=false,
 so that a later call writes the new maxima's files in their place).
@@ -96,7 +98,8 @@ from quant.pipeline_base import parse_options
 from quant.plan import (check_bits, check_model_converts, check_pipelines, evaluation_pipelines, pipeline_options,
                         planned, reads_calibration_batch, too_few_for_a_batch, too_many_train_images,
                         train_image_demands)
-from engine.act_max_files import plot as plot_act_max, write_csv as write_act_max_csv
+from engine.act_max_files import (csv_bytes as act_max_csv_bytes, digest as act_max_digest, file_digest,
+                                  plot_bytes as act_max_plot_bytes, publish as publish_whole)
 
 log = logging.getLogger("evaluate")
 
@@ -152,7 +155,7 @@ def main(args: argparse.Namespace) -> dict:
         val_print = val_fingerprint(cfg.data, val_loader.dataset)
         check_same_data_on_every_rank(cfg.data, val_print, device, dist.rank)
 
-        def open_results() -> tuple[EvalResults, bool, list]:
+        def open_results() -> tuple[EvalResults, bool, list, dict]:
             results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset), val_print,
                                                      trained_input_size(payload, task.language)))
             # maxima over other quant.act_max_extra_modules than the file's are another measurement: refused, or
@@ -163,14 +166,14 @@ def main(args: argparse.Namespace) -> dict:
                 f"activation maxima over other quant.act_max_extra_modules than "
                 f"{json.dumps(sorted(cfg.quant.act_max_extra_modules))} to replace (those of the same modules every "
                 f"call measures again)")
-            if cfg.quant.act_max_csv:
-                check_act_max_files(results.data, os.path.splitext(out)[0])
+            # the maxima files there that are the result file's own: the only ones the call replaces
+            own = check_act_max_files(results.data, os.path.splitext(out)[0]) if cfg.quant.act_max_csv else {}
             return results, replaces, [(name, bits) for name, bits in planned(cfg)
-                                       if results.plan(name, bits, quant_settings(cfg, name), args.recompute)]
+                                       if results.plan(name, bits, quant_settings(cfg, name), args.recompute)], own
 
         # read once, on rank 0: ranks that each read the file (while another process writes it, or from a
         # folder that is not shared) could plan different work and then wait for each other forever
-        results, replaces_max_act, todo = run_on_main(open_results, f"reading {out}", device)
+        results, replaces_max_act, todo, own_files = run_on_main(open_results, f"reading {out}", device)
         for name, bits in planned(cfg):
             if (name, bits) not in todo:
                 log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
@@ -229,7 +232,7 @@ def main(args: argparse.Namespace) -> dict:
                       else {})}
         log.info("FP [%s] %s  max act (module/block) %.2f / %.2f  [%.1fs]", weights_tag(args), score_line(fp),
                  act.module, act.block, fp_seconds)
-        listed = {k: v for k, v in (results.data.get("max_act") or {}).items() if k in ("csv", "plot")}
+        listed = {k: v for k, v in (results.data.get("max_act") or {}).items() if k in ("csv", "plot", "digests")}
         if replaces_max_act:  # --recompute over other modules: the old maxima go to history with their files
             # moved aside whatever quant.act_max_csv says now: left in place, a later call writing the maxima would
             # find them listed only in the history and refuse them as foreign, or write over them
@@ -266,17 +269,16 @@ def main(args: argparse.Namespace) -> dict:
         results.update(method=method_name(cfg), **trained,
                        fp={k: fp[k] for k in kept if k in fp} |
                        {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths)
-        # the JSON names the maxima files before they are written, so that a second evaluate.py adding to this
-        # result file meanwhile knows them as this file's (check_act_max_files) and does not refuse them; a save or
-        # write that fails or is interrupted leaves the JSON naming only files that exist (save_naming_act_max_files)
+        # the JSON names the maxima files (and their digests) before they are written, so that a second evaluate.py
+        # adding to this result file meanwhile knows them as this file's (check_act_max_files) and does not refuse
+        # them; a save or write that fails or is interrupted leaves the JSON naming only files that are there as it
+        # records them (save_naming_act_max_files)
         title = f"{model_label(cfg.model)} ({method_name(cfg)})"
-        write = ((lambda: (write_act_max_csv(act.per_layer, paths["csv"]),
-                           plot_act_max(act.per_layer, paths["plot"], title=title)))
-                 if cfg.quant.act_max_csv else None)
         # maxima over other modules that another evaluate.py writes to the file meanwhile go aside as those planned
         keep = lambda listed: keep_act_max_files(os.path.splitext(out)[0], listed)
-        run_on_main(lambda: save_naming_act_max_files(results, write, paths, keep),
-                    f"writing {out}" + (f", {paths['csv']} / .png" if write else ""), device)
+        run_on_main(lambda: save_naming_act_max_files(
+            results, act_max_contents(act.per_layer, title) if cfg.quant.act_max_csv else None, paths, keep,
+            own_files), f"writing {out}" + (f", {paths['csv']} / .png" if cfg.quant.act_max_csv else ""), device)
 
         # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
         # written to the JSON as soon as it is done.
@@ -567,50 +569,144 @@ def act_max_paths(stem: str) -> dict[str, str]:
     return {"csv": stem + "_act_max.csv", "plot": stem + "_act_max.png"}
 
 
-def check_act_max_files(data: dict, stem: str) -> None:
-    """Refuse to overwrite maxima files that this result file did not write (nothing is lost): a file of that
-    name that the JSON does not list is someone else's."""
-    # by file name: the JSON lists them as the command that wrote them named them, always beside itself
-    own = {os.path.basename(p) for p in (data.get("max_act") or {}).values() if isinstance(p, str)}
-    foreign = [p for p in act_max_paths(stem).values() if os.path.exists(p) and os.path.basename(p) not in own]
+def act_max_contents(records: list, title: str) -> dict[str, bytes]:
+    """The files of `act_max_paths` for the per-layer maxima `records`: {"csv": CSV, "plot": PNG}."""
+    return {"csv": act_max_csv_bytes(records), "plot": act_max_plot_bytes(records, "png", title)}
+
+
+def own_act_max_files(max_act: dict, paths: dict[str, str]) -> dict[str, dict]:
+    """{key: the file's digest} for each maxima file at `paths` ({"csv": path, "plot": path}) that is the one a
+    result's `max_act` lists ({"csv": path, "plot": path, "digests": {key: size and SHA-256}}): at the path it lists
+    (links resolved) and, where it records a digest, with that content (a file put there since, or edited, is
+    another); or, with a recorded digest, that content where the listed path names nothing any more (the folder
+    moved or renamed). A file of that name beside a copy of a result file is never its own, whatever its name."""
+    max_act = max_act if isinstance(max_act, dict) else {}
+    recorded = max_act.get("digests") if isinstance(max_act.get("digests"), dict) else {}
+    own = {}
+    for key, path in paths.items():
+        listed, expected, there = max_act.get(key), recorded.get(key), file_digest(path)
+        if there is None or not isinstance(listed, str):
+            continue
+        if os.path.realpath(listed) == os.path.realpath(path):
+            is_own = expected is None or there == expected  # results written before digests: the path decides
+        else:
+            is_own = expected is not None and not os.path.lexists(listed) and there == expected
+        if is_own:
+            own[key] = there
+    return own
+
+
+def check_act_max_files(data: dict, stem: str) -> dict[str, dict]:
+    """Refuse to overwrite maxima files that this result file did not write (nothing is lost): a file at their path
+    that is not the one the result's max_act lists (`own_act_max_files`) is someone else's. {key: digest} of the
+    files that are its own: those the call may replace."""
+    own = own_act_max_files(data.get("max_act") or {}, act_max_paths(stem))
+    foreign = [path for key, path in act_max_paths(stem).items() if os.path.exists(path) and key not in own]
     if foreign:
         raise RunDirError(f"{foreign[0]} exists and was not written for this result file; evaluate.py would "
                           f"overwrite it with the per-layer maxima: move it away, give --out another name, or "
                           f"set quant.act_max_csv=false")
+    return own
 
 
-def save_naming_act_max_files(results: EvalResults, write: Optional[Callable[[], object]],
-                              named: dict[str, str], keep_files: Optional[Callable[[dict], dict]] = None) -> None:
+def listed_act_max_files(path: str) -> dict:
+    """The max_act of the result file at `path` as it is now ({} where there is none or it cannot be read: the save
+    after tells why)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    max_act = data.get("max_act") if isinstance(data, dict) else None
+    return max_act if isinstance(max_act, dict) else {}
+
+
+def publish_act_max_files(contents: dict[str, bytes], named: dict[str, str], own: dict[str, list]) -> None:
+    """Write each of `contents` whole at its path in `named`, replacing a file there only where it is one this call
+    found to be the result file's own (`own`: key -> the digests of those files), else only where no file is: a
+    file another command put there while the passes ran is kept (RunDirError naming it)."""
+    for key, data in contents.items():
+        path = named[key]
+        there = file_digest(path)
+        if os.path.exists(path) and there not in own.get(key, []):
+            raise written_meanwhile(path)
+        try:
+            publish_whole(path, data, overwrite=there is not None)
+        except RunDirError:
+            if not os.path.exists(path):  # a link that reaches no file: its own message
+                raise
+            raise written_meanwhile(path) from None
+
+
+def written_meanwhile(path: str) -> RunDirError:
+    """The refusal of a maxima file that another command wrote at `path` while this call ran."""
+    return RunDirError(f"{path} was written by another command while evaluate.py ran; it is kept and the per-layer "
+                       f"maxima files are not written (the result file keeps the maxima): move it away, give --out "
+                       f"another name, or set quant.act_max_csv=false")
+
+
+def files_still_there(max_act: dict, own: dict[str, list]) -> dict:
+    """`max_act` naming only the maxima files that are there: each as it records it (its digest; none recorded:
+    written before digests were), or one of the result's own that this call did not replace (`own`), named with
+    its digest; the name and digest of any other are dropped."""
+    recorded = max_act.get("digests")
+    max_act, digests = dict(max_act), dict(recorded) if isinstance(recorded, dict) else {}
+    for key in ("csv", "plot"):
+        if not isinstance(max_act.get(key), str):
+            continue
+        there = file_digest(max_act[key])
+        if there is not None and digests.get(key) in (None, there):
+            continue
+        if there is not None and there in own.get(key, []):
+            digests[key] = there
+            continue
+        del max_act[key]
+        digests.pop(key, None)
+    max_act.pop("digests", None)
+    return max_act | ({"digests": digests} if digests else {})
+
+
+def save_naming_act_max_files(results: EvalResults, contents: Optional[dict[str, bytes]], named: dict[str, str],
+                              keep_files: Optional[Callable[[dict], dict]] = None,
+                              own: Optional[dict[str, dict]] = None) -> None:
     """Save `results`, whose max_act names the maxima files `named` ({"csv": path, "plot": path}) before they are
-    written, then `write` them (each replaced whole: engine.act_max_files); `keep_files`: EvalResults.save's. Where
-    the save or a write fails or is interrupted (Ctrl-C), the names of those files that are not there are dropped
-    and the result file saved again, stop signals held, before the error goes on: it never names a maxima file that
-    does not exist, and one it names is the earlier complete file or this call's."""
+    written, with the size and SHA-256 of each of `contents` ({"csv": bytes, "plot": bytes}; None: none written),
+    then write them whole (`publish_act_max_files`); `keep_files`: EvalResults.save's. A file at a path is replaced
+    only where it is the result file's own: found so when the call opened it (`own`, `check_act_max_files`), or
+    listed now (written meanwhile by another evaluate.py adding to it). Where the save or a write fails or is
+    interrupted (Ctrl-C), the names of the files that are not there as it records them are dropped and the result
+    file saved again, stop signals held, before the error goes on: it never names a maxima file that does not
+    exist, and one it names is the earlier complete file or this call's."""
+    found = {key: [digest] for key, digest in (own or {}).items()}
+    if contents:
+        results.update(max_act={**results.data["max_act"],
+                                "digests": {key: act_max_digest(data) for key, data in contents.items()}})
+        for key, digest in own_act_max_files(listed_act_max_files(results.path), named).items():
+            found.setdefault(key, []).append(digest)
+    write = (lambda: publish_act_max_files(contents, named, found)) if contents else None
     try:
         results.save(keep_files, then=write)  # under the result file's lock: another call finds the files whole
     except BaseException:
-        missing = {key for key, path in named.items() if not os.path.exists(path)}
-        if missing:
-            # a failing second save keeps the file as the first left it; the error that came first is the one told
-            with stop_signals_blocked(), contextlib.suppress(Exception):
-                results.update(max_act={k: v for k, v in results.data["max_act"].items() if k not in missing})
+        # a failing second save keeps the file as the first left it; the error that came first is the one told
+        with stop_signals_blocked(), contextlib.suppress(Exception):
+            there = files_still_there(results.data["max_act"], found)
+            if there != results.data["max_act"]:
+                results.update(max_act=there)
                 results.save(keep_files)
         raise
 
 
-def keep_act_max_files(stem: str, listed: dict[str, str]) -> dict[str, str]:
+def keep_act_max_files(stem: str, listed: dict) -> dict[str, str]:
     """Move the maxima files of the result file `<stem>.json` that it lists (`listed`: its max_act's
-    {"csv": path, "plot": path}, by file name as check_act_max_files reads them) aside as
+    {"csv": path, "plot": path} and their "digests", the files its own as `own_act_max_files` tells them) aside as
     <stem>_act_max.replaced<N>.csv / .png, N the first number free for both, before maxima over other modules
-    (--recompute) replace those they are of: a later call writes the new maxima's files at those names. A file of
-    another name (listed before the result file was renamed) is not written over and stays where it is; a file of
-    that name the JSON does not list is not its own and stays too. {"csv": path, "plot": path} where the listed
-    files lie now."""
+    (--recompute) replace those they are of: a later call writes the new maxima's files at those names. A file
+    listed at another path (before the result file was renamed) is not written over and stays where it is; a file
+    at those names that is not its own stays too. {"csv": path, "plot": path} where the listed files lie now."""
     current = act_max_paths(stem)
-    own = {key: os.path.basename(path) for key, path in listed.items() if key in current and isinstance(path, str)}
-    movable = {key: path for key, path in current.items()
-               if own.get(key) == os.path.basename(path) and os.path.exists(path)}
-    kept = {key: path for key, path in listed.items() if key in own and own[key] != os.path.basename(current[key])}
+    movable = {key: current[key] for key in own_act_max_files(listed, current)}
+    kept = {key: path for key, path in listed.items() if key in current and key not in movable
+            and isinstance(path, str) and os.path.realpath(path) != os.path.realpath(current[key])}
     aside = lambda path, n: "{0}.replaced{2}{1}".format(*os.path.splitext(path), n)
     n = 1
     while any(os.path.lexists(aside(path, n)) for path in current.values()):

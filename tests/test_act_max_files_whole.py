@@ -4,6 +4,7 @@ evaluate.py adding to the file meanwhile must know them as its own), and where t
 interrupted (Ctrl-C), the names of the files that are not there are dropped again before the error goes on."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -43,9 +44,8 @@ def test_an_interrupted_plot_keeps_the_earlier_file_whole_and_no_temporary(tmp_p
     before = path.read_bytes()
     assert before.startswith(b"\x89PNG") and before[-8:-4] == b"IEND"  # a complete PNG ends with its IEND chunk
 
-    def cut_savefig(self, fname, **kwargs):
-        with open(fname, "wb") as f:
-            f.write(b"\x89PNG half")
+    def cut_savefig(self, fname, **kwargs):  # half a PNG drawn, then Ctrl-C
+        fname.write(b"\x89PNG half")
         raise KeyboardInterrupt
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", cut_savefig)
     with pytest.raises(KeyboardInterrupt):
@@ -69,38 +69,59 @@ def named(tmp_path) -> tuple[EvalResults, dict]:
     return results, paths
 
 
-def test_a_write_interrupted_after_the_save_leaves_no_name_of_a_file_not_written(tmp_path):
-    results, paths = named(tmp_path)
+def recorded(path) -> dict:
+    """What a result file records of the file at `path`: its size and SHA-256."""
+    data = open(path, "rb").read()
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
-    def write():  # the CSV is written, then Ctrl-C before the plot
-        write_csv(RECORDS, paths["csv"])
-        raise KeyboardInterrupt
+
+CONTENTS = {"csv": b"name,max\r\nblocks.0,1.0\r\n", "plot": b"\x89PNG not drawn"}
+
+
+def interrupted_at(monkeypatch, stop: str) -> None:
+    """A Ctrl-C when evaluate.py starts writing the maxima file whose path ends in `stop`."""
+    publish = evaluate.publish_whole
+
+    def cut(path, data, overwrite):
+        if str(path).endswith(stop):
+            raise KeyboardInterrupt
+        return publish(path, data, overwrite)
+    monkeypatch.setattr(evaluate, "publish_whole", cut)
+
+
+def test_a_write_interrupted_after_the_save_leaves_no_name_of_a_file_not_written(tmp_path, monkeypatch):
+    results, paths = named(tmp_path)
+    interrupted_at(monkeypatch, ".png")  # the CSV is written, then Ctrl-C before the plot
     with pytest.raises(KeyboardInterrupt):
-        evaluate.save_naming_act_max_files(results, write, paths)
+        evaluate.save_naming_act_max_files(results, CONTENTS, paths)
     saved = json.loads((tmp_path / "r.json").read_text())["max_act"]
-    assert saved == {"module": 1.0, "block": 2.0, "csv": paths["csv"]}
-    assert all(os.path.exists(saved[key]) for key in ("csv",))
+    assert saved == {"module": 1.0, "block": 2.0, "csv": paths["csv"], "digests": {"csv": recorded(paths["csv"])}}
+    assert open(paths["csv"], "rb").read() == CONTENTS["csv"]
     assert sorted(os.listdir(tmp_path)) == ["r.json", "r_act_max.csv"]
 
 
-def test_an_earlier_complete_file_stays_named(tmp_path):
-    """A file an earlier call wrote is there: the result file may name it (the old one, whole)."""
+def test_an_earlier_complete_file_stays_named(tmp_path, monkeypatch):
+    """Files an earlier call wrote are there: the result file names them (the old ones, whole, with their digests)
+    when this call's writes are interrupted."""
     results, paths = named(tmp_path)
-    write_csv(RECORDS, paths["csv"])
-    plot(RECORDS, paths["plot"])
-
-    def write():
-        raise KeyboardInterrupt
+    evaluate.save_naming_act_max_files(results, CONTENTS, paths)
+    before = {key: recorded(path) for key, path in paths.items()}
+    again = EvalResults.open(str(tmp_path / "r.json"), IDENTITY)
+    own = evaluate.check_act_max_files(again.data, str(tmp_path / "r"))
+    again.update(max_act={"module": 3.0, "block": 4.0, **paths})
+    interrupted_at(monkeypatch, ".csv")
     with pytest.raises(KeyboardInterrupt):
-        evaluate.save_naming_act_max_files(results, write, paths)
+        evaluate.save_naming_act_max_files(again, {key: data + b"new" for key, data in CONTENTS.items()}, paths,
+                                           own=own)
     saved = json.loads((tmp_path / "r.json").read_text())["max_act"]
-    assert saved["csv"] == paths["csv"] and saved["plot"] == paths["plot"]
+    assert saved["csv"] == paths["csv"] and saved["plot"] == paths["plot"] and saved["digests"] == before
+    assert {key: open(path, "rb").read() for key, path in paths.items()} == CONTENTS
 
 
 def test_an_uninterrupted_save_names_both_files_and_writes_them(tmp_path):
     results, paths = named(tmp_path)
-    evaluate.save_naming_act_max_files(results, lambda: (write_csv(RECORDS, paths["csv"]),
-                                                         plot(RECORDS, paths["plot"])), paths)
+    evaluate.save_naming_act_max_files(results, CONTENTS, paths)
     saved = json.loads((tmp_path / "r.json").read_text())["max_act"]
     assert saved["csv"] == paths["csv"] and saved["plot"] == paths["plot"]
-    assert all(os.path.exists(p) for p in paths.values())
+    assert {key: open(path, "rb").read() for key, path in paths.items()} == CONTENTS
+    assert saved["digests"] == {key: recorded(path) for key, path in paths.items()}
