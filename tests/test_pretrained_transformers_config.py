@@ -96,3 +96,18 @@ def test_a_field_left_out_of_config_json_is_read_as_transformers_default(tmp_pat
     for other in (json.dumps({**config, "model_type": "llama"}), "{not json"):
         (tmp_path / "config.json").write_text(other)
         gpt(path)
+
+
+def test_each_transformers_gelu_name_is_the_gelu_it_is_read_as():
+    """models/gpt.py's TRANSFORMERS_GELU against transformers' own functions (ACT2FN): each name's function equals
+    nn.GELU with the approximation the table reads it as, and differs from the other one (a name read as the other
+    GELU loaded its weights as another function: only gelu_new and gelu were checked)."""
+    from models.gpt import TRANSFORMERS_GELU
+
+    x = torch.linspace(-4, 4, 4001, dtype=torch.float64)
+    for name, approximate in TRANSFORMERS_GELU.items():
+        theirs = transformers.activations.ACT2FN[name](x)
+        ours = {a: torch.nn.GELU(approximate="none" if a == "exact" else a)(x) for a in ("exact", "tanh")}
+        assert (theirs - ours[approximate]).abs().max().item() < 1e-6, name
+        other = "tanh" if approximate == "exact" else "exact"
+        assert (theirs - ours[other]).abs().max().item() > 1e-4, name

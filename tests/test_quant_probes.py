@@ -166,28 +166,51 @@ class OneBlockNet(torch.nn.Module):
         return self.blocks[0](x)
 
 
+class Split(torch.nn.Module):
+    """A module returning a tuple of two tensors (an attention returning its weights too)."""
+
+    def forward(self, x):
+        return x * 3, -x * 5
+
+
+class SplitBlock(torch.nn.Module):
+    """A block holding a tuple-output module: its output is the sum of the two."""
+
+    def __init__(self):
+        super().__init__()
+        self.split = Split()
+
+    def forward(self, x):
+        a, b = self.split(x)
+        return a + b
+
+
 def test_module_maxima_cover_every_tensor_of_a_tuple_output():
     """A module inside a block that returns a tuple (an attention returning its weights too): each tensor
     of it counts toward the module maximum."""
-
-    class Split(torch.nn.Module):
-        def forward(self, x):
-            return x * 3, -x * 5
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.split = Split()
-
-        def forward(self, x):
-            a, b = self.split(x)
-            return a + b
-
-    model = OneBlockNet(Block())
+    model = OneBlockNet(SplitBlock())
     with torch.no_grad(), ActivationProbe(model) as probe:
         model(torch.tensor([[1.0, -2.0]]))
     got = probe.result()
     assert (got.module, got.block) == (10.0, 4.0)  # max(|3x|, |-5x|) = 10; |3x - 5x| = |-2x| <= 4
+
+
+def test_moments_of_a_tuple_output_cover_every_tensor_of_it():
+    """With moments (as train.py and evaluate.py probe), the kurtosis of a tuple-output module is that of all its
+    tensors' elements together: summing the first tensor's moments alone passed the maxima test above. The
+    reference: the float64 central moments of cat(3x, -5x)."""
+    model = OneBlockNet(SplitBlock())
+    x = torch.tensor([[1.0, -2.0, 0.5, 4.0]])
+    with torch.no_grad(), ActivationProbe(model, moments=True) as probe:
+        model(x)
+    record = {r["name"]: r for r in probe.result().per_layer}["blocks.0.split"]
+    both = torch.cat([3 * x, -5 * x]).double().flatten()
+    centred = both - both.mean()
+    want = ((centred ** 4).mean() / (centred ** 2).mean() ** 2).item()
+    assert record["max"] == 20.0  # |-5 * 4|
+    assert record["kurtosis"] == pytest.approx(want, rel=1e-12)
+    first_only = 3 * x.double().flatten() - 3 * x.double().mean()
+    assert abs(want - ((first_only ** 4).mean() / (first_only ** 2).mean() ** 2).item()) > 0.5  # tells them apart
 
 
 RECORDS = [  # as ActivationProbe.result().per_layer lays them out; block -1: a module outside the blocks
