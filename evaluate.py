@@ -579,7 +579,8 @@ def own_act_max_files(max_act: dict, paths: dict[str, str]) -> dict[str, dict]:
     result's `max_act` lists ({"csv": path, "plot": path, "digests": {key: size and SHA-256}}): at the path it lists
     (links resolved) and, where it records a digest, with that content (a file put there since, or edited, is
     another); or, with a recorded digest, that content where the listed path names nothing any more (the folder
-    moved or renamed). A file of that name beside a copy of a result file is never its own, whatever its name."""
+    moved or renamed); a result recording no digests (written before they were) takes a file of the listed file
+    name there. A file of that name beside a copy of a result file is never its own, whatever its name."""
     max_act = max_act if isinstance(max_act, dict) else {}
     recorded = max_act.get("digests") if isinstance(max_act.get("digests"), dict) else {}
     own = {}
@@ -589,6 +590,11 @@ def own_act_max_files(max_act: dict, paths: dict[str, str]) -> dict[str, dict]:
             continue
         if os.path.realpath(listed) == os.path.realpath(path):
             is_own = expected is None or there == expected  # results written before digests: the path decides
+        elif not recorded:
+            # written before digests, with the absolute path evaluate.py records: the folder copied off the
+            # training machine (or a relative --out read from elsewhere) lists a path that is gone. Its file name
+            # decides there; where the listed file is still there, this is a copy and the file beside it another
+            is_own = os.path.basename(listed) == os.path.basename(path) and not os.path.lexists(listed)
         else:
             is_own = expected is not None and not os.path.lexists(listed) and there == expected
         if is_own:

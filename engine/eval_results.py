@@ -648,7 +648,9 @@ class EvalResults:
                                f"read it; this call measured them over {json.dumps(extra_modules({'max_act': ours}))} "
                                f"and writes nothing more to it: give --out another file, or --recompute to replace "
                                f"them (the old ones are kept under 'history', with their CSV and plot)")
-        listed = {k: v for k, v in data["max_act"].items() if k in ("csv", "plot")}
+        # with their digests: without them keep_files takes any file at the listed names for theirs (a result
+        # written before digests were) and moves a file of someone else's aside as the old maxima's
+        listed = {k: v for k, v in data["max_act"].items() if k in ("csv", "plot", "digests")}
         files = keep_files(listed) if keep_files is not None else {}
         self._history.append(_plain({"max_act": {**theirs, **files}, "replaced": _now()}))
 

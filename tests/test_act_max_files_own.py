@@ -9,6 +9,8 @@ import shutil
 import pytest
 
 import evaluate
+from engine.act_max_files import digest as act_max_digest
+from engine.eval_results import EvalResults
 from engine.run_dir import RunDirError
 
 MINE = "my,own,table\n1,2,3\n"
@@ -86,3 +88,73 @@ def test_a_file_written_at_the_path_while_the_passes_ran_is_kept(checkpoint, tmp
     assert csv_path.read_text() == MINE
     saved = json.loads(out.read_text())
     assert "csv" not in saved["max_act"] and "csv" not in saved["max_act"]["digests"]
+
+
+def write_maxima_files(stem, content: str) -> dict:
+    """Write `content` at both maxima file names of `stem`; {"csv": path, "plot": path}."""
+    paths = evaluate.act_max_paths(str(stem))
+    for path in paths.values():
+        with open(path, "w") as f:
+            f.write(content)
+    return paths
+
+
+def test_a_result_without_digests_in_a_moved_folder_keeps_its_files_but_not_beside_a_copy(tmp_path):
+    """A result file written before digests were recorded lists the absolute paths of the folder it was written
+    in: copied off that machine (the listed path names nothing here), the files of the listed names beside it are
+    its own; beside a copy whose original folder is still there, they are not."""
+    gone = tmp_path / "cluster" / "runs" / "vit"  # never made: the training machine's folder
+    old = {"max_act": {"module": 1.0, "block": 1.0, "csv": str(gone / "eval_best_act_max.csv"),
+                       "plot": str(gone / "eval_best_act_max.png")}}
+    here = tmp_path / "here"
+    here.mkdir()
+    write_maxima_files(here / "eval_best", MINE)
+    assert sorted(evaluate.check_act_max_files(old, str(here / "eval_best"))) == ["csv", "plot"]
+    # the listed original is there: this is a copy, and the files beside it are someone else's
+    gone.mkdir(parents=True)
+    write_maxima_files(gone / "eval_best", MINE)
+    with pytest.raises(RunDirError, match=r"here/eval_best_act_max.csv exists and was not written for this result"):
+        evaluate.check_act_max_files(old, str(here / "eval_best"))
+    # another file name than the one listed is not the result's own either
+    other = tmp_path / "other"
+    other.mkdir()
+    write_maxima_files(other / "eval_last", MINE)
+    shutil.rmtree(gone)
+    with pytest.raises(RunDirError, match=r"other/eval_last_act_max.csv exists and was not written for this result"):
+        evaluate.check_act_max_files(old, str(other / "eval_last"))
+
+
+def test_files_with_the_recorded_digests_beside_a_copy_of_the_folder_are_not_its_own(tmp_path):
+    """The recorded content found at the current names counts only where the listed path names nothing any more
+    (the folder moved): a copy of the whole folder, the original still there, holds files of the same content
+    that are the copy's user's, not the result file's."""
+    (tmp_path / "a").mkdir()
+    paths = write_maxima_files(tmp_path / "a" / "r", MINE)
+    data = {"max_act": {"module": 1.0, "block": 1.0, **paths,
+                        "digests": {key: act_max_digest(MINE.encode()) for key in paths}}}
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    with pytest.raises(RunDirError, match=r"b/r_act_max.csv exists and was not written for this result file"):
+        evaluate.check_act_max_files(data, str(tmp_path / "b" / "r"))
+    os.rename(tmp_path / "a", tmp_path / "gone")  # the original moved away: now the copy's are its files
+    assert sorted(evaluate.check_act_max_files(data, str(tmp_path / "b" / "r"))) == ["csv", "plot"]
+
+
+def test_maxima_written_meanwhile_keep_a_file_not_theirs_at_their_names(tmp_path):
+    """Maxima over other modules that another evaluate.py wrote while this call ran move to history under
+    --recompute, their files aside; a file at the names they list that is not of the content they record (someone
+    else's, put there since) is not theirs: it stays where it is, and history names no file for them."""
+    out = tmp_path / "e.json"
+    stem = str(tmp_path / "e")
+    results = EvalResults.open(str(out), {"model": "vit_tiny"})
+    assert results.plan_max_act([], recompute=True) is False  # the file has no maxima yet
+    results.update(max_act={"module": 2.0, "block": 2.0})
+    # meanwhile: another evaluate.py's maxima over other modules, and someone's files at their names since
+    paths = write_maxima_files(stem, MINE)
+    out.write_text(json.dumps({"model": "vit_tiny", "quant": {}, "max_act": {
+        "module": 1.0, "block": 1.0, "extra_modules": ["norm"], **paths,
+        "digests": {key: act_max_digest(b"the maxima the other call wrote") for key in paths}}}))
+    results.save(lambda listed: evaluate.keep_act_max_files(stem, listed))
+    assert sorted(os.listdir(tmp_path)) == ["e.json", "e_act_max.csv", "e_act_max.png"]
+    assert all(open(path).read() == MINE for path in paths.values())
+    (retired,) = json.loads(out.read_text())["history"]
+    assert retired["max_act"]["extra_modules"] == ["norm"] and "csv" not in retired["max_act"]
