@@ -578,9 +578,10 @@ def own_act_max_files(max_act: dict, paths: dict[str, str]) -> dict[str, dict]:
     """{key: the file's digest} for each maxima file at `paths` ({"csv": path, "plot": path}) that is the one a
     result's `max_act` lists ({"csv": path, "plot": path, "digests": {key: size and SHA-256}}): at the path it lists
     (links resolved) and, where it records a digest, with that content (a file put there since, or edited, is
-    another); or, with a recorded digest, that content where the listed path names nothing any more (the folder
-    moved or renamed); a result recording no digests (written before they were) takes a file of the listed file
-    name there. A file of that name beside a copy of a result file is never its own, whatever its name."""
+    another); or, with a recorded digest, that content at another path (the folder moved, renamed or copied: a
+    file of the very bytes the result wrote, so replacing it loses nothing); a result recording no digests (written
+    before they were) takes a file of the listed file name there where the listed path names nothing any more. Any
+    other file at those names (beside a copy of the result file, say) is never its own, whatever its name."""
     max_act = max_act if isinstance(max_act, dict) else {}
     recorded = max_act.get("digests") if isinstance(max_act.get("digests"), dict) else {}
     own = {}
@@ -595,8 +596,8 @@ def own_act_max_files(max_act: dict, paths: dict[str, str]) -> dict[str, dict]:
             # training machine (or a relative --out read from elsewhere) lists a path that is gone. Its file name
             # decides there; where the listed file is still there, this is a copy and the file beside it another
             is_own = os.path.basename(listed) == os.path.basename(path) and not os.path.lexists(listed)
-        else:
-            is_own = expected is not None and not os.path.lexists(listed) and there == expected
+        else:  # the bytes it wrote, wherever they are now
+            is_own = expected is not None and there == expected
         if is_own:
             own[key] = there
     return own

@@ -124,19 +124,18 @@ def test_a_result_without_digests_in_a_moved_folder_keeps_its_files_but_not_besi
         evaluate.check_act_max_files(old, str(other / "eval_last"))
 
 
-def test_files_with_the_recorded_digests_beside_a_copy_of_the_folder_are_not_its_own(tmp_path):
-    """The recorded content found at the current names counts only where the listed path names nothing any more
-    (the folder moved): a copy of the whole folder, the original still there, holds files of the same content
-    that are the copy's user's, not the result file's."""
+def test_files_with_the_recorded_digests_beside_a_copy_of_the_folder_are_its_own_others_are_not(tmp_path):
+    """A copy of the whole folder, the original still there, holds the very bytes the result recorded: its own
+    (replacing them loses nothing); a file of other content at the copy's names is someone else's."""
     (tmp_path / "a").mkdir()
     paths = write_maxima_files(tmp_path / "a" / "r", MINE)
     data = {"max_act": {"module": 1.0, "block": 1.0, **paths,
                         "digests": {key: act_max_digest(MINE.encode()) for key in paths}}}
     shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert sorted(evaluate.check_act_max_files(data, str(tmp_path / "b" / "r"))) == ["csv", "plot"]
+    (tmp_path / "b" / "r_act_max.csv").write_text("my,own,table\n")
     with pytest.raises(RunDirError, match=r"b/r_act_max.csv exists and was not written for this result file"):
         evaluate.check_act_max_files(data, str(tmp_path / "b" / "r"))
-    os.rename(tmp_path / "a", tmp_path / "gone")  # the original moved away: now the copy's are its files
-    assert sorted(evaluate.check_act_max_files(data, str(tmp_path / "b" / "r"))) == ["csv", "plot"]
 
 
 def test_maxima_written_meanwhile_keep_a_file_not_theirs_at_their_names(tmp_path):
