@@ -5,15 +5,11 @@ index, on a log scale (engine.figures: matplotlib's object API on the Agg canvas
 blocks that quant.act_max_extra_modules adds (records of block -1, counted in the module maximum) as points in a
 column of their own left of block 0, so that the plot shows every maximum the module maximum is taken over.
 
-Each file is made in memory (`csv_bytes`, `plot_bytes`: evaluate.py records their size and SHA-256, `digest`, in the
-result file before it writes them) and written whole (`publish`: engine.run_dir.write_whole, a temporary file beside
-it, then a rename): a file at its name is the earlier complete one or the new complete one, never a torn one that a
-Ctrl-C or a full disk left half written, and the temporary is removed on failure. Without `overwrite` a file
-appears only where none is: one found there (another command's) is kept, and RunDirError names it.
+Each file is made in memory (`csv_bytes`, `plot_bytes`): evaluate.py records their size and SHA-256 (`digest`) in the
+result file before it writes them whole (engine.act_max_ownership: which files at their names it may replace).
 """
 from __future__ import annotations
 
-import csv
 import hashlib
 import io
 import os
@@ -22,7 +18,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Union
 
 from engine.figures import new_figure
-from engine.run_dir import write_whole
+from engine.outputs import csv_text
 
 FIELDS = ("name", "kind", "block", "type", "max")
 
@@ -31,11 +27,7 @@ def csv_bytes(records: Sequence[Dict[str, object]]) -> bytes:
     """The CSV of `ActMaxResult.per_layer` records, UTF-8 (columns: name, kind, block, type, max, and kurtosis when
     the probe measured moments): one row per output measured, none for a module whose forward never ran."""
     fields = FIELDS + (("kurtosis",) if records and "kurtosis" in records[0] else ())
-    text = io.StringIO(newline="")
-    writer = csv.DictWriter(text, fieldnames=list(fields))
-    writer.writeheader()
-    writer.writerows({k: r[k] for k in fields} for r in records)
-    return text.getvalue().encode("utf-8")
+    return csv_text(({k: r[k] for k in fields} for r in records), list(fields)).encode("utf-8")
 
 
 def digest(data: bytes) -> Dict[str, object]:
@@ -49,24 +41,6 @@ def file_digest(path: Union[str, Path]) -> Optional[Dict[str, object]]:
         return None
     with open(path, "rb") as f:
         return digest(f.read())
-
-
-def publish(path: Union[str, Path], data: bytes, overwrite: bool) -> Path:
-    """`data` at `path` whole (its folder made); with `overwrite` it replaces a file there, without it a file there
-    is kept and RunDirError names it (engine.run_dir.write_whole)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            f.write(data)
-    write_whole(str(path), write, overwrite)
-    return path
-
-
-def write_csv(records: Sequence[Dict[str, object]], path: Union[str, Path], overwrite: bool = True) -> Path:
-    """Write the `csv_bytes` of `records` at `path` (`publish`)."""
-    return publish(path, csv_bytes(records), overwrite)
 
 
 def max_by_type(records: Sequence[Dict[str, object]]) -> Dict[str, List[tuple]]:
@@ -101,13 +75,6 @@ def plot_series(records: Sequence[Dict[str, object]]) -> List[tuple]:
     series = [(typ, points, True) for typ, points in sorted(max_by_type(records).items())]
     return series + [(f"{typ} (outside the blocks)", [(OUTSIDE_X, v) for v in maxima], False)
                      for typ, maxima in sorted(outside_blocks(records).items())]
-
-
-def plot(records: Sequence[Dict[str, object]], path: Union[str, Path], title: str = "",
-         overwrite: bool = True) -> Path:
-    """Save a PNG/PDF of max |activation| per block for each module type (plot_series), in the format the
-    extension of `path` names (`plot_bytes`, `publish`)."""
-    return publish(path, plot_bytes(records, os.path.splitext(str(path))[1][1:].lower() or "png", title), overwrite)
 
 
 def plot_bytes(records: Sequence[Dict[str, object]], fmt: str = "png", title: str = "") -> bytes:

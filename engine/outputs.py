@@ -9,6 +9,7 @@ file is (atomically), and otherwise the command stops with one RunDirError namin
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from typing import Any, Optional
@@ -32,14 +33,26 @@ def write_text(path: str, text: str, overwrite: bool, newline: Optional[str] = N
     write_whole(path, write, overwrite)
 
 
+def write_bytes(path: str, data: bytes, overwrite: bool) -> None:
+    """`data` at `path` as it is (a file made in memory, e.g. one whose digest was recorded before it is written)."""
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+    write_whole(path, write, overwrite)
+
+
+def csv_text(rows, fieldnames: list[str], **writer_options) -> str:
+    """`rows` (dicts) as CSV with a header, csv.DictWriter's line ends kept (written with newline="")."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=fieldnames, **writer_options)
+    writer.writeheader()
+    writer.writerows(rows)
+    return text.getvalue()
+
+
 def write_csv(path: str, rows: list[dict], fieldnames: list[str], overwrite: bool, **writer_options) -> None:
     """`rows` as CSV with a header at `path`, UTF-8 (a method or model name may carry any letter, or a †)."""
-    def write(tmp: str) -> None:
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=fieldnames, **writer_options)
-            writer.writeheader()
-            writer.writerows(rows)
-    write_whole(path, write, overwrite)
+    write_text(path, csv_text(rows, fieldnames, **writer_options), overwrite, newline="")
 
 
 def save_figure(fig, path: str, overwrite: bool, **savefig_options) -> None:

@@ -48,7 +48,7 @@ from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import check_seed_group, dagger_note, evaluated_otherwise, stopped_note  # noqa: E402
 from engine.train_seeds import unrecorded_seed_note  # noqa: E402
 
-SUFFIX = "_act_max.csv"  # evaluate.act_max_paths: <stem>_act_max.csv beside the result file <stem>.json
+SUFFIX = "_act_max.csv"  # engine.act_max_ownership.act_max_paths: <stem>_act_max.csv beside the result file <stem>.json
 # what sets a float maximum besides the weights: the methods drawn side by side must agree on these, or the figure
 # shows a setting's effect as the method's (and on the kind of checkpoint: one method's best.pt beside another's
 # checkpoint.pt compares weights of other updates; and on the val images' names where both record them: a val folder

@@ -56,7 +56,7 @@ def test_a_pattern_that_names_no_module_is_still_refused():
         check_extra_modules(tiny_swin(), ["layers.2.downsample"])
 
 
-def test_the_plot_draws_the_modules_outside_the_blocks_and_so_the_module_maximum(tmp_path, monkeypatch):
+def test_the_plot_draws_the_modules_outside_the_blocks_and_so_the_module_maximum(monkeypatch):
     """The per-layer plot (engine/act_max_files.py) drew the records of block index -1 (the modules
     quant.act_max_extra_modules adds) nowhere, while the module maximum evaluate.py reports (‡) counts them: with
     patch_embed.proj's output the largest, the plot's highest module point was below the maximum reported. Its
@@ -90,7 +90,7 @@ def test_the_plot_draws_the_modules_outside_the_blocks_and_so_the_module_maximum
     figures = []
     new_figure = engine.act_max_files.new_figure
     monkeypatch.setattr(engine.act_max_files, "new_figure", lambda *a: figures.append(new_figure(*a)) or figures[-1])
-    engine.act_max_files.plot(records, tmp_path / "p.png")
+    engine.act_max_files.plot_bytes(records)
     (ax,) = figures[0].axes
     drawn = max(max(line.get_ydata()) for line in ax.get_lines() if line.get_label() != "block")
     assert drawn == pytest.approx(direct["patch_embed.proj"])

@@ -8,11 +8,12 @@ import hashlib
 import json
 import os
 
-import matplotlib.figure
 import pytest
 
 import evaluate
-from engine.act_max_files import plot, write_csv
+import engine.act_max_ownership
+from engine import outputs
+from engine.act_max_files import plot_bytes
 from engine.eval_results import EvalResults
 
 RECORDS = [{"name": f"blocks.{i}.mlp.fc2", "kind": "output", "block": i, "type": "mlp.fc2", "max": 2.0 ** i}
@@ -20,45 +21,35 @@ RECORDS = [{"name": f"blocks.{i}.mlp.fc2", "kind": "output", "block": i, "type":
 IDENTITY = {"model": "m", "data": {}, "weights": "w", "eval_amp": "none", "images": 1}
 
 
-class Interrupting:
-    """A value whose text is asked for by the CSV writer: a Ctrl-C there, half-way through the rows."""
-
-    def __str__(self) -> str:
-        raise KeyboardInterrupt
-
-
-def test_an_interrupted_csv_write_keeps_the_earlier_file_whole_and_no_temporary(tmp_path):
-    path = tmp_path / "r_act_max.csv"
-    write_csv(RECORDS, path)
-    before = path.read_text()
-    with pytest.raises(KeyboardInterrupt):
-        write_csv([{**r, "max": 3.0 ** i} for i, r in enumerate(RECORDS)] + [{**RECORDS[0], "max": Interrupting()}],
-                  path)
-    assert path.read_text() == before
-    assert sorted(os.listdir(tmp_path)) == ["r_act_max.csv"]
-
-
-def test_an_interrupted_plot_keeps_the_earlier_file_whole_and_no_temporary(tmp_path, monkeypatch):
+def test_an_interrupted_bytes_write_keeps_the_earlier_file_whole_and_no_temporary(tmp_path, monkeypatch):
+    """Half the bytes written, then Ctrl-C: the file at the name is the earlier complete one, no temporary stays."""
     path = tmp_path / "r_act_max.png"
-    plot(RECORDS, path)
-    before = path.read_bytes()
-    assert before.startswith(b"\x89PNG") and before[-8:-4] == b"IEND"  # a complete PNG ends with its IEND chunk
+    outputs.write_bytes(str(path), b"\x89PNG earlier", overwrite=False)
 
-    def cut_savefig(self, fname, **kwargs):  # half a PNG drawn, then Ctrl-C
-        fname.write(b"\x89PNG half")
-        raise KeyboardInterrupt
-    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", cut_savefig)
+    class HalfWritten:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(data[:len(data) // 2])
+            raise KeyboardInterrupt
+    monkeypatch.setattr(outputs, "open", lambda *a, **k: HalfWritten(open(*a, **k)), raising=False)
     with pytest.raises(KeyboardInterrupt):
-        plot(RECORDS, path)
-    assert path.read_bytes() == before
+        outputs.write_bytes(str(path), b"\x89PNG the new one, longer", overwrite=True)
+    assert path.read_bytes() == b"\x89PNG earlier"
     assert sorted(os.listdir(tmp_path)) == ["r_act_max.png"]
 
 
-def test_a_plot_is_written_in_the_format_its_extension_names(tmp_path):
-    plot(RECORDS, tmp_path / "a.pdf")
-    plot(RECORDS, tmp_path / "a.png")
-    assert (tmp_path / "a.pdf").read_bytes().startswith(b"%PDF")
-    assert (tmp_path / "a.png").read_bytes().startswith(b"\x89PNG")
+def test_a_plot_is_made_in_the_format_asked():
+    assert plot_bytes(RECORDS, "pdf").startswith(b"%PDF")
+    png = plot_bytes(RECORDS, "png")
+    assert png.startswith(b"\x89PNG") and png[-8:-4] == b"IEND"  # a complete PNG ends with its IEND chunk
 
 
 def named(tmp_path) -> tuple[EvalResults, dict]:
@@ -80,13 +71,13 @@ CONTENTS = {"csv": b"name,max\r\nblocks.0,1.0\r\n", "plot": b"\x89PNG not drawn"
 
 def interrupted_at(monkeypatch, stop: str) -> None:
     """A Ctrl-C when evaluate.py starts writing the maxima file whose path ends in `stop`."""
-    publish = evaluate.publish_whole
+    write = engine.act_max_ownership.write_bytes
 
     def cut(path, data, overwrite):
         if str(path).endswith(stop):
             raise KeyboardInterrupt
-        return publish(path, data, overwrite)
-    monkeypatch.setattr(evaluate, "publish_whole", cut)
+        return write(path, data, overwrite)
+    monkeypatch.setattr(engine.act_max_ownership, "write_bytes", cut)
 
 
 def test_a_write_interrupted_after_the_save_leaves_no_name_of_a_file_not_written(tmp_path, monkeypatch):

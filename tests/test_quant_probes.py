@@ -1,12 +1,13 @@
 """Activation probes: module / block maxima equal a direct computation; hooks are removed;
 files are written."""
 import csv
+import io
 
 import pytest
 import torch
 from timm.layers import DropPath
 
-from engine.act_max_files import plot, write_csv
+from engine.act_max_files import csv_bytes, plot_bytes
 from engine.act_max import ActivationProbe
 from quant_models import images, tiny_swin, tiny_vit
 
@@ -60,7 +61,7 @@ def test_hooks_removed_and_model_untouched():
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
-def test_swin_blocks_and_reduce_fn(tmp_path):
+def test_swin_blocks_and_reduce_fn():
     model = tiny_swin()
     seen = []
 
@@ -77,10 +78,9 @@ def test_swin_blocks_and_reduce_fn(tmp_path):
                                           "layers.1.blocks.1"]
     assert any(r["name"] == "layers.1.downsample.reduction" for r in result.per_layer)
     assert all(r["max"] >= 0.5 for r in result.per_layer)
-    path = write_csv(result.per_layer, tmp_path / "act.csv")
-    rows = list(csv.DictReader(path.open()))
+    rows = list(csv.DictReader(io.StringIO(csv_bytes(result.per_layer).decode())))
     assert len(rows) == len(result.per_layer) and rows[0]["type"] == "block"
-    assert plot(result.per_layer, tmp_path / "act.png", title="swin").stat().st_size > 0
+    assert plot_bytes(result.per_layer, "png", title="swin").startswith(b"\x89PNG")
 
 
 def test_probe_without_data_and_wrapped_model():
@@ -91,14 +91,14 @@ def test_probe_without_data_and_wrapped_model():
         ActivationProbe(torch.nn.Sequential(model))
 
 
-def test_stop_signals_are_held_while_the_plot_imports_matplotlib(tmp_path):
+def test_stop_signals_are_held_while_the_plot_imports_matplotlib():
     """A Ctrl-C inside matplotlib's C-extension initialisation can abort Python; the plot imports it with
     SIGINT / SIGTERM blocked (a fresh process, so that matplotlib is really imported there)."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = f"""
+    script = """
 import importlib.abc, signal, sys
 masks = []
 class Spy(importlib.abc.MetaPathFinder):
@@ -107,10 +107,10 @@ class Spy(importlib.abc.MetaPathFinder):
             masks.append(signal.pthread_sigmask(signal.SIG_BLOCK, []))
         return None
 sys.meta_path.insert(0, Spy())
-from engine.act_max_files import plot
-plot([{{"name": "b", "kind": "block", "block": 0, "type": "block", "max": 2.0}}], {str(tmp_path / 'p.png')!r})
-assert masks and {{signal.SIGINT, signal.SIGTERM}} <= masks[0], masks
-assert not signal.pthread_sigmask(signal.SIG_BLOCK, []) & {{signal.SIGINT, signal.SIGTERM}}
+from engine.act_max_files import plot_bytes
+plot_bytes([{"name": "b", "kind": "block", "block": 0, "type": "block", "max": 2.0}])
+assert masks and {signal.SIGINT, signal.SIGTERM} <= masks[0], masks
+assert not signal.pthread_sigmask(signal.SIG_BLOCK, []) & {signal.SIGINT, signal.SIGTERM}
 print("ok")
 """
     root = Path(__file__).resolve().parents[1]
@@ -226,14 +226,13 @@ def test_max_by_type_groups_by_module_type_in_block_order_without_outside_module
     assert max_by_type(RECORDS) == {"block": [(0, 4.0), (1, 8.0)], "mlp.fc2": [(0, 2.0)]}
 
 
-def test_csv_holds_every_record_and_the_kurtosis_column_when_measured(tmp_path):
-    path = write_csv(RECORDS, tmp_path / "new" / "act.csv")  # the folder is created
-    assert path.read_text().splitlines() == [
+def test_csv_holds_every_record_and_the_kurtosis_column_when_measured():
+    assert csv_bytes(RECORDS).decode().splitlines() == [
         "name,kind,block,type,max,kurtosis", "blocks.1,block,1,block,8.0,3.5",
         "blocks.0.mlp.fc2,module,0,mlp.fc2,2.0,1.0",
         "blocks.0,block,0,block,4.0,2.5", "head,module,-1,head,9.0,0.5"]
     plain = [{k: v for k, v in r.items() if k != "kurtosis"} for r in RECORDS[:1]]
-    assert write_csv(plain, tmp_path / "plain.csv").read_text().splitlines() == [
+    assert csv_bytes(plain).decode().splitlines() == [
         "name,kind,block,type,max", "blocks.1,block,1,block,8.0"]
 
 
@@ -253,7 +252,7 @@ def test_a_figure_is_its_size_in_inches_on_the_agg_canvas(tmp_path):
     assert Image.open(tmp_path / "d.png").size == (round(7 * dpi), round(4 * dpi))
     new_figure(2.5, 1.5).savefig(tmp_path / "h.png", dpi=10)  # fractional inches (mechanism.py: 8 x 3.4)
     assert Image.open(tmp_path / "h.png").size == (25, 15)
-    assert Image.open(plot(RECORDS, tmp_path / "p.png")).size == tuple(int(v * fig.dpi) for v in (7, 4))
+    assert Image.open(io.BytesIO(plot_bytes(RECORDS))).size == tuple(int(v * fig.dpi) for v in (7, 4))
 
 
 def test_kurtosis_across_ranks_is_of_the_moment_sums_every_rank_saw():
@@ -406,17 +405,16 @@ def test_a_constant_output_has_no_kurtosis_whatever_the_rounding_of_its_raw_mome
     assert kurtosis_from_sums(sums[None]).item() == pytest.approx(want, rel=1e-3)
 
 
-def test_max_by_type_reads_records_as_a_csv_gives_them_back_and_the_plot_is_log_scaled(tmp_path, monkeypatch):
+def test_max_by_type_reads_records_as_a_csv_gives_them_back_and_the_plot_is_log_scaled(monkeypatch):
     """Records read back from a CSV hold text: the maxima keep their fractions. The plot's y axis is logarithmic
-    (maxima span decades) and its folder is created."""
+    (maxima span decades)."""
     import engine.act_max_files
     from engine.act_max_files import max_by_type
 
-    path = write_csv([{**r, "max": r["max"] + 0.25} for r in RECORDS], tmp_path / "act.csv")
-    rows = list(csv.DictReader(path.open()))
+    rows = list(csv.DictReader(io.StringIO(csv_bytes([{**r, "max": r["max"] + 0.25} for r in RECORDS]).decode())))
     assert max_by_type(rows) == {"block": [(0, 4.25), (1, 8.25)], "mlp.fc2": [(0, 2.25)]}
     figures = []
     new_figure = engine.act_max_files.new_figure
     monkeypatch.setattr(engine.act_max_files, "new_figure", lambda *a: figures.append(new_figure(*a)) or figures[-1])
-    assert plot(RECORDS, tmp_path / "new" / "p.png").is_file()
+    assert plot_bytes(RECORDS).startswith(b"\x89PNG")
     assert [ax.get_yscale() for ax in figures[0].axes] == ["log"]
