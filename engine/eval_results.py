@@ -598,10 +598,10 @@ class EvalResults:
         meanwhile by another moves to `history`). Activation maxima over other quant.act_max_extra_modules that
         another process wrote since `plan_max_act` are checked as it checks them (`_maxima_written_meanwhile`):
         refused, or with its `recompute` moved to `history`, their CSV and plot moved aside by `keep_files`
-        (engine.act_max_ownership.keep_act_max_files: the listed {"csv": path, "plot": path} -> where they lie now). `then`
-        runs after the write, still under the lock (evaluate.py writes the maxima files the JSON names: another
-        process moving them aside finds them whole, never half-way to being written); its errors go on as they
-        come, the file written."""
+        (engine.act_max_ownership.keep_act_max_files: the listed {"csv": path, "plot": path} -> where they lie
+        now). `then` runs after the write, still under the lock (evaluate.py writes the maxima files the JSON
+        names: another process moving them aside finds them whole, never half-way to being written); its errors
+        go on as they come, the file written."""
         # a path that is a symlink to a file: the file it names is the one written (a rename over the link replaced
         # the link by a copy and left its file as it was), locked under its own name whichever name a writer gives
         target = os.path.realpath(self.path)
