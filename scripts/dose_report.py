@@ -407,8 +407,14 @@ RUN_UNREADABLE = "copy the run's folder again from where it trained, or train th
 
 
 def model_of(checkpoint: str, weights: str = "raw") -> torch.nn.Module:
-    """The model of a train.py checkpoint with its raw or EMA weights, loaded by evaluate.py's own loader."""
+    """The model of a train.py checkpoint with its raw or EMA weights, loaded by evaluate.py's own loader; EMA
+    weights that the checkpoint lacks are refused here, in the report's words (evaluate.py's advice to drop an
+    --ema flag is for its own command line, which the user never typed here)."""
     payload = load_checkpoint(checkpoint, unreadable=RUN_UNREADABLE)
+    if weights == "ema" and "model_ema" not in payload:
+        result = os.path.join(os.path.dirname(checkpoint), "eval_best.json")
+        raise ReportError(f"{result} scored EMA weights, but {checkpoint} holds none now (saved again since, by a run "
+                          f"without train.ema=true); {reevaluate(checkpoint, result)}")
     args = evaluate.parse_args(["--checkpoint", checkpoint, *(["--ema"] if weights == "ema" else [])])
     return evaluate.load_float_model(config_from_dict(payload["config"]), payload, args).eval()
 
@@ -430,11 +436,15 @@ def evaluated_model(run: Run) -> torch.nn.Module:
                 f"{now} of best.pt: best.pt was saved after the evaluation)" if scored is not None else
                 f"{result} records no weights fingerprint (an older evaluate.py wrote it): whether it scored the "
                 f"weights {checkpoint} holds now is unknown")
-        raise ReportError(f"{what}; re-evaluate it: "
-                          f"run the sweep again with --run --evaluate (scripts/sweep.py moves an evaluation older "
-                          f"than best.pt aside), or move it and its _act_max files aside and run python "
-                          f"evaluate.py --checkpoint {checkpoint} --out {result} with the sweep's evaluate settings")
+        raise ReportError(f"{what}; {reevaluate(checkpoint, result)}")
     return model
+
+
+def reevaluate(checkpoint: str, result: str) -> str:
+    """The fix for an evaluation `result` of other weights than `checkpoint` holds now."""
+    return (f"re-evaluate it: run the sweep again with --run --evaluate (scripts/sweep.py moves an evaluation older "
+            f"than best.pt aside), or move it and its _act_max files aside and run python evaluate.py --checkpoint "
+            f"{checkpoint} --out {result} with the sweep's evaluate settings")
 
 
 def run_config(run: Run) -> Config:

@@ -313,6 +313,18 @@ def test_the_alignment_peak_is_of_the_weights_the_evaluation_scored(tmp_path):
         dose_report.evaluated_model(dose_report.read_sweep(str(tmp_path))[0])
 
 
+def test_an_evaluation_of_ema_weights_best_pt_no_longer_holds_is_refused_in_the_reports_words(tmp_path):
+    """best.pt saved again by a run without EMA after its EMA weights were evaluated: refused as a stale
+    evaluation (re-evaluate it), not with evaluate.py's advice to drop an --ema flag nobody gave."""
+    write_run(tmp_path, "baseline_s0", fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=0)
+    path = tmp_path / "baseline_s0" / "eval_best.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "weights": "ema"}))
+    with pytest.raises(dose_report.ReportError) as refused:
+        dose_report.evaluated_model(dose_report.read_sweep(str(tmp_path))[0])
+    assert "baseline_s0/eval_best.json scored EMA weights, but" in str(refused.value)
+    assert "re-evaluate it" in str(refused.value) and "--ema" not in str(refused.value)
+
+
 @pytest.mark.parametrize("edit, path", [(lambda r: r["max_act"].pop("block"), "max_act.block"),
                                         (lambda r: r["quant"]["repq"]["w3a3"].pop("top1"), "quant.repq.w3a3.top1")])
 def test_a_result_without_a_number_the_report_reads_is_named(tmp_path, edit, path):
