@@ -219,7 +219,13 @@ def check_text_for_bool(cfg: ModelConfig, arch: str, kwargs: dict) -> None:
     except Exception:  # noqa: BLE001 - the real build raises (and build_model refuses) the same
         return
     entry = timm.models.model_entrypoint(arch.split(".")[0])
-    parameters = {**inspect.signature(type(built).__init__).parameters, **inspect.signature(entry).parameters}
+    # the arguments of every class the model is, base first: a subclass's __init__(*args, **kwargs) (LeViT's
+    # LevitDistilled) hands its switches (use_conv) to its base's
+    parameters = {}
+    for cls in reversed(type(built).__mro__):
+        if "__init__" in vars(cls):
+            parameters.update(inspect.signature(cls.__init__).parameters)
+    parameters.update(inspect.signature(entry).parameters)
     switches = sorted(key for key in texts if key in parameters and takes_bool(parameters[key]))
     if switches:
         key = switches[0]

@@ -79,6 +79,14 @@ def test_a_text_for_a_true_false_argument_is_refused_and_the_value_it_names_buil
         assert model(torch.randn(1, 3, 32, 32)).shape == (1, 4)
 
 
+def test_a_text_switch_of_the_base_class_of_a_subclass_taking_any_arguments_is_refused():
+    """LeViT's LevitDistilled.__init__(*args, **kwargs) hands use_conv (a bool of Levit.__init__) on: "yes" built
+    the convolutional variant, as would "no"."""
+    message = refusal("model.name=levit_128s", 'model.kwargs.use_conv="no"')
+    assert message.startswith("model.kwargs.use_conv='no': a text for LevitDistilled's true/false argument"), message
+    assert message.endswith("(model.kwargs.use_conv=false)"), message
+
+
 def test_train_and_evaluate_refuse_a_text_switch_with_one_error_line(tmp_path, capsys):
     weights = tmp_path / "w.pt"
     torch.save({}, weights)
