@@ -983,7 +983,17 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
     origin = _origin(annotation)
     if origin is Annotated:  # a value range (constraints.py) on top of the type
         base, *ranges = typing.get_args(annotation)
-        value = coerce_value(value, base, key, source)
+        try:
+            value = coerce_value(value, base, key, source)
+        except RefusedValueError:
+            # a whole float for an int is refused with the int as its fix, unless the int is out of range too:
+            # 'give sched.epochs=0' for sched.epochs=0.0 would send the user to a second refusal
+            if isinstance(value, float) and value.is_integer() and _takes(base, int):
+                problem = next(filter(None, (allowed.violation(int(value)) for allowed in ranges)), None)
+                if problem:
+                    raise RefusedValueError(f"{source}: '{key}' must be a whole number {problem}; got {value!r}",
+                                            key) from None
+            raise
         for allowed in ranges:
             value = allowed.normalize(value) if hasattr(allowed, "normalize") else value  # UserPath: ~ expanded
             if source == SAVED_CONFIG and isinstance(allowed, UserPath):

@@ -50,6 +50,9 @@ from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, run_entry
     # int64 seeds: one past either end is refused
     ("train.seed=9223372036854775808", r"'train.seed' must be >= -9223372036854775808 and <= 9223372036854775807"),
     ("train.seed=-9223372036854775809", r"'train.seed' must be >= -9223372036854775808"),
+    # a whole float for an int out of range: the range, not 'give sched.epochs=0' (refused in turn)
+    ("sched.epochs=0.0", r"^command line: 'sched.epochs' must be a whole number >= 1; got 0.0$"),
+    ("sched.epochs=2.5", r"^command line: 'sched.epochs' expects int, got 2.5 \(float\)$"),
 ])
 def test_a_value_its_consumer_cannot_use_is_refused_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
