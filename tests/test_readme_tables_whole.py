@@ -31,3 +31,18 @@ def test_a_write_cut_short_leaves_the_document_as_it_was(tmp_path):
     assert done.returncode != 0 and "File too large" in done.stderr, done.stderr[-2000:]
     assert doc.read_text(encoding="utf-8") == before
     assert os.listdir(tmp_path) == ["README.md"]
+
+
+def test_a_write_keeps_each_marker_on_a_line_of_its_own(tmp_path, monkeypatch):
+    """The table goes between the markers, each on a line of its own, and the text around them stays as it was: a
+    marker glued to the table's last line is no longer a comment line of its own in the rendered document."""
+    import torch
+
+    from tests.conftest import load_script
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the test process keeps its own thread count
+    doc = tmp_path / "README.md"
+    doc.write_text("# doc\n<!-- b -->\nold table\n<!-- e -->\ntext after\n", encoding="utf-8")
+    load_script("readme_tables").table_command("x", lambda: "| a |\n|---|", doc, "<!-- b -->", "<!-- e -->",
+                                               ["--write"])
+    assert doc.read_text(encoding="utf-8") == "# doc\n<!-- b -->\n| a |\n|---|\n<!-- e -->\ntext after\n"
