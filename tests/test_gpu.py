@@ -555,3 +555,30 @@ def test_the_v_row_check_runs_on_the_models_device_and_moves_no_random_stream(de
         if device == "cuda":
             assert torch.equal(torch.cuda.get_rng_state(device), device_rng)
         assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+
+
+@pytest.mark.gpu
+def test_weight_noise_draws_on_the_weights_gpu_and_leaves_evaluation_clean():
+    """UNIQ's noise (cd/noise.py, the detection study's Noise baseline) on a CUDA layer draws from a generator on
+    the weight's device: a CPU generator there is refused by torch.rand, which no CPU test can see. The training
+    forward is the layer's with uniq_noise's weight and bias of a CUDA generator seeded noise_seed(seed, step, 0);
+    the same step draws the same noise again, another step other noise, evaluation the clean weights."""
+    from cd.noise import WeightNoise, noise_seed, uniq_noise
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8)).to(CUDA).train()
+    layer, x = model[0], torch.randn(4, 16, device=CUDA)
+    noise = WeightNoise(model, bits=4, seed=3)
+    noise.step = 5
+    with torch.no_grad():
+        trained = model(x)
+        gen = torch.Generator(device=CUDA).manual_seed(noise_seed(3, 5, 0))  # weight's draws, then bias's
+        weight, bias = uniq_noise(layer.weight, 4, gen), uniq_noise(layer.bias, 4, gen)
+        assert torch.allclose(trained, x @ weight.T + bias, atol=1e-5)
+        assert torch.equal(model(x), trained)  # one step, one noise
+        noise.step = 6
+        assert not torch.allclose(model(x), trained)
+        clean = x @ layer.weight.T + layer.bias
+        assert not torch.allclose(trained, clean)
+        assert torch.allclose(model.eval()(x), clean, atol=1e-6)
+    noise.remove()
