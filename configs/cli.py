@@ -49,6 +49,8 @@ FOREIGN_FLAGS = {
     "opt": "optim.name={}",
     "sched": "sched.name={}",
     "finetune": "model.pretrained={}",
+    # evaluate.py's flag given to train.py: the checkpoint of a run to continue, or weights to start from
+    "checkpoint": "train.resume={} to continue that run (model.pretrained={} to fine-tune from its weights)",
     "pretrained": "model.pretrained=hub (or a local weights file)",
     "initial_checkpoint": "model.pretrained={}",
     "nb_classes": "model.num_classes={}",

@@ -290,6 +290,10 @@ KEY_NOTE = "; settings are key=value arguments, python {} --help-config lists th
     (train, ["--epochs", "3", "--epochs", "5"], "--epochs is not an option of train.py; use sched.epochs=3" + KEY_NOTE),
     # a command or a flag of ours is no setting: no word about key=value arguments
     (train, ["--eval"], "--eval is not an option of train.py; use python evaluate.py --checkpoint PATH"),
+    # evaluate.py's flag given to train.py twice: the first value is named (it was read as an override and dropped
+    # from the message: 'unrecognized arguments: --checkpoint --checkpoint B')
+    (train, ["--checkpoint", "A", "--checkpoint", "B"], "--checkpoint is not an option of train.py; use "
+     "train.resume=A to continue that run (model.pretrained=A to fine-tune from its weights)" + KEY_NOTE),
     (evaluate, ["--resume", "runs/x/best.pt"],
      "--resume is not an option of evaluate.py; use --checkpoint runs/x/best.pt"),
 ])
