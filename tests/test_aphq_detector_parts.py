@@ -313,8 +313,9 @@ def test_every_reconstruction_option_of_the_detection_recipe_reaches_each_unit(m
                                          QuantizerSpec(4, granularity="channel"), QuantizerSpec(4)),), strict=False)
     feed = ImageFeed(images()[:2])
     detector = StagedDetector()
-    result = aphq_detector.quantize_detector(spec, detector, CalibFeed(images()[:1]), parse_bits("w4a4"), options,
-                                    PipelineData(detector_samples=lambda count, seed: draws.append((count, seed)) or feed))
+    result = aphq_detector.quantize_detector(
+        spec, detector, CalibFeed(images()[:1]), parse_bits("w4a4"), options,
+        PipelineData(detector_samples=lambda count, seed: draws.append((count, seed)) or feed))
     assert [(name, aph) for name, aph, _ in seen] == [("backbone.stages.0.blocks.0", options.loss == "aph"),
                                                       ("neck", False)]  # the RPN head: calibrated only
     assert result.report["calibrated_only"] == ["rpn_head"]

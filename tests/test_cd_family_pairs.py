@@ -44,7 +44,8 @@ def _merge(name, d_in):
 
 def _timm_swin():
     # timm places the merging at the start of stage 1
-    return (_plain("layers.0.blocks.0", D, 4 * D) + _plain("layers.0.blocks.1", D, 4 * D) + _merge("layers.1.downsample", D)
+    return (_plain("layers.0.blocks.0", D, 4 * D) + _plain("layers.0.blocks.1", D, 4 * D)
+            + _merge("layers.1.downsample", D)
             + _plain("layers.1.blocks.0", 2 * D, 8 * D) + _plain("layers.1.blocks.1", 2 * D, 8 * D))
 
 
@@ -98,7 +99,8 @@ WANT = {  # family -> (gated_mlp, the pairs in model order)
     "swin": (False, _timm_swin()),
     "cait": (False, _cait()),
     "eva02": (True, _eva02("blocks.0") + _eva02("blocks.1")),
-    "SwiGLU ViT (aimv2)": (True, [r for i in range(2) for r in _plain(f"blocks.{i}", D, 0)[:2] + _swiglu(f"blocks.{i}", 88)]),
+    "SwiGLU ViT (aimv2)": (True, [r for i in range(2)
+                                  for r in _plain(f"blocks.{i}", D, 0)[:2] + _swiglu(f"blocks.{i}", 88)]),
     "GPT-2 (transformers)": (False, [r for i in range(2) for r in _plain(f"transformer.h.{i}", D, 4 * D, **_GPT2,
                                                                           transposed=True)]),
     "GPT-2, nanoGPT-style (nn.Linear c_attn)": (False, [r for i in range(2)

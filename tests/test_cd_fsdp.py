@@ -224,7 +224,8 @@ def _decay_updated_after_an_evaluation(attached: bool):
         out, weights = run(tiny_vit(), True)
     except ValueError as e:
         return str(e)
-    return max([(out - ref_out).abs().max().item()] + [(weights[n] - q).abs().max().item() for n, q in reference.items()])
+    return max([(out - ref_out).abs().max().item()]
+               + [(weights[n] - q).abs().max().item() for n, q in reference.items()])
 
 
 def _submodule_decay_after_an_evaluation() -> dict:

@@ -458,8 +458,9 @@ def test_one_sequence_of_token_ids_without_its_batch_dim_is_refused_naming_the_f
 
 def test_a_data_folder_named_datasets_on_the_path_is_refused_with_the_folder_and_the_fix(tmp_path, monkeypatch):
     """A folder `datasets/` on sys.path (a project's data folder under the folder Python starts in: the reason this
-    repository's data sets go to data_sets/) is imported as Hugging Face's `datasets` when that is not installed; the Trainer then failed inside train() with
-    "module 'datasets' has no attribute 'Dataset'". The callback refuses it when made, naming the folder."""
+    repository's data sets go to data_sets/) is imported as Hugging Face's `datasets` when that is not installed;
+    the Trainer then failed inside train() with "module 'datasets' has no attribute 'Dataset'". The callback
+    refuses it when made, naming the folder."""
     import importlib.util
     import sys
 

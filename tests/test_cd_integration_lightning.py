@@ -79,8 +79,9 @@ class ScalerOnly(MixedPrecision):
 
 def fit(module, steps, accum=1, clip=None, plugins=None, n_batches=8, ckpt_path=None, callback=None, max_epochs=None):
     trainer = L.Trainer(max_steps=steps, max_epochs=max_epochs, accumulate_grad_batches=accum, gradient_clip_val=clip,
-                        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, plugins=plugins, precision=None if plugins else "64-true",
+                        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, plugins=plugins,
+                        precision=None if plugins else "64-true",
                         callbacks=[callback or ColinearityDecayCallback(lam=LAM)])
     trainer.fit(module, image_loader(n_batches), ckpt_path=ckpt_path)
     return trainer

@@ -93,11 +93,13 @@ def test_a_single_child_not_called_module_keeps_its_name_in_the_pairs():
     # the names are the model's own parameter names (what the optimizer and the state dict use), under DDP too
     model = _Backbone(tiny_vit())
     names = [n for n, _ in model.named_parameters()]
-    want = [f"backbone.blocks.{i}.{w}.weight" for i in range(2) for w in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
+    want = [f"backbone.blocks.{i}.{w}.weight" for i in range(2)
+            for w in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")]
     for wrapped in (model, _Wrapper(model), torch.compile(_Wrapper(model))):
         pairs = find_pairs(wrapped, example_input=torch.zeros(1, 3, 32, 32))
         assert [p.name for p in pairs] == want and set(want) <= set(names)
-        assert [p.upstream_name for p in pairs][:2] == ["backbone.blocks.0.norm1.weight", "backbone.blocks.0.attn.qkv.weight"]
+        assert [p.upstream_name for p in pairs][:2] == ["backbone.blocks.0.norm1.weight",
+                                                        "backbone.blocks.0.attn.qkv.weight"]
 
 
 def test_attention_with_extra_parameters_keeps_its_pairs():

@@ -318,7 +318,8 @@ def test_a_model_on_the_meta_device_is_checked_by_structure_and_meta_forward_onl
 
 
 def test_a_model_with_some_parameters_on_the_meta_device_is_not_run_on_real_values():
-    # one block not yet materialized (deferred init): there are no values to compute with, the check is skipped, not failed
+    # one block not yet materialized (deferred init): there are no values to compute with, the check is skipped,
+    # not failed
     torch.manual_seed(0)
     model = _Net("thirds")
     model.blocks[0].to("meta")

@@ -672,7 +672,8 @@ def _data2vec():
     *[(lambda how=how: (_Stack(lambda: _PostNorm(how)), torch.randn(1, 5, D)), _POST_LAYOUT,
        ("'blocks.0' (_PostNorm)", "norm1")) for how in ("sqrt", "normalize", "qk-norm")],
 ], ids=["bert-post-norm", "torch-post-norm", "torch-pre-norm", "data2vec-pre-norm", "nested-pre-norm",
-        "nested-pre-norm-layer-scale", "nested-pre-norm-position", "sqrt-scale-post-norm", "cosine-post-norm", "qk-norm-post-norm"])
+        "nested-pre-norm-layer-scale", "nested-pre-norm-position", "sqrt-scale-post-norm", "cosine-post-norm",
+        "qk-norm-post-norm"])
 def test_no_pair_found_says_a_post_norm_block_is_one_no_layout_pairs(make, layout, post_norm):
     """"No matrix pair found" advised a cd.Layout for a post-norm block (BERT's layers, nn.TransformerEncoderLayer's
     default), and one written for it is refused when its pairs are checked (the reference: `verify_pairs`' forward);

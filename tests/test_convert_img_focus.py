@@ -508,7 +508,8 @@ def _edited(model, drop=(), add=None):
     add = add or {}
     keep = [t for t in copy.graph.initializer if t.name not in drop and t.name not in add]
     del copy.graph.initializer[:]
-    copy.graph.initializer.extend(keep + [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in add.items()])
+    copy.graph.initializer.extend(keep + [numpy_helper.from_array(np.asarray(v, np.float32), k)
+                                          for k, v in add.items()])
     return copy
 
 

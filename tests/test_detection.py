@@ -457,7 +457,8 @@ def test_gplq_stage1_of_one_epoch_resumes_at_its_iteration_and_a_finished_one_tr
 
 def test_evaluation_refuses_pipeline_options_it_would_not_honour(sample, trained, tmp_path):
     from evaluate_detection import main
-    base = ["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--out", str(tmp_path / "x.json")]
+    base = ["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample,
+            "--out", str(tmp_path / "x.json")]
     for options, message in ((["aphq.calib_images=2"], "--calib-images"),
                              (["aphq.mlp_reconstruct=True"], "mlp_reconstruct"),
                              (["aphq.batch_size=2"], "one image per batch"),

@@ -115,7 +115,8 @@ def test_mismatch_names_missing_unexpected_and_reshaped_keys():
     from engine.detection.model import mismatch
     own = {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(1), "norm0.w": torch.zeros(1)}
     given = {"a": torch.zeros(3, 2), "b": torch.zeros(4), "x": torch.zeros(1), "mask": torch.zeros(1)}
-    assert mismatch(own, given) == "2 missing (e.g. c, norm0.w); 2 unexpected (e.g. mask, x); 1 of another shape (e.g. a)"
+    assert mismatch(own, given) == ("2 missing (e.g. c, norm0.w); 2 unexpected (e.g. mask, x); "
+                                    "1 of another shape (e.g. a)")
     import re
     assert mismatch(own, given, needed=["a", "b"], may_lack=re.compile("^norm"), may_add=re.compile("mask$")) == \
         "1 unexpected (e.g. x); 1 of another shape (e.g. a)"
@@ -599,7 +600,8 @@ def test_max_images_keeps_the_first_images_of_the_test_indices_given(sample, ind
     ids = [image["id"] for image in images]  # the split in file order, read outside MMDetection
     given = json.loads(indices)
     asked = [ids[i] for i in given] if isinstance(given, list) else ids[:given] if given >= 0 else ids[given:]
-    cfg = load_config([SAMPLE_CONFIG], parse_overrides([f"test_dataloader.dataset.indices={indices}"]), data_root=sample)
+    cfg = load_config([SAMPLE_CONFIG], parse_overrides([f"test_dataloader.dataset.indices={indices}"]),
+                      data_root=sample)
 
     def scored(max_images):
         return [s.img_id for batch in build_loader(cfg, "test", max_images) for s in batch["data_samples"]]

@@ -149,7 +149,8 @@ def test_repq_folds_every_layernorm_that_feeds_a_per_channel_input(detector):
     for s, stage in enumerate(detector.backbone.stages):
         for b in range(len(stage.blocks)):
             prefix = f"backbone.stages.{s}.blocks.{b}"
-            expected |= {(f"{prefix}.norm1", f"{prefix}.attn.w_msa.qkv"), (f"{prefix}.norm2", f"{prefix}.ffn.layers.0.0")}
+            expected |= {(f"{prefix}.norm1", f"{prefix}.attn.w_msa.qkv"),
+                         (f"{prefix}.norm2", f"{prefix}.ffn.layers.0.0")}
         if stage.downsample is not None:
             expected.add((f"backbone.stages.{s}.downsample.norm", f"backbone.stages.{s}.downsample.reduction"))
     assert sites == expected

@@ -194,5 +194,6 @@ def test_a_stop_at_max_steps_during_a_streak_names_the_checkpoint_kept(debug_con
     assert result.reason == "max_steps" and result.state.step == max_steps
     assert saved_state(cfg.out_dir)["step"] == 4
     assert (f"stopped at update {max_steps} (train.max_steps); no checkpoint written, the training loss being above "
-            "the divergence guard's threshold: the last one, of update 4, is kept; raise train.max_steps") in caplog.text
+            "the divergence guard's threshold: the last one, of update 4, is kept; "
+            "raise train.max_steps") in caplog.text
     assert "checkpoint saved" not in caplog.text

@@ -409,7 +409,8 @@ def test_every_repository_file_a_documented_command_names_exists(path):
 def test_every_sweep_output_a_documented_command_names_is_under_a_sweeps_out_root():
     """A command that reads a sweep's runs (`paper_table.py runs/sweeps/digits/*/eval_best.json`) names the
     folder its sweep file writes them to (out_root), not the sweep file's name where the two differ."""
-    roots = [str(read_yaml_file(p).get("out_root")) for p in glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml"))]
+    roots = [str(read_yaml_file(p).get("out_root"))
+             for p in glob.glob(os.path.join(ROOT, "configs", "sweeps", "*.yaml"))]
     wrong = [(path, value) for path in DOCUMENTS for value in command_values(path)
              if value.startswith("runs/sweeps/") and not any(value == r or value.startswith(r + "/") for r in roots)]
     assert not wrong, f"no sweep's out_root (configs/sweeps/*.yaml: {sorted(roots)}) holds {wrong}"
@@ -594,7 +595,8 @@ def test_the_committed_lm_study_report_has_the_marks_notes_and_captions_lm_study
             for pipeline, bits in lm_study.COLUMNS + lm_study.ACT_BITS:  # as evaluate.py records each entry
                 settings = json.loads(json.dumps(quant_settings(cfg, pipeline), default=str))
                 result["quant"].setdefault(pipeline, {})[bits] = {"ppl": 4.5, "settings": settings}
-            result["train_seed"] = seed  # as evaluate.py records it (without, the report notes the seeds it cannot tell)
+            # as evaluate.py records it (without, the report notes the seeds it cannot tell)
+            result["train_seed"] = seed
             (folder / "eval_best.json").write_text(json.dumps(result))
     written = lm_study.tables(dose_report.by_point(dose_report.read_sweep(str(tmp_path))))
 

@@ -359,7 +359,8 @@ def test_table_marks_and_refuses_maxima_over_extra_modules():
         return {"model": "m", "method": "CD", "fp": {"top1": 80.0}, "max_act": max_act, "quant": {},
                 "checkpoint": f"s{seed}/best.pt"}
 
-    _, _, plain, marked, _, note = result_table.markdown_table([result(0), result(1, ["patch_embed.proj"])]).splitlines()
+    _, _, plain, marked, _, note = result_table.markdown_table(
+        [result(0), result(1, ["patch_embed.proj"])]).splitlines()
     assert plain == "| m | CD | 80.000 | 4.00 / 3.00 |"
     assert marked == "| m | CD | 80.000 | 5.00‡ / 3.00 |"
     assert note == ('‡ m CD: the module maximum also counts modules outside the blocks: '
@@ -370,7 +371,8 @@ def test_table_marks_and_refuses_maxima_over_extra_modules():
     # alike (an empty list is the default, the order of the patterns plays no part): averaged
     assert result_table.markdown_table([result(0, []), result(1)], over_seeds=True).splitlines()[2] == \
         "| m | CD (n=2) | 80.00 ± 0.00 | 4.50 ± 0.71 / 3.00 ± 0.00 |"
-    assert result_table.markdown_table([result(0, ["a", "b"]), result(1, ["b", "a"])], over_seeds=True).splitlines()[2] \
+    assert result_table.markdown_table([result(0, ["a", "b"]), result(1, ["b", "a"])],
+                                       over_seeds=True).splitlines()[2] \
         == "| m | CD (n=2) | 80.00 ± 0.00 | 4.50 ± 0.71‡ / 3.00 ± 0.00 |"
 
 
@@ -575,7 +577,8 @@ def test_table_columns_cells_and_marks_follow_the_papers_layout():
     settings = json.loads(json.dumps(quant_settings(Config(), "repq"), default=str))
     assert result_table.nondefault_settings("repq", settings) == []
     settings["calibration"]["images"] = Config().quant.calib_images + 1
-    assert result_table.nondefault_settings("repq", settings) == [f"quant.calib_images={Config().quant.calib_images + 1}"]
+    assert result_table.nondefault_settings("repq", settings) == [
+        f"quant.calib_images={Config().quant.calib_images + 1}"]
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -77,7 +77,8 @@ def test_a_token_checkpoint_is_not_scored_on_its_training_token_file(tmp_path):
     for offset, name in enumerate(("train", "val", "test")):  # three texts: a copy of train.bin is refused too
         np.arange(offset, 64 + offset, dtype=np.uint16).tofile(tmp_path / f"{name}.bin")
     trained = dataclasses.replace(DataConfig(), dataset="tokens", root=str(tmp_path))
-    with pytest.raises(ConfigError, match=rf"^data.val_split=train: {re.escape(os.path.realpath(tmp_path / 'train.bin'))} is "
+    with pytest.raises(ConfigError, match=rf"^data.val_split=train: "
+                                          rf"{re.escape(os.path.realpath(tmp_path / 'train.bin'))} is "
                                           r"the train split run.pt was trained on .*of text it was trained on"):
         evaluate.check_not_trained_on(trained, dataclasses.replace(trained, val_split="train"), "run.pt")
     evaluate.check_not_trained_on(trained, dataclasses.replace(trained, val_split="test"), "run.pt")
@@ -202,7 +203,8 @@ def test_a_training_split_that_is_the_scored_val_split_is_refused_before_any_pas
     out = tmp_path / "e.json"
     with pytest.raises(ConfigError, match=rf"^data.train_split={re.escape(split)}: "
                                           rf"{re.escape(os.path.realpath(os.path.join(root, 'val')))} is the val split "
-                                          rf"that is scored \(data.val_split=val\), so {', '.join(pipelines)} would calibrate \(or "
+                                          rf"that is scored \(data.val_split=val\), so {', '.join(pipelines)} "
+                                          rf"would calibrate \(or "
                                           rf"train\) on the images it scores"):
         evaluate.main(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", *pipelines,
                                            f"data.train_split={split}", "--out", str(out)]))

@@ -70,7 +70,8 @@ def test_the_stated_shortest_schedule_is_accepted_and_a_shorter_one_refused():
     load_config(GPU_CONFIGS, ["sched.epochs=1", "sched.warmup_epochs=0.2"])  # the doc's way to one epoch
 
 
-DEVICE_SEND_LIMIT = 64 * 2 ** 20  # what one call of the lent GPU machine's tool may send: the working tree, carried paths
+# what one call of the lent GPU machine's tool may send: the working tree, carried paths
+DEVICE_SEND_LIMIT = 64 * 2 ** 20
 
 
 def test_the_offline_study_carries_its_kit_writes_into_out_and_fits_what_a_call_sends():

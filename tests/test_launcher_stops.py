@@ -107,7 +107,8 @@ def test_a_sweep_evaluation_its_launcher_reports_failed_after_gplq_stage_1_stopp
     path, lines = launcher
     trains = tmp_path / "trains"  # training exits 0, its checkpoint.pt written; evaluate.py under the stand-in
     trains.write_text('#!/bin/sh\ncase "$1" in train.py)\n'
-                      '  for a; do case "$a" in out_dir=*) mkdir -p "${a#out_dir=}"; : > "${a#out_dir=}/checkpoint.pt";; '
+                      '  for a; do case "$a" in out_dir=*) mkdir -p "${a#out_dir=}"; '
+                      ': > "${a#out_dir=}/checkpoint.pt";; '
                       f'esac; done; exit 0;;\nesac\nexec {path} "$@"\n')
     trains.chmod(0o755)
     (lines / "eval.log").write_text(evaluation_stop_lines(tmp_path / "made"))

@@ -142,7 +142,8 @@ def test_a_nanogpt_file_without_the_token_embedding_is_refused_naming_the_missin
     torch.save(blocks_only, tmp_path / "blocks.pt")
     with pytest.raises(ModelError, match=r"does not fit GPT: missing \['wte.weight', 'wpe.weight', 'norm.weight', "
                                          r"'norm.bias', 'head.weight'\]"):
-        build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, pretrained=str(tmp_path / "blocks.pt")))
+        build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0,
+                                pretrained=str(tmp_path / "blocks.pt")))
 
 
 @pytest.mark.parametrize("setting, expected", [("num_classes=80", "set model.num_classes=65 to load it"),

@@ -56,8 +56,8 @@ def test_tables_match_hand_computed_values(sweep, tmp_path):
            "- | - | - | - |" in report
     assert "| cd10x | 0 | 4.100 | 4.102 | 4.500 | 4.110 | 4.100 | - | - | - | - |" in report
     # final energies (fc2: 110 ± 14.1), block maxima, kurtosis
-    assert "| baseline | 8.0 ± 0.0 | 4.0 ± 0.0 | 6.0 ± 0.0 | 110.0 ± 14.1 | 9.00 ± 0.00 | 25.00 ± 7.07 | 12.0 ± 2.8 |" \
-        in report
+    assert ("| baseline | 8.0 ± 0.0 | 4.0 ± 0.0 | 6.0 ± 0.0 | 110.0 ± 14.1 | 9.00 ± 0.00 | 25.00 ± 7.07 | "
+            "12.0 ± 2.8 |") in report
     # activation bits: baseline gaps 1.0 and 1.4 (each run against its own fp32): 1.2 ± 0.283; SQ W8A8 gaps 0
     assert "| baseline | - | - | 1.200 ± 0.283 | - | 0.000 ± 0.000 | - | - | - |" in report
     assert "| cd10x | - | - | - | - | 0.000 | - | - | - |" in report

@@ -148,7 +148,8 @@ TWEO_VARIANTS = ("paper", "not_rescaled", "whole_model", "iteration_step", "unsc
 
 def tweo_reference(initial, batches, iters, accum, lam, variant, last_losses=None):
     """float64 plain loop: per micro-batch (CE + lam(t) * L_TWEO * detach(CE / L_TWEO)) / accum, L_TWEO the mean
-    over the backbone's blocks of mean((|A| / (3 + 1e-6))^4) (App. A.3, Eq. (26)), t the update index, cosine lam over the updates.
+    over the backbone's blocks of mean((|A| / (3 + 1e-6))^4) (App. A.3, Eq. (26)), t the update index, cosine lam
+    over the updates.
     `last_losses`, a dict, receives the last micro-batch's task loss, L_TWEO and term."""
     net = copy.deepcopy(initial)
     opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WD)
@@ -552,8 +553,9 @@ def test_a_training_forward_that_raises_leaves_the_clean_parameters_in_place():
 def test_a_layer_called_inside_its_own_forward_is_refused_and_keeps_its_parameters():
     """A layer whose forward calls itself (a recursive module): unguarded, the inner call would record the outer
     call's noisy tensor as the clean weight and put it back, and the outer call find nothing to restore: a plain
-    tensor in the Parameter's place, which the optimizer no longer steps. The re-entered training forward is refused, and both the weight and the bias
-    are the layer's own Parameters afterwards (identity, not value); its next plain training forward runs."""
+    tensor in the Parameter's place, which the optimizer no longer steps. The re-entered training forward is
+    refused, and both the weight and the bias are the layer's own Parameters afterwards (identity, not value); its
+    next plain training forward runs."""
     from cd.noise import WeightNoise
 
     class Twice(nn.Linear):

@@ -372,7 +372,8 @@ def test_pipeline_data_names_what_a_pipeline_lacks_and_builds_work_paths_only_fr
 
     with pytest.raises(ValueError, match=r"the 'aphq' pipeline draws its own training images: pass data=PipelineData"):
         require_data("aphq", None)
-    with pytest.raises(ValueError, match=r"PipelineData.train_images \(or detector_samples for a detector\) is required"):
+    with pytest.raises(ValueError,
+                       match=r"PipelineData.train_images \(or detector_samples for a detector\) is required"):
         require_data("aphq", PipelineData(train_loader=draw))
     for data in (PipelineData(train_images=draw), PipelineData(detector_samples=draw)):
         assert require_data("aphq", data) is data

@@ -174,8 +174,8 @@ def test_train_counts_a_language_models_calibration_windows_before_training(tmp_
     monkeypatch.setattr(train, "train_epochs", trains)
     _token_split(tmp_path, windows=10)
     cfg = load_config([os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")],
-                      [f"out_dir={tmp_path / 'run'}", "data.dataset=tokens", f"data.root={tmp_path}", "train.batch_size=8",
-                       "data.val_windows=2", *overrides])  # the val.bin's two (more are refused)
+                      [f"out_dir={tmp_path / 'run'}", "data.dataset=tokens", f"data.root={tmp_path}",
+                       "train.batch_size=8", "data.val_windows=2", *overrides])  # the val.bin's two (more are refused)
     with caplog.at_level("WARNING", logger="train"), pytest.raises(ConfigError if refused else Started) as raised:
         train.main(cfg)
     if refused:

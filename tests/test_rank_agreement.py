@@ -123,8 +123,9 @@ def outcomes(tmp_path_factory) -> dict:
              ("train_bad_plan", "train", [[*argv, *bits] for argv, bits in zip(
                  run("train_bad_plan", "a"), ([], ["quant.bits=[w4a4,w4a4]"]))]),
              ("eval_no_checkpoint", "evaluate", score("eval_no_checkpoint", "a", str(work / "node2" / "none.pt"))),
-             ("train_no_config_in_group", "train_command_in_group", [["--config", config, *argv] for config, argv in zip(
-                 (DEBUG_CONFIG, str(work / "missing.yaml")), run("train_no_config_in_group", "a"))]),
+             ("train_no_config_in_group", "train_command_in_group", [
+                 ["--config", config, *argv] for config, argv in zip(
+                     (DEBUG_CONFIG, str(work / "missing.yaml")), run("train_no_config_in_group", "a"))]),
              # a --config file that no node has: each rank its own error
              ("train_no_config_anywhere", "train_command", [["--config", str(work / "missing.yaml"),
                                                             *run("nowhere2", "a")[0]]] * 2),
@@ -255,8 +256,9 @@ def test_ranks_given_checkpoints_of_other_runs_stop_naming_the_checkpoint(outcom
     ("eval_no_out", "making the --out folder", ("RunDirError", "a_file")),
     ("resume_missing", "finding the checkpoint to resume from", ("CheckpointError", "missing.pt: no such file"))])
 def test_a_file_one_node_lacks_stops_that_rank_with_its_error_and_the_others_saying_so(outcomes, case, what, error):
-    """Rank 1's node lacks data.root or the train.resume file, or cannot make --out's folder: it raised alone, and rank 0 went on into the next
-    collective (gloo: a traceback when rank 1's process ended; NCCL: a wait until the watchdog)."""
+    """Rank 1's node lacks data.root or the train.resume file, or cannot make --out's folder: it raised alone, and
+    rank 0 went on into the next collective (gloo: a traceback when rank 1's process ended; NCCL: a wait until the
+    watchdog)."""
     (kind0, first), (kind1, second) = outcomes[case]
     assert (kind0, first) == ("OtherRankError", f"rank 0: another rank failed {what}; its output says why")
     assert kind1 == error[0] and error[1] in second, second

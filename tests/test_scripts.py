@@ -616,7 +616,8 @@ def test_motivation_figure_places_each_result_and_scales_areas_with_max_activati
                                                       ("vit_b", "CD", 77.8, 45.6, 162.4),
                                                       ("vit_b", "TWEO", 77.0, 20.0, 30.0)]):
         result = {"model": model, "method": method, "fp": {"top1": 81.0},
-                  "max_act": {"module": mod, "block": blk}, "quant": {"repq": {"w4a4": {"top1": q}}, "percentile": {"w4a4": {"top1": 1.0}}}}
+                  "max_act": {"module": mod, "block": blk},
+                  "quant": {"repq": {"w4a4": {"top1": q}}, "percentile": {"w4a4": {"top1": 1.0}}}}
         path = tmp_path / f"r{i}.json"
         path.write_text(json.dumps(result))
         files.append(str(path))
@@ -1043,7 +1044,8 @@ def stand_in(tmp_path, monkeypatch):
     monkeypatch.setenv("CODES", str(codes))
     _checkpoint_of(codes, step=12, epoch=3)  # what train.py leaves: a finished run's checkpoint.pt
     spec = tmp_path / "s.yaml"
-    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\nruns:\n  a: []\n  b: []\n  c: []\n")
+    spec.write_text(f"configs: [configs/debug/tiny.yaml]\nout_root: {tmp_path}/runs\n"
+                    "runs:\n  a: []\n  b: []\n  c: []\n")
     return str(spec), codes, str(launcher)
 
 

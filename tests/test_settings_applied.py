@@ -153,8 +153,8 @@ def test_a_file_value_the_run_would_not_read_is_refused_naming_the_file(tmp_path
     lm = os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")
     with pytest.raises(IgnoredOverrideError, match=rf"^{images}: data.mixup=0.3 would be ignored: data.mixup is "
                                                    rf"read only when data.dataset is folder or digits or synthetic, "
-                                                   rf"and it is kjv; drop it from {images}, or layer it over a recipe whose "
-                                                   rf"data.dataset is folder or digits or synthetic$"):
+                                                   rf"and it is kjv; drop it from {images}, or layer it over a recipe "
+                                                   rf"whose data.dataset is folder or digits or synthetic$"):
         load_config([lm, str(images)])
     # the LM recipe layered over the image settings replaces the data set on purpose: they are moot
     assert load_config([str(images), lm]).data.dataset == "kjv"

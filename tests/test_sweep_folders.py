@@ -316,7 +316,8 @@ def test_the_evaluate_lists_training_transform_setting_is_left_to_a_pipeline_tha
     # train.*, optim.*, log.*, cd.*: evaluate.py refused them after the training (its autocast is --amp)
     ("['train.amp=bf16']", r"'train.amp=bf16' in the sweep's evaluate list: evaluate.py does not read training "
                            r"settings \(train.amp\).*drop it from 'evaluate'"),
-    ("['quant.calib_images=8', 'optim={lr: 0.1}']", r"'optim=\{lr: 0.1\}' in the sweep's evaluate list: .*\(optim.lr\)"),
+    ("['quant.calib_images=8', 'optim={lr: 0.1}']",
+     r"'optim=\{lr: 0.1\}' in the sweep's evaluate list: .*\(optim.lr\)"),
     ("['log.act_max=true']", r"'log.act_max=true' .*\(log.act_max\)"),
     ("['cd.enabled=true']", r"'cd.enabled=true' .*\(cd.enabled\)")])
 def test_the_evaluate_lists_unread_training_setting_is_refused_naming_the_list(tmp_path, evaluate_list, says):

@@ -19,7 +19,8 @@ from tests.test_sweep_unsaved_run import summary, sweep_in_process
 
 import sweep  # noqa: E402  (scripts/, on the path of the tests)
 
-WITHHELD = "failed during training: stopped at train.max_steps at update 8 with its checkpoint withheld (divergence guard"
+WITHHELD = ("failed during training: stopped at train.max_steps at update 8 with its checkpoint withheld "
+            "(divergence guard")
 
 
 def test_a_real_run_whose_writes_the_guard_withheld_up_to_max_steps_fails_the_sweep(tmp_path, monkeypatch, capfd):

@@ -236,7 +236,8 @@ def test_a_run_written_before_the_schedule_check_resumes_and_a_fresh_one_is_refu
     monkeypatch.undo()
     code, out, err = run_entry("train.py", [*settings, f"out_dir={tmp_path / 'old'}", "train.max_steps=2"], capsys)
     assert code == 0, err
-    assert "sched.min_lr=1e-05 is above the peak learning rate" in out + err and "continues as it was written" in out + err
+    assert "sched.min_lr=1e-05 is above the peak learning rate" in out + err \
+        and "continues as it was written" in out + err
     code, _, err = run_entry("train.py", [*settings, f"out_dir={tmp_path / 'new'}", "train.max_steps=1"], capsys)
     assert code == 1 and err.strip().startswith("error: sched.min_lr=1e-05 is above the peak") and len(
         err.strip().splitlines()) == 1
