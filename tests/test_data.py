@@ -653,3 +653,27 @@ def test_a_model_of_another_class_count_is_refused_for_digits():
         build_dataset(DataConfig(dataset="digits"), "val", img_size=16, num_classes=9, train_transform=False)
     assert len(build_dataset(DataConfig(dataset="digits"), "val", img_size=16, num_classes=10,
                              train_transform=False)) == 360
+
+
+@pytest.mark.parametrize("world, rank", [(1, 0), (2, 1)])
+def test_repeated_augmentation_deals_each_epoch_its_own_order_of_the_runs_seed_and_the_epoch(world, rank):
+    """data.repeated_aug: timm's RepeatAugSampler shuffles by the epoch number it is given, which SeededSampler
+    mixes from (train.seed, epoch). Written out by hand (DeiT's RASampler): a permutation of a generator seeded
+    mix_seed(seed, epoch) mod 2^31, each index repeated k times in a row, dealt round-robin to the ranks, each
+    rank's first floor(n // 256 * 256 / world) kept. A seed that leaves out the epoch gave every epoch one order."""
+    from timm.data.distributed_sampler import RepeatAugSampler
+
+    from data.samplers import SeededSampler
+    from engine.rng import mix_seed
+
+    n, k, seed = 600, 3, 5
+    sampler = SeededSampler(RepeatAugSampler(range(n), num_replicas=world, rank=rank, shuffle=True, num_repeats=k),
+                            seed=seed, rank=rank)
+    orders = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        orders.append([index for index, _ in sampler])
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(mix_seed(seed, epoch) % 2 ** 31)).tolist()
+        dealt = [i for i in perm for _ in range(k)][rank::world]
+        assert orders[-1] == dealt[:n // 256 * 256 // world], epoch
+    assert orders[0] != orders[1] != orders[2] != orders[0]
