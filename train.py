@@ -212,9 +212,10 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
         metrics_fingerprint = payload.get(METRICS_FINGERPRINT) if is_inside(resume_path, cfg.out_dir) else None
         if kept := keep_abandoned_checkpoint(cfg.out_dir, resume_path, run.state.step, dist.is_main, dist.device):
             log.warning("checkpoint.pt of the branch this run leaves kept as %s", kept)
-        every, state = cfg.train.keep_every_epochs, run.state
-        if (every and os.path.abspath(resume_path) == os.path.abspath(run.ckpt_path) and state.epoch_batches == 0
-                and state.epoch and state.epoch % every == 0):  # at a kept epoch's end, its snapshot maybe not kept
+        # at an epoch's end of out_dir's own checkpoint.pt, its snapshot maybe not kept: whether one was owed is the
+        # writing run's train.keep_every_epochs (snapshot_owed), not this run's, which may have changed it
+        state = run.state
+        if os.path.abspath(resume_path) == os.path.abspath(run.ckpt_path) and state.epoch_batches == 0 and state.epoch:
             if kept := keep_missing_snapshot(run.ckpt_path, payload, state.epoch, dist.is_main, dist.device):
                 log.warning("epoch %d kept as %s: the run that wrote checkpoint.pt at its end stopped before it "
                             "kept it", state.epoch, kept)
