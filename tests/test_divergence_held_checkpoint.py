@@ -242,3 +242,22 @@ def test_a_held_write_the_next_run_cannot_tell_dead_is_kept_and_named(tmp_path, 
     assert os.path.exists(own) and os.path.exists(other_machine)
     (line,) = [r.getMessage() for r in caplog.records if "kept in" in r.getMessage()]
     assert os.path.basename(own) in line and os.path.basename(other_machine) in line
+
+
+def test_an_epochs_end_write_the_guard_drops_keeps_no_snapshot_of_that_epoch(debug_config, tmp_path):
+    """train.keep_every_epochs=1: epoch 2's snapshot waits for its held write of update 8, which update 9's loss
+    (optim.lr=3.0 from update 8 on) drops. Kept anyway, snapshots/epoch0002.pt would be a link to checkpoint.pt of
+    update 7 (an earlier update's weights under epoch 2's name, which a roll-back to it would take); now epoch 1's
+    is the only one. Reference: checkpoint.pt of a straight run stopped at epoch 1's end (update 4)."""
+    every = "train.keep_every_epochs=1"
+    train.main(debug_config(*EVERY_UPDATE, every, "train.max_steps=4", name="reference"))
+    cfg = debug_config(*EVERY_UPDATE, every, "train.max_steps=7")
+    assert train.main(cfg).state.step == 7
+    with pytest.raises(DivergenceError, match="the last one, of update 7, is kept"):
+        train.main(debug_config(*EVERY_UPDATE, every, "optim.lr=3.0", "train.allow_changed_config=true"))
+    assert sorted(os.listdir(os.path.join(cfg.out_dir, "snapshots"))) == ["epoch0001.pt"]
+    kept = load_checkpoint(os.path.join(cfg.out_dir, "snapshots", "epoch0001.pt"))
+    ref = load_checkpoint(os.path.join(debug_config(name="reference").out_dir, "checkpoint.pt"))
+    assert kept["state"]["step"] == ref["state"]["step"] == 4
+    assert kept["model"].keys() == ref["model"].keys()
+    assert all(torch.equal(kept["model"][k], ref["model"][k]) for k in ref["model"])

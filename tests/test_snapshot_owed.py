@@ -88,3 +88,19 @@ def test_a_rerun_of_a_finished_run_without_hard_links_keeps_no_second_copy(tmp_p
     assert snapshots_of(tmp_path / "run") == ["epoch0001.pt", "epoch0002.pt"]
     train.main(debug_config("train.keep_every_epochs=1"))  # the same command again
     assert snapshots_of(tmp_path / "run") == ["epoch0001.pt", "epoch0002.pt"]
+
+
+def test_a_rerun_after_a_roll_back_keeps_no_second_snapshot_of_an_epoch_passed_again(tmp_path, debug_config):
+    """A roll-back to snapshots/epoch0001.pt (another optim.lr: other weights) passes epoch 2 again and keeps it as
+    epoch0002-1.pt beside the old branch's epoch0002.pt. The same command again (a requeue of the finished run)
+    resumes at that end, whose snapshot is epoch0002-1.pt: nothing is owed. A search of epoch0002.pt alone found
+    the old branch's only and added epoch0002-2.pt. Reference: the fixed list the roll-back keeps."""
+    train.main(debug_config("train.keep_every_epochs=1"))
+    back = ("train.keep_every_epochs=1", f"train.resume={tmp_path / 'run/snapshots/epoch0001.pt'}", "optim.lr=1e-4",
+            "train.allow_changed_config=true")
+    assert train.main(debug_config(*back)).state.step == 8
+    kept = ["epoch0001.pt", "epoch0002-1.pt", "epoch0002.pt"]
+    assert snapshots_of(tmp_path / "run") == kept
+    assert not same_snapshot(tmp_path / "run/snapshots/epoch0002.pt", tmp_path / "run/snapshots/epoch0002-1.pt")
+    train.main(debug_config(*back))  # the same command again
+    assert snapshots_of(tmp_path / "run") == kept
