@@ -166,30 +166,6 @@ def test_a_stop_or_a_kill_between_two_log_steps_logs_the_windows_of_a_run_never_
     assert logged_series(tmp_path / "killed") == straight
 
 
-def test_a_kill_between_an_epochs_checkpoint_and_its_snapshot_keeps_the_snapshot_on_resume(tmp_path, debug_config,
-                                                                                         monkeypatch):
-    """train.keep_every_epochs links checkpoint.pt as snapshots/epoch<E>.pt just after writing it at the epoch's
-    end: killed in between, the resumed run began the next epoch and epoch 1's snapshot was never kept. The resume
-    at that end keeps it: the snapshot a run never stopped keeps (its weights and state)."""
-    from engine import snapshots
-
-    run = ("train.keep_every_epochs=1",)
-    train.main(debug_config(*run, name="straight"))
-    link = snapshots.link_or_copy
-    monkeypatch.setattr(snapshots, "link_or_copy", killed_at_the_snapshot("epoch0001.pt"))
-    with pytest.raises(Killed):
-        train.main(debug_config(*run, name="killed"))
-    assert not os.listdir(tmp_path / "killed" / "snapshots")
-    monkeypatch.setattr(snapshots, "link_or_copy", link)
-    train.main(debug_config(*run, name="killed"))
-    assert sorted(os.listdir(tmp_path / "killed" / "snapshots")) == ["epoch0001.pt", "epoch0002.pt"]
-    for epoch in ("epoch0001.pt", "epoch0002.pt"):
-        kept, straight = (torch.load(tmp_path / name / "snapshots" / epoch, weights_only=True)
-                          for name in ("killed", "straight"))
-        assert kept["state"] == straight["state"], epoch
-        assert all(torch.equal(kept["model"][k], straight["model"][k]) for k in straight["model"]), epoch
-
-
 def snapshots_of(out_dir) -> list[str]:
     folder = out_dir / "snapshots"
     return sorted(os.listdir(folder)) if folder.is_dir() else []

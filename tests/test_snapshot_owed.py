@@ -38,24 +38,30 @@ def test_a_resume_with_another_keep_every_epochs_keeps_the_snapshot_the_killed_r
     assert same_snapshot(tmp_path / "killed/snapshots/epoch0001.pt", tmp_path / "straight/snapshots/epoch0001.pt")
 
 
-def test_a_kill_before_the_link_of_a_snapshot_every_two_epochs_keeps_it_on_resume(tmp_path, debug_config,
-                                                                                   monkeypatch):
-    """keep_every_epochs=2: killed before linking epoch0002.pt, the resume at epoch 2's end keeps it. Guards the
-    epoch test of snapshot_owed beyond keep_every_epochs=1 (every epoch divides by 1, so an epoch off by one there
-    passed): epoch 2 is owed, epoch 1 is not. Reference: a straight run's snapshot, state and weights."""
+@pytest.mark.parametrize("every, owed, kept", [(1, "epoch0001.pt", ["epoch0001.pt", "epoch0002.pt"]),
+                                               (2, "epoch0002.pt", ["epoch0002.pt"])])
+def test_a_kill_between_an_epochs_checkpoint_and_its_snapshot_keeps_the_snapshot_on_resume(tmp_path, debug_config,
+                                                                                         monkeypatch, every, owed,
+                                                                                         kept):
+    """train.keep_every_epochs links checkpoint.pt as snapshots/epoch<E>.pt just after writing it at the epoch's
+    end: killed in between, the resumed run began the next epoch and that snapshot was never kept. The resume at
+    that end keeps it. keep_every_epochs=2 guards the epoch test of snapshot_owed beyond 1 (every epoch divides by
+    1, so an epoch off by one there passed): epoch 2 is owed, epoch 1 is not. Reference: a straight run's
+    snapshots, state and weights."""
     from engine import snapshots
 
-    run = ("train.keep_every_epochs=2",)
+    run = (f"train.keep_every_epochs={every}",)
     train.main(debug_config(*run, name="straight"))
     link = snapshots.link_or_copy
-    monkeypatch.setattr(snapshots, "link_or_copy", killed_at_the_snapshot("epoch0002.pt"))
+    monkeypatch.setattr(snapshots, "link_or_copy", killed_at_the_snapshot(owed))
     with pytest.raises(Killed):
         train.main(debug_config(*run, name="killed"))
     assert snapshots_of(tmp_path / "killed") == []
     monkeypatch.setattr(snapshots, "link_or_copy", link)
     train.main(debug_config(*run, name="killed"))
-    assert snapshots_of(tmp_path / "killed") == snapshots_of(tmp_path / "straight") == ["epoch0002.pt"]
-    assert same_snapshot(tmp_path / "killed/snapshots/epoch0002.pt", tmp_path / "straight/snapshots/epoch0002.pt")
+    assert snapshots_of(tmp_path / "killed") == snapshots_of(tmp_path / "straight") == kept
+    for epoch in kept:
+        assert same_snapshot(tmp_path / "killed/snapshots" / epoch, tmp_path / "straight/snapshots" / epoch), epoch
 
 
 def test_a_stop_mid_epoch_and_its_resume_keep_the_snapshots_of_a_straight_run(tmp_path, debug_config):
