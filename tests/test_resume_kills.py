@@ -10,7 +10,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 import train
 from tests.conftest import DEBUG_CONFIG, ROOT
