@@ -792,6 +792,10 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
         if line := cd_change_unsaid(payload["config"], cfg, payload["cd"].get("config"),
                                     run.decay.state_dict()["config"]):
             log.warning("%s", line, extra=SAME_ON_EVERY_RANK)
+    elif run.decay is not None:  # cd.enabled turned on here (a CD run's checkpoints always hold its state): no CD
+        # update ran before, but the update number its norms_every counts is the run's, so that the update norms
+        # fall on the log steps (from 0 they were computed at the updates a multiple past the resume instead)
+        run.decay.load_state_dict({"num_updates": 0, "steps": state.step, "config": None})
     own = os.path.abspath(resume_path) == os.path.abspath(run.ckpt_path)
     # the wandb run goes on where the run does (its checkpoint.pt, or one of its snapshots: MetricLogger derives a
     # new id from it for a roll-back); another run's checkpoint (train.resume into a new out_dir) starts a new one:

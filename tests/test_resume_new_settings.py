@@ -1,7 +1,10 @@
 """Settings a resume may change that come with state or records of their own (docs/operations.md, Resume): quant.*,
 recorded in best.pt and checkpoint.pt as the defaults of `evaluate.py --checkpoint`; train.amp=fp16's loss scale
-and train.ema's average, turned on or off with train.allow_changed_config=true."""
+and train.ema's average, turned on or off with train.allow_changed_config=true; CD turned on, whose update norms
+fall on the run's log steps."""
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -86,3 +89,24 @@ def test_ema_turned_on_at_a_resume_is_refused_in_one_line_naming_train_ema(debug
     train.main(debug_config("train.ema=true", "train.max_steps=3", name="ema"))
     resumed = train.main(debug_config("train.ema=false", "train.allow_changed_config=true", name="ema"))
     assert resumed.state.step == 8 and "model_ema" not in load(debug_config(name="ema").out_dir, "checkpoint.pt")
+
+
+def test_cd_turned_on_at_a_resume_logs_the_update_norm_of_each_log_step(debug_config):
+    """CD turned on at a resume at update 4 (train.allow_changed_config=true) computes its update norms at the
+    updates that are multiples of train.log_every_steps=3, counted from the run's start: the norm logged at update 6
+    is update 6's, and the epoch's end at update 8 holds it. Reference: the same resume logging every update (the
+    log cadence changes no weight), whose record of update 6 is that update's norm. A counter started at 0 at the
+    resume logged no norm at update 6 and update 7's at update 8."""
+    train.main(debug_config("train.max_steps=4", "log.tensorboard=false", name="every3"))
+    shutil.copytree(debug_config(name="every3").out_dir, debug_config(name="every1").out_dir)
+    logged = {}
+    for name, every in (("every3", 3), ("every1", 1)):
+        cfg = debug_config("cd.enabled=true", "train.allow_changed_config=true", f"train.log_every_steps={every}",
+                           "log.tensorboard=false", name=name)
+        train.main(cfg)
+        with open(os.path.join(cfg.out_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+        logged[name] = {r["step"]: {k: v for k, v in r.items() if k.startswith("cd/update_norm/")} for r in records
+                        if any(k.startswith("cd/update_norm/") for k in r)}
+    assert sorted(logged["every3"]) == [6, 8], logged["every3"]
+    assert logged["every1"][6] and all(logged["every3"][step] == logged["every1"][6] for step in (6, 8)), logged
