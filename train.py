@@ -73,8 +73,8 @@ from engine.resume import (check_schedule_holds, continue_sample_order, epoch_la
 from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, check_same_weights_on_every_rank,
                               keep_abandoned_checkpoint, keep_missing_snapshot, keep_snapshot, resume_source,
                               started_at_step)
-from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside, resumes_in,
-                            save_config_history, start_only_changes, training_changes, validation_changes)
+from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside, recorded_setting,
+                            resumes_in, save_config_history, start_only_changes, training_changes, validation_changes)
 from engine.running_stats import average_running_stats
 from engine.start_weights import START_WEIGHTS, classifier_keys, start_record
 from engine.runinfo import SAME_ON_EVERY_RANK, exit_with_error, foreign_log, log_environment, setup_logging
@@ -1172,12 +1172,12 @@ def check_resumable(saved: dict, current: Config, source: str, warn: bool = True
     # they add no parameter, and a change of them is one more changed setting below)
     architecture = [k for k in current_d["model"] if k not in ("pretrained", "pretrained_strict", "drop_path", "drop")]
 
-    def built(model: dict, key: str):
-        value = model.get(key)
+    def built(config: dict, key: str):  # a key the checkpoint predates: the value its run had (model.attn's softmax)
+        value = recorded_setting(config, f"model.{key}")
         return without_dropout_rates(value) if key == "kwargs" and isinstance(value, dict) else value
 
-    differ = [f"model.{k}: {saved['model'].get(k)!r} -> {current_d['model'][k]!r}" for k in architecture
-              if built(saved["model"], k) != built(current_d["model"], k)]
+    differ = [f"model.{k}: {recorded_setting(saved, f'model.{k}')!r} -> {current_d['model'][k]!r}"
+              for k in architecture if built(saved, k) != built(current_d, k)]
     if differ:
         raise CheckpointError(f"{source} was written for model {saved['model'].get('name')} with other settings "
                               f"({'; '.join(differ)}): {other}, or use the original model settings")

@@ -96,8 +96,17 @@ VALIDATION_KEYS = ("data.val_split", "data.val_windows", "data.kjv_val_fraction"
 
 # Settings added since runs were first written, with the value that a run whose config lacks the key ran with (its
 # config.yaml and checkpoints predate the key): compared as that value on resume, not as a change from none.
-# train.tf32: train.py turned TF32 on, for every run, before the key existed.
-SETTINGS_BEFORE_THEIR_KEY = {"train.tf32": True}
+# train.tf32: train.py turned TF32 on, for every run, before the key existed; model.attn: every model had timm's
+# softmax attention before the attention-sink variants (907cb62f).
+SETTINGS_BEFORE_THEIR_KEY = {"train.tf32": True, "model.attn": "softmax"}
+
+
+def recorded_setting(config: dict, key: str) -> Any:
+    """`key` ('section.name') as a run of `config` (a nested dict: a checkpoint's) ran with it: its value, or the one
+    of SETTINGS_BEFORE_THEIR_KEY where the config predates the key; None where neither gives one."""
+    section, name = key.split(".", 1)
+    values = config.get(section) or {}
+    return values[name] if name in values else SETTINGS_BEFORE_THEIR_KEY.get(key)
 
 
 class RunDirError(ValueError):

@@ -344,6 +344,23 @@ def test_fine_tuning_a_run_with_another_attention_says_so(tmp_path, caplog):
     assert "was trained with" not in caplog.text  # it records no attention variant: nothing to compare
 
 
+def test_a_checkpoint_written_before_model_attn_resumes_as_softmax(debug_config, caplog):
+    """Runs written before model.attn existed (907cb62f) trained timm's softmax attention: their checkpoint's config
+    lacks the key, and resumes with the default as the same model, with no changed setting; model.attn=softmax1
+    there is another model, named as softmax -> softmax1. Refused as 'model.attn: None -> softmax', such a run
+    could not resume at all: the fix it gave, its original model settings, has no value to pass."""
+    train.main(debug_config("train.max_steps=2", "log.tensorboard=false"))
+    path = debug_config().out_dir + "/checkpoint.pt"
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    del payload["config"]["model"]["attn"]
+    torch.save(payload, path)
+    with pytest.raises(CheckpointError, match=r"other settings \(model\.attn: 'softmax' -> 'softmax1'\)"):
+        train.main(debug_config("train.max_steps=3", "log.tensorboard=false", "model.attn=softmax1"))
+    with caplog.at_level("WARNING"):
+        assert train.main(debug_config("train.max_steps=3", "log.tensorboard=false")).state.step == 3
+    assert "resuming with changed settings" not in caplog.text
+
+
 # -- quantization --------------------------------------------------------------------------------------
 FAST = {
     "percentile": None,
