@@ -61,7 +61,8 @@ its best.pt holds) was evaluated under another --amp is refused before anything 
 checkpoint.pt train.py would not continue with the sweep's settings (a setting edited in the sweep file since it
 trained: cd.lam) or its length and layout, also with train.allow_changed_config=true (a schedule now shorter than its
 update, another train.batch_size: another number of updates per epoch; where its data settings changed, the count
-is train.py's, at its turn), and with --evaluate one whose eval_best.json
+is train.py's, at its turn), one whose folder train.py would not claim (an earlier run's files without a
+checkpoint.pt, but the logs of the same command, which it restarts), and with --evaluate one whose eval_best.json
 holds an entry the evaluate list now computes with other settings (quant.calib_images added): --recompute gives such a
 run's evaluate.py command --recompute (the old entries are kept in the file's history).
 """
@@ -926,17 +927,21 @@ def refuse_results_of_another_autocast(runs: list[dict], eval_amp: Optional[str]
 def refuse_changed_training_settings(runs: list[dict], sweep_path: str, world_size: Optional[int]) -> None:
     """train.py continues the checkpoint.pt in a run's folder only with the settings it was written with (train.py's
     check_resumable, which this runs: train.allow_changed_config=true aside) and only where the run's length and
-    layout can continue it (check_resume_length: also with train.allow_changed_config=true): a run whose settings in
-    the sweep file were changed since (cd.lam of a finished run; a shorter sched.epochs) was refused at its turn,
-    after the runs before it had trained, or validated and been evaluated again, and the later runs were not
-    started. Refused before anything starts (ConfigError), saying what to do in the sweep's terms (it names out_dir
-    itself). `world_size`: the processes the launcher starts (None: it does not say, and the checks of the layout
-    are left to train.py). Left to train.py's start, as before: a run with train.resume (which checkpoint it
-    continues depends on both files), and a checkpoint.pt whose config cannot be read (train.py's error names what
-    is wrong with the file)."""
+    layout can continue it (check_resume_length: also with train.allow_changed_config=true), and it claims the
+    folder first (engine/run_dir.check_claim, as train.py --print-config asks it, nothing moved): files of an earlier
+    run without a checkpoint.pt are refused unless they are the logs of the same command (a run that stopped before
+    its first checkpoint and whose settings were edited since). A run whose settings in the sweep file were changed
+    since (cd.lam of a finished run; a shorter sched.epochs) was refused at its turn, after the runs before it had
+    trained, or validated and been evaluated again, and the later runs were not started. Refused before anything
+    starts (ConfigError), saying what to do in the sweep's terms (it names out_dir itself). `world_size`: the
+    processes the launcher starts (None: it does not say, and the checks of the layout are left to train.py). Left to
+    train.py's start, as before: a run with train.resume (which checkpoint it continues depends on both files), and a
+    checkpoint.pt whose config cannot be read (train.py's error names what is wrong with the file)."""
     import torch  # only with --run: printing the commands does not need it
 
+    from configs import config_to_dict
     from engine.checkpoint import CheckpointError
+    from engine.run_dir import RunDirError, check_claim
     from engine.snapshots import CONFIG_SECTIONS
     from train import check_resumable
 
@@ -944,6 +949,16 @@ def refuse_changed_training_settings(runs: list[dict], sweep_path: str, world_si
         cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"])
         # the commands run in the repository root: check_resumable tells the run's own checkpoint.pt by out_dir
         cfg.out_dir = os.path.join(ROOT, cfg.out_dir)
+
+        def refused(e: Exception) -> ConfigError:
+            return ConfigError(f"sweep run '{run['name']}': train.py would refuse it at its start: {e} (in a sweep, "
+                               f"out_dir is out_root/{run['name']}: another out_root in {sweep_path} gives every run "
+                               f"a new folder, and a setting of this run goes in its items there)")
+
+        try:  # train.py's claim of the folder, before it reads a checkpoint (out_dir is no setting it compares)
+            check_claim(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing)
+        except RunDirError as e:
+            raise refused(e) from e
         checkpoint = os.path.join(cfg.out_dir, "checkpoint.pt")
         if cfg.train.resume or not os.path.isfile(checkpoint):
             continue
@@ -958,9 +973,7 @@ def refuse_changed_training_settings(runs: list[dict], sweep_path: str, world_si
             check_resumable(saved, cfg, checkpoint, warn=False)  # train.py announces the resume at its turn
             check_resume_length(cfg, payload, checkpoint, world_size)
         except (CheckpointError, ConfigError) as e:
-            raise ConfigError(f"sweep run '{run['name']}': train.py would refuse it at its start: {e} (in a sweep, "
-                              f"out_dir is out_root/{run['name']}: another out_root in {sweep_path} gives every run "
-                              f"a new folder, and a setting of this run goes in its items there)") from e
+            raise refused(e) from e
 
 
 # The data settings the number of training samples depends on (data/loader.py build_dataset, data/text.py

@@ -20,6 +20,7 @@ import train
 from configs import ConfigError, load_config
 from engine.checkpoint import CheckpointError
 from engine.eval_results import ResultsError
+from engine.run_dir import RunDirError
 from tests.conftest import DEBUG_CONFIG
 from tests.sweep_refusals import refused_at_start
 
@@ -222,3 +223,44 @@ def test_a_poly_run_of_another_power_with_updates_left_is_refused_before_anythin
     allowed = sweep.expand(sweep_file(tmp_path, tmp_path / "s.yaml", items=[*items, "train.allow_changed_config=true"]),
                            [])
     sweep.refuse_changed_training_settings(allowed, "s.yaml", world_size=1)
+
+
+def logs_only(trained, root):
+    """root/runs/a: the logs of run 'a' without its checkpoint.pt, best.pt or result, as a run that stopped before
+    its first checkpoint (its second Ctrl-C, a streak the divergence guard withheld) leaves its folder."""
+    folder = root / "runs" / "a"
+    folder.mkdir(parents=True)
+    for name in ("train.log", "config.yaml", "metrics.jsonl"):
+        shutil.copy2(trained / "runs" / "a" / name, folder / name)
+    return folder
+
+
+def test_logs_of_a_run_without_a_checkpoint_under_other_settings_are_refused_before_anything_starts(
+        trained, tmp_path, capsys, monkeypatch):
+    """train.py refuses a folder that holds an earlier run's files and no checkpoint.pt, but for the logs of the same
+    command (a restart): with the run's settings edited since, it was refused at its turn, after the runs before it
+    had trained, and the later runs were not started. The reference is train.py's own refusal of the run's command."""
+    root = tmp_path / "copy"
+    folder = logs_only(trained, root)
+    monkeypatch.setattr(sweep, "run_one", lambda *a: pytest.fail("a run started"))
+    items = [*ITEMS, "optim.lr=0.01"]
+    message = refused_at_start(sweep_file(root, tmp_path / "s.yaml", items=items, before=True))
+    assert "train.py would refuse it at its start" in message and "holds files of an earlier run" in message
+    assert f"another out_root in {tmp_path / 's.yaml'}" in message
+    assert capsys.readouterr().out == "" and sorted(p.name for p in folder.iterdir()) == [
+        "config.yaml", "metrics.jsonl", "train.log"]
+    with pytest.raises(RunDirError) as refused:  # train.py's own refusal of the run's command, in its words
+        train.main(load_config([DEBUG_CONFIG], [*items, f"out_dir={folder}"]))
+    assert str(refused.value) in message
+
+
+def test_logs_of_the_same_command_without_a_checkpoint_are_not_refused(trained, tmp_path, caplog):
+    """The same command restarts such a run (train.py moves its logs to archive/): the sweep lets it through."""
+    root = tmp_path / "copy"
+    folder = logs_only(trained, root)
+    runs = sweep.expand(sweep_file(root, tmp_path / "s.yaml"), [])
+    sweep.refuse_changed_training_settings(runs, "s.yaml", world_size=1)
+    with caplog.at_level(logging.WARNING):
+        train.main(load_config([DEBUG_CONFIG], runs[0]["overrides"]))  # restarts
+    assert "stopped before its first checkpoint" in caplog.text and (folder / "checkpoint.pt").is_file()
+
