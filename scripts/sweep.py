@@ -57,11 +57,12 @@ to eval_best.<time>.json, so that evaluate.py writes a fresh one instead of refu
 --eval-amp {none,fp16,bf16} gives every evaluate.py command `--amp X` (its autocast; default: none, fp32, as the
 paper's tables, and no --amp in the commands); tables mark results evaluated under an autocast. evaluate.py adds to
 a result file only under the autocast it was written with: with --run, a run whose eval_best.json (of the weights
-its best.pt holds) was evaluated under another --amp is refused before anything starts. So, with --run, is a run whose
-checkpoint.pt train.py would not continue with the sweep's settings (a setting edited in the sweep file since it
-trained: cd.lam) or its length and layout, also with train.allow_changed_config=true (a schedule now shorter than its
-update, another train.batch_size: another number of updates per epoch; where its data settings changed, the count
-is train.py's, at its turn), one whose folder train.py would not claim (an earlier run's files without a
+its best.pt holds) was evaluated under another --amp is refused before anything starts, as is one whose maxima files
+(eval_best_act_max.csv / .png) are there without its eval_best.json, which evaluate.py would not write over. So, with
+--run, is a run whose checkpoint.pt train.py would not continue with the sweep's settings (a setting edited in the
+sweep file since it trained: cd.lam) or its length and layout, also with train.allow_changed_config=true (a schedule
+now shorter than its update, another train.batch_size: another number of updates per epoch; where its data settings
+changed, the count is train.py's, at its turn), one whose folder train.py would not claim (an earlier run's files without a
 checkpoint.pt, but the logs of the same command, which it restarts), and with --evaluate one whose eval_best.json
 holds an entry the evaluate list now computes with other settings (quant.calib_images added): --recompute gives such a
 run's evaluate.py command --recompute (the old entries are kept in the file's history).
@@ -640,6 +641,7 @@ def main(argv=None) -> int:
             refuse_unevaluated_options(runs)
             if args.run:  # (printed commands may be meant for another machine: checked only where they run)
                 refuse_results_of_another_autocast(runs, args.eval_amp)
+                refuse_maxima_files_without_their_result(runs)
         except ConfigError as e:
             sys.exit(f"error: {e}")
     if args.run:  # (printed commands may be meant for another machine: checked only where they run)
@@ -922,6 +924,32 @@ def refuse_results_of_another_autocast(runs: list[dict], eval_amp: Optional[str]
                               f"and evaluate.py adds to a result file only under the --amp it was written with: "
                               f"{same} to continue it, or move it away (with {stem}_act_max.csv and .png) to "
                               f"evaluate the run under --eval-amp {amp}")
+
+
+def refuse_maxima_files_without_their_result(runs: list[dict]) -> None:
+    """evaluate.py writes a result's per-layer maxima beside it (eval_best_act_max.csv / .png) and refuses to
+    overwrite such a file that its result file did not write (engine/act_max_ownership.check_act_max_files): a run
+    whose eval_best.json was deleted to evaluate it again, its maxima files left, failed at its evaluation, after its
+    training, and the later runs were not started. Refused before anything starts (ConfigError). A result file that
+    is there is left to evaluate.py and move_stale_result: its own files are replaced, and those of a stale one are
+    moved aside with it. Not refused: an evaluation that writes no maxima files (quant.act_max_csv=false)."""
+    from engine.act_max_ownership import act_max_paths
+
+    for run in runs:
+        result = evaluation_paths(run)[1]
+        if os.path.lexists(os.path.join(ROOT, result)):
+            continue
+        there = [path for path in act_max_paths(os.path.splitext(result)[0]).values()
+                 if os.path.exists(os.path.join(ROOT, path))]  # as check_act_max_files finds them
+        if not there:
+            continue
+        # quant.act_max_csv as evaluate.py reads it: the run's recorded setting under its evaluation's overrides
+        cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"] + run["evaluate"])
+        if cfg.quant.act_max_csv:
+            raise ConfigError(f"sweep run '{run['name']}': {' and '.join(there)} {'is' if len(there) == 1 else 'are'} "
+                              f"there without {result}, whose maxima files they would be, and evaluate.py would "
+                              "refuse to write the run's maxima over them after its training: move them out of the "
+                              "folder (or add quant.act_max_csv=false to the sweep's evaluate list)")
 
 
 def refuse_changed_training_settings(runs: list[dict], sweep_path: str, world_size: Optional[int]) -> None:
