@@ -64,8 +64,8 @@ sweep file since it trained: cd.lam) or its length and layout, also with train.a
 now shorter than its update, another train.batch_size: another number of updates per epoch; where its data settings
 changed, the count is train.py's, at its turn), one whose folder train.py would not claim (an earlier run's files
 without a checkpoint.pt, but the logs of the same command, which it restarts), and with --evaluate one whose
-eval_best.json holds an entry the evaluate list now computes with other settings (quant.calib_images added): --recompute gives such a
-run's evaluate.py command --recompute (the old entries are kept in the file's history).
+eval_best.json holds an entry the evaluate list now computes with other settings (quant.calib_images added):
+--recompute gives such a run's evaluate.py command --recompute (the old entries are kept in the file's history).
 """
 from __future__ import annotations
 
