@@ -203,8 +203,6 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
                     start_weights=payload.get(START_WEIGHTS) if resume_path is not None else None,
                     checkpoint=(resume_path, payload) if resume_path is not None else None)
     if resume_path is not None:
-        if changed := config_changes(payload["config"], compared_config(payload["config"], cfg)):
-            log.warning("resuming with changed settings: %s", "; ".join(changed), extra=SAME_ON_EVERY_RANK)
         resume_run(run, resume_path, payload)
         release_log_file()  # the run goes on: its lines so far go to train.log (HeldLog), the next ones as they come
         other_validation = validation_changes(payload["config"], as_scored(payload["config"], cfg))
@@ -781,9 +779,13 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
         epoch_batches=state.epoch_batches, step=state.step, checkpoint=resume_path)
     continue_sample_order(payload, run.loaders.train.sampler, run.position, resume_path)
     schedule_at_resume(run)
+    # said once the checks above passed (EMA turned on, other updates per epoch, ...): a refused command says no
+    # "resuming" before its error line
+    if changed := config_changes(payload["config"], compared_config(payload["config"], cfg)):
+        log.warning("resuming with changed settings: %s", "; ".join(changed), extra=SAME_ON_EVERY_RANK)
     if run.decay is not None and "cd" in payload:
         # ColinearityDecay warns its library users of a CD config other than its state's (a raw UserWarning with a
-        # source line); here run_training's "resuming with changed settings" line names the cd.* settings that
+        # source line); the "resuming with changed settings" line above names the cd.* settings that
         # changed, so it would say them twice: what they leave unsaid (other decayed matrices under the same
         # settings: another release's pairing) is logged instead, once
         with warnings.catch_warnings():
