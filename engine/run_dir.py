@@ -510,6 +510,9 @@ def check_fresh_start(out_dir: str, config: dict, archive_existing: bool, first_
                         " (killed while writing it)" if first_write_cut else "")
         archive(out_dir, found, move)
         return found
+    # the refusal below offers train.archive_existing=true: where that would move a file the run reads, the refusal
+    # it would meet comes now, not a fix that is refused in turn
+    check_inputs_stay(out_dir, found, config, "train.archive_existing=true would move")
     raise RunDirError(f"out_dir '{out_dir}' holds files of an earlier run ({', '.join(found)}) but no "
                       f"checkpoint.pt to resume from: use another out_dir, or re-run with "
                       f"train.archive_existing=true to move them to {out_dir}/{ARCHIVE}/<time>/ "

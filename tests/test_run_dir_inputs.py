@@ -60,6 +60,23 @@ def test_weights_among_the_files_archive_would_move_are_refused_and_nothing_move
     assert files(out) == before and not os.path.exists(out / "archive")
 
 
+@pytest.mark.parametrize("setting", ["pretrained", "resume"])
+def test_without_archive_existing_the_refusal_offers_no_archive_that_would_move_the_weights(tmp_path, setting):
+    """Without train.archive_existing the refusal of an out_dir of earlier files offered it as the fix, and that
+    command was refused in turn (the weights it reads lie among the files it moves): the refusal names the weights."""
+    out = tmp_path / "run"
+    earlier_run(out)
+    before = files(out)
+    with pytest.raises(RunDirError) as refused:
+        with claim_run_dir(str(out), config(**{setting: str(out / "best.pt")}), archive_existing=False):
+            pass
+    assert "archive_existing=true to move" not in str(refused.value)
+    assert str(refused.value).startswith(f"{'model' if setting == 'pretrained' else 'train'}.{setting}="
+                                         f"{out / 'best.pt'} lies in out_dir '{out}' among the files "
+                                         f"train.archive_existing=true would move")
+    assert files(out) == before and not os.path.exists(out / "archive")
+
+
 def test_a_relative_path_and_a_link_to_the_folder_name_the_same_file(tmp_path, monkeypatch):
     out = tmp_path / "run"
     earlier_run(out)
