@@ -69,7 +69,9 @@ def naive_round(w: torch.Tensor, bits: int, symmetric: bool = False, group: int 
     return out
 
 
-@pytest.mark.parametrize("options", [{}, {"symmetric": True}, {"group_size": 16}], ids=["asym", "sym", "g16"])
+# g24 divides neither width (qkv 32, fc2 128): each row ends in a narrower group of the columns that remain
+@pytest.mark.parametrize("options", [{}, {"symmetric": True}, {"group_size": 16}, {"group_size": 24}],
+                         ids=["asym", "sym", "g16", "g24"])
 def test_rtn_is_naive_per_channel_rounding_of_the_block_linears_only(options):
     model = gpt()
     qmodel, report = PIPELINES["rtn"](model, tokens(), "w4a16", options)
@@ -366,6 +368,25 @@ def test_gptq_group_inside_a_block_takes_its_range_from_the_block_start():
     Q, _ = gptq_quantize(W, acc.hessian, GPTQQuantizer(3, group_size=4), blocksize=6)
     torch.testing.assert_close(Q, reference_gptq(W, acc.hessian, 3, group=4, blocksize=6), rtol=0, atol=1e-9)
     assert not torch.allclose(Q, reference_gptq(W, acc.hessian, 3, group=4), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("case", ["groups", "groups+act_order", "static groups", "static groups+act_order"])
+def test_gptq_groups_that_do_not_divide_the_columns_end_in_a_narrower_group(case):
+    # groups of 5 over 12 columns (5, 5, 2; officially W[:, i:i + groupsize] slices the last short), in blocks of 4:
+    # the last group's range is of its 2 columns alone, in activation order too, and its columns keep that range
+    kw = dict(CASES.get(case, {}), group=5)
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(6, 12, generator=g, dtype=torch.float64)
+    acc = HessianAccumulator(12, torch.device("cpu"), torch.float64)
+    acc.add(correlated_inputs(200, 12, seed=6)[None])
+    quantizer = GPTQQuantizer(3, group_size=5)
+    Q, _ = gptq_quantize(W, acc.hessian, quantizer, blocksize=4, act_order=kw.get("act_order", False),
+                         static_groups=kw.get("static", False))
+    want = reference_gptq(W, acc.hessian, 3, act_order=kw.get("act_order", False), group=5,
+                          static=kw.get("static", False), blocksize=4)
+    torch.testing.assert_close(Q, want, rtol=0, atol=1e-9)
+    assert quantizer.scale.view(6, -1).shape[1] == 3  # three ranges a row, the quantizer reproducing the result
+    torch.testing.assert_close(quantizer(Q), Q, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("case", ["defaults", "act_order", "groups+act_order"])
