@@ -83,6 +83,23 @@ def test_per_tensor_weights_are_the_official_per_projection_formula(pipeline, ma
         torch.testing.assert_close(layer.quantized_weight().detach(), want, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("pipeline", ["smoothquant", "smoothquant_strict"])
+def test_per_tensor_weights_change_no_activation_quantizer_of_the_fused_qkv(pipeline):
+    # the weight granularity is the weights' alone: the fused qkv's own rule (listed before the in-block ones) quantizes
+    # its input as every block Linear's, per token at run time or with the static range of the smoothed float model,
+    # as the per-channel run (test_quant_smoothquant.py checks that one against the naive formulas) does
+    model, calib = gpt(), tokens()
+    tensor, _ = PIPELINES[pipeline](model, calib, "w8a8", TENSOR)
+    channel, _ = PIPELINES[pipeline](model, calib, "w8a8")
+    x = torch.randn(2, 5, model.blocks[0].attn.qkv.in_features, generator=torch.Generator().manual_seed(2)) * 3
+    for (name, layer), (_, reference) in zip(quantized_layers(tensor), quantized_layers(channel)):
+        assert type(layer.input_quantizer) is type(reference.input_quantizer), name
+        with torch.no_grad():
+            torch.testing.assert_close(layer.input_quantizer(x), reference.input_quantizer(x), rtol=0, atol=0,
+                                       msg=name)
+            assert not torch.equal(layer.input_quantizer(x), x), name  # quantized, not passed through
+
+
 def test_each_projection_of_a_fused_qkv_uses_its_whole_code_range():
     qmodel, _ = PIPELINES["smoothquant"](gpt(), tokens(), "w8a8", TENSOR)
     for block in qmodel.blocks:
