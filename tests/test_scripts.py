@@ -4,6 +4,7 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -1242,8 +1243,9 @@ def test_a_sweep_moves_a_runs_stale_evaluation_aside_before_evaluating_it(stand_
 
     spec, codes, launcher = stand_in
     runs = pathlib.Path(spec).parent / "runs"
-    for name in ("a", "b"):
+    for name in ("a", "b"):  # finished runs (train.py, and the sweep, refuse a best.pt without a checkpoint.pt)
         (runs / name).mkdir(parents=True)
+        shutil.copy2(codes / "checkpoint.pt", runs / name)
         (runs / name / "best.pt").write_bytes(b"weights")
         (runs / name / "eval_best.json").write_text("{}")
     os.utime(runs / "a" / "eval_best.json", (1_000_000_000, 1_000_000_000))
