@@ -58,7 +58,8 @@ to eval_best.<time>.json, so that evaluate.py writes a fresh one instead of refu
 paper's tables, and no --amp in the commands); tables mark results evaluated under an autocast. evaluate.py adds to
 a result file only under the autocast it was written with: with --run, a run whose eval_best.json (of the weights
 its best.pt holds) was evaluated under another --amp is refused before anything starts, as is one whose maxima files
-(eval_best_act_max.csv / .png) are there without its eval_best.json, which evaluate.py would not write over. So, with
+(eval_best_act_max.csv / .png) are there without its eval_best.json, which evaluate.py would not write over, and one
+whose eval_best.json is of other data (another data.root: evaluate.py adds to it only for the data it is of). So, with
 --run, is a run whose checkpoint.pt train.py would not continue with the sweep's settings (a setting edited in the
 sweep file since it trained: cd.lam) or its length and layout, also with train.allow_changed_config=true (a schedule
 now shorter than its update, another train.batch_size: another number of updates per epoch; where its data settings
@@ -641,6 +642,7 @@ def main(argv=None) -> int:
             refuse_unevaluated_options(runs)
             if args.run:  # (printed commands may be meant for another machine: checked only where they run)
                 refuse_results_of_another_autocast(runs, args.eval_amp)
+                refuse_results_of_other_data(runs)
                 refuse_maxima_files_without_their_result(runs)
         except ConfigError as e:
             sys.exit(f"error: {e}")
@@ -924,6 +926,61 @@ def refuse_results_of_another_autocast(runs: list[dict], eval_amp: Optional[str]
                               f"and evaluate.py adds to a result file only under the --amp it was written with: "
                               f"{same} to continue it, or move it away (with {stem}_act_max.csv and .png) to "
                               f"evaluate the run under --eval-amp {amp}")
+
+
+def refuse_results_of_other_data(runs: list[dict]) -> None:
+    """evaluate.py adds to a result file only for the data it was written of (its 'data': the data set, data.root,
+    the val split and the eval transform; evaluate.data_identity), and --out, which its error offers, is the sweep's
+    to name: a sweep requeued with another data.root (a copy of the data set on the node's own disk, the data moved)
+    validated its first finished run again and ended at that run's evaluation as 'failed during evaluation', the
+    later runs not started. Refused before anything starts (ConfigError), naming the settings the file was evaluated
+    with. The data are resolved as evaluate.py resolves them (its resolve_config of the run's best.pt and the
+    command's overrides, in the repository root, with the model's input size); a command evaluate.py would refuse
+    for another reason is left to it and the other checks. Not refused: results move_stale_result moves aside."""
+    import evaluate
+    from engine.eval_results import _plain, take_later_data
+    from models import input_size
+
+    for run in runs:
+        found = current_result(run)
+        if found is None or not isinstance(found[1], dict) or not isinstance(found[1].get("data"), dict):
+            continue  # no result to add to, or one that records no data (evaluate.py's own reading)
+        result, data = found
+        take_later_data(data)  # a file written before a data field was recorded, as evaluate.py reads it
+        checkpoint = evaluation_paths(run)[0]
+        args = evaluate.parse_args(["--checkpoint", os.path.join(ROOT, checkpoint), "--out",
+                                    os.path.join(ROOT, result), *evaluation_overrides(run)])
+        here = os.getcwd()
+        os.chdir(ROOT)  # relative paths (data.root) as the command reads them
+        try:
+            cfg, _ = evaluate.resolve_config(args)
+            now = evaluate.data_identity(cfg.data, input_size(check_model(evaluate.eval_model_config(cfg.model))))
+        except evaluate.USER_ERRORS:
+            continue
+        finally:
+            os.chdir(here)
+        recorded, now = data["data"], _plain(now)  # as the file compares it: lists, not tuples
+        if recorded != now:
+            differs = "; ".join(f"{key}: {old!r} in the file, {new!r} now"
+                                for key, old, new in changed_fields(recorded, now, "data."))
+            stem = os.path.splitext(result)[0]
+            raise ConfigError(f"sweep run '{run['name']}': {result} holds its evaluation of other data ({differs}), "
+                              "and evaluate.py adds to a result file only for the data it was written of: give the "
+                              f"sweep the settings it was evaluated with to continue it, or move it away (with "
+                              f"{stem}_act_max.csv and .png) to evaluate the run on these data")
+
+
+def changed_fields(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted field, old value, new value) of each field that differs between the records `old` and `new`, nested
+    records field by field."""
+    changed = []
+    for key in list(dict.fromkeys([*old, *new])):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed += changed_fields(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changed.append((f"{prefix}{key}", a, b))
+    return changed
 
 
 def refuse_maxima_files_without_their_result(runs: list[dict]) -> None:
