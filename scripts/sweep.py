@@ -936,7 +936,9 @@ def refuse_results_of_other_data(runs: list[dict]) -> None:
     later runs not started. Refused before anything starts (ConfigError), naming the settings the file was evaluated
     with. The data are resolved as evaluate.py resolves them (its resolve_config of the run's best.pt and the
     command's overrides, in the repository root, with the model's input size); a command evaluate.py would refuse
-    for another reason is left to it and the other checks. Not refused: results move_stale_result moves aside."""
+    for another reason is left to it and the other checks. Not refused: results move_stale_result moves aside. As in
+    refuse_results_of_another_autocast, a run that is to train further may yet write a newer best.pt, which would
+    have the file moved aside: that is not known before it trains, and the file is refused."""
     import evaluate
     from engine.eval_results import _plain, take_later_data
     from models import input_size
