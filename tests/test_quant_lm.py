@@ -412,6 +412,36 @@ def test_gptq_error_is_half_the_damped_quadratic_form_of_the_weight_change(case)
     assert error == pytest.approx(0.5 * float(torch.einsum("ri,ij,rj->", D, H, D)), rel=1e-9)
 
 
+# IST-DASLab/gptq: `fasterquant(blocksize=128, percdamp=.01, groupsize=-1, actorder=False, static_groups=False)`,
+# opt.py / llama.py's argparse (--percdamp .01, --groupsize -1, --sym, --act-order, --static-groups and llama.py's
+# --true-sequential all off); -1 is group_size None here
+OFFICIAL_GPTQ_DEFAULTS = {"blocksize": 128, "percdamp": 0.01, "group_size": None, "act_order": False,
+                          "static_groups": False, "symmetric": False, "true_sequential": False}
+
+
+def test_gptq_defaults_are_the_official_ones_in_the_config_and_the_readme():
+    # blocksize decides where a group that is no multiple of it takes its range (the block start): another default
+    # changes grouped results and passed every other test
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from configs import load_config
+    from quant import plan
+
+    options = plan.pipeline_options(load_config([], []), "gptq")  # what evaluate.py runs without quant.gptq.*
+    assert {key: getattr(options, key) for key in OFFICIAL_GPTQ_DEFAULTS} == OFFICIAL_GPTQ_DEFAULTS
+    documented = {}
+    readme = Path(__file__).resolve().parents[1] / "quant" / "README.md"
+    for line in readme.read_text().splitlines():
+        row = re.match(r"\| (?:rtn, )?gptq(?:, smoothquant\(_strict\))? \| (.*?) \|", line)
+        if row:
+            documented.update({k: yaml.safe_load(v) for k, v in re.findall(r"`(\w+)` \(([^)]*)\)", row.group(1))})
+    documented["group_size"] = None if documented["group_size"] == "None" else documented["group_size"]
+    assert {key: documented[key] for key in OFFICIAL_GPTQ_DEFAULTS} == OFFICIAL_GPTQ_DEFAULTS
+
+
 def test_a_grouped_grid_loaded_into_a_quantizer_built_without_groups_refits_per_group():
     # the group size travels in the state dict: a re-calibration after loading (reset, then fit) forms the saved
     # groups of 16 input columns, not one range per output channel
