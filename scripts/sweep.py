@@ -1042,10 +1042,14 @@ def refuse_changed_training_settings(runs: list[dict], sweep_path: str, world_si
                                f"out_dir is out_root/{run['name']}: another out_root in {sweep_path} gives every run "
                                f"a new folder, and a setting of this run goes in its items there)")
 
+        here = os.getcwd()
+        os.chdir(ROOT)  # relative paths the run reads (model.pretrained), which the claim keeps from being archived
         try:  # train.py's claim of the folder, before it reads a checkpoint (out_dir is no setting it compares)
             check_claim(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing)
         except RunDirError as e:
             raise refused(e) from e
+        finally:
+            os.chdir(here)
         checkpoint = os.path.join(cfg.out_dir, "checkpoint.pt")
         if cfg.train.resume or not os.path.isfile(checkpoint):
             continue

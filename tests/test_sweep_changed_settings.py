@@ -10,6 +10,7 @@ and evaluate.py's own: what the sweep refuses, they refuse, and what it lets thr
 per epoch of a run whose settings that size its training data changed: train.py counts them once it has read the data,
 and refuses them at the run's turn)."""
 import logging
+import os
 import shutil
 
 import pytest
@@ -21,7 +22,7 @@ from configs import ConfigError, load_config
 from engine.checkpoint import CheckpointError
 from engine.eval_results import ResultsError
 from engine.run_dir import RunDirError
-from tests.conftest import DEBUG_CONFIG
+from tests.conftest import DEBUG_CONFIG, ROOT
 from tests.sweep_refusals import refused_at_start
 
 import sweep  # noqa: E402  (scripts/, on the path of the tests)
@@ -264,3 +265,22 @@ def test_logs_of_the_same_command_without_a_checkpoint_are_not_refused(trained, 
         train.main(load_config([DEBUG_CONFIG], runs[0]["overrides"]))  # restarts
     assert "stopped before its first checkpoint" in caplog.text and (folder / "checkpoint.pt").is_file()
 
+
+
+def test_a_relative_input_the_claim_would_archive_is_found_from_any_folder(trained, tmp_path, monkeypatch):
+    """train.archive_existing=true moves an earlier run's files aside, and train.py refuses it where the run reads one
+    of them (model.pretrained=<the folder's best.pt>), a relative path read in the repository root, where the commands
+    run. The sweep, started from another folder, read it from there and let the run through to train.py's refusal."""
+    root = tmp_path / "copy"
+    folder = logs_only(trained, root)
+    shutil.copy2(trained / "runs" / "a" / "best.pt", folder / "best.pt")
+    weights = os.path.relpath(folder / "best.pt", ROOT)
+    items = [*ITEMS, "train.archive_existing=true", f"model.pretrained={weights}"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sweep, "run_one", lambda *a: pytest.fail("a run started"))
+    message = refused_at_start(sweep_file(root, tmp_path / "s.yaml", items=items))
+    assert f"model.pretrained={weights} lies in out_dir" in message
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(RunDirError) as refused:  # train.py's own refusal of the run's command, run where it runs
+        train.main(load_config([DEBUG_CONFIG], [*items, f"out_dir={folder}"]))
+    assert str(refused.value) in message
