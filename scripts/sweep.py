@@ -48,8 +48,8 @@ Ctrl-C: no checkpoint was written on the stop; the sweep exits with the command'
 exited 0 at train.max_steps without a checkpoint.pt of that update: the divergence guard withheld the writes of its
 high-loss updates, and checkpoint.pt, where there is one, is of an earlier update; not evaluated, no later run starts,
 and the sweep exits 1), or not started (also where SIGTERM / SIGINT came between two commands). The sweep exits 0
-only when every run finished or stopped at train.max_steps; 75 when one stopped, so the same command can be
-requeued: it continues each unfinished run (a finished one only validates again) and evaluates it. SIGTERM /
+only when every run finished or stopped at train.max_steps; 75 when one stopped, or when SIGTERM / SIGINT came while
+it checked its runs, before the first command, so the same command can be requeued: it continues each unfinished run (a finished one only validates again) and evaluates it. SIGTERM /
 SIGINT to the sweep are passed on to the running command, and the sweep waits for it to write its checkpoint and
 exit. An evaluation JSON of other weights than the run's best.pt holds now (an earlier best.pt of the run:
 told by the weights fingerprint it records, or where it records none, by being older than best.pt) is moved aside
@@ -71,6 +71,7 @@ eval_best.json holds an entry the evaluate list now computes with other settings
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -614,6 +615,35 @@ def main(argv=None) -> int:
         if not args.only:
             p.error("--only needs the names of runs to keep (its key=value words are overrides for every run)")
     try:
+        with stops_before_start(args.run):
+            runs = prepare(args)
+    except StoppedBeforeStart as stop:  # no command started: the same command starts them all
+        print(f"sweep: {stop.name} came before any run started; none started: run the same command again",
+              file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
+    if not args.run:
+        # the commands' paths (scripts, config files, out_dir) are the repository root's, as --run runs them: pasted
+        # into a shell anywhere else they would miss train.py or write elsewhere
+        console_print(shlex.join(["cd", ROOT]))
+        for run in runs:
+            for cmd in commands(run, args.launcher, args.evaluate, args.eval_amp):
+                console_print(shlex.join(cmd))
+        return 0
+    states = {r["name"]: "not started" for r in runs}
+    code = 0
+    with ForwardedSignals() as signals:
+        for run in runs:
+            code, states[run["name"]] = run_one(run, args, signals)
+            if code:
+                break
+    console_print("sweep summary:\n" + "\n".join(f"  {name}: {state}" for name, state in states.items()))
+    return code
+
+
+def prepare(args: argparse.Namespace) -> list[dict]:
+    """The runs of the sweep that `args` (main's) keeps, each checked as far as can be told before any starts; exits
+    with one `error:` line for a refusal."""
+    try:
         shlex.split(args.launcher)
         # a launcher that cannot be started stopped the sweep on a FileNotFoundError traceback, without its
         # summary (printed commands may be meant for another machine: checked only where they run)
@@ -656,23 +686,37 @@ def main(argv=None) -> int:
                 plan_changed_evaluations(runs, args.recompute, world_size, args.sweep, args.overrides)
         except ConfigError as e:
             sys.exit(f"error: {e}")
-    if not args.run:
-        # the commands' paths (scripts, config files, out_dir) are the repository root's, as --run runs them: pasted
-        # into a shell anywhere else they would miss train.py or write elsewhere
-        console_print(shlex.join(["cd", ROOT]))
-        for run in runs:
-            for cmd in commands(run, args.launcher, args.evaluate, args.eval_amp):
-                console_print(shlex.join(cmd))
-        return 0
-    states = {r["name"]: "not started" for r in runs}
-    code = 0
-    with ForwardedSignals() as signals:
-        for run in runs:
-            code, states[run["name"]] = run_one(run, args, signals)
-            if code:
-                break
-    console_print("sweep summary:\n" + "\n".join(f"  {name}: {state}" for name, state in states.items()))
-    return code
+    return runs
+
+
+class StoppedBeforeStart(BaseException):
+    """SIGTERM / SIGINT before the first command started (BaseException: no check's `except Exception` takes it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.name = signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def stops_before_start(active: bool):
+    """With `active` (--run), SIGTERM / SIGINT while the sweep checks its runs (reading every run's checkpoint.pt and
+    best.pt: minutes for a large sweep) raise StoppedBeforeStart, so that the sweep exits with EXIT_PREEMPTED as a
+    stop during a run does, for a job script that requeues on it: ended by the signal itself, it exited 143 (or a
+    KeyboardInterrupt traceback), which such a script takes for a failure, dropping the sweep. The checks only read:
+    nothing is left half done. The handlers before are restored on leaving."""
+    if not active:
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise StoppedBeforeStart(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def refuse_unevaluated_options(runs: list[dict]) -> None:
