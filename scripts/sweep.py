@@ -50,10 +50,11 @@ high-loss updates, and checkpoint.pt, where there is one, is of an earlier updat
 and the sweep exits 1), or not started (also where SIGTERM / SIGINT came between two commands). The sweep exits 0
 only when every run finished or stopped at train.max_steps; 75 when one stopped, or when SIGTERM / SIGINT came while
 it checked its runs, before the first command, so the same command can be requeued: it continues each unfinished
-run (a finished one only validates again) and evaluates it. SIGTERM / SIGINT to the sweep are passed on to the running command, and the sweep waits for it to write its checkpoint and
-exit. An evaluation JSON of other weights than the run's best.pt holds now (an earlier best.pt of the run:
-told by the weights fingerprint it records, or where it records none, by being older than best.pt) is moved aside
-to eval_best.<time>.json, so that evaluate.py writes a fresh one instead of refusing the old one.
+run (a finished one only validates again) and evaluates it. SIGTERM / SIGINT to the sweep are passed on to the
+running command, and the sweep waits for it to write its checkpoint and exit. An evaluation JSON of other weights
+than the run's best.pt holds now (an earlier best.pt of the run: told by the weights fingerprint it records, or
+where it records none, by being older than best.pt) is moved aside to eval_best.<time>.json, so that evaluate.py
+writes a fresh one instead of refusing the old one.
 --eval-amp {none,fp16,bf16} gives every evaluate.py command `--amp X` (its autocast; default: none, fp32, as the
 paper's tables, and no --amp in the commands); tables mark results evaluated under an autocast. evaluate.py adds to
 a result file only under the autocast it was written with: with --run, a run whose eval_best.json (of the weights
