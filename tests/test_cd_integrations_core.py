@@ -757,6 +757,9 @@ def test_select_module_takes_a_backbone_submodule_only_and_names_a_missing_part(
     holder.backbone, holder.head = net, torch.nn.Linear(2, 2)
     assert select_module(holder, None) is net and select_module(holder, "") is holder
     assert select_module(torch.nn.parallel.DataParallel(holder), "backbone.blocks.0") is net.blocks[0]
+    # None through a wrapper (MMEngine's runner.model in a distributed run, its MMDistributedDataParallel): the
+    # wrapped model's backbone, not the whole model (a wrapper has no `backbone`), whose head CD would decay too
+    assert select_module(_Wrapper(holder), None) is net and select_module(_Wrapper(holder), "") is holder
     net.backbone = "vit_tiny"  # an attribute, no submodule
     assert select_module(net, None) is net
     with pytest.raises(ValueError, match=r"module='neck' names no submodule of the Module .*\['backbone', 'head'\]"):
