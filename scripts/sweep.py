@@ -136,7 +136,9 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
             raise ConfigError(f"{sweep_path}: run '{name}' lists {odd!r}, a YAML {type(odd).__name__}; its items "
                               f"are config files (.yaml) and key=value overrides, e.g. {name}: [{example}]")
         items = [str(i) for i in items or []]
-        files = [i for i in items if i.endswith(".yaml")]
+        # a key=value item is an override whatever its value ends with (log.wandb_project=x.yaml); a path may hold '='
+        # past a folder (configs/lr=1e-3.yaml)
+        files = [i for i in items if i.endswith(".yaml") and "=" not in i.split("/")[0]]
         # no config file at all: train.py's own default recipe, named in the command and read by every check here
         # (the schema's defaults alone are no run's settings)
         split[name] = (base + files or [DEFAULT_CONFIG], [i for i in items if i not in files])

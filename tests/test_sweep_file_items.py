@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import types
 
 import pytest
 
@@ -69,3 +71,19 @@ def test_a_list_item_that_is_no_string_is_refused_naming_the_field(tmp_path, fie
     else:  # the key is guarded: an override of it for the whole sweep is refused
         with pytest.raises(ConfigError, match=r"data.root=/x would replace a key that each run sets itself"):
             sweep.expand(str(spec), ["data.root=/x"])
+
+
+def test_an_override_whose_value_ends_in_yaml_is_an_override_and_a_path_with_an_equals_sign_a_file(tmp_path,
+                                                                                                    monkeypatch):
+    """`log.wandb_project=x.yaml` was taken for a config file (config file not found: .../log.wandb_project=x.yaml)."""
+    monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))  # log.wandb=true checks it is installed
+    recipe = tmp_path / "lr=1e-3"
+    recipe.mkdir()
+    (recipe / "r.yaml").write_text("optim:\n  lr: 0.002\n")
+    spec = tmp_path / "s.yaml"
+    items = f"[log.wandb=true, log.wandb_project=x.yaml, {recipe}/r.yaml]"
+    spec.write_text(f"{TINY}out_root: {tmp_path}/runs\nruns:\n  a: {items}\n")
+    (run,) = sweep.expand(str(spec), [])
+    assert run["configs"] == ["configs/debug/tiny.yaml", f"{recipe}/r.yaml"]
+    cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"])
+    assert (cfg.log.wandb_project, cfg.optim.lr) == ("x.yaml", 0.002)
