@@ -90,6 +90,22 @@ def test_armed_inside_a_closure_it_waits_for_the_rest_of_the_closure():
     assert not changed(model, before) and decay.num_updates == 0  # a step with lr 0 is no update
 
 
+def test_armed_during_a_step_without_a_closure_it_runs_then_once_before_the_weights_are_read():
+    """The event coming inside a step that has no closure (here from a step pre-hook after the binding's): the
+    update runs at once, once, on the weights of before the step, which the optimizer then reads (against CD by hand
+    then SGD); deferred instead, the step would be taken without CD and the next one would get it."""
+    model = tiny_vit()
+    decay = ColinearityDecay(model, lam=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    binding = OptimizerBinding(decay, opt)
+    opt.register_step_pre_hook(lambda *_: (binding.arm(), binding.arm()) and None)  # twice: still one update
+    want, grads = one_update_by_hand(model)
+    opt.step()
+    assert decay.num_updates == 1
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.double(), want[name].double() - 0.05 * grads[name].double(), rtol=0, atol=1e-6), name
+
+
 def test_no_gradient_no_update_and_a_removed_binding_does_nothing():
     model, decay, opt, loss = _setup()
     binding = OptimizerBinding(decay, opt)
