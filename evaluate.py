@@ -26,8 +26,8 @@ e.g. `--quant aphq gplq quant.aphq.iters=2000 quant.gplq.steps=500` for a quick 
 options of a pipeline that does not run, quant.aphq.* beside `--quant repq`, is refused, as is quant.calib_*
 where no pipeline reads the calibration batch: RTN, APHQ and GPLQ on a classifier, quant.first_last where no
 pipeline runs, and the training augmentation, data.scale / reprob / auto_augment and the like, where no pipeline
-sees training-transform images; the quant.* settings a --config file changes are checked as overrides, its
-other sections are its recipe). Writes one JSON
+sees training-transform images; the quant.* settings a --config file changes, and over a --checkpoint its data
+settings, are checked as overrides, a weights file's other --config sections are its recipe). Writes one JSON
 (default: next to the checkpoint; without one, runs/eval/<model.name>.json), a per-layer activation-max CSV
 and plot beside it (the JSON records their paths, sizes and SHA-256: a file at those names that is not the one it
 records, e.g. beside a copy of the JSON, is refused and never replaced), and prints a markdown row in the layout of
@@ -777,11 +777,15 @@ def resolve_config(args: argparse.Namespace):
         raise ConfigError(f"{dropout[0]} would be ignored: dropout and stochastic depth act in training only, and "
                           f"of evaluate.py's passes only GPLQ's stage 1 trains (pipelines: "
                           f"{', '.join(cfg.quant.pipelines) or 'none'}); drop it")
-    # quant settings that --config files change count as given too (a file's other sections are its recipe:
-    # a recipe's training-transform keys are not refused); `named` says where such an item comes from
-    from_files = config_file_quant_items(args.config or (), payload)
+    # quant settings that --config files change count as given too, and so, over a checkpoint, do their data settings
+    # (there the files are layers of evaluation settings, e.g. data.root; a weights file's --config files are its
+    # recipe, whose training-transform keys are not refused); `named` says where such an item comes from
+    from_files = config_file_items(args.config or (), payload, "quant.")
     items = [*args.overrides, *from_files]
-    named = {item: f"{item} (--config {path})" for item, path in from_files.items()}
+    data_from_files = config_file_items(args.config or (), payload, "data.") if payload else {}
+    data_items = [*args.overrides, *data_from_files]
+    data_files = {override_keys(item)[0]: path for item, path in data_from_files.items()}
+    named = {item: f"{item} (--config {path})" for item, path in {**from_files, **data_from_files}.items()}
     # how long the other ranks of a torchrun evaluation wait for rank 0's work (run_on_main): one process waits for
     # no one (run_on_main calls the work directly, no wait group is made)
     waits = [item for item in items if "quant.main_rank_wait_hours" in override_keys(item)]
@@ -812,9 +816,11 @@ def resolve_config(args: argparse.Namespace):
                if reads_calibration_batch(p, task.language) or PIPELINES[p].draws_training_images]
     for name in ("train_split", "synthetic_train_size"):
         value = getattr(cfg.data, name)
-        if (f"data.{name}" in given and not drawing
+        key = f"data.{name}"
+        if ((key in given or key in data_files) and not drawing
                 and (recorded is None or value != recorded.get(name, getattr(DataConfig(), name)))):
-            raise ConfigError(f"data.{name}={value} would be ignored: no pipeline of this evaluation reads the "
+            where = "" if key in given else f" (--config {data_files[key]})"
+            raise ConfigError(f"{key}={value}{where} would be ignored: no pipeline of this evaluation reads the "
                               f"training split (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; rtn reads no "
                               f"data); drop it")
     # the scored val split as the training split: by any name or link, or a copy of its token file (same_split_data)
@@ -832,21 +838,22 @@ def resolve_config(args: argparse.Namespace):
                           f"the val split that is scored (data.val_split={cfg.data.val_split}), so "
                           f"{', '.join(drawing)} would calibrate (or train) on the {seen} it scores; give "
                           f"data.train_split the training split")
-    augmentation = train_transform_overrides_unread(args.overrides, cfg)
+    augmentation = train_transform_overrides_unread(data_items, cfg)
     if augmentation:
-        raise ConfigError(f"{augmentation[0]} would be ignored: no pipeline of this evaluation sees training-transform "
-                          f"images (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; aphq and gplq draw them, as "
-                          f"does any pipeline that reads the calibration batch with quant.calib_transform=train) and "
-                          f"the val split takes the eval transform; drop it")
-    interpolation = interpolation_override_unread(args.overrides, cfg, recorded)
+        raise ConfigError(f"{named.get(augmentation[0], augmentation[0])} would be ignored: no pipeline of this "
+                          f"evaluation sees training-transform images (pipelines: "
+                          f"{', '.join(cfg.quant.pipelines) or 'none'}; aphq and gplq draw them, as does any pipeline "
+                          f"that reads the calibration batch with quant.calib_transform=train) and the val split takes "
+                          f"the eval transform; drop it")
+    interpolation = interpolation_override_unread(data_items, cfg, recorded)
     if interpolation:
-        raise ConfigError(f"{interpolation} would be ignored: the digits images are made at data.digits_img_size="
-                          f"{cfg.data.digits_img_size} with bicubic whatever it says, the eval transform leaves them "
-                          f"as they are (the model's input size at data.crop_pct={cfg.data.crop_pct}: no resize), and "
-                          f"no pipeline of this evaluation sees training-transform images, whose crop resamples with "
-                          f"it (pipelines: {', '.join(cfg.quant.pipelines) or 'none'}; aphq and gplq draw them, as "
-                          f"does any pipeline that reads the calibration batch with quant.calib_transform=train); "
-                          f"drop it")
+        raise ConfigError(f"{named.get(interpolation, interpolation)} would be ignored: the digits images are made "
+                          f"at data.digits_img_size={cfg.data.digits_img_size} with bicubic whatever it says, the eval "
+                          f"transform leaves them as they are (the model's input size at data.crop_pct="
+                          f"{cfg.data.crop_pct}: no resize), and no pipeline of this evaluation sees training-"
+                          f"transform images, whose crop resamples with it (pipelines: "
+                          f"{', '.join(cfg.quant.pipelines) or 'none'}; aphq and gplq draw them, as does any pipeline "
+                          f"that reads the calibration batch with quant.calib_transform=train); drop it")
     if (payload and not cfg.quant.pipelines and args.bits is None
             and not any("quant.bits" in override_keys(item) for item in items)):
         # the run's recorded bit-widths are those of the pipelines it would be scored with: a float evaluation
@@ -914,29 +921,29 @@ def options_unread_at_planned_bits(overrides: list[str], cfg: Config) -> list[tu
 
 def given_quant_keys(args: argparse.Namespace, payload: Optional[dict]) -> set[str]:
     """The quant.* keys this command sets, as resolve_config finds them: its key=value overrides and the settings
-    its --config files change (`config_file_quant_items`). A checkpoint's own config sets none: its values are
+    its --config files change (`config_file_items`). A checkpoint's own config sets none: its values are
     defaults of this evaluation (an old run's recorded quant.gplq.pca_images=10000 is capped, not refused)."""
-    items = [*args.overrides, *config_file_quant_items(args.config or (), payload)]
+    items = [*args.overrides, *config_file_items(args.config or (), payload, "quant.")]
     return {key for item in items for key in override_keys(item) if key.startswith("quant.")}
 
 
-def config_file_quant_items(paths, payload: Optional[dict]) -> dict[str, str]:
-    """{`key=value`: the file} for each quant.* setting that the --config files `paths` give a value other than the
-    checkpoint's config (`payload`) or the defaults have: the last file that sets a key gives its value, as when
-    the files are layered. (An override of the same key comes before these items in the checks, so an error names
-    the override.)"""
+def config_file_items(paths, payload: Optional[dict], section: str) -> dict[str, str]:
+    """{`key=value`: the file} for each setting under `section` ("quant.", "data.") that the --config files `paths`
+    give a value other than the checkpoint's config (`payload`) or the defaults have: the last file that sets a key
+    gives its value, as when the files are layered. (An override of the same key comes before these items in the
+    checks, so an error names the override.)"""
     base = config_from_dict(payload["config"]) if payload else Config()
     found: dict[str, tuple[str, object]] = {}
     for path in paths:
         for top, value in read_yaml_file(path).items():
             for key, inner in dotted_settings(str(top), value, base).items():
-                if key.startswith("quant."):
+                if key.startswith(section):
                     found[key] = (path, inner)
     return {f"{key}={json.dumps(inner)}": path for key, (path, inner) in found.items()
-            if _quant_value(base, key) != json.dumps(inner)}
+            if _setting_value(base, key) != json.dumps(inner)}
 
 
-def _quant_value(cfg: Config, key: str) -> Optional[str]:
+def _setting_value(cfg: Config, key: str) -> Optional[str]:
     """The value of `key` in `cfg` as JSON (a tuple of the schema reads as the list a YAML file writes), or None
     when the schema has no such key (the layering has refused such a file already)."""
     try:
