@@ -23,6 +23,7 @@ import os
 from typing import Optional, Sequence
 
 from configs import Config
+from configs.schema import EVAL_TRANSFORM_KEYS
 from data.text import scored_val_windows
 from quant import PIPELINES, bits_order
 from quant.plan import pipeline_options
@@ -146,9 +147,10 @@ def markdown_table(results: list[dict], over_seeds: bool = False, runs: Optional
 
     def quantized(group: list, label: str, p: str, b: str) -> str:
         """The cell of pipeline p at bits b; '*' and a note when a result has non-default settings."""
-        entries = [r["quant"][p][b] for r in group if b in r["quant"].get(p, {})]
+        holding = [r for r in group if b in r["quant"].get(p, {})]
+        entries = [r["quant"][p][b] for r in holding]
         cell = fmt([e[score] for e in entries], spec, of=len(group), ppl=language)
-        unusual = entries_nondefault(p, entries, b)
+        unusual = entries_nondefault(p, entries, b, [r.get("recipe") for r in holding])
         if unusual:
             cell += "*"
             notes.append(settings_note(label, p, b, unusual))
@@ -266,13 +268,15 @@ def method_difference(labelled: list[tuple[str, dict]]) -> Optional[str]:
     return f"{named[0][0]} and {other[0]} are results of other methods ({named[0][1]!r} vs {other[1]!r})"
 
 
-def nondefault_settings(pipeline: str, settings: Optional[dict], bits: Optional[str] = None) -> list[str]:
+def nondefault_settings(pipeline: str, settings: Optional[dict], bits: Optional[str] = None,
+                        recipe: Optional[dict] = None) -> list[str]:
     """'quant.<pipeline>.<option>=value' (and quant.calib_*) for every setting a quantized result was
     computed with that differs from the default config's; a table marks such results (a degenerate APHQ
     grid or a 2-iteration run scores far from what the pipeline does). Settings the result does not record
     (an older file), options unread under the others (engine.eval_results.read_options) and, given the
     result's `bits`, options the pipeline does not read at them (APHQ's round_zero_point at a_bits != w_bits:
-    engine.eval_results.unread_at_bits) are not compared."""
+    engine.eval_results.unread_at_bits) are not compared. Given the `recipe` of the result's run (its file's
+    "recipe"), so are the training images and training mode it drew on (`training_changed`)."""
     if not settings or pipeline not in PIPELINES:
         return []
     plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples as lists, as in the file
@@ -289,13 +293,44 @@ def nondefault_settings(pipeline: str, settings: Optional[dict], bits: Optional[
     for key, value in (settings.get("calibration") or {}).items():
         if key in names and value != defaults["calibration"].get(key, value):
             found.append(f"{names[key]}={value}")
-    return found
+    return found + training_changed(settings, recipe)
 
 
-def entries_nondefault(pipeline: str, entries: list[dict], bits: Optional[str] = None) -> list[str]:
+# where a quantized result's settings record what its training images and training mode were drawn with, and the
+# config section of each key; the eval transform's share of the training transform (interpolation, mean, std) is
+# data_changed's, which marks the row
+TRAINING_SETTINGS = {"train_transform": "data", "calibration": "data", "model_training": "model"}
+KEY_IN_RECIPE = {"split": "train_split"}  # the training split, as the settings name it
+
+
+def training_changed(settings: dict, recipe: Optional[dict]) -> list[str]:
+    """'data.<key>=<value> (trained with <value>)' (or model.<key>) for each setting of the training-split images a
+    quantized result calibrated or trained on (APHQ's and GPLQ's training transform, a calibration batch's split and
+    synthetic size) and of the model's training mode (GPLQ stage 1's dropout and stochastic depth) that differs from
+    the `recipe` its run trained with: an evaluation override (data.reprob=0 for APHQ) is another setting than the
+    run's own, which the entry's quant.* options do not show. Nothing is compared without a recipe (a weights file, an
+    older result file) or for a key the recipe lacks."""
+    if not isinstance(recipe, dict):
+        return []
+    plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples as lists, as in the file
+    text = lambda value: value if isinstance(value, str) else json.dumps(value)
+    found = []
+    for part, section in TRAINING_SETTINGS.items():
+        for key, value in (settings.get(part) or {}).items():
+            name = f"{section}.{KEY_IN_RECIPE.get(key, key)}"
+            if (key not in EVAL_TRANSFORM_KEYS and name in recipe and plain(value) != plain(recipe[name])
+                    and not (part == "calibration" and key not in ("split", "synthetic_train_size"))):
+                found.append(f"{name}={text(value)} (trained with {text(recipe[name])})")
+    return list(dict.fromkeys(found))  # the split and size the training transform and the batch both record
+
+
+def entries_nondefault(pipeline: str, entries: list[dict], bits: Optional[str] = None,
+                       recipes: Optional[Sequence[Optional[dict]]] = None) -> list[str]:
     """`nondefault_settings` of any of the quantized `entries` of `pipeline` at `bits` (the seeds of one cell),
-    sorted."""
-    return sorted({d for e in entries for d in nondefault_settings(pipeline, e.get("settings"), bits)})
+    sorted; `recipes`: each entry's run's recipe (its result file's "recipe"), compared with its training settings."""
+    recipes = recipes if recipes is not None else [None] * len(entries)
+    return sorted({d for e, recipe in zip(entries, recipes)
+                   for d in nondefault_settings(pipeline, e.get("settings"), bits, recipe)})
 
 
 def settings_note(label: str, pipeline: str, bits: str, unusual: list[str]) -> str:

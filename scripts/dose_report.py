@@ -304,8 +304,9 @@ def settings_marks(groups: dict[str, list[Run]], columns) -> tuple[dict[tuple[st
     marks, points = {}, {}
     for point, runs in groups.items():
         for pipeline, bits in columns:
-            unusual = entries_nondefault(pipeline, [r.result["quant"][pipeline][bits] for r in runs
-                                                    if bits in r.result["quant"].get(pipeline, {})], bits)
+            holding = [r.result for r in runs if bits in r.result["quant"].get(pipeline, {})]
+            unusual = entries_nondefault(pipeline, [r["quant"][pipeline][bits] for r in holding], bits,
+                                         [r.get("recipe") for r in holding])
             if unusual:
                 marks[(point, pipeline, bits)] = "*"
                 points.setdefault((pipeline, bits, tuple(unusual)), []).append(point)

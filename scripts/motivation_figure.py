@@ -265,7 +265,7 @@ def main(argv=None) -> list[dict]:
     # evaluate.py's defaults; a detector's settings are evaluate_detection.py's own (not compared)
     unusual = sorted({d for r in results if not is_detection(r)
                       for d in nondefault_settings(args.pipeline, r["quant"][args.pipeline][bits].get("settings"),
-                                                   bits)})
+                                                   bits, r.get("recipe"))})
     if unusual:
         print(f"note: some results were quantized with non-default settings: {', '.join(unusual)}", file=sys.stderr)
     for r, short in zip(results, stopped):

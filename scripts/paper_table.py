@@ -157,7 +157,7 @@ def finetune_table(results: list[dict]) -> str:
                     continue
                 fp, qt = r["fp"]["top1"], q["top1"]
                 sums[m].append((fp, qt))
-                unusual = nondefault_settings(pipeline, q.get("settings"), bits)  # marked, as evaluate.py marks them
+                unusual = nondefault_settings(pipeline, q.get("settings"), bits, r.get("recipe"))  # as evaluate.py
                 row.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}" + ("*" if unusual else "") + dagger((d, m)))
                 if unusual:
                     notes.append(f"\\* {FINETUNE_DATASETS.get(d, d)} {m}: not the default settings: "
