@@ -8,10 +8,11 @@
 
 Where it runs in the Trainer's step (transformers 5.x `_run_epoch`, which `_inner_training_loop` calls; read in
 5.25): backward of every micro-batch, then on the last one of an update (`do_sync_step`) the gradient clipping,
-`on_pre_optimizer_step` (which arms CD here), `optimizer.step()`, `on_optimizer_step`, the scheduler step. The update itself runs in a step pre-hook of
-the torch optimizer inside accelerate's `AcceleratedOptimizer`, so it runs only if that step really runs: with
-fp16 the GradScaler skips `optimizer.step()` on inf/NaN gradients, and CD with it. It uses the lr of each
-decayed matrix's param group at that moment (before the scheduler steps), as the optimizer does.
+`on_pre_optimizer_step` (which arms CD here), `optimizer.step()`, `on_optimizer_step`, the scheduler step. The
+update itself runs in a step pre-hook of the torch optimizer inside accelerate's `AcceleratedOptimizer`, so it runs
+only if that step really runs: with fp16 the GradScaler skips `optimizer.step()` on inf/NaN gradients, and CD with
+it. It uses the lr of each decayed matrix's param group at that moment (before the scheduler steps), as the
+optimizer does.
 
 The model and the optimizer come from the Trainer (`on_train_begin`). The update has no state, so a resumed run
 gives the same weights as an uninterrupted one, with the callback as it is given to the resumed Trainer. The
