@@ -975,6 +975,18 @@ def refuse_results_of_another_autocast(runs: list[dict], eval_amp: Optional[str]
                               f"evaluate the run under --eval-amp {amp}")
 
 
+@contextlib.contextmanager
+def in_root():
+    """The repository root as the working folder, where the sweep's commands run (their relative paths are read
+    from it); the folder before is restored on leaving (contextlib.chdir from Python 3.11 on)."""
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
 def refuse_results_of_other_data(runs: list[dict]) -> None:
     """evaluate.py adds to a result file only for the data it was written of (its 'data': the data set, data.root,
     the val split and the eval transform; evaluate.data_identity), and --out, which its error offers, is the sweep's
@@ -999,15 +1011,12 @@ def refuse_results_of_other_data(runs: list[dict]) -> None:
         checkpoint = evaluation_paths(run)[0]
         args = evaluate.parse_args(["--checkpoint", os.path.join(ROOT, checkpoint), "--out",
                                     os.path.join(ROOT, result), *evaluation_overrides(run)])
-        here = os.getcwd()
-        os.chdir(ROOT)  # relative paths (data.root) as the command reads them
         try:
-            cfg, _ = evaluate.resolve_config(args)
-            now = evaluate.data_identity(cfg.data, input_size(check_model(evaluate.eval_model_config(cfg.model))))
+            with in_root():  # relative paths (data.root) as the command reads them
+                cfg, _ = evaluate.resolve_config(args)
+                now = evaluate.data_identity(cfg.data, input_size(check_model(evaluate.eval_model_config(cfg.model))))
         except evaluate.USER_ERRORS:
             continue
-        finally:
-            os.chdir(here)
         recorded, now = data["data"], _plain(now)  # as the file compares it: lists, not tuples
         if recorded != now:
             differs = "; ".join(f"{key}: {old!r} in the file, {new!r} now"
@@ -1089,14 +1098,13 @@ def refuse_changed_training_settings(runs: list[dict], sweep_path: str, world_si
                                f"out_dir is out_root/{run['name']}: another out_root in {sweep_path} gives every run "
                                f"a new folder, and a setting of this run goes in its items there)")
 
-        here = os.getcwd()
-        os.chdir(ROOT)  # relative paths the run reads (model.pretrained), which the claim keeps from being archived
-        try:  # train.py's claim of the folder, before it reads a checkpoint (out_dir is no setting it compares)
-            check_claim(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing)
+        # train.py's claim of the folder, before it reads a checkpoint (out_dir is no setting it compares), with the
+        # relative paths the run reads (model.pretrained), which the claim keeps from being archived, as it reads them
+        try:
+            with in_root():
+                check_claim(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing)
         except RunDirError as e:
             raise refused(e) from e
-        finally:
-            os.chdir(here)
         checkpoint = os.path.join(cfg.out_dir, "checkpoint.pt")
         if cfg.train.resume or not os.path.isfile(checkpoint):
             continue
@@ -1273,26 +1281,23 @@ def evaluation_change(run: dict, data: dict, world_size: Optional[int],
     checkpoint, result = evaluation_paths(run)
     args = evaluate.parse_args(["--checkpoint", os.path.join(ROOT, checkpoint), "--out", os.path.join(ROOT, result),
                                 *evaluation_overrides(run)])
-    here = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        cfg, _ = evaluate.resolve_config(args)
-        for name, bits in planned(cfg):
-            entries = data["quant"].get(name)
-            entry = entries.get(bits) if isinstance(entries, dict) else None
-            if not isinstance(entry, dict):
-                continue
-            asked = quant_settings(cfg, name)
-            if "world_size" in asked:  # quant_settings records this process's (1), not the launcher's
-                stored = entry.get("settings") if isinstance(entry.get("settings"), dict) else {}
-                asked["world_size"] = world_size if world_size is not None else stored.get("world_size")
-            change = settings_change(entry, asked, name, bits=bits)
-            if change:
-                return f"{name} {bits} computed with other settings ({change})"
-    except evaluate.USER_ERRORS:  # e.g. a token file that is not there: evaluate.py's refusal, in its own words
-        return refused
-    finally:
-        os.chdir(here)
+    with in_root():  # the command's relative paths (data.root) as it reads them
+        try:
+            cfg, _ = evaluate.resolve_config(args)
+            for name, bits in planned(cfg):
+                entries = data["quant"].get(name)
+                entry = entries.get(bits) if isinstance(entries, dict) else None
+                if not isinstance(entry, dict):
+                    continue
+                asked = quant_settings(cfg, name)
+                if "world_size" in asked:  # quant_settings records this process's (1), not the launcher's
+                    stored = entry.get("settings") if isinstance(entry.get("settings"), dict) else {}
+                    asked["world_size"] = world_size if world_size is not None else stored.get("world_size")
+                change = settings_change(entry, asked, name, bits=bits)
+                if change:
+                    return f"{name} {bits} computed with other settings ({change})"
+        except evaluate.USER_ERRORS:  # e.g. a token file that is not there: evaluate.py's refusal, in its own words
+            return refused
     before, now = extra_modules(data), sorted(cfg.quant.act_max_extra_modules)
     if data.get("max_act") and before != now:
         return (f"activation maxima over quant.act_max_extra_modules={json.dumps(before)}, the sweep measures them "
