@@ -116,7 +116,8 @@ def checkpoint_kind(checkpoint: Optional[str], pretrained: bool = False) -> str:
     return "snapshot" if os.path.basename(os.path.dirname(path)) == SNAPSHOTS else "other"
 
 
-def _plain(value: Any) -> Any:
+def as_stored(value: Any) -> Any:
+    """`value` as it reads back from a result file (JSON: tuples as lists, other objects as their text)."""
     return json.loads(json.dumps(value, default=str))  # tuples -> lists, as they come back from the file
 
 
@@ -155,7 +156,7 @@ def comparable_settings(settings: Optional[dict], pipeline: str, detector: bool 
     evaluate_detection.py; entries written before evaluate.py left them out hold them, maybe with another value than
     the default a command now records), and, given the entry's `bits` (its key, e.g. "w4a8"), without the options
     the pipeline does not read at those bits (`unread_at_bits`: APHQ's round_zero_point at a_bits != w_bits)."""
-    plain = _plain(settings or {})
+    plain = as_stored(settings or {})
     if isinstance(plain.get("options"), dict):
         skipped = {*NEUTRAL_OPTIONS.get(pipeline, ()), *unread_at_bits(pipeline, bits)}
         options = read_options(pipeline, plain["options"], detector)
@@ -210,7 +211,7 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     file set aside), the update of two snapshots or two files set aside (`step_difference`) and the names of the
     val images where both record them; None when alike."""
     for key in EVALUATION_KEYS:
-        x, y = _plain(a.get(key)), _plain(b.get(key))
+        x, y = as_stored(a.get(key)), as_stored(b.get(key))
         if x != y:
             return Difference(key, f"{json.dumps(x, sort_keys=True)} vs {json.dumps(y, sort_keys=True)}", False)
     # one seed's best.pt beside another's checkpoint.pt: weights of other updates (the best validation, the last).
@@ -275,7 +276,7 @@ def content_difference(a: dict, b: dict) -> Optional[Difference]:
 def extra_modules(result: dict) -> list:
     """The quant.act_max_extra_modules a result's activation maxima were measured with ([]: inside blocks only,
     the paper's set; also for a result without max_act)."""
-    return sorted(_plain((result.get("max_act") or {}).get("extra_modules") or []))
+    return sorted(as_stored((result.get("max_act") or {}).get("extra_modules") or []))
 
 
 def first_difference(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str, str, Difference]]:
@@ -531,7 +532,7 @@ class EvalResults:
     @classmethod
     def open(cls, path: str, identity: dict) -> "EvalResults":
         """The results at `path` (an empty record if there is none yet) for the evaluation `identity`."""
-        identity = _plain(identity)
+        identity = as_stored(identity)
         return cls(path, _read(path, identity), identity)
 
     def plan(self, pipeline: str, bits: str, settings: dict, recompute: bool) -> bool:
@@ -553,7 +554,7 @@ class EvalResults:
         when the file has none, or of the same modules (in any order)."""
         self._recompute_max_act = recompute
         listed = self.data.get("max_act")
-        before, now = extra_modules(self.data), sorted(_plain(list(extra)))
+        before, now = extra_modules(self.data), sorted(as_stored(list(extra)))
         if not listed or before == now:
             return False
         if recompute:
@@ -577,17 +578,17 @@ class EvalResults:
         """Move the file's activation maxima to `history` (this call's replace them: `plan_max_act`), naming their
         CSV and plot where they lie now (`files`: {"csv": path, "plot": path}, e.g. moved aside; {} when there are
         none) and when they were replaced."""
-        self._history.append(_plain({"max_act": {**_measured(self.data["max_act"]), **files}, "replaced": _now()}))
+        self._history.append(as_stored({"max_act": {**_measured(self.data["max_act"]), **files}, "replaced": _now()}))
         self._merge_into(self.data)
 
     def add(self, pipeline: str, bits: str, entry: dict, settings: dict) -> None:
         """Record a result; an entry it replaces moves to `history`."""
-        self._added[(pipeline, bits)] = _plain({**entry, "settings": settings, "written": _now()})
+        self._added[(pipeline, bits)] = as_stored({**entry, "settings": settings, "written": _now()})
         self._merge_into(self.data)
 
     def update(self, **fields: Any) -> None:
         """Set top-level fields (fp accuracy, activation maxima: the same for every call of one identity)."""
-        self._fields.update(_plain(fields))
+        self._fields.update(as_stored(fields))
         self._merge_into(self.data)
 
     def save(self, keep_files: Optional[Callable[[dict], dict]] = None,
@@ -652,7 +653,7 @@ class EvalResults:
         # written before digests were) and moves a file of someone else's aside as the old maxima's
         listed = {k: v for k, v in data["max_act"].items() if k in ("csv", "plot", "digests")}
         files = keep_files(listed) if keep_files is not None else {}
-        self._history.append(_plain({"max_act": {**theirs, **files}, "replaced": _now()}))
+        self._history.append(as_stored({"max_act": {**theirs, **files}, "replaced": _now()}))
 
     def _merge_into(self, data: dict) -> None:
         data.update(self._fields)
@@ -792,7 +793,8 @@ def read_result_files(paths: list[str], detection: bool = False) -> list[dict]:
     for path, result in zip(paths, results):
         if result.get("fingerprint") is None:  # detection results, and files written before fingerprints
             continue
-        key = (result["fingerprint"], json.dumps(_plain({k: result.get(k) for k in EVALUATION_KEYS}), sort_keys=True))
+        evaluation = as_stored({k: result.get(k) for k in EVALUATION_KEYS})
+        key = (result["fingerprint"], json.dumps(evaluation, sort_keys=True))
         # other data content is another evaluation where both record it (content_difference): a copy made before
         # its original took the names (a later evaluate.py call) is still a copy
         alike = next((p for p, other in evaluations.get(key, []) if content_difference(other, result) is None), None)

@@ -28,7 +28,7 @@ from data.text import scored_val_windows
 from quant import PIPELINES, bits_order
 from quant.plan import pipeline_options
 
-from .eval_results import (NEUTRAL_OPTIONS, extra_modules, first_difference, read_options, recipe_difference,
+from .eval_results import (NEUTRAL_OPTIONS, as_stored, extra_modules, first_difference, read_options, recipe_difference,
                            repeated_weights, unread_at_bits)
 from .quant_settings import quant_settings
 from .tasks import capped_cell
@@ -279,10 +279,9 @@ def nondefault_settings(pipeline: str, settings: Optional[dict], bits: Optional[
     "recipe"), so are the training images and training mode it drew on (`training_changed`)."""
     if not settings or pipeline not in PIPELINES:
         return []
-    plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples as lists, as in the file
-    settings, defaults = plain(settings), plain(quant_settings(Config(), pipeline))
+    settings, defaults = as_stored(settings), as_stored(quant_settings(Config(), pipeline))
     # every default option, also those the defaults leave unread (the MLP reconstruction's, read where it is on)
-    defaults["options"] = plain(dataclasses.asdict(pipeline_options(Config(), pipeline)))
+    defaults["options"] = as_stored(dataclasses.asdict(pipeline_options(Config(), pipeline)))
     names = {"images": "quant.calib_images", "seed": "quant.calib_seed", "transform": "quant.calib_transform"}
     found, unread = [], unread_at_bits(pipeline, bits)
     # the options read under the entry's own (an older entry holds unread ones, at whatever value it was given)
@@ -312,13 +311,12 @@ def training_changed(settings: dict, recipe: Optional[dict]) -> list[str]:
     older result file) or for a key the recipe lacks."""
     if not isinstance(recipe, dict):
         return []
-    plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples as lists, as in the file
     text = lambda value: value if isinstance(value, str) else json.dumps(value)
     found = []
     for part, section in TRAINING_SETTINGS.items():
         for key, value in (settings.get(part) or {}).items():
             name = f"{section}.{KEY_IN_RECIPE.get(key, key)}"
-            if (key not in EVAL_TRANSFORM_KEYS and name in recipe and plain(value) != plain(recipe[name])
+            if (key not in EVAL_TRANSFORM_KEYS and name in recipe and as_stored(value) != as_stored(recipe[name])
                     and not (part == "calibration" and key not in ("split", "synthetic_train_size"))):
                 found.append(f"{name}={text(value)} (trained with {text(recipe[name])})")
     return list(dict.fromkeys(found))  # the split and size the training transform and the batch both record
@@ -433,9 +431,8 @@ def data_changed(result: dict) -> list[str]:
     scored = {k: v for k, v in data.items() if k not in ("dataset", "root", "val_split", "val_file", "eval_transform")}
     scored.update({k: v for k, v in (data.get("eval_transform") or {}).items() if k != "img_size"})
     text = lambda value: value if isinstance(value, str) else json.dumps(value)
-    plain = lambda value: json.loads(json.dumps(value, default=str))  # tuples as lists, as in the file
     found = [f"data.{key}={text(value)} (trained with {text(recipe[f'data.{key}'])})" for key, value in scored.items()
-             if f"data.{key}" in recipe and plain(value) != plain(recipe[f"data.{key}"])
+             if f"data.{key}" in recipe and as_stored(value) != as_stored(recipe[f"data.{key}"])
              and not (key == "val_windows" and same_windows_scored(recipe[f"data.{key}"], value, result.get("images")))]
     root = data_root_changed(result)
     return found + ([root] if root else [])

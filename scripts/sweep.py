@@ -999,7 +999,7 @@ def refuse_results_of_other_data(runs: list[dict]) -> None:
     refuse_results_of_another_autocast, a run that is to train further may yet write a newer best.pt, which would
     have the file moved aside: that is not known before it trains, and the file is refused."""
     import evaluate
-    from engine.eval_results import _plain, take_later_data
+    from engine.eval_results import as_stored, take_later_data
     from models import input_size
 
     for run in runs:
@@ -1017,7 +1017,7 @@ def refuse_results_of_other_data(runs: list[dict]) -> None:
                 now = evaluate.data_identity(cfg.data, input_size(check_model(evaluate.eval_model_config(cfg.model))))
         except evaluate.USER_ERRORS:
             continue
-        recorded, now = data["data"], _plain(now)  # as the file compares it: lists, not tuples
+        recorded, now = data["data"], as_stored(now)  # as the file compares it: lists, not tuples
         if recorded != now:
             differs = "; ".join(f"{key}: {old!r} in the file, {new!r} now"
                                 for key, old, new in changed_fields(recorded, now, "data."))
