@@ -42,6 +42,8 @@ def nonfinite_tensors(tensors: Mapping[str, Any]) -> list[str]:
     holds a NaN or an inf, in order: weights that every evaluation would turn into chance-level numbers."""
     found = []
     for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.itemsize == 1:
+            t = t.float()  # float8 (e4m3fn, e5m2, ...): torch has no isfinite / isinf for them; exact in float32
         if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             nan = int(torch.isnan(t).sum())
             found.append(f"{name} ({nan} NaN, {int(torch.isinf(t).sum())} inf of {t.numel()} values)")

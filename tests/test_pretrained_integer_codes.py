@@ -96,3 +96,21 @@ def test_the_models_integer_buffers_in_a_file_load(tmp_path):
     torch.save({**state, **indices}, path)
     loaded = build_model(ModelConfig(name="swin_nano", num_classes=4, pretrained=str(path), pretrained_strict=True))
     assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in state.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_float8_weights_file_loads_as_its_values_and_one_holding_nan_is_refused(tmp_path, dtype):
+    """float8 tensors are floating point, weights at a lower precision as float16's are: they load as their exact
+    values. Before, the check for NaN / inf values before loading (models/modules.py's nonfinite_tensors) called
+    torch.isfinite, which torch has not for float8: a NotImplementedError traceback, not loaded nor refused. A
+    float8 file holding a NaN is refused in one line as any other."""
+    state = {k: v.to(dtype) for k, v in vit_state().items()}
+    path = tmp_path / "fp8.safetensors"
+    save_file(state, str(path))
+    model = build_model(ModelConfig(name="vit_nano", num_classes=4, pretrained=str(path), pretrained_strict=True))
+    for key, value in model.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, state[key].float()), key
+    state["head.bias"] = torch.full_like(state["head.bias"], float("nan"))
+    save_file(state, str(path))
+    with pytest.raises(ModelError, match=r"hold NaN or inf values, e\.g\. head\.bias \(4 NaN, 0 inf of 4 values\)"):
+        build_model(ModelConfig(name="vit_nano", num_classes=4, pretrained=str(path)))
