@@ -677,3 +677,30 @@ def test_repeated_augmentation_deals_each_epoch_its_own_order_of_the_runs_seed_a
         dealt = [i for i in perm for _ in range(k)][rank::world]
         assert orders[-1] == dealt[:n // 256 * 256 // world], epoch
     assert orders[0] != orders[1] != orders[2] != orders[0]
+
+
+@pytest.mark.parametrize("val, message", [("missing", "no 'val' split"), ("empty", "val has no class sub-folders")])
+def test_a_missing_or_empty_val_folder_is_refused_before_the_training_split_is_read(
+        tmp_path, monkeypatch, val, message):
+    """build_loaders reads the whole training split first (timm walks and sorts every file: minutes on ImageNet);
+    a val split that is not there or holds no class folders is refused before that."""
+    import data.loader
+
+    make_image_folder(tmp_path)
+    if val == "missing":
+        (tmp_path / "val").rename(tmp_path / "held_out")
+    elif val == "empty":
+        for folder in (tmp_path / "val").iterdir():
+            for image in folder.iterdir():
+                image.unlink()
+            folder.rmdir()
+    read = []
+    real = data.loader.build_folder_dataset
+    monkeypatch.setattr(data.loader, "build_folder_dataset",
+                        lambda root, split, transform=None: read.append(split) or real(root, split, transform))
+    cfg = load_config(None, [f"data.root={tmp_path}", "data.dataset=folder", "data.repeated_aug=0",
+                             "data.num_workers=0"]).data
+    with pytest.raises(DataError, match=message):
+        build_loaders(cfg, img_size=32, batch_size_per_gpu=2, eval_batch_size_per_gpu=2, rank=0, world_size=1,
+                      seed=0, num_classes=2)
+    assert read == []  # no split was read image by image before the refusal
