@@ -432,12 +432,15 @@ def _is_safetensors(path: str) -> bool:
 
 def mapped_payload(path: str) -> object:
     """What a torch file holds, its tensors memory-mapped (none is read): for the entries beside the weights (a
-    run's config, nanoGPT's `model_args`). None for a safetensors file or one torch cannot map."""
+    run's config, nanoGPT's `model_args`). A file of torch's legacy format (torch.save(...,
+    _use_new_zipfile_serialization=False)), which torch cannot map, is read whole, as timm's reader reads it: its
+    entries beside the weights are checked as a zip file's are. None for a safetensors file or one torch cannot
+    read."""
     if path.endswith(".safetensors"):
         return None
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # noqa: BLE001 - an old-format or broken file: timm's reader says what is wrong with it
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception:  # noqa: BLE001 - a broken file: timm's reader says what is wrong with it
         return None
 
 

@@ -100,6 +100,27 @@ def test_a_nanogpt_checkpoint_loads_only_into_the_architecture_its_model_args_re
     torch.testing.assert_close(loaded(ids), trained.eval()(ids), atol=0, rtol=0)
 
 
+def test_a_legacy_format_file_has_its_records_checked_as_a_zip_files_are(tmp_path, caplog):
+    """torch.save(..., _use_new_zipfile_serialization=False) writes a file torch cannot memory-map: its weights loaded
+    (timm reads it whole) while what it records beside them went unread, so a nanoGPT ckpt.pt of n_head=4 loaded into
+    the 2-head GPT without a word, and a raw-weights file's EMA copy was not named."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(name="gpt2_nano", num_classes=96, drop_path=0.0, kwargs={"num_heads": 4})
+    args = dict(n_layer=2, n_head=4, n_embd=32, block_size=32, bias=True, vocab_size=96, dropout=0.0)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"model": _nanogpt_names(build_model(cfg).state_dict()), "model_args": args, "iter_num": 10}, path,
+               _use_new_zipfile_serialization=False)
+    with pytest.raises(ModelError, match=r"model_args record n_head=4, the model has 2: set model.kwargs.num_heads=4"):
+        build_model(dataclasses.replace(cfg, kwargs={}, pretrained=str(path)))
+    build_model(dataclasses.replace(cfg, pretrained=str(path)))  # as recorded: loads
+    state = build_model(ModelConfig(name="vit_nano", num_classes=4)).state_dict()
+    ema = tmp_path / "ema.pth"
+    torch.save({"model": state, "model_ema": state}, ema, _use_new_zipfile_serialization=False)
+    with caplog.at_level(logging.INFO, logger="models.pretrained"):
+        build_model(ModelConfig(name="vit_nano", num_classes=4, pretrained=str(ema)))
+    assert "the file's EMA copy (model_ema) is not used" in caplog.text
+
+
 def run_checkpoint(path, cfg) -> str:
     """A checkpoint of train.py's layout: the model's weights and the config it was trained with."""
     config = load_config([DEBUG_CONFIG], [])
