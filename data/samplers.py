@@ -54,8 +54,9 @@ def order_seed(seed: int, epoch: int, rule: str = ORDER_RULE) -> int:
 
     Seed 0 keeps torch's DistributedSampler(seed=0) order (the epoch number itself), which its recorded results and
     figures were trained on. Any other seed starts its epochs at an offset that mix_seed scatters over the 2**63
-    generator seeds, not at its own value: two seeds' orders coincide only by chance (about epochs / 2**63), not
-    one epoch apart. The result lies in [0, 2**63) for any 64-bit seed: a valid torch.Generator seed."""
+    generator seeds, not at its own value: two seeds' orders coincide only by chance, not one epoch apart (about
+    epochs / 2**32: torch's CPU generator, whose mt19937 randperm shuffles, keeps a seed's low 32 bits). The result
+    lies in [0, 2**63) for any 64-bit seed: a valid torch.Generator seed."""
     if rule == OLD_ORDER_RULE:
         return seed + epoch
     if rule != ORDER_RULE:
