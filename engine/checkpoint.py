@@ -282,9 +282,9 @@ def load_checkpoint(path: str, unreadable: str = READ_ANOTHER) -> dict:
 
 def run_checkpoint_config(path: str) -> Optional[dict]:
     """The run config stored in `path` if it is a checkpoint of this code base (its `config` and `model` entries),
-    read without loading its tensors (memory-mapped); None for any other file (nanoGPT's ckpt.pt too), a
-    safetensors file or one torch cannot map."""
-    payload = mapped_payload(path)  # None: not a torch zip file (safetensors, an old-format or broken file)
+    read without loading its tensors (memory-mapped; a file of torch's legacy format is read whole); None for any
+    other file (nanoGPT's ckpt.pt too), a safetensors file or one torch cannot read."""
+    payload = mapped_payload(path)  # None: a safetensors file, or one torch cannot read (a broken file)
     if (isinstance(payload, dict) and "model" in payload and isinstance(payload.get("config"), dict)
             and not is_nanogpt_checkpoint(payload)):
         return payload["config"]
