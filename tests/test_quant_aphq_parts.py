@@ -436,6 +436,41 @@ def test_rademacher_aph_is_hutchinsons_estimate_with_one_probe_per_sample_and_ba
     torch.testing.assert_close(h[0].double(), (expected / x.shape[0]).clamp(min=0), rtol=1e-3, atol=1e-9)
 
 
+@pytest.mark.parametrize("probe", ["ones", "rademacher"])
+def test_aph_weighs_every_sample_alike_when_the_last_batch_is_shorter(probe):
+    # 5 samples in batches of 3: chunks of 3 and 2. The batch-mean KL of the short chunk gives its samples a
+    # gradient factor 1/2 instead of 1/3; the sample mean must still weigh each sample at the 1 / batch of a full
+    # chunk (it weighed the last two 1.5 times). Reference: the exact Hessian of each sample's KL / batch (autograd)
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(unit=nn.Linear(5, 4), act=nn.Tanh(), head=nn.Linear(4, 3))).double()
+    x, batch, eps, temp = torch.randn(5, 5, dtype=torch.float64), 3, 1e-3 if probe == "ones" else 1e-4, 2.0
+    logits = model_logits(model, x, batch)
+    h = perturbation_hessian(model, "unit", x, logits, batch, temperature=temp, eps=eps, probe=probe,
+                             generator=torch.Generator().manual_seed(5))
+    if probe == "ones":
+        probes = torch.ones(5, 4, dtype=torch.float64)
+    else:  # drawn per chunk, in order, from the generator (3 rows, then 2)
+        g = torch.Generator().manual_seed(5)
+        probes = torch.cat([torch.randint(0, 2, (n, 4), generator=g).double() * 2 - 1 for n in (3, 2)])
+    expected = torch.zeros(4, dtype=torch.float64)
+    with torch.no_grad():
+        outs = model.unit(x)
+    for o, target_logits, z in zip(outs, logits, probes):
+        target = (target_logits / temp).softmax(-1)
+
+        def kl(u, target=target):
+            log_q = (model.head(torch.tanh(u)) / temp).log_softmax(-1)
+            return (target * (target.log() - log_q)).sum() / batch  # 1 / batch for every sample
+
+        hz = torch.autograd.functional.hessian(kl, o) @ z
+        expected += (2 * eps * hz).abs() if probe == "ones" else z * hz
+    expected = expected / x.shape[0]
+    # the logits pass through float32 (perturbation_hessian's .float()): the Rademacher central difference carries
+    # ~1e-3 of its terms' size (~5e-3 here), far below the 1.5x the short chunk's samples had
+    torch.testing.assert_close(h[0].double(), expected if probe == "ones" else expected.clamp(min=0), rtol=1e-3,
+                               atol=1e-9 if probe == "ones" else 2e-5)
+
+
 def test_linear_search_reports_the_output_mse_of_its_final_quantizers():
     # data on which the output-MSE round moves the input range away from the input-only choice, so a stale
     # quantized input would show; reference: the final quantizers' output error, computed here directly

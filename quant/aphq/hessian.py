@@ -9,7 +9,8 @@ on the FLOAT model only:
 3. The same with -eps gives J-.
 4. H = |J+ - J-| (the paper divides by 2 eps; irrelevant after APHQ's loss normalisation), averaged
    over the SAMPLE dimension only: one weight per token position and channel, [1, N, C] for ViT
-   ([1, H, W, C] for Swin's NHWC blocks, [1, C] for the head input ...).
+   ([1, H, W, C] for Swin's NHWC blocks, [1, C] for the head input ...). Every sample weighs the same,
+   also where the last batch is shorter (each sample's gradient carries the 1 / batch_size of a full batch).
 
 At the unperturbed point the KL gradient is 0, so J+ - J- ~ 2 eps * (Hessian @ z) with probe z = 1:
 the code measures Hessian row sums, which the paper calls its diagonal.
@@ -93,7 +94,11 @@ def perturbation_hessian(model: nn.Module, unit: str, images: torch.Tensor, fp_l
                     grads.append(torch.autograd.grad(loss, leaf[0])[0])
             diff = grads[0] - grads[1]
             part = diff.abs() if probe == "ones" else state["z"] * diff / (2.0 * eps)
-            part = part.sum(dim=0, keepdim=True)
+            # the batch-mean KL gives each sample's gradient a factor 1 / (its chunk's size): a last chunk shorter
+            # than batch_size (recon_images no multiple of batch_size) would weigh each of its samples
+            # batch_size / len(chunk) times as much as the others in the sample mean; every sample at 1 / batch_size
+            # (a factor of exactly 1 on full chunks: the official code's numbers wherever the count divides)
+            part = part.sum(dim=0, keepdim=True) * (chunk.shape[0] / batch_size)
             total = part if total is None else total + part
     finally:
         handle.remove()
