@@ -47,6 +47,7 @@ from timm.models import clean_state_dict, load_state_dict
 
 from .attention_sinks import SINK_PARAMS
 from .dropped_keys import dropped_by_filter, rebuilt_buffers
+from .gpt import GPT
 from .modules import nonfinite_tensors
 from .sink_weights import recorded_attn, sink_mismatch
 from .weight_dtypes import codes_refusal
@@ -200,8 +201,18 @@ def _fit_and_load(model: nn.Module, state: dict, own: dict, path: str, strict: b
             raise ModelError(f"{path} does not fit {type(model).__name__}: {sinks}")
         raise ModelError(f"{path} does not fit {type(model).__name__}: missing {missing[:8]}"
                          f"{'...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                         f"{'...' if len(unexpected) > 8 else ''}")
+                         f"{'...' if len(unexpected) > 8 else ''}{bias_advice(missing, unexpected, model)}")
     return notes, tables, skipped, new_sinks
+
+
+def bias_advice(missing: list, unexpected: list, model: nn.Module) -> str:
+    """The fix where a GPT file and the GPT differ only in their biases (nanoGPT's `bias` setting: a file of
+    bias=False into the default bias=True model, or the reverse); '' otherwise."""
+    if (not isinstance(model, GPT) or bool(missing) == bool(unexpected)
+            or not all(k.endswith(".bias") for k in missing + unexpected)):
+        return ""
+    value = "false" if missing else "true"  # the model has biases the file lacks, or the file has the model's none
+    return f": the file was trained with{'out' if missing else ''} biases; give model.kwargs.bias={value}"
 
 
 def shape_mismatch(key: str, before: dict, state: dict, own: dict, path: str) -> str:

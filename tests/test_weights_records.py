@@ -203,3 +203,22 @@ def test_a_run_recorded_with_dropout_this_code_places_otherwise_still_evaluates(
     cfg.model = dataclasses.replace(trained, drop=0.1)  # both, as a run of the earlier meaning could record
     model = evaluate.load_float_model(cfg, payload, args)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in payload["model"].items())
+
+
+@pytest.mark.parametrize("file_bias, model_bias", [(False, True), (True, False)])
+def test_a_gpt_file_differing_only_in_its_biases_names_model_kwargs_bias(tmp_path, file_bias, model_bias):
+    """A raw GPT state dict of nanoGPT's other `bias` setting was refused with the key lists alone, which named no
+    fix; the setting that loads it is named (and only the key lists where more than the biases differ)."""
+    from models.pretrained import load_pretrained
+    build = {"name": "gpt2_nano", "num_classes": 65, "drop_path": 0.0}
+    weights = tmp_path / "gpt.pt"
+    torch.save(build_model(ModelConfig(**build, kwargs={"bias": file_bias})).state_dict(), weights)
+    model = build_model(ModelConfig(**build, kwargs={"bias": model_bias}))
+    with pytest.raises(ModelError) as refused:
+        load_pretrained(model, str(weights), strict=True)
+    assert str(refused.value).endswith(f"give model.kwargs.bias={str(file_bias).lower()}"), refused.value
+    other = build_model(ModelConfig(**build, kwargs={"bias": file_bias, "depth": 1})).state_dict()
+    torch.save(other, weights)  # one block fewer as well: its missing weights are no bias
+    with pytest.raises(ModelError) as refused:
+        load_pretrained(build_model(ModelConfig(**build, kwargs={"bias": model_bias})), str(weights), strict=True)
+    assert "model.kwargs.bias" not in str(refused.value)
