@@ -124,6 +124,16 @@ class APHQPipeline(Pipeline):
                 check_options_read(parse_options(self.Options, options), options, classifier=True)
         return super().__call__(fp_model, calib_images, bits, options, data)
 
+    def scheme_settings(self, options: APHQOptions) -> Dict[str, Any]:
+        """An APH over a reconstruction set that is no multiple of batch_size (a shorter last batch) weighs every
+        sample alike (hessian.py); before, the last batch's samples weighed batch_size / its size as much, under the
+        same options. Recorded where a classifier computes an APH with such a last batch; elsewhere (whole batches,
+        no APH, a detector's per-image APH) the two schemes are the same: nothing."""
+        aph = (options.iters != 0 and options.loss == "aph") or options.mlp_reconstruct
+        if aph and options.recon_images % options.batch_size:
+            return {"aph_sample_weights": "uniform"}
+        return {}
+
     def check_folds(self, fp_model: nn.Module, bits: Bits, options: APHQOptions) -> None:
         """The RepQ-ViT fold (at a_bits == w_bits, `layout`) takes an affine LayerNorm in the pre-norm blocks its
         sites are written for (reparam.check_fold_sites); at other bit-widths nothing is folded."""
