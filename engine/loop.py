@@ -572,6 +572,7 @@ class TrainLoop:
         (or held back). The same decision on every rank (the streak and the loss are all-reduced values)."""
         if self.save is None:
             return False
+        self._settle_initial_loss(state)  # a stop request before the first log step: the checkpoint carries it too
         window_high = (state.divergence_streak == 0 and window_loss is not None and self.divergence is not None
                        and self.divergence.high(window_loss, state.initial_loss))
         why = None

@@ -898,6 +898,25 @@ def test_a_checkpoint_written_before_the_first_log_step_carries_the_divergence_r
     assert all(loss == pytest.approx(first, rel=1e-6) for _, loss in saved), saved
 
 
+def test_a_stop_request_before_the_first_log_step_writes_the_divergence_reference():
+    """A stop request at update 1, before the first log step (the window it cuts is not logged): the checkpoint
+    train.py then writes (`TrainLoop.checkpoint`) held no initial loss, so the resumed run's guard measured against
+    the loss of its own first update. It holds the first update's mean loss over its micro-batches."""
+    from engine.loop import TrainBatches
+
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(6)]
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():  # the reference: the mean loss of update 1's two micro-batches at the start weights
+        first = float(sum(F_ce(model(x), y) for x, y in batches[:2]) / 2)
+    state, saved = TrainState(), []
+    loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     compute_loss=lambda m, x, y: F_ce(m(x), y), device=torch.device("cpu"), accum_steps=2,
+                     log_every=100, should_stop=lambda step: True, save=lambda: saved.append(state.initial_loss))
+    assert loop.run_epoch(TrainBatches(batches, _FixedOrder()), state, batch_size_per_gpu=4) == "preempted"
+    assert loop.checkpoint(state) and saved == [pytest.approx(first, rel=1e-6)]
+
+
 def _reference_worker(rank, world, port, out_file):
     from dist_utils import init_gloo
     from engine.loop import TrainBatches
