@@ -51,13 +51,17 @@ Layouts:
               (data_sets/<name> in configs/sweeps/finetune.yaml). The entries of a row must be evaluated
               on the same data (root, split, transform, image count, the val images' names), and all entries
               with the same kind of weights (raw or EMA), autocast and kind of checkpoint: results evaluated
-              otherwise are refused.
+              otherwise are refused. An entry whose run stopped at a train.max_steps of its own before the end
+              of its schedule is marked § where the rows layout would mark its row (beside a run of its data
+              set that ended at another update, or short of 99 % of its schedule), and so is the Average that
+              takes it in, with a note saying how far it got.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from typing import Optional, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
@@ -68,7 +72,7 @@ from engine.eval_results import (ResultsError, extra_modules, first_difference, 
 from engine.outputs import write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import (FP_COLUMNS, PAPER_NAMES, dagger_note, evaluated_otherwise,  # noqa: E402
-                                 extra_modules_note, markdown_table, nondefault_settings)
+                                 extra_modules_note, markdown_table, nondefault_settings, stopped_note)
 
 # Table 3's row order and names; data sets not listed follow, by folder name
 FINETUNE_DATASETS = {"flowers102": "Flowers102", "pets": "Pets", "aircraft": "Aircraft", "cars": "Cars",
@@ -109,8 +113,10 @@ def method_order(method: str) -> tuple:
     return (["Baseline", "CD", "TWEO"].index(family) if family in ("Baseline", "CD", "TWEO") else 3, method)
 
 
-def finetune_table(results: list[dict]) -> str:
-    """Table 3's layout, one table per (pipeline, bit-width) present in `results` (see the module doc)."""
+def finetune_table(results: list[dict], stopped: Optional[Sequence[Optional[str]]] = None) -> str:
+    """Table 3's layout, one table per (pipeline, bit-width) present in `results` (see the module doc). `stopped`:
+    for each result, how far its run got where its own train.max_steps stopped it short (`stopped_short`), else
+    None: its entry, the Average it is part of and its ImageNet-1K maxima are marked §, with a note."""
     cells: dict = {}
     models = sorted({r.get("model", "?") for r in results})
     if len(models) > 1:  # the layout has no model column: cells of two models would sit side by side
@@ -139,12 +145,17 @@ def finetune_table(results: list[dict]) -> str:
     # a result evaluated otherwise than trained or than the paper evaluates (evaluated_otherwise): marked †
     changed = {key: how for key, r in cells.items() if (how := evaluated_otherwise(r))}
     dagger = lambda key: "†" if key in changed else ""
+    # a run its own train.max_steps stopped short of its schedule, or beside a run of its data set that ended
+    # elsewhere (stopped_short): marked §, as the rows layout marks its row
+    short = {(dataset_of(r), r["method"]): how for r, how in zip(results, stopped or []) if how}
+    section = lambda key: "§" if key in short else ""
     tables = []
     for pipeline, bits in columns:
         rows = [line(["Dataset"] + methods), line(["---"] * (len(methods) + 1))]
         notes = []
         sums = {m: [] for m in methods}
         marked = set()  # the methods whose Average takes in a † entry
+        cut = set()  # the methods whose Average takes in a § entry
         for d in datasets:
             row = [FINETUNE_DATASETS.get(d, d)]
             for m in methods:
@@ -152,18 +163,23 @@ def finetune_table(results: list[dict]) -> str:
                 q = r and r["quant"].get(pipeline, {}).get(bits)
                 if (d, m) in changed and (q or d == "imagenet"):  # an entry, or the maxima row, shows it
                     notes.append(dagger_note(f"{FINETUNE_DATASETS.get(d, d)} {m}", changed[(d, m)]))
+                if (d, m) in short and (q or d == "imagenet"):
+                    notes.append(stopped_note(f"{FINETUNE_DATASETS.get(d, d)} {m}", [short[(d, m)]]))
                 if not q:
                     row.append("-")
                     continue
                 fp, qt = r["fp"]["top1"], q["top1"]
                 sums[m].append((fp, qt))
                 unusual = nondefault_settings(pipeline, q.get("settings"), bits, r.get("recipe"))  # as evaluate.py
-                row.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}" + ("*" if unusual else "") + dagger((d, m)))
+                row.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}" + ("*" if unusual else "") + dagger((d, m))
+                           + section((d, m)))
                 if unusual:
                     notes.append(f"\\* {FINETUNE_DATASETS.get(d, d)} {m}: not the default settings: "
                                  f"{', '.join(unusual)}")
                 if (d, m) in changed:
                     marked.add(m)
+                if (d, m) in short:
+                    cut.add(m)
             rows.append(line(row))
         average = ["Average"]
         for m in methods:
@@ -173,7 +189,8 @@ def finetune_table(results: list[dict]) -> str:
                 continue
             fp, qt = (sum(v[i] for v in sums[m]) / n for i in (0, 1))
             partial = f" (over {n} of {len(datasets)})" if n < len(datasets) else ""
-            average.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}{partial}" + ("†" if m in marked else ""))
+            average.append(f"{fp:.2f} / {qt:.2f} / {qt - fp:+.2f}{partial}" + ("†" if m in marked else "")
+                           + ("§" if m in cut else ""))
         rows.append(line(average))
         if any(d == "imagenet" for d, _ in cells):  # the paper measures maxima on the ImageNet-1K run only
             # a module maximum also over quant.act_max_extra_modules is marked ‡, as evaluate.py's table marks it
@@ -181,7 +198,7 @@ def finetune_table(results: list[dict]) -> str:
             notes += [extra_modules_note(f"ImageNet-1K {m}", patterns) for m, patterns in extra.items()]
             rows.append(line(["Max. Act. (ImageNet-1K)"] + [
                 f"{cells[('imagenet', m)]['max_act']['module']:.2f}{'‡' if m in extra else ''} / "
-                f"{cells[('imagenet', m)]['max_act']['block']:.2f}{dagger(('imagenet', m))}"
+                f"{cells[('imagenet', m)]['max_act']['block']:.2f}{dagger(('imagenet', m))}{section(('imagenet', m))}"
                 if ("imagenet", m) in cells else "-"
                 for m in methods]))
         title = f"{PAPER_NAMES.get(pipeline, pipeline)} {bits.upper()}: FP top-1 / quantized top-1 / drop"
@@ -299,7 +316,10 @@ def main(argv=None) -> str:
         # rows of one model and method are told apart by their runs, and a run stopped short of one that trained
         # further (or less) is marked §
         names = run_names(args.results, results) if args.layout == "rows" else []
-        table = (finetune_table(results) if args.layout == "finetune"
+        # the fine-tuning layout names a run by its entry (data set and method), as its notes do
+        entries = [f"{FINETUNE_DATASETS.get(dataset_of(r), dataset_of(r))} {r['method']}" for r in results]
+        table = (finetune_table(results, stopped=stopped_short(args.results, results, entries))
+                 if args.layout == "finetune"
                  else markdown_table(results, over_seeds=args.over_seeds, runs=names,
                                      stopped=stopped_short(args.results, results, names)))
     except ValueError as e:

@@ -156,3 +156,34 @@ def test_a_run_capped_short_of_99_percent_of_its_schedule_is_marked_alone_or_bes
     assert lines[5:] == ["", f"§ vit_micro Baseline: stopped before the end of its schedule: validated last at update "
                              f"3 of the 22 of its schedule (sched.steps=22), where its train.max_steps stopped it, "
                              f"at {share}"], lines
+
+
+def with_entry(path, drop=5.0):
+    """The result file at `path` given a RepQ-ViT W4A4 entry `drop` points below its FP top-1; its path."""
+    with open(path) as f:
+        result = json.load(f)
+    result["quant"] = {"repq": {"w4a4": {"top1": result["fp"]["top1"] - drop}}}
+    with open(path, "w") as f:
+        json.dump(result, f)
+    return path
+
+
+def test_the_finetune_layout_marks_an_entry_whose_run_stopped_short_as_the_rows_layout_marks_its_row(tmp_path):
+    """The defect: Table 3's layout printed CD's Flowers102 entry of a run that train.max_steps=3 stopped at update 3
+    of 22 beside Baseline's finished one, and averaged it, as a finished run's, with no mark (the rows layout marks
+    the same run §). Its entry and the Average that takes it in are marked §, its note naming how far it got; runs
+    that all stop alike near their end (20,000 of 20,016 updates) are not marked."""
+    flowers = {"dataset": "folder", "root": "/data/flowers102", "val_split": "val"}
+    finished = with_entry(write_run(tmp_path / "baseline", data=flowers, top1=80.0))
+    capped = with_entry(write_run(tmp_path / "cd", method="CD", reached=3, max_steps=3, data=flowers, top1=40.0))
+    lines = paper_table.main([finished, capped, "--layout", "finetune"]).splitlines()
+    assert lines[2:6] == ["| Dataset | Baseline | CD |", "| --- | --- | --- |",
+                          "| Flowers102 | 80.00 / 75.00 / -5.00 | 40.00 / 35.00 / -5.00§ |",
+                          "| Average | 80.00 / 75.00 / -5.00 | 40.00 / 35.00 / -5.00§ |"], lines
+    assert lines[6:] == ["", "§ Flowers102 CD: stopped before the end of its schedule: validated last at update 3 of "
+                             "the 22 of its schedule (sched.steps=22), where its train.max_steps stopped it, at 13.6 % "
+                             "of its schedule's updates (under 99 %), while Flowers102 Baseline ended at update 22"], lines
+    alike = [with_entry(write_run(tmp_path / "imagenet" / name, method=method, reached=20_000, max_steps=20_000,
+                                  steps=20_016, data=dict(flowers, root="/data/imagenet")))
+             for name, method in (("baseline", "Baseline"), ("cd", "CD"))]
+    assert "§" not in paper_table.main([*alike, "--layout", "finetune"])
