@@ -556,11 +556,12 @@ class TrainLoop:
                    on_kept: Optional[Callable[[], None]] = None) -> bool:
         """Write checkpoint.pt from `state` (`save`), unless the divergence guard sees a high loss: a streak of
         high log windows (`state.divergence_streak` > 0), or `window_loss` (the mean loss of the updates since the
-        last log step, all ranks) above its threshold. Then nothing is written and a warning names the checkpoint
-        kept (`saved_step`): a run the guard stops later, or one stopped by a signal meanwhile, resumes from
-        weights written while the loss was under the threshold, not from diverged ones. `final`: the write that
-        ends the run's schedule, made all the same (the guard has not stopped the run, so it finished: its
-        checkpoint.pt is its last weights, with the streak, not an earlier point a re-run would train from again).
+        last log step, all ranks; None: the open log window's, one a stop request cut) above its threshold. Then
+        nothing is written and a warning names the checkpoint kept (`saved_step`): a run the guard stops later, or
+        one stopped by a signal meanwhile, resumes from weights written while the loss was under the threshold, not
+        from diverged ones. `final`: the write that ends the run's schedule, made all the same (the guard has not
+        stopped the run, so it finished: its checkpoint.pt is its last weights, with the streak, not an earlier
+        point a re-run would train from again).
         Weights (or EMA weights) that hold a NaN or an inf are never written, `final` or not.
         Those losses were all computed before the update that made the weights written, so `goes_on` (the run
         trains on after this write: train.ckpt_every_steps, an epoch's end, a validation's update) holds the write
@@ -573,6 +574,10 @@ class TrainLoop:
         if self.save is None:
             return False
         self._settle_initial_loss(state)  # a stop request before the first log step: the checkpoint carries it too
+        if window_loss is None and self._window is not None and self._window.updates:
+            # a window a stop request cut (every other window that ends is logged, the guard's check made): the
+            # updates since the last log step are judged as at a periodic write (`updates`: alike on every rank)
+            window_loss = self._window.check_finite(state.step, self.saved_step)
         window_high = (state.divergence_streak == 0 and window_loss is not None and self.divergence is not None
                        and self.divergence.high(window_loss, state.initial_loss))
         why = None

@@ -169,6 +169,22 @@ def test_a_stop_request_during_a_streak_keeps_the_last_good_checkpoint_and_exits
     assert resumed.reason == "finished" and resumed.state.step == 12
 
 
+def test_a_stop_request_inside_a_high_window_not_yet_logged_keeps_the_last_good_checkpoint(debug_config, monkeypatch):
+    """The loss is high from update 7 on and a stop request comes at update 7, before the window of updates 7-8 is
+    logged (streak 0): the updates since the last log step average above the threshold, so checkpoint.pt is not
+    written over update 4's (as at a periodic write) and the run exits 1. The stop-request write judged the streak
+    alone and wrote update 7's weights."""
+    monkeypatch.setattr(ClassificationTask, "criterion", loss_raised_after(MICRO_PER_EPOCH + 4))
+    monkeypatch.setattr(Preemption, "should_stop", lambda self, step=0, boundary=False: step >= 7)
+    cfg = debug_config(*TINY)
+    with pytest.raises(DivergenceError, match=r"stopped by a signal at update 7 while the training loss was above the "
+                       r"divergence guard's threshold: no checkpoint written, the last checkpoint, of update 4, is "
+                       r"kept"):
+        train.main(cfg)
+    state = saved_state(cfg.out_dir)
+    assert state["step"] == 4 and state["divergence_streak"] == 0
+
+
 def test_a_run_whose_last_window_is_high_finishes_with_its_last_checkpoint(debug_config, monkeypatch, caplog):
     """Only the last log window (updates 11-12) is high: a streak of 1, no stop. The run finishes, and its
     checkpoint.pt is update 12's (with the streak), so a re-run of the same command trains nothing again."""
