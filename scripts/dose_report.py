@@ -16,8 +16,10 @@ engine/eval_results.refuse_unfinished) are refused. A point evaluated with other
 with (an evaluate override in the sweep file) is marked † in the tables of evaluated numbers, with a note naming
 both; a module maximum that also counts modules outside the blocks (quant.act_max_extra_modules, not the paper's
 set) is marked ‡, with a note naming the patterns, and a quantized number computed with other settings than the
-defaults (e.g. quant.calib_images=8) *, with a note naming them, as paper_table.py marks them. What is read from
-each run, and what is written:
+defaults (e.g. quant.calib_images=8) *, with a note naming them, as paper_table.py marks them; a point whose runs
+their own train.max_steps stopped before the end of their schedule (short of 99 % of its updates, or beside runs
+that ended at another update: engine/eval_results.stopped_early) is marked §, with a note saying how far they got.
+What is read from each run, and what is written:
   metrics.jsonl          cd/pair_energy/<role> at every log step (logged by baselines too)
                          -> dose_energy.png: energy against update, one line per point (mean over seeds),
                          titled with what the runs trained (best.pt's config: scripts/training_title.py)
@@ -53,10 +55,10 @@ from configs.cli import OneLineParser  # noqa: E402
 from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerprint  # noqa: E402
 from engine.eval_results import (ResultsError, extra_modules, first_difference, metrics_records,  # noqa: E402
                                  missing_number, read_result_file, recipe_difference, refuse_unfinished,
-                                 repeated_weights)
+                                 repeated_weights, stopped_early)
 from engine.act_max_files import FIELDS as ACT_MAX_FIELDS  # noqa: E402
 from engine.result_table import (dagger_note, entries_nondefault, evaluated_otherwise, extra_modules_note,  # noqa: E402
-                                 method_difference, model_kwargs_unlike, settings_note)
+                                 method_difference, model_kwargs_unlike, settings_note, stopped_note)
 from engine.outputs import save_figure, write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.start_weights import check_start_file  # noqa: E402
@@ -283,6 +285,27 @@ def evaluated_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[
     return labels, notes
 
 
+def stopped_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[str]]:
+    """Each point's mark, § when its runs' own train.max_steps stopped them before the end of their schedule
+    (engine.eval_results.stopped_early: short of 99 % of its updates, or beside a point's runs that ended at another
+    update; `check_finished` has refused a run stopped short beside runs that trained further), as paper_table.py
+    marks such a row, and the notes saying how far they got (engine.result_table.stopped_note), for below the first
+    table that shows the point's evaluated numbers. '' for a point whose runs reached their schedule's end."""
+    runs = [run for point_runs in groups.values() for run in point_runs]
+    # each judged by its own folder, as check_finished judges it: eval_best.json is of the best.pt beside it
+    results = [{"model": None, **run.result, "checkpoint_kind": "best",
+                "checkpoint": os.path.join(run.folder, "best.pt")} for run in runs]
+    how = stopped_early([os.path.join(run.folder, "eval_best.json") for run in runs], results,
+                        [os.path.basename(run.folder) for run in runs])
+    marks, notes = {}, []
+    for point in groups:
+        short = sorted({text for run, text in zip(runs, how) if run.point == point and text})
+        marks[point] = "§" if short else ""
+        if short:
+            notes.append(stopped_note(point, short))
+    return marks, notes
+
+
 def module_marks(groups: dict[str, list[Run]]) -> tuple[dict[str, str], list[str]]:
     """Each point's mark on its module maximum, ‡ when it also counts modules outside the blocks
     (quant.act_max_extra_modules; not the paper's maximum; the runs of a sweep are alike in it, read_sweep), and the
@@ -476,6 +499,9 @@ def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_pea
         [f"{'Percentile' if p == 'percentile' else 'RepQ-ViT'} {b.upper()}" for p, b in QUANT_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     labels, notes = evaluated_marks(groups)
+    stopped, stopped_notes = stopped_marks(groups)  # runs their own train.max_steps stopped short: §
+    labels = {point: label + stopped[point] for point, label in labels.items()}
+    notes += stopped_notes
     marks, extra_notes = module_marks(groups)
     starred, settings_notes = settings_marks(groups, QUANT_COLUMNS)
     # seeds averaged without a recorded train.seed (read_sweep's check cannot compare them): named, not refused

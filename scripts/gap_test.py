@@ -16,7 +16,9 @@ evaluated at are named below the table, not tested. Nothing is corrected for mul
 were planned before the numbers were seen is the reader's to say (docs/lm_study.md, docs/vit_scratch.md). A point
 whose runs were evaluated otherwise than the paper evaluates (model.kwargs, the split, --amp) is marked †, with a
 note of how below the table, and a setting computed with other settings than the defaults (e.g.
-quant.calib_images=64) *, with a note naming them, and the seeds of a point whose train.seed no file records are
+quant.calib_images=64) *, with a note naming them, a point whose runs their own train.max_steps stopped before the
+end of their schedule (short of 99 % of its updates, or beside runs that ended at another update) §, with a note
+saying how far they got, and the seeds of a point whose train.seed no file records are
 named below the table (one may be a seed counted twice), as dose_report.py and lm_study.py mark them. The
 runs are read and checked as lm_study.py (a language model) or dose_report.py (a classifier) reads them
 (numbers present, not stale, the runs ending alike: engine/eval_results.refuse_unfinished);
@@ -39,7 +41,7 @@ from engine.tasks import PPL_CAP  # noqa: E402
 from engine.train_seeds import unrecorded_seed_note  # noqa: E402
 from quant import bits_order  # noqa: E402
 from scripts.dose_report import (ERRORS, ReportError, Run, by_point, check_finished, check_numbers,  # noqa: E402
-                                 evaluated_marks, read_sweep, settings_marks)
+                                 evaluated_marks, read_sweep, settings_marks, stopped_marks)
 from scripts.lm_study import FIELDS, quantization_gap  # noqa: E402
 
 # the score of each kind of sweep (eval_best.json's fp / quant entries) -> the gap table's caption
@@ -127,6 +129,9 @@ def report(a: list[Run], b: list[Run], score: str) -> str:
     tested = sorted(shared - set(capped), key=lambda pb: (pb[0], bits_order(pb[1])))
     points = {a[0].point: a, b[0].point: b}
     labels, notes = evaluated_marks(points)  # † and how, as dose_report / lm_study mark
+    stopped, stopped_notes = stopped_marks(points)  # § where their own train.max_steps stopped the runs short
+    labels = {point: label + stopped[point] for point, label in labels.items()}
+    notes += stopped_notes
     starred, settings_notes = settings_marks(points, tested)  # * and which settings, as they mark them
     # seeds tested without a recorded train.seed (read_sweep's check cannot compare them): named, not refused
     seed_notes = [note for point, runs in points.items()

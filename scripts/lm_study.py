@@ -11,7 +11,9 @@ beside it holds now (engine/eval_results.refuse_stale) are refused; a
 point evaluated with other model.kwargs than it was trained with is marked † in the tables of evaluated numbers, with
 a note naming both, a module maximum that also counts modules outside the blocks (quant.act_max_extra_modules)
 ‡, with a note naming the patterns, and a quantized number (or gap) computed with other settings than the defaults
-(e.g. quant.calib_images=64) *, with a note naming them, as paper_table.py marks them; seeds of a point whose
+(e.g. quant.calib_images=64) *, with a note naming them, as paper_table.py marks them, and a point whose runs their
+own train.max_steps stopped before the end of their schedule (short of 99 % of its updates, or beside runs that ended
+at another update) §, with a note saying how far they got; seeds of a point whose
 train.seed no file records are named below the tables (one may be a seed counted twice). Written, and never
 overwritten without --overwrite:
   lm_study.md              the paper's Table 8 settings (bf16 perplexity, with fp32 beside it, RTN-W4A16, GPTQ-W4A16,
@@ -39,7 +41,7 @@ from engine.train_seeds import unrecorded_seed_note  # noqa: E402
 from scripts.dose_report import (ERRORS, ROLES, ReportError, Run, check_finished, check_numbers,  # noqa: E402
                                  evaluated_marks, final_energy, fmt, metric_number, metrics_records, module_marks,
                                  open_sweep, plot_energies, plot_type_maxima, point_settings, settings_marks,
-                                 type_maxima)
+                                 stopped_marks, type_maxima)
 from engine.figures import new_figure  # noqa: E402
 from engine.outputs import save_figure, write_text  # noqa: E402
 from engine.tasks import PPL_CAP, capped_cell  # noqa: E402
@@ -87,6 +89,9 @@ def tables(groups: dict[str, list[Run]]) -> str:
     lines = ["| Point | seeds | FP32 PPL | BF16 PPL | " + " | ".join(quant) + " |",
              "|---|---|---|---|" + "---|" * len(quant)]
     labels, notes = evaluated_marks(groups)
+    stopped, stopped_notes = stopped_marks(groups)  # runs their own train.max_steps stopped short: §
+    labels = {point: label + stopped[point] for point, label in labels.items()}
+    notes += stopped_notes
     starred, settings_notes = settings_marks(groups, COLUMNS)
     # seeds averaged without a recorded train.seed (read_sweep's check cannot compare them): named, not refused
     seed_notes = [note for point, runs in groups.items()

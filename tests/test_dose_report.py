@@ -580,3 +580,21 @@ def test_a_pretrained_file_overwritten_since_the_runs_started_is_refused_not_rep
     message = str(refused.value)
     assert f"model.pretrained={tmp_path / 'start.pt'} is not the weights the run of" in message
     assert recorded in message and "\n" not in message and not (tmp_path / "o2").exists()
+
+
+def test_points_whose_runs_max_steps_stopped_short_of_their_schedule_are_marked(tmp_path):
+    """The defect: runs that all stopped at train.max_steps=20 (validated last there) of their 200-update schedule
+    (10 %) ended alike, were not refused, and were reported as finished runs with no mark (paper_table.py marks such
+    a row §). Each point is marked § in the tables of its evaluated numbers, a note saying how far its runs got."""
+    for name, seed in (("baseline_s0", 0), ("cd10x_s0", 1)):
+        folder = write_run(tmp_path, name, fp=80.0, w4=60.0, fc2_curve=[100.0, 90.0], norm1_max=4.0, seed=seed)
+        result = json.loads((folder / "eval_best.json").read_text())
+        (folder / "eval_best.json").write_text(json.dumps({**result, "recipe": {"sched.steps": 200}}))
+        (folder / "config.yaml").write_text("train:\n  max_steps: 20\n")
+    report = dose_report.main([str(tmp_path), "--out", str(tmp_path / "o")])
+    assert "| baseline§ | 0 | 80.00 | 40.00 | 5.00 | 60.00 | 60.00 | 40.00 | 40.00 |" in report
+    assert "| cd10x§ | 0 | 80.00 | 40.00 | 5.00 | 60.00 | 60.00 | 40.00 | 40.00 |" in report
+    assert "| baseline§ | 4.0 |" in report.split("Largest max")[1]  # the table of module types' maxima too
+    assert ("§ cd10x: stopped before the end of its schedule: validated last at update 20 of the 200 of its schedule "
+            "(sched.steps=200), where its train.max_steps stopped it, at 10.0 % of its schedule's updates (under "
+            "99 %)") in report.splitlines()

@@ -259,3 +259,14 @@ def test_a_spread_within_float_rounding_is_no_spread_and_a_small_real_one_is_tes
     t, df, p = gap_test.welch([0.0, 0.0, 0.0], [0.2, 0.2, 0.2 + 1e-6])  # one sample varies: tested
     reference = stats.ttest_ind([0.0, 0.0, 0.0], [0.2, 0.2, 0.2 + 1e-6], equal_var=False)
     assert (t, df, p) == pytest.approx((reference.statistic, reference.df, reference.pvalue))
+
+
+def test_points_whose_runs_max_steps_stopped_short_of_their_schedule_are_marked(tmp_path):
+    """Runs that all stopped at train.max_steps=50 of their 2,000-update schedule were tested as finished runs with
+    no mark; each point is marked § in the caption and header, a note saying how far its runs got."""
+    from test_lm_study import capped_sweep
+
+    report = gap_test.main([str(capped_sweep(tmp_path / "sweep")), "baseline", "cd10x"])
+    assert "baseline§ (seeds 0, 1) against cd10x§ (seeds 0, 1)" in report
+    assert "| setting | baseline§ | cd10x§ |" in report
+    assert "§ cd10x: stopped before the end of its schedule: validated last at update 50 of the 2000" in report

@@ -460,3 +460,30 @@ def test_quantized_numbers_of_other_settings_than_the_defaults_are_marked_and_na
     assert report.splitlines().count(note.format("GPTQ W4A16")) == 1
     assert report.splitlines().count(note.format("SmoothQuant-strict W8A5")) == 1
     assert report.count("*") == 4 + 2  # the four cells and the two notes
+
+
+def capped_sweep(root, steps=2000):
+    """Two points of two seeds each whose runs train.max_steps=50 stopped at update 50 (their last validation) of a
+    `steps`-update schedule (the recipe eval_best.json records; config.yaml's max_steps): ended alike, not refused."""
+    root.mkdir()
+    for name, ppl in (("baseline_s0", 4.0), ("baseline_s1", 4.2), ("cd10x_s0", 4.1), ("cd10x_s1", 4.3)):
+        write_run(root, name, ppl=ppl, rtn=ppl + 1, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+        result = root / name / "eval_best.json"
+        result.write_text(json.dumps({**json.loads(result.read_text()), "recipe": {"sched.steps": steps}}))
+        (root / name / "config.yaml").write_text("train:\n  max_steps: 50\n")
+    return root
+
+
+def test_points_whose_runs_max_steps_stopped_short_of_their_schedule_are_marked(tmp_path):
+    """The defect: runs that all stopped at train.max_steps=50 of their 2,000-update schedule (2.5 %) were reported
+    as finished runs, with no mark (paper_table.py marks such a row §). Each point is marked § in the tables of its
+    evaluated numbers, a note saying how far its runs got; runs that reached their schedule's end are not."""
+    report = lm_study.main([str(capped_sweep(tmp_path / "capped")), "--out", str(tmp_path / "o")])
+    first = [line for line in report.split("\n\nFinal pair energy")[0].splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0] for line in first[1:]] == ["| baseline§", "| cd10x§"], first
+    for point in ("baseline", "cd10x"):
+        assert (f"§ {point}: stopped before the end of its schedule: validated last at update 50 of the 2000 of its "
+                f"schedule (sched.steps=2000), where its train.max_steps stopped it, at 2.5 % of its schedule's "
+                f"updates (under 99 %)") in report
+    finished = lm_study.main([str(capped_sweep(tmp_path / "finished", steps=50)), "--out", str(tmp_path / "f")])
+    assert "§" not in finished
