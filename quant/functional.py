@@ -102,10 +102,15 @@ def fake_quant_log_sqrt2(x: torch.Tensor, delta: torch.Tensor, bits: int, ste: b
     """
     if ste:
         levels = 2 ** bits
-        q_raw = round_ste(-2.0 * torch.log2(x.clamp(min=1e-30) / delta))
+        ratio = x / delta
+        # x <= 0 underflows, as log2(0) = -inf codes it in the inference path; its log is taken of 1 instead (a
+        # finite value and gradient, masked below). Not a clamp of x to a tiny positive number: 1e-30 is 0 in
+        # float16 (log2(0): NaN values and gradients), and at 8 bits it codes 0 as round(-2 log2 1e-30) = 199 < 256,
+        # a nonzero level. NaN stays NaN, as in the inference path.
+        q_raw = round_ste(-2.0 * torch.log2(torch.where(ratio <= 0, torch.ones_like(ratio), ratio)))
         q = torch.clamp(q_raw, 0, levels - 1)
         out = delta * torch.exp2(-0.5 * q)
-        return torch.where(q_raw.detach() >= levels, torch.zeros_like(out), out)
+        return torch.where((ratio.detach() <= 0) | (q_raw.detach() >= levels), torch.zeros_like(out), out)
     q, zero = log_sqrt2_codes(x, delta, bits)
     out = q.mul_(-0.5).exp2_().mul_(delta)
     return out.masked_fill_(zero, 0.0)

@@ -631,3 +631,31 @@ def test_log_sqrt2_last_code_and_first_underflow_by_hand_in_both_paths_and_the_q
         got = fake_quant_log_sqrt2(x.clone().requires_grad_(ste), torch.tensor(d), 4, ste=ste)
         assert got.tolist() == pytest.approx(want, rel=1e-6, abs=0), ste
     assert q(x).tolist() == pytest.approx(want, rel=1e-6, abs=0)
+
+
+def naive_log_sqrt2(values, delta, bits):
+    """RepQ-ViT's log-sqrt2 values by hand in float64: code round(-2 log2(x / delta)) (half to even, as Python's
+    round), clamped below at 0; x <= 0 or a code >= 2^bits gives 0."""
+    out = []
+    for v in values:
+        code = round(-2 * math.log2(v / delta)) if v > 0 else math.inf
+        out.append(0.0 if code >= 2 ** bits else delta * 2 ** (-max(code, 0) / 2))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_log_sqrt2_training_path_codes_zero_as_zero_in_every_dtype_and_bit_width(dtype, bits):
+    # a probability of exactly 0 (a masked key, or one that underflowed) is 0 with gradient 0 in the straight-through
+    # path as in the inference path; clamping x to 1e-30 first rounded to 0 in float16 (log2(0): NaN values and NaN
+    # gradients) and, at 8 bits, coded 0 as round(-2 log2 1e-30) = 199 < 256, a nonzero level
+    delta = 0.5
+    x = torch.tensor([0.0, 0.3, 0.1, 0.02, 0.5 * 2 ** -3.5, 0.0], dtype=dtype, requires_grad=True)
+    want = naive_log_sqrt2([float(v) for v in x.detach().double()], delta, bits)
+    rel = 1e-6 if dtype == torch.float32 else 1e-2  # a 0-d delta keeps x's dtype: its levels rounded to it
+    for ste in (True, False):
+        got = fake_quant_log_sqrt2(x if ste else x.detach(), torch.tensor(delta), bits, ste=ste)
+        assert got.detach().double().tolist() == pytest.approx(want, rel=rel, abs=0), ste
+        assert got[0].item() == got[-1].item() == 0.0
+    (grad,) = torch.autograd.grad(fake_quant_log_sqrt2(x, torch.tensor(delta), bits, ste=True).sum(), x)
+    assert bool(torch.isfinite(grad).all()) and grad[0].item() == grad[-1].item() == 0.0
