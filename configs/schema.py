@@ -204,7 +204,8 @@ class OptimConfig:
     momentum: Annotated[float, BelowOne] = 0.9  # sgd only
     # layer-wise lr decay (fine-tuning, e.g. 0.9); None: off; needs timm's layer grouping (refused on a GPT)
     layer_decay: Annotated[Optional[float], Range(0, 1, low_open=True)] = None
-    # max global L2 norm of the gradients; None: no clipping
+    # max global L2 norm of the gradients; None: no clipping (but timm's lamb clips to 1.0 inside its step, and a
+    # larger clip_grad beside it is refused: engine/optim.py own_clip_norm)
     clip_grad: Annotated[Optional[float], Positive] = None
     fused: Optional[bool] = None  # fused optimizer kernel; None: on CUDA for adamw/adam/sgd (engine/optim.py)
 

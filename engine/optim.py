@@ -8,10 +8,11 @@ the timm scheduler multiplies into each group's lr.
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
-from timm.optim import create_optimizer_v2
+from timm.optim import create_optimizer_v2, get_optimizer_info
 from timm.scheduler import create_scheduler_v2
 
 from cd.decay import make_step_hooks_run
@@ -76,8 +77,29 @@ def check_optimizer_settings(cfg: OptimConfig) -> None:
         # momentum and zero dampening"); optim.name=nesterov reads no optim.momentum (timm's 0.9, configs/loader.py)
         raise ValueError("optim.momentum=0: timm's sgd is Nesterov, which needs momentum > 0; use optim.name=momentum "
                          "for plain SGD")
+    own = own_clip_norm(cfg.name)
+    if own is not None and cfg.clip_grad is not None and cfg.clip_grad > own:
+        # clip_grad_norm_ to a larger norm, then the optimizer's own clip to `own`: the setting would never act
+        raise ValueError(f"optim.clip_grad={cfg.clip_grad:g}: optim.name={cfg.name} clips the gradients to a "
+                         f"global norm of {own:g} itself (timm's max_grad_norm), so a larger bound never acts; give "
+                         f"optim.clip_grad <= {own:g}, or drop it")
     if cfg.fused and cfg.name not in FUSED:  # auto (None) picks a fused kernel only where torch has one
         raise ValueError(f"optim.fused=true: torch has no fused '{cfg.name}'; use one of {', '.join(FUSED)}")
+
+
+def own_clip_norm(name: str) -> float | None:
+    """The global gradient norm the timm optimizer `name` clips to inside its step (its `max_grad_norm`: timm's
+    Lamb and its variants, 1.0), on top of optim.clip_grad; None for one that does not clip (or a name timm lacks:
+    create_optimizer_v2 refuses it)."""
+    try:
+        info = get_optimizer_info(name.removeprefix("lookahead_"))
+    except ValueError:
+        return None
+    if isinstance(info.opt_class, str):  # a class of another package (apex's fused Lamb), not imported here
+        return None
+    parameter = inspect.signature(info.opt_class).parameters.get("max_grad_norm")
+    norm = (info.defaults or {}).get("max_grad_norm", parameter.default if parameter is not None else None)
+    return float(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) else None
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_decay: float,

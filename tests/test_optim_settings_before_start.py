@@ -23,6 +23,8 @@ REFUSALS = [
     (NANO, ["optim.name=nadamw"], r"^optim.betas=\[0.9, 0.95\] / optim.eps=1e-08 are read for adamw, adam, lamb only"),
     (DEBUG_CONFIG, ["optim.name=sgd", "optim.momentum=0"],
      r"^optim.momentum=0: timm's sgd is Nesterov, which needs momentum > 0; use optim.name=momentum for plain SGD$"),
+    (DEBUG_CONFIG, ["optim.name=lookahead_lamb", "optim.clip_grad=5"],
+     r"^optim.clip_grad=5: optim.name=lookahead_lamb clips the gradients to a global norm of 1 itself"),
 ]
 
 
@@ -40,7 +42,7 @@ def test_train_py_refuses_an_upper_case_optimizer_name_with_one_line_and_makes_n
 
 
 @pytest.mark.parametrize("recipe, overrides, message", REFUSALS,
-                         ids=["upper_case", "fused_lamb", "nano_betas", "sgd_no_momentum"])
+                         ids=["upper_case", "fused_lamb", "nano_betas", "sgd_no_momentum", "lamb_clip"])
 def test_each_refusal_comes_before_out_dir_is_claimed(tmp_path, recipe, overrides, message):
     """The check before start (check_before_start) refuses each; the run's folder is never made."""
     out = tmp_path / "run"
@@ -53,7 +55,8 @@ def test_each_refusal_comes_before_out_dir_is_claimed(tmp_path, recipe, override
 
 
 @pytest.mark.parametrize("overrides", [["optim.name=adamw", "optim.fused=true"], ["optim.name=lamb"],
-                                       ["optim.name=sgd", "optim.fused=false"]])
+                                       ["optim.name=sgd", "optim.fused=false"],
+                                       ["optim.name=lamb", "optim.clip_grad=0.5"], ["optim.clip_grad=5"]])
 def test_what_builds_as_written_passes_the_check_before_start(overrides):
     """A fused kernel torch has (adamw), auto for one it lacks (lamb: unfused), and fused off pass."""
     train.check_before_start(load_config([DEBUG_CONFIG], overrides))
@@ -69,3 +72,27 @@ def test_sgd_without_momentum_is_what_torch_refuses_and_plain_sgd_builds():
     train.check_before_start(cfg)
     optimizer = build_optimizer(model, cfg.optim, 0.1, 0.0)
     assert {(g["momentum"], g["nesterov"]) for g in optimizer.param_groups} == {(0.0, False)}
+
+
+def test_a_clip_above_lambs_own_never_acts():
+    """The premise of the lamb_clip refusal, from timm's Lamb itself: gradients of global norms 100 then 0.2 clipped
+    to 5 before each step move the weights as the unclipped ones (Lamb clips the first to 1.0 inside), while a bound
+    of 0.5 does act (the Adam moments see the two updates' gradients at another ratio)."""
+    def steps(clip):
+        layer = torch.nn.Linear(8, 8).double()
+        for p in layer.parameters():
+            torch.nn.init.constant_(p, 0.5)
+        optimizer = build_optimizer(layer, load_config([DEBUG_CONFIG], ["optim.name=lamb"]).optim, 1e-2, 0.0)
+        generator = torch.Generator().manual_seed(0)
+        for norm in (100.0, 0.2):
+            grads = [torch.randn(p.shape, generator=generator, dtype=p.dtype) for p in layer.parameters()]
+            total = torch.cat([g.flatten() for g in grads]).norm()
+            for p, g in zip(layer.parameters(), grads):
+                p.grad = g * (norm / total)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(layer.parameters(), clip)
+            optimizer.step()
+        return torch.cat([p.detach().flatten() for p in layer.parameters()])
+    unclipped = steps(None)
+    assert torch.allclose(steps(5.0), unclipped, rtol=0, atol=1e-12)
+    assert (steps(0.5) - unclipped).abs().max() > 1e-4
