@@ -240,7 +240,7 @@ class TrainConfig:
     batch_size_per_gpu: Annotated[int, AtLeastOne] = 128
     eval_batch_size_per_gpu: Annotated[int, AtLeastOne] = 256  # per process, validation
     amp: Literal["none", "fp16", "bf16"] = "fp16"  # fp16 runs a GradScaler, bf16 none
-    compile: bool = False  # torch.compile the model (before DDP wrapping)
+    compile: bool = False  # torch.compile the model (the DDP-wrapped one: PyTorch's order, train.py build_loop)
     # keep an EMA of the weights, evaluated separately (val_ema/*); DeiT reports the raw model
     ema: bool = False
     ema_decay: Annotated[float, BelowOne] = 0.99996  # EMA decay per optimizer update
