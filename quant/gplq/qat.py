@@ -61,8 +61,10 @@ class FeatureTap(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple:
         # the head, not get_classifier()(pre): a distilled DeiT's get_classifier() is a tuple, and no one classifier
-        # of the two tokens' mean gives its logits. The body runs once; its two heads are a pooling and a Linear
-        # (with head dropout each call draws its own mask, which leaves the expected loss as it is)
+        # of the two tokens' mean gives its logits. The body runs once; its two heads are a pooling and a Linear.
+        # timm's pre-logits come after its head dropout (model.drop): with drop > 0 each call draws its own mask,
+        # and the squared PCA loss then holds the mask's variance too (the teacher's features, in eval mode, none),
+        # as a student trained in train mode sees it; the recipes' drop 0 has no head dropout
         feats = self.model.forward_features(x)
         return self.model.forward_head(feats), self.model.forward_head(feats, pre_logits=True)
 
