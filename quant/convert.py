@@ -123,7 +123,7 @@ def quantize_model(model: nn.Module, spec: QuantSpec) -> nn.Module:
 
     Args:
         model: float timm ViT/DeiT/Swin (or any model the spec's patterns describe).
-        spec: the layout (see spec.py and pipelines/).
+        spec: the layout (see spec.py, layout.py and the pipelines in ptq/, aphq/, gplq/, gptq/, smoothquant/).
 
     Returns:
         The converted copy, in the original's train/eval mode and on its device.

@@ -7,7 +7,7 @@ reparameterisation and without the log quantizer: GPLQ calls its weight initiali
 RepQ-ViT)", and QwT's "Percentile" baseline is exactly that quantizer with one batch of 32 images.
 We therefore implement (not confirmed by the paper; every item is an option):
 
-* the same quantization points as RepQ-ViT (pipelines/common.py), so the two columns differ only in
+* the same quantization points as RepQ-ViT (quant/layout.py), so the two columns differ only in
   their quantizers; stem/head bits as in RepQ-ViT's code by default (stem input 8 bit);
 * activations (Linear inputs, q, k, v, post-softmax map): asymmetric uniform, PER TENSOR, range by
   percentile candidates {0.999, 0.9999, 0.99999} with the lower end at 1 - p and MSE selection
