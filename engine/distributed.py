@@ -94,6 +94,7 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     rank, world, local_rank = launcher_environment(joining=not dist.is_initialized())
     if use_cuda:
+        check_local_rank_device(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
@@ -102,6 +103,19 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                 device_id=dev if use_cuda else None, timeout=timeout)
     return DistInfo(rank, world, local_rank, dev)
+
+
+def check_local_rank_device(local_rank: int, devices: int) -> None:
+    """Refuse a LOCAL_RANK that names no CUDA device this process sees (`devices`): torch.cuda.set_device ends in a
+    traceback ("invalid device ordinal") there, e.g. under `torchrun --nproc_per_node=2` where CUDA_VISIBLE_DEVICES
+    (or the scheduler's binding) shows each node's processes one GPU."""
+    if local_rank < devices:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    raise ConfigError(f"LOCAL_RANK={local_rank} names no CUDA device: this process sees {devices}{shown}; start at "
+                      f"most {devices} process(es) per node (torchrun --nproc_per_node={devices}), or show every "
+                      f"process of the node all its GPUs (CUDA_VISIBLE_DEVICES)")
 
 
 def launch_fix(*names: str) -> str:

@@ -101,3 +101,30 @@ def test_evaluate_py_says_it_in_one_line(tmp_path, capsys, launched, debug_confi
                                              str(tmp_path / "e" / "eval.json")], capsys)
     assert (code, err.splitlines()) == (1, [f"error: WORLD_SIZE='abc' is not a number of processes: {FIX})"])
     assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("visible", [None, "3"], ids=["all_shown", "one_shown"])
+def test_a_local_rank_past_the_visible_gpus_is_one_line(tmp_path, capsys, launched, monkeypatch, visible):
+    """`CUDA_VISIBLE_DEVICES=3 torchrun --nproc_per_node=2 train.py ...` (or a scheduler that binds one GPU to each
+    task): rank 1's LOCAL_RANK=1 names no device its process sees, and torch.cuda.set_device(1) ended train.py in a
+    RuntimeError traceback ("invalid device ordinal"). One error line naming LOCAL_RANK, before anything is made or
+    any CUDA call (the machine here has no GPU: one visible device is what torch is told it sees)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail(f"set_device({device}) was called"))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    launched(LOCAL_RANK="1")  # alone: one process, which would run on cuda:1
+    out = tmp_path / "o"
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={out}"], capsys)
+    shown = "" if visible is None else f" (CUDA_VISIBLE_DEVICES='{visible}')"
+    assert (code, err.splitlines()) == (1, [
+        f"error: LOCAL_RANK=1 names no CUDA device: this process sees 1{shown}; start at most 1 process(es) per node "
+        f"(torchrun --nproc_per_node=1), or show every process of the node all its GPUs (CUDA_VISIBLE_DEVICES)"])
+    assert not out.exists()
+    launched(LOCAL_RANK="0")  # the device it names is there: taken
+    from engine.distributed import init_distributed
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    assert init_distributed("auto").device == torch.device("cuda", 0)
