@@ -46,6 +46,7 @@ from torch import Tensor, nn
 
 from .layouts import LAYOUTS, Layout, check_layouts
 from .pairs import find_blocks, residual_stream
+from .unknown_blocks import unknown_blocks
 from .update import align_to_task_loss, compute_dtype
 from .wrappers import unwrap_model
 
@@ -201,7 +202,12 @@ class TWEO:
             tried = ("norm1/attn/norm2/mlp, or the same parts under another library's names: cd.LAYOUTS; a model "
                      "with names of its own gives layouts=[cd.Layout(...)]" if layouts is LAYOUTS else
                      "of the layouts given: " + "; ".join(lay.describe() for lay in layouts))
-            raise ValueError(f"TWEO: no pre-norm Transformer block ({tried}) in {type(model).__name__}")
+            # the module that is a block by its structure, named as find_pairs names it: a block of names of one's
+            # own is told apart from a model without blocks (a ConvNeXt)
+            block = next(unknown_blocks(unwrap_model(model), ()), None)
+            seen = (f"; its module '{block[0]}' ({type(block[1]).__name__}) holds a Transformer block's parts "
+                    f"({block[2]}) under names no layout tried has" if block is not None else "")
+            raise ValueError(f"TWEO: no pre-norm Transformer block ({tried}) in {type(model).__name__}{seen}")
         self._terms: list[Tensor] = []  # per-block terms of the latest training forward
         # L_TWEO of the forwards since the last `metrics()` (sum, count), and the mean that call gave
         self._window_sum: Optional[Tensor] = None

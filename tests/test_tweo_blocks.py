@@ -177,3 +177,30 @@ def test_a_keyword_stream_is_found_through_a_wrapper_that_replaced_the_blocks_fo
         inner = block.forward
         block.forward = lambda *args, _inner=inner, **kwargs: _inner(*args, **kwargs)
     _assert_penalty_of_first_elements(model)
+
+
+class _OwnNamesBlock(nn.Module):
+    """A pre-norm block whose layers no built-in layout names (ln_a, mix, ln_f, ffn)."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.ln_a, self.ln_f = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.mix = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.ffn = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        h = self.ln_a(x)
+        x = x + self.mix(h, h, h, need_weights=False)[0]
+        return x + self.ffn(self.ln_f(x))
+
+
+def test_a_model_whose_blocks_no_layout_names_is_refused_naming_the_module_that_is_one():
+    """Was: "TWEO: no pre-norm Transformer block (...) in Sequential", the same words as for a model without blocks
+    (a ConvNeXt), naming no module, where find_pairs names the module that is a block by its structure."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(_OwnNamesBlock(), _OwnNamesBlock()))
+    with pytest.raises(ValueError, match=r"TWEO: no pre-norm Transformer block .* in Sequential; its module '1\.0' "
+                                         r"\(_OwnNamesBlock\) holds a Transformer block's parts \(attention mix "
+                                         r"\(MultiheadAttention\), norm ln_a \(LayerNorm\), MLP ffn \(Sequential\)\)"):
+        TWEO(model)
+    with pytest.raises(ValueError, match=r"in Sequential$"):  # no block-shaped module: nothing to name
+        TWEO(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)))
