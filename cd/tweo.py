@@ -271,7 +271,9 @@ class TWEO:
                                "checkpointing (torch.utils.checkpoint(use_reentrant=True), timm's "
                                "set_reentrant_ckpt(True)) run that forward without grad: checkpoint with "
                                "use_reentrant=False")
-        penalty = torch.stack(self._terms).mean()  # (1/L) sum_l over the blocks
+        # (1/L) sum_l over the blocks, on the task loss's device: a model split over devices (transformers'
+        # device_map="auto", through the integrations) has each block's term on its block's device
+        penalty = torch.stack([term.to(task_loss.device) for term in self._terms]).mean()
         self._terms = []
         lam = self.lam_at(step)
         # summed on its device (no host sync per forward), in float64 where the device has it (`_window_dtype`)

@@ -472,3 +472,19 @@ def test_activation_checkpointing_gives_the_plain_runs_term_or_a_refusal_naming_
     else:
         aux, grad = run(True)
         assert torch.equal(aux, reference[0]) and torch.allclose(grad, reference[1], rtol=1e-5, atol=1e-7)
+
+
+def test_aux_loss_of_a_model_split_over_devices_is_on_the_task_losss_device():
+    """A model whose blocks sit on different devices (transformers' device_map="auto": hooks move each block's input
+    to its device) gave a device-mismatch error from torch.stack of the blocks' terms; the terms are gathered on the
+    task loss's device. Here the second block and the head are on "meta", the first on the CPU."""
+    model = tiny_vit().eval()
+    meta = torch.device("meta")
+    for module in (model.blocks[1], model.norm, model.fc_norm, model.head_drop, model.head):
+        module.to(meta)
+        module.register_forward_pre_hook(lambda m, args: tuple(a.to(meta) for a in args))
+    with TWEO(model, lam=0.01) as tweo:
+        model.train()
+        y = model(torch.randn(2, 3, 32, 32))
+        aux = tweo.aux_loss(F.cross_entropy(y, torch.zeros(2, dtype=torch.long, device=meta)), step=0)
+    assert y.device == meta and aux.device == meta and aux.shape == ()
