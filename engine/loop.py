@@ -264,7 +264,8 @@ class TrainLoop:
         bar = _progress_bar(total, state.epoch_batches // self.accum_steps, state.epoch, self.epochs, self.progress)
         window = self._window = _Window(self.device)
         if state.log_window is not None:  # the window the resumed checkpoint cut: go on with its sums
-            window.carry_on(state.log_window["loop"], main=self.rank == 0)
+            window.carry_on(state.log_window["loop"], main=self.rank == 0,
+                            micro_per_update=self.accum_steps * self.world_size)
             for name, (_, load) in self.window_sources.items():
                 if name in state.log_window:
                     load(state.log_window[name], self.rank == 0)
@@ -774,13 +775,20 @@ class _Window:
                 "images": self.images, "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
                 "data_wait": data_wait, "seconds": closed_at - self.t0}
 
-    def carry_on(self, record: dict, main: bool) -> None:
+    def carry_on(self, record: dict, main: bool, micro_per_update: Optional[int] = None) -> None:
         """Go on with the window a checkpoint cut (`record`): the sums over all ranks on the main rank only (`main`;
         `flush` adds every rank's), the counts every rank keeps alike on every rank; its time (the seconds before the
-        stop) counts in train/img_per_s and train/data_wait, the resume's start-up does not."""
+        stop) counts in train/img_per_s and train/data_wait, the resume's start-up does not. `micro_per_update`: the
+        micro-batches of one update over all ranks in this run (accumulation steps x processes)."""
+        loss_sum, micro, updates = record["loss_sum"], record["micro"], record["updates"]
+        if micro_per_update and updates and micro and micro != updates * micro_per_update:
+            # written with the global batch in other micro-batches (another train.batch_size_per_gpu, e.g. with
+            # another process count): train/loss, the mean of the micro-batches' means, would weigh each update by
+            # its number of micro-batches; the carried updates count as many as this run's do (their mean loss kept)
+            loss_sum, micro = loss_sum * (updates * micro_per_update) / micro, updates * micro_per_update
         if main:
-            self.loss_sum = self.loss_sum + record["loss_sum"]
-            self.micro += int(record["micro"])
+            self.loss_sum = self.loss_sum + loss_sum
+            self.micro += int(micro)
             self.unreadable += int(record["unreadable"])
         self.updates += record["updates"]
         self.images += record["images"]

@@ -199,3 +199,58 @@ def test_tweo_window_carried_over_a_resume_sums_to_the_bits_of_its_exact_mean():
         forwards(tweo, xs[1::2])
         resumed = tweo.metrics()["tweo/penalty"]
     assert straight == resumed == math.fsum(penalties) / 4
+
+
+def test_a_window_carried_into_other_micro_batches_weighs_each_update_alike():
+    """A window written with 2 micro-batches per update (2 ranks x 8, or one process x 2 accumulation steps) and
+    continued with 4 (train.batch_size_per_gpu=4, the same global batch: e.g. on 4 processes): train/loss, the sum of
+    the micro-batches' mean losses over their number, weighed each resumed update twice as much as a carried one.
+    Reference: the mean of the updates' mean losses, by hand."""
+    import torch
+
+    from engine.loop import _Window
+
+    cpu = torch.device("cpu")
+    carried, resumed = _Window(cpu), _Window(cpu)
+    before = [[1.0, 3.0], [2.0, 2.0]]  # two updates of 2 micro-batches: means 2.0, 2.0
+    after = [[4.0, 6.0, 5.0, 5.0]]  # one update of 4 micro-batches: mean 5.0
+    for update in before:
+        for loss in update:
+            carried.add_loss(torch.tensor(loss))
+        carried.add_update(16, None)
+    resumed.carry_on(carried.record(), main=True, micro_per_update=4)
+    for update in after:
+        for loss in update:
+            resumed.add_loss(torch.tensor(loss))
+        resumed.add_update(16, None)
+    assert resumed.flush(3, None)["train/loss"] == (2.0 + 2.0 + 5.0) / 3
+
+
+def test_a_run_stopped_inside_a_window_and_resumed_with_another_per_process_batch_logs_the_window_it_trained(
+        tmp_path, debug_config):
+    """train.py: stopped by a SIGTERM after update 1 (inside the window 1-2) with 8 images per process x 2
+    accumulation steps, resumed with train.batch_size_per_gpu=4 (4 x 4: the same global batch, no changed setting).
+    The window logged at update 2 was (2 L1 + 4 L2) / 6, 5e-3 off. Reference: the run never stopped, with 8 per
+    process (a LayerNorm ViT without mixup, drop path or dropout: the per-process batch changes the loss by rounding
+    alone)."""
+    import torch.optim.optimizer as optimizer_module
+
+    run = ("log.tensorboard=false", "cd.enabled=false", "model.drop_path=0", "data.mixup=0", "data.cutmix=0",
+           "train.max_steps=2")
+    train.main(debug_config(*run, name="straight"))
+    straight = logged_series(tmp_path / "straight")
+    assert [r["step"] for r in straight] == [2]
+
+    def stop(*_):
+        os.kill(os.getpid(), signal.SIGTERM)
+        handle.remove()
+
+    handle = optimizer_module.register_optimizer_step_post_hook(stop)
+    try:
+        assert train.main(debug_config(*run, name="stopped")).reason == "preempted"
+    finally:
+        handle.remove()
+    train.main(debug_config(*run, "train.batch_size_per_gpu=4", name="stopped"))
+    resumed = logged_series(tmp_path / "stopped")
+    assert [r["step"] for r in resumed] == [2]
+    assert resumed[0]["train/loss"] == pytest.approx(straight[0]["train/loss"], abs=1e-6)
