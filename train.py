@@ -196,8 +196,11 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
         check_same_start_on_every_rank(cfg.out_dir, resume_path, payload, dist.device, dist.rank,
                                        cfg.train.resume)
     # settings the checkpoint cannot continue with: before the model and data; the changed settings it continues
-    # with are said once the run's length is known to leave them updates to act on (check_something_to_train)
-    check_resume(cfg, resume_path, payload, warn=False)
+    # with are said once the run's length is known to leave them updates to act on (check_something_to_train). On
+    # every rank together: a node's own path (model.pretrained) may be refused on some ranks only, which left the
+    # others in their next collective (gloo: a "Connection closed by peer" traceback)
+    with failure_on_every_rank(dist.device, "checking the settings the checkpoint is resumed with"):
+        check_resume(cfg, resume_path, payload, warn=False)
     # the weights the run started from: a resumed run's are its checkpoint's (None for one written before the record)
     run = build_run(cfg, dist, resumed=resume_path is not None,
                     start_weights=payload.get(START_WEIGHTS) if resume_path is not None else None,

@@ -96,6 +96,10 @@ def outcomes(tmp_path_factory) -> dict:
         run(name, "a"), ([f"model.pretrained={best}"], [f"model.pretrained={copy}"] if copy else []))]
     cases = [("train_other", "train", run("train_other", "b")), ("train_copy", "train", run("train_copy", "c")),
              ("tune_copy", "train", tune("tune_copy", work / "node2" / "best.pt")),
+             # tune_copy resumed, rank 0 given rank 1's node path to the weights: not the one the checkpoint records
+             ("tune_swapped", "train", [[*(o if o != "train.max_steps=1" else "train.max_steps=2" for o in argv[:-1]),
+                                         f"model.pretrained={weights}"] for argv, weights in zip(
+                 tune("tune_copy", best), (work / "node2" / "best.pt", best))]),
              ("tune_other", "train", tune("tune_other", work / "node2" / "other.pt")),
              ("tune_unset", "train", tune("tune_unset", None)),
              ("train_start", "train", resume),
@@ -181,6 +185,19 @@ def test_ranks_that_would_resume_from_other_points_stop_naming_what_each_found(o
                              f"out_dir={work / 'empty'} and would start afresh, another rank otherwise; out_dir must "
                              f"be one folder that every node reads"), second
     assert torch.load(work / "trained" / "checkpoint.pt", weights_only=True)["state"]["step"] == 1  # not trained on
+
+
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
+def test_a_resume_refused_on_one_rank_alone_stops_every_rank(outcomes):
+    """check_resume judges model.pretrained, a node's own path, against the one the checkpoint records (a resumed run
+    reads no weights from it): refused on rank 0 alone here, while rank 1 went on into its next collective and ended
+    in gloo's "Connection closed by peer" traceback. Now rank 1 says that another rank failed, and nothing trains."""
+    work = outcomes["work"]
+    (kind0, first), (kind1, second) = outcomes["tune_swapped"]
+    assert kind0 == "CheckpointError" and "only a run's start reads model.pretrained" in first, first
+    assert (kind1, second) == ("OtherRankError", "rank 1: another rank failed checking the settings the checkpoint is "
+                                                 "resumed with; its output says why")
+    assert torch.load(work / "tune_copy" / "checkpoint.pt", weights_only=True)["state"]["step"] == 1
 
 
 @pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
@@ -422,7 +439,7 @@ def test_operations_guide_quotes_what_each_rank_failed_as_the_entry_points_say_i
     guide = " ".join(read("docs/operations.md").split())
     blocks = [what for path in ("train.py", "evaluate.py")
               for what in re.findall(r'failure_on_every_rank\([^,]+, "([^"]+)"\)', read(path))]
-    assert len(blocks) == 6, blocks
+    assert len(blocks) == 7, blocks
     assert [what for what in blocks if f"`{what}`" not in guide and f"failed {what};" not in guide] == []
 
 
