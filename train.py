@@ -200,7 +200,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
     # every rank together: a node's own path (model.pretrained) may be refused on some ranks only, which left the
     # others in their next collective (gloo: a "Connection closed by peer" traceback)
     with failure_on_every_rank(dist.device, "checking the settings the checkpoint is resumed with"):
-        check_resume(cfg, resume_path, payload, warn=False)
+        check_resume(cfg if dist.is_main else with_main_rank_paths(cfg, payload if resume_path else None),
+                     resume_path, payload, warn=False)
     # the weights the run started from: a resumed run's are its checkpoint's (None for one written before the record)
     run = build_run(cfg, dist, resumed=resume_path is not None,
                     start_weights=payload.get(START_WEIGHTS) if resume_path is not None else None,
@@ -256,6 +257,18 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
     loop.keep_held()  # none is left held where the run ends (its last write is made at once), but never lose one
     return finish(run, preemption, reason, val, start_step, time.perf_counter() - run_started, train_seconds,
                   loop.saved_step)
+
+
+def with_main_rank_paths(cfg: Config, payload: Optional[dict]) -> Config:
+    """`cfg` with the model.pretrained that the checkpoint `payload` records (None: a fresh start, `cfg` as it is),
+    for the resume checks of a rank other than rank 0. That path is where each node reaches its copy of the weights
+    (engine/rank_agreement.py PATH_SETTINGS; the ranks compared what they loaded when the run started), and the
+    checkpoint records rank 0's: another node's path to its copy is no new value (a resumed run reads no weights
+    from it), and rank 0 refuses a new one for every rank (check_resumable's start-only settings)."""
+    recorded = recorded_setting(payload["config"], "model.pretrained") if payload is not None else None
+    if not isinstance(recorded, str):
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=recorded))
 
 
 def best_match_line(best: BestMatch, step: int, out_dir: str) -> str:

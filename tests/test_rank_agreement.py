@@ -100,6 +100,9 @@ def outcomes(tmp_path_factory) -> dict:
              ("tune_swapped", "train", [[*(o if o != "train.max_steps=1" else "train.max_steps=2" for o in argv[:-1]),
                                          f"model.pretrained={weights}"] for argv, weights in zip(
                  tune("tune_copy", best), (work / "node2" / "best.pt", best))]),
+             # ... and as it started: each rank given its own node's path, rank 0 the one the checkpoint records
+             ("tune_resumed", "train", [[*(o if o != "train.max_steps=1" else "train.max_steps=2" for o in argv)]
+                                        for argv in tune("tune_copy", work / "node2" / "best.pt")]),
              ("tune_other", "train", tune("tune_other", work / "node2" / "other.pt")),
              ("tune_unset", "train", tune("tune_unset", None)),
              ("train_start", "train", resume),
@@ -192,12 +195,24 @@ def test_a_resume_refused_on_one_rank_alone_stops_every_rank(outcomes):
     """check_resume judges model.pretrained, a node's own path, against the one the checkpoint records (a resumed run
     reads no weights from it): refused on rank 0 alone here, while rank 1 went on into its next collective and ended
     in gloo's "Connection closed by peer" traceback. Now rank 1 says that another rank failed, and nothing trains."""
-    work = outcomes["work"]
     (kind0, first), (kind1, second) = outcomes["tune_swapped"]
     assert kind0 == "CheckpointError" and "only a run's start reads model.pretrained" in first, first
     assert (kind1, second) == ("OtherRankError", "rank 1: another rank failed checking the settings the checkpoint is "
                                                  "resumed with; its output says why")
-    assert torch.load(work / "tune_copy" / "checkpoint.pt", weights_only=True)["state"]["step"] == 1
+    # nothing trained: tune_resumed, after it, resumes from update 1 (test_a_run_started_from_each_nodes_copy_...)
+
+
+@pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
+def test_a_run_started_from_each_nodes_copy_of_the_weights_resumes(outcomes):
+    """tune_copy started with model.pretrained at another path on rank 1's node (the same bytes: allowed, a path
+    setting); its checkpoint records rank 0's path, and rank 1 refused the resume as a new model.pretrained (only a
+    run's start reads it), so such a run could not go on. Rank 0 judges the path it recorded; the run trains on."""
+    work = outcomes["work"]
+    assert outcomes["tune_resumed"] == [("ok", ""), ("ok", "")]
+    assert torch.load(work / "tune_copy" / "checkpoint.pt", weights_only=True)["state"]["step"] == 2
+    log = (work / "tune_copy" / "train.log").read_text()
+    assert log.count(" resumed from ") == 1 and f"resumed from {work / 'tune_copy' / 'checkpoint.pt'} at epoch 0, " \
+                                                  f"update 1" in log  # after tune_swapped, which trained nothing
 
 
 @pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
