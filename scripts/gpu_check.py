@@ -6,7 +6,7 @@ On a machine with one CUDA GPU, from the repository root, in under 10 minutes (t
 
     PYTHONUNBUFFERED=1 python scripts/gpu_check.py --out gpu_check/gpu_check.json
 
-On a machine lent for one command of at most 10 minutes whose $OUT folder comes back (docs/mini_reproduction.md,
+On a GPU machine reached for one command of at most 10 minutes whose $OUT folder comes back (docs/mini_reproduction.md,
 "On a GPU"; tests/test_gpu_check_docs.py checks that its flags are this script's and its budgets fit):
 
     nvidia-smi -L; python3 -c "import torch,timm;print(torch.__version__,timm.__version__)" && \
@@ -378,7 +378,7 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 # The stage's own process group (its pgid its pid), so that one kill takes it with what it started (a test's
 # subprocesses); in the driver's session, not a session of its own (start_new_session): a runner that ends the
-# processes a command leaves (the lent GPU machine's tool: all but those in a session of their own) then ends a stage
+# processes a command leaves (a remote runner may end all but those in a session of their own) then ends a stage
 # whose driver was killed outright (SIGKILL, no handler). process_group= is Python 3.11's; 3.10 sets it in the child.
 OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 

@@ -1,7 +1,7 @@
 """What docs/mini_reproduction.md ("On a GPU") and configs/sweeps/fashion_mnist_gpu.yaml tell a GPU machine to run
 works as written: the one-call gpu_check command (in scripts/gpu_check.py's docstring too) names only flags the
 script takes, with budgets that fit a 10-minute command, the stated shortest `sched.epochs` is accepted by the
-GPU study's configs while the next shorter one is refused, and the study's call on a lent machine carries its kit,
+GPU study's configs while the next shorter one is refused, and the study's call on a remote runner sends its kit,
 writes into $OUT and fits what a call may send."""
 import os
 import re
@@ -18,7 +18,7 @@ DOC = os.path.join(ROOT, "docs", "mini_reproduction.md")
 SWEEP = os.path.join(ROOT, "configs", "sweeps", "fashion_mnist_gpu.yaml")
 GPU_CONFIGS = [os.path.join(ROOT, "configs", "finetune", f) for f in
                ("fashion_mnist_dinov2_s14.yaml", "fashion_mnist_dinov2_s14_gpu.yaml")]
-COMMAND_LIMIT_S = 600  # one command on the lent GPU machine
+COMMAND_LIMIT_S = 600  # one command on a remote GPU runner
 
 
 def read(path: str) -> str:
@@ -70,18 +70,18 @@ def test_the_stated_shortest_schedule_is_accepted_and_a_shorter_one_refused():
     load_config(GPU_CONFIGS, ["sched.epochs=1", "sched.warmup_epochs=0.2"])  # the doc's way to one epoch
 
 
-# what one call of the lent GPU machine's tool may send: the working tree, carried paths
+# what one call of the remote runner may send: the working tree and the extra paths named
 DEVICE_SEND_LIMIT = 64 * 2 ** 20
 
 
 def test_the_offline_study_carries_its_kit_writes_into_out_and_fits_what_a_call_sends():
-    """The study's one call on a lent machine: kit/ is git-ignored, so the doc names it in `carry`; the report and the
-    runs' archive are written under $OUT (the runs/ folder does not come back); and the tracked files with the kit's
-    stated bytes fit what a call may send (a repository grown past the margin fails here: export a smaller subset)."""
+    """The study's one call on a remote GPU runner: kit/ is git-ignored, so the doc names it as an extra path to send;
+    the report and the runs' archive are written under $OUT (the runs/ folder does not come back); and the tracked
+    files with the kit's stated bytes fit what a call may send (a repository grown past the margin fails here: export a smaller subset)."""
     text = read(DOC)
     prose = " ".join(text.split())
     assert subprocess.run(["git", "check-ignore", "-q", "kit/fashion_mnist"], cwd=ROOT).returncode == 0
-    assert '`carry: ["kit"]`' in prose
+    assert "sends it only as an extra path (`kit`)" in prose
     start = text.index("python3 scripts/sweep.py configs/sweeps/fashion_mnist_gpu.yaml")
     words = [w.rstrip(";") for w in shlex.split(text[start:text.index("```", start)].replace("\\\n", " "))]
     assert {"data.root=kit/fashion_mnist", "model.pretrained=kit/dinov2_s14_half.safetensors"} <= set(words)
