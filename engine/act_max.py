@@ -22,12 +22,16 @@ NaN, no value, in `per_layer` and the CSV): their outputs are probabilities, not
 (Swin's is the largest module kurtosis there) would be counted only where the attention is not fused, so that
 act/kurtosis_module would change with TIMM_FUSED_ATTN.
 
+An output that is not finite (an fp16 overflow under autocast, a diverged model) has the maximum inf (a NaN too),
+so that the module or block maximum is inf, never the largest of the other outputs, and no kurtosis.
+
 Running maxima stay on the device (no host sync per batch); `result()` syncs once. For distributed
 evaluation pass `reduce_fn` (e.g. an all_reduce with MAX) or reduce `maxima()` and `seen()` yourself; nothing
 here touches torch.distributed. The model is never modified: hooks are removed when the context exits.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
@@ -67,7 +71,10 @@ class ActMaxResult:
             values = [r["kurtosis"] for r in self.per_layer if r["kind"] == kind and "kurtosis" in r
                       and r["kurtosis"] == r["kurtosis"]]
             if values:
-                out[f"act/kurtosis_{kind}"] = max(values)
+                # an output that was not finite has no kurtosis, and the largest is then not known: NaN, not the
+                # largest of the others
+                finite = all(math.isfinite(r["max"]) for r in self.per_layer if r["kind"] == kind)
+                out[f"act/kurtosis_{kind}"] = max(values) if finite else float("nan")
         return out
 
 
@@ -120,7 +127,10 @@ class ActivationProbe:
             for t in tensors:
                 if not isinstance(t, torch.Tensor) or t.numel() == 0 or not t.is_floating_point():
                     continue
+                # a NaN (an overflow's inf - inf) is kept as inf: a NaN drops out of Python's max() of the records
+                # (it compares false) and of a distributed MAX all-reduce, and the other outputs' largest was reported
                 value = t.detach().abs().amax().float()
+                value = value.masked_fill(value.isnan(), float("inf"))
                 if self._max is None:
                     self._max = torch.zeros(len(self.targets), device=value.device)
                     self._seen = torch.zeros(len(self.targets), device=value.device)

@@ -2,9 +2,18 @@
 are read, naming the file and line: dose_report.read_act_max (dose_report.py, lm_study.py) and compare_act_max.py's
 per_block used to let it through, and the largest value of a type or block (max() ignores a NaN after the first
 value) was then the other modules' maximum. A NaN kurtosis (an output too near a constant to resolve) stays a value
-the per-type table leaves out."""
-import pytest
+the per-type table leaves out.
 
+Where they are measured (engine.act_max.ActivationProbe): an output that is NaN (an fp16 overflow's inf - inf) was
+a record of max NaN, which Python's max() of the records skips, so act/max_block was the largest of the other blocks'
+outputs; it is inf, and the largest kurtosis of its kind NaN (not known)."""
+import math
+
+import pytest
+import torch
+
+from engine.act_max import ActivationProbe
+from quant_models import images, tiny_vit
 from test_compare_act_max import load as load_compare, run_rows, write as write_act_max
 from test_lm_study import write_run
 from tests.conftest import run_entry
@@ -60,3 +69,45 @@ def test_compare_act_max_refuses_a_max_that_is_not_finite_naming_file_and_line(t
                                          r"number: the model's activations overflowed"):
         compare.main([f"a={tmp_path}/a_s*_act_max.csv", "--out", str(tmp_path / "cmp")])
     assert not (tmp_path / "cmp.csv").exists()
+
+
+def overflowing_vit():
+    """A tiny ViT whose last block's fc1 overflows fp16 at the patch tokens only (their position embedding's large
+    channel 0, which two fc1 rows read 2e4 times, and fc2 adds them with opposite signs: inf - inf = NaN); the cls
+    token that the head reads stays finite."""
+    model = tiny_vit()
+    with torch.no_grad():
+        model.pos_embed[0, 1:, 0] = 50.0
+        fc1, fc2 = model.blocks[-1].mlp.fc1, model.blocks[-1].mlp.fc2
+        fc1.weight[:, 0] = 0.0
+        fc1.weight[0:2, 0] = 2e4
+        fc2.weight[:, 0], fc2.weight[:, 1] = 1.0, -1.0
+    return model
+
+
+def test_a_nan_block_output_under_fp16_autocast_is_an_infinite_block_maximum():
+    model = overflowing_vit()
+    outputs = {}  # the reference: every block output, kept by the test's own hooks
+    handles = [block.register_forward_hook(lambda m, i, o, n=n: outputs.__setitem__(n, o.detach()))
+               for n, block in enumerate(model.blocks)]
+    with torch.no_grad(), ActivationProbe(model, moments=True) as probe, torch.autocast("cpu", dtype=torch.float16):
+        logits = model(images(4))
+    for handle in handles:
+        handle.remove()
+    # the premise: the logits are finite (the FP pass scores them), block 0's output too, block 1's has NaN
+    assert torch.isfinite(logits).all() and torch.isfinite(outputs[0]).all() and outputs[1].isnan().any()
+    result = probe.result()
+    assert result.block == math.inf and result.module == math.inf  # was block 0's maximum, 51.3
+    assert {r["name"]: r["max"] for r in result.per_layer}["blocks.1"] == math.inf
+    assert not probe.maxima().isnan().any()  # a MAX all-reduce keeps it on every rank
+    metrics = result.metrics()
+    assert math.isnan(metrics["act/kurtosis_block"]) and math.isnan(metrics["act/kurtosis_module"])
+
+
+def test_finite_outputs_keep_their_largest_kurtosis():
+    model = tiny_vit()
+    with torch.no_grad(), ActivationProbe(model, moments=True) as probe:
+        model(images(4))
+    result = probe.result()
+    kurtosis = [r["kurtosis"] for r in result.per_layer if r["kind"] == "block"]
+    assert math.isfinite(result.block) and result.metrics()["act/kurtosis_block"] == max(kurtosis)
