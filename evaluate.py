@@ -48,6 +48,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -224,6 +225,7 @@ def main(args: argparse.Namespace) -> dict:
         with ActivationProbe(model, extra_modules=cfg.quant.act_max_extra_modules, moments=True) as probe:
             task.evaluate(model, val_loader, device, args.amp, progress="activation maxima")
         act = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device, sum_fn=all_reduce)
+        check_finite_maxima(act.per_layer, args.amp)  # the records all-reduced: every rank raises alike
         kurtosis = {k.rpartition("_")[2]: v for k, v in act.metrics().items() if "kurtosis" in k}
         max_act = {"module": act.module, "block": act.block, "kurtosis": kurtosis,
                    "seconds": round(time.perf_counter() - start, 3),
@@ -1068,6 +1070,22 @@ def held_out_advice(trained: DataConfig, here: DataConfig, fingerprint: Optional
         return (f"it was validated on a split of its train file's size and first MiB, as the checkpoint recorded "
                 f"them (data.val_split={trained.val_split}): give data.val_split a split held out from its training")
     return f"score its held-out split (data.val_split={trained.val_split})"
+
+
+def check_finite_maxima(records: list, amp: str) -> None:
+    """Refuse activation maxima that are not finite numbers (engine.act_max records an output holding an inf or a
+    NaN as inf): no maximum was measured there, and written as the result's max_act it is refused by every table that
+    reads it as a diverged run's. The logits can be finite all the same (an overflow at tokens the head does not read,
+    the last block's patch tokens), so the FP pass did not refuse them. Nothing is written."""
+    # the first where it began: the lowest block, its modules before its output (a NaN spreads on from there)
+    bad = [r["name"] for r in sorted(records, key=lambda r: (r["block"], r["kind"] == "block"))
+           if not math.isfinite(r["max"])]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        cause = ("under --amp fp16 a value past fp16's largest, 65504, overflows: give --amp bf16 or none"
+                 if amp == "fp16" else "the weights' activations overflow there (a diverged run)")
+        raise NonFiniteLossError(f"activation maxima: the output of {bad[0]}{more} is not finite (inf or NaN) on the "
+                                 f"val images, so it has no maximum and nothing is written; {cause}")
 
 
 def default_out_path(checkpoint: str | None, model_name: str) -> str:

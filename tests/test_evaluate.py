@@ -1156,3 +1156,39 @@ def test_quant_sensitivity_table_has_a_column_for_a_pipeline_beyond_the_three():
     assert sens.markdown(table, "w4a4").splitlines() == [
         "| variant (w4a4) | percentile | repq | gplq | aphq |", "|---|---|---|---|---|",
         "| official | 50.00 | 60.00 | 70.00 | 65.00 |", "| calib=train | 49.00 (-1.00) | 61.50 (+1.50) |  |  |"]
+
+
+def overflowing_checkpoint(checkpoint: str, path) -> str:
+    """`checkpoint` with its last block's fc1 made to overflow fp16 at the patch tokens only: their position embedding's
+    channel 0 large, read 2e4 times by fc1's first rows (finite in fp32), which fc2 adds with opposite signs (inf - inf:
+    NaN); the cls token, which the head reads, stays finite, so the FP pass scores the logits."""
+    import torch
+
+    payload = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    state = payload["model"]
+    last = max(int(k.split(".")[1]) for k in state if k.startswith("blocks."))
+    state["pos_embed"][0, 1:, 0] = 50.0
+    state[f"blocks.{last}.mlp.fc1.weight"][:, 0] = 0.0
+    state[f"blocks.{last}.mlp.fc1.weight"][0:2, 0] = 2e4
+    state[f"blocks.{last}.mlp.fc2.weight"][:, 0] = 1.0
+    state[f"blocks.{last}.mlp.fc2.weight"][:, 1] = -1.0
+    torch.save(payload, path)
+    return str(path)
+
+
+def test_maxima_that_overflow_fp16_are_refused_naming_the_module_and_amp(checkpoint, tmp_path, capsys):
+    """An output of inf or NaN under --amp fp16 was written as max_act inf (or, for a NaN, the other blocks'
+    maximum), which the tables then refused as a diverged run's; evaluate.py refuses it in one error: line, naming
+    the module and --amp, and writes nothing. The same weights in fp32 (the reference: no overflow) are measured."""
+    weights = overflowing_checkpoint(checkpoint, tmp_path / "overflow.pt")
+    out = tmp_path / "fp16.json"
+    code, _, err = run_entry("evaluate.py", ["--checkpoint", weights, "--amp", "fp16", "--quant", "--out", str(out)],
+                             capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "Traceback" not in err, err[-2000:]
+    assert re.match(r"error: activation maxima: the output of blocks\.\d+\.mlp and \d+ more is not finite "
+                    r"\(inf or NaN\) .*give --amp bf16 or none$", last), last
+    assert not out.exists() and not (tmp_path / "fp16_act_max.csv").exists()
+    result = evaluate.main(evaluate.parse_args(["--checkpoint", weights, "--quant", "--out",
+                                                str(tmp_path / "fp32.json")]))
+    assert 1e5 < result["max_act"]["module"] < float("inf")  # 2e4 times channel 0 of the norm's output
