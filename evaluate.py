@@ -172,9 +172,13 @@ def main(args: argparse.Namespace) -> dict:
             return results, replaces, [(name, bits) for name, bits in planned(cfg)
                                        if results.plan(name, bits, quant_settings(cfg, name), args.recompute)], own
 
+        # rank 0's result path, the one file read and written (by rank 0): another node's --out, or its default
+        # beside that node's own --checkpoint path, names a path of its own, and run_on_main's labels (which name
+        # the file) must be alike on every rank, or the others stop as taking other steps than rank 0
+        main_out = run_on_main(lambda: out, "naming the result file", device)
         # read once, on rank 0: ranks that each read the file (while another process writes it, or from a
         # folder that is not shared) could plan different work and then wait for each other forever
-        results, replaces_max_act, todo, own_files = run_on_main(open_results, f"reading {out}", device)
+        results, replaces_max_act, todo, own_files = run_on_main(open_results, f"reading {main_out}", device)
         for name, bits in planned(cfg):
             if (name, bits) not in todo:
                 log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
@@ -239,7 +243,7 @@ def main(args: argparse.Namespace) -> dict:
             # moved aside whatever quant.act_max_csv says now: left in place, a later call writing the maxima would
             # find them listed only in the history and refuse them as foreign, or write over them
             moved = run_on_main(lambda: keep_act_max_files(os.path.splitext(out)[0], listed),
-                                f"moving {out}'s maxima files aside", device)
+                                f"moving {main_out}'s maxima files aside", device)
             log.info("the maxima over quant.act_max_extra_modules=%s move to the history of %s%s",
                      json.dumps(results.data["max_act"].get("extra_modules", [])), out,
                      "" if not moved else f", their files now at {', '.join(moved.values())}")
@@ -280,7 +284,9 @@ def main(args: argparse.Namespace) -> dict:
         keep = lambda listed: keep_act_max_files(os.path.splitext(out)[0], listed)
         run_on_main(lambda: save_naming_act_max_files(
             results, act_max_contents(act.per_layer, title) if cfg.quant.act_max_csv else None, paths, keep,
-            own_files), f"writing {out}" + (f", {paths['csv']} / .png" if cfg.quant.act_max_csv else ""), device)
+            own_files), f"writing {main_out}" + (
+                f", {act_max_paths(os.path.splitext(main_out)[0])['csv']} / .png" if cfg.quant.act_max_csv else ""),
+            device)
 
         # Quantized accuracy: every pipeline at every bit-width, each on a fresh copy of the float model, each
         # written to the JSON as soon as it is done.
@@ -290,7 +296,7 @@ def main(args: argparse.Namespace) -> dict:
                 eval_fn=lambda m: task.evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
             entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
             results.add(name, bits, entry, quant_settings(cfg, name))
-            run_on_main(lambda: results.save(keep), f"writing {out}", device)
+            run_on_main(lambda: results.save(keep), f"writing {main_out}", device)
             log.info("%s %s %s  [quantize %.1fs, eval %.1fs = %.2fx FP eval]", name, bits, score_line(entry),
                      entry["quantize_seconds"], entry["eval_seconds"], entry["eval_vs_fp"])
 

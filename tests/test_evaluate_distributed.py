@@ -239,3 +239,31 @@ def test_a_calibration_batch_that_fails_on_one_rank_ends_every_rank(failing):
     assert rank1 == ("DataError", "train/3/x.jpg cannot be read on this rank")
     assert rank0 == ("OtherRankError", "rank 0: another rank could not read the training split (its calibration "
                                        "batch or images); its output says why")
+
+
+def _per_rank_worker(rank: int, world: int, port: int, argvs: list, work: str) -> None:
+    """_worker with each rank's own command line (`argvs[rank]`: a node's own paths)."""
+    _worker(rank, world, port, argvs[rank], work)
+
+
+@pytest.mark.slow  # two evaluate.py ranks
+def test_each_node_may_give_its_own_checkpoint_and_result_paths(checkpoint, tmp_path):
+    """--checkpoint and --out are paths on each node (not compared between ranks; the weights are): rank 1 given its
+    node's copy of the weights, and no --out (its default: beside that copy, eval_copy.json), evaluates with rank 0,
+    which alone writes its own --out. The ranks labelled the work they wait for with their own result path, so rank 1
+    stopped at the first wait ('the ranks disagree on the work') and rank 0 in gloo's 'Connection closed by peer'
+    traceback."""
+    import shutil
+
+    node = tmp_path / "node1"
+    node.mkdir()
+    shutil.copy(checkpoint, node / "copy.pt")
+    out = tmp_path / "node0" / "eval.json"
+    argvs = [["--checkpoint", checkpoint, "--quant", "repq", "--out", str(out)],
+             ["--checkpoint", str(node / "copy.pt"), "--quant", "repq"]]
+    rank0, rank1 = run_for_outcomes(_per_rank_worker, 2, tmp_path / "work", argvs)
+    assert rank0[0] == rank1[0] == "ok", (rank0, rank1)
+    saved = json.loads(out.read_text())
+    assert saved["checkpoint"] == os.path.abspath(checkpoint)  # rank 0's own path
+    assert rank1[1]["quant"]["repq"]["w4a4"]["top1"] == saved["quant"]["repq"]["w4a4"]["top1"]
+    assert sorted(os.listdir(node)) == ["copy.pt"]  # nothing written at rank 1's own result path
