@@ -110,8 +110,11 @@ class ActivationProbe:
             for sub_name, sub in block.named_modules():
                 if sub_name and not skip(sub):
                     self.targets.append((f"{block_name}.{sub_name}", "module", index, sub_name, sub))
+        # a module inside a block is counted already: named again, it was a second record, drawn and marked as one
+        # outside the blocks (check_extra_modules refuses a pattern that names nothing else)
+        counted = {id(t[4]) for t in self.targets if t[1] == "module"}
         for name, sub in model.named_modules():
-            if fqn_matches(name, extra_modules) and not skip(sub):
+            if fqn_matches(name, extra_modules) and not skip(sub) and id(sub) not in counted:
                 self.targets.append((name, "module", -1, re.sub(r"\.\d+\.", ".N.", name), sub))
         # the targets whose outputs are probabilities: measured for the maxima, not for the kurtosis
         self._probabilities = {i for i, target in enumerate(self.targets) if isinstance(target[4], PROBABILITIES)}
@@ -250,12 +253,14 @@ def check_has_blocks(model: nn.Module, model_name: str, fix: str) -> None:
 
 def check_extra_modules(model: torch.nn.Module, patterns: list) -> None:
     """Each quant.act_max_extra_modules pattern must name modules of the model whose outputs the probe measures:
-    one that names none (a typo, a name of another architecture), or only pass-through modules (`repeats_its_input`:
-    an Identity, a Dropout, a DropPath, which `ActivationProbe` skips), would be recorded in the result file as
+    one that names none (a typo, a name of another architecture), only pass-through modules (`repeats_its_input`:
+    an Identity, a Dropout, a DropPath, which `ActivationProbe` skips), or only modules inside the blocks (counted
+    already: the result's note would say that modules outside the blocks were), would be recorded in the result file as
     probed while adding nothing. evaluate.py checks before its passes, train.py once its model is built (the run's
     quant.* settings are the defaults of `evaluate.py --checkpoint`)."""
     modules = list(model.named_modules())
     names = [name for name, _ in modules]
+    blocks = names_of_blocks(model)
     for pattern in patterns:
         matched = [(name, sub) for name, sub in modules if fqn_matches(name, [pattern])]
         if not matched:
@@ -268,3 +273,11 @@ def check_extra_modules(model: torch.nn.Module, patterns: list) -> None:
             raise ConfigError(f"quant.act_max_extra_modules: {pattern!r} names only pass-through modules of "
                               f"{type(model).__name__} ({shown}{more}), whose outputs repeat their inputs and are not "
                               "measured; drop it or name the module that computes what they pass on")
+        outside = [name for name, sub in matched if not repeats_its_input(sub)
+                   and not any(name.startswith(block + ".") for block in blocks)]
+        if not outside:
+            shown = ", ".join(name for name, _ in matched[:3])
+            more = f" and {len(matched) - 3} more" if len(matched) > 3 else ""
+            raise ConfigError(f"quant.act_max_extra_modules: {pattern!r} names only modules inside the Transformer "
+                              f"blocks of {type(model).__name__} ({shown}{more}), whose outputs the module maximum "
+                              "counts already; drop it (the setting adds modules outside the blocks)")

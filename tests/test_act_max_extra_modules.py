@@ -7,6 +7,8 @@ the blocks were counted. It is refused now, with one error naming the pattern. T
 through is the tests' own: the types of the modules each pattern names, read off the model, and forward hooks that
 see whether a module returned its input unchanged.
 """
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -95,3 +97,34 @@ def test_the_plot_draws_the_modules_outside_the_blocks_and_so_the_module_maximum
     drawn = max(max(line.get_ydata()) for line in ax.get_lines() if line.get_label() != "block")
     assert drawn == pytest.approx(direct["patch_embed.proj"])
     assert "outside" in [tick.get_text() for tick in ax.get_xticklabels()]
+
+
+@pytest.mark.parametrize("pattern", ["layers.*.blocks.*.mlp.fc1", "layers.0.blocks.1.attn.*"])
+def test_a_pattern_of_modules_inside_the_blocks_only_is_refused(pattern):
+    """Their outputs are counted in the module maximum already: the pattern was accepted, each module recorded a
+    second time as one outside the blocks (block -1, drawn in the plot's "outside" column), and the result's ‡ note
+    said the module maximum also counted modules outside the blocks. The reference: the tests' own names of what lies
+    under a block (layers.N.blocks.M.)."""
+    model = tiny_swin()
+    matched = [name for name, _ in model.named_modules() if fqn_matches(name, [pattern])]
+    assert matched and all(".blocks." in name and name.split(".blocks.")[1].count(".") >= 1 for name in matched)
+    with pytest.raises(ConfigError, match=rf"quant.act_max_extra_modules: '{re.escape(pattern)}' names only modules "
+                                          r"inside the Transformer blocks of SwinTransformer \(.*\), whose outputs "
+                                          r"the module maximum counts already"):
+        check_extra_modules(model, ["layers.1.downsample.reduction", pattern])
+
+
+def test_modules_inside_the_blocks_that_a_wider_pattern_names_are_recorded_once():
+    """`**.norm*` names the final norm and every block's norm1 / norm2 (and the patch merging's norms): accepted, with
+    one record per module; those inside a block keep their block, the others are outside it (block -1)."""
+    model = tiny_swin()
+    check_extra_modules(model, ["**.norm*"])
+    with ActivationProbe(model, extra_modules=["**.norm*"]) as probe, torch.no_grad():
+        model(images(2))
+    records = probe.result().per_layer
+    names = [r["name"] for r in records]
+    assert len(names) == len(set(names))
+    outside = {r["name"] for r in records if r["block"] == -1}
+    want = {name for name, sub in model.named_modules() if fqn_matches(name, ["**.norm*"]) and ".blocks." not in name
+            and not isinstance(sub, nn.Identity)}
+    assert outside == want and "norm" in outside
