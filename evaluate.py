@@ -65,7 +65,7 @@ from configs.schema import (TRAIN_MODE_MODEL_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, check_same_data_on_every_rank, dataset_classes,
                   val_fingerprint)
-from data.folder import ClassCountError, check_same_classes
+from data.folder import ClassCountError, check_same_classes, folder_fingerprint
 from data.loader import same_split_data, split_location, split_reading
 from data.text import FINGERPRINT_HEAD_BYTES, ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
@@ -183,10 +183,10 @@ def main(args: argparse.Namespace) -> dict:
             if (name, bits) not in todo:
                 log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
         reads_batch = any(reads_calibration_batch(name, task.language) for name, _ in todo)
-        calib = pipeline_data = error = None
+        calib = pipeline_data = error = train_print = None
         try:  # every rank reads the train split itself: one that cannot (a node without a file) ends every rank
             if todo and not task.language:
-                check_train_split(cfg, {name for name, _ in todo}, reads_batch, img_size,
+                train_print = check_train_split(cfg, {name for name, _ in todo}, reads_batch, img_size,
                                   dataset_classes(cfg.data, val_loader.dataset), dist.world_size,
                                   given_quant_keys(args, payload))
             # the calibration batch (seeded: the same whenever it is drawn) is drawn now, so that more images or
@@ -207,6 +207,9 @@ def main(args: argparse.Namespace) -> dict:
         raise_on_every_rank(error, device, lambda: OtherRankError(
             f"rank {dist.rank}: another rank could not read the training split (its calibration batch or "
             f"images); its output says why"))
+        # the split GPLQ's stage 1 trains on, each rank its shard of its node's copy (None alike on every rank where
+        # no rank compares: the embedded data sets, one process, no data-parallel pipeline)
+        check_same_data_on_every_rank(cfg.data, train_print, device, dist.rank)
         for name, bits in todo:
             if name == "gplq":
                 options = parse_options(PIPELINES[name].Options, pipeline_options(cfg, name))
@@ -601,15 +604,21 @@ def calibration_set(cfg: Config, img_size: int) -> torch.Tensor:
 
 
 def check_train_split(cfg: Config, pipelines: set, reads_batch: bool, img_size: int,
-                      val_classes: Optional[list], world_size: int = 1, given: Collection[str] = ()) -> None:
+                      val_classes: Optional[list], world_size: int = 1, given: Collection[str] = ()) -> Optional[dict]:
     """The images the planned pipelines draw from the training split (the calibration batch, APHQ's and GPLQ's
     own) and the batch of GPLQ's training loader on each of `world_size` processes, against the split's size, and
     its classes against the val split's (which are the checkpoint's; GPLQ trains on the split's labels): before
     the FP and maxima passes, not after them. `given`: the quant.* keys the command set (`given_quant_keys`), whose
-    counts from one epoch of that loader are checked even at their default (which is capped there)."""
+    counts from one epoch of that loader are checked even at their default (which is capped there).
+
+    Returns the split's fingerprint (data.loader's, a folder's images) where a pipeline of `pipelines` trains on
+    every rank's shard of its own node's copy (GPLQ's stage 1, data parallel) under several processes, for the
+    ranks to compare (check_same_data_on_every_rank): a node's copy of other images would be trained on under rank
+    0's name, and one of another size gives its rank other updates than the others' (their collectives no longer
+    pair up: gloo aborts); None otherwise (the other pipelines read rank 0's copy alone)."""
     wanted = train_image_demands(cfg, pipelines, reads_batch)
     if not wanted:
-        return
+        return None
     train = build_dataset(cfg.data, "train", img_size, cfg.model.num_classes, train_transform=False)
     if cfg.data.dataset == "folder":  # label i must name one class in both (the counts agree: build_dataset)
         check_same_classes(dataset_classes(cfg.data, train), val_classes, cfg.data.root)
@@ -617,6 +626,9 @@ def check_train_split(cfg: Config, pipelines: set, reads_batch: bool, img_size: 
                 or too_few_for_a_batch(cfg, pipelines, len(train), cfg.data.train_split, world_size, given))
     if too_many:
         raise DataError(too_many)
+    if cfg.data.dataset != "folder" or world_size == 1 or not any(PIPELINES[p].data_parallel for p in pipelines):
+        return None
+    return {cfg.data.train_split: folder_fingerprint(train)}
 
 
 # the settings of no one pipeline's section, each with whether a pipeline (of a language model or not) reads it:

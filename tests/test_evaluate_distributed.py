@@ -267,3 +267,39 @@ def test_each_node_may_give_its_own_checkpoint_and_result_paths(checkpoint, tmp_
     assert saved["checkpoint"] == os.path.abspath(checkpoint)  # rank 0's own path
     assert rank1[1]["quant"]["repq"]["w4a4"]["top1"] == saved["quant"]["repq"]["w4a4"]["top1"]
     assert sorted(os.listdir(node)) == ["copy.pt"]  # nothing written at rank 1's own result path
+
+
+@pytest.mark.slow  # two evaluate.py ranks
+def test_gplq_refuses_a_node_whose_training_images_differ(checkpoint, tmp_path):
+    """GPLQ's stage 1 trains on every rank's shard of its own node's training split (data.root is a node's path):
+    a node's copy of other images (here: as many, under other names) was trained on under rank 0's name, and one of
+    another size ended in gloo's abort (the ranks' loaders of other lengths). Both ranks refuse it before the FP
+    pass, naming the split, and the file is not written; a copy of the same images at another path is taken."""
+    import shutil
+
+    from tests.conftest import make_folder
+
+    digits = {str(c): 2 for c in range(10)}  # the classes the checkpoint was trained on (digits)
+    make_folder(tmp_path / "node0", {"train": {str(c): 4 for c in range(10)}, "val": digits})
+    make_folder(tmp_path / "node1", {"train": {str(c): 4 for c in range(10)}, "val": digits})
+    for c in range(10):  # the same images on node 1, one under another name
+        os.replace(tmp_path / "node1" / "train" / str(c) / "3.png", tmp_path / "node1" / "train" / str(c) / "x.png")
+    gplq = ["--quant", "gplq", "quant.gplq.steps=1", "quant.gplq.batch_size_per_gpu=4", "quant.gplq.init_images=8",
+            "quant.gplq.pca_images=8", "quant.gplq.stage2_images=8", "quant.gplq.pca_multiple=8",
+            "data.dataset=folder"]
+    out = tmp_path / "eval.json"
+    argvs = [["--checkpoint", checkpoint, "--out", str(out), *gplq, f"data.root={tmp_path / f'node{r}'}"]
+             for r in (0, 1)]
+    rank0, rank1 = run_for_outcomes(_per_rank_worker, 2, tmp_path / "work", argvs)
+    for rank, outcome in enumerate((rank0, rank1)):
+        assert outcome[0] == "DataError", outcome
+        assert outcome[1].startswith(f"the processes read other data under data.root={tmp_path / f'node{rank}'}: "
+                                     "train differs between ranks"), outcome
+    assert not out.exists()
+    assert _calls(tmp_path / "work", 0) == []  # no stage 2 (nor stage 1) ran
+
+    shutil.copytree(tmp_path / "node0", tmp_path / "copy")  # node 1's own copy of node 0's images
+    argvs[1][-1] = f"data.root={tmp_path / 'copy'}"
+    rank0, rank1 = run_for_outcomes(_per_rank_worker, 2, tmp_path / "work_copy", argvs)
+    assert rank0[0] == rank1[0] == "ok", (rank0, rank1)
+    assert json.loads(out.read_text())["quant"]["gplq"]["w4a4"]["settings"]["world_size"] == 2
