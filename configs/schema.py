@@ -288,7 +288,8 @@ class LogConfig:
     wandb_project: str = "colinearity-decay"  # wandb project name
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline works without network
     progress: bool = True  # tqdm progress bar on the main rank (when stderr is a terminal)
-    # record activation statistics at every validation (engine/act_max.py): act/max_module and act/max_block, the
+    # record activation statistics at every validation (engine/act_max.py), of the raw weights (with train.ema, not
+    # of the EMA copy: evaluate.py --ema measures that): act/max_module and act/max_block, the
     # largest |value| of any output of a module inside the Transformer blocks / of a block; and
     # act/kurtosis_module and act/kurtosis_block, the largest kurtosis of one such output (Pearson, 3 for a
     # Gaussian, over all elements of that output in the validation set; softmax probabilities left out). The
