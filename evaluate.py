@@ -187,8 +187,8 @@ def main(args: argparse.Namespace) -> dict:
         try:  # every rank reads the train split itself: one that cannot (a node without a file) ends every rank
             if todo and not task.language:
                 train_print = check_train_split(cfg, {name for name, _ in todo}, reads_batch, img_size,
-                                  dataset_classes(cfg.data, val_loader.dataset), dist.world_size,
-                                  given_quant_keys(args, payload))
+                                                dataset_classes(cfg.data, val_loader.dataset), dist.world_size,
+                                                given_quant_keys(args, payload))
             # the calibration batch (seeded: the same whenever it is drawn) is drawn now, so that more images or
             # windows than the train split has (or ids the model cannot embed) are refused before the FP and
             # maxima passes
