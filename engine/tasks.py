@@ -61,11 +61,12 @@ class ClassificationTask:
 
     @staticmethod
     def criterion(label_smoothing: float, mixup: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-        """DeiT's choice: soft-target CE with mixup (smoothing inside Mixup), else label-smoothing CE."""
+        """DeiT's choice: soft-target CE with mixup (smoothing inside Mixup), else label-smoothing CE; on float32
+        (float64) logits, whatever autocast made them."""
         if mixup:
-            return SoftTargetCrossEntropy()
+            return _on_float32_logits(SoftTargetCrossEntropy())
         if label_smoothing > 0:
-            return LabelSmoothingCrossEntropy(smoothing=label_smoothing)
+            return _on_float32_logits(LabelSmoothingCrossEntropy(smoothing=label_smoothing))
         return nn.CrossEntropyLoss()
 
     def evaluate(self, model: nn.Module, loader, device: torch.device, amp: str = "none", progress: str = "",
@@ -80,6 +81,16 @@ class ClassificationTask:
     @staticmethod
     def score_text(value: float) -> str:
         return f"val top-1 {value:.2f}%"
+
+
+def _on_float32_logits(loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                       ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`loss` of fp16 / bf16 logits taken in float32. timm's smoothing and soft-target losses are log_softmax and a
+    sum, which CUDA's autocast runs in float32 but the CPU's does not: a CPU run under train.amp=bf16 computed the
+    loss it trains on and logs in bf16 (11.125 for 11.1556 with 1,000 classes), where nn.CrossEntropyLoss (in the
+    CPU autocast's float32 list) and a GPU run take float32."""
+    return lambda logits, targets: loss(logits.float() if logits.dtype in (torch.float16, torch.bfloat16)
+                                        else logits, targets)
 
 
 class CausalLMTask:

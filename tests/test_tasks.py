@@ -29,6 +29,28 @@ def test_the_mixup_loss_is_cross_entropy_against_the_soft_targets():
         assert float(got) == pytest.approx(float(want), rel=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mixup", [False, True])
+def test_a_smoothed_or_mixup_loss_under_cpu_autocast_is_taken_in_float32(mixup, dtype):
+    """The logits a classifier head gives under CPU autocast are bf16 / fp16; the loss it trains on and logs is the
+    float32 one of those logits (as CUDA's autocast takes log_softmax, and as nn.CrossEntropyLoss is taken), not one
+    rounded to bf16: against -(1 - s) log p_y - s mean_c log p_c (or -sum_c t_c log p_c), written out in float64."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 1000)
+    features = 3 * torch.randn(64, 16, generator=g)
+    labels = torch.randint(0, 1000, (64,), generator=g)
+    soft = torch.rand(64, 1000, generator=g)
+    soft /= soft.sum(-1, keepdim=True)
+    with torch.autocast("cpu", dtype=dtype):
+        logits = head(features)
+        got = ClassificationTask.criterion(0.1, mixup=mixup)(logits, soft if mixup else labels)
+    assert logits.dtype == dtype and got.dtype == torch.float32
+    logp = torch.log_softmax(logits.double(), -1)
+    want = (-(soft.double() * logp).sum(-1) if mixup else
+            -0.9 * logp[torch.arange(64), labels] - 0.1 * logp.mean(-1)).mean()
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+
+
 def test_a_cell_of_no_perplexity_or_of_finite_ones_is_no_capped_cell():
     """capped_cell: the bound only when a value is at the cap; None for finite values and for no value."""
     assert perplexity(2.0) == math.exp(2.0) and perplexity(710.0) == PPL_CAP == math.exp(700.0)
