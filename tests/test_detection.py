@@ -716,6 +716,53 @@ def test_activation_maxima_are_the_largest_outputs_of_the_backbone_and_of_the_he
     assert got["backbone"] != pytest.approx(got["head"])  # the two groups differ: a swap or a merge shows
 
 
+def test_activation_maxima_that_are_not_finite_are_refused_naming_the_module_where_they_began():
+    """An output past fp32's largest (inf) was recorded as the head's maximum inf; refused, naming the module whose
+    own output overflowed (roi_head.0, not roi_head, whose output is that module's), as plain forward hooks see it."""
+    from engine.act_max import ActivationProbe
+    from engine.detection import DetectionError
+    from engine.detection.evaluation import BACKBONE, HEADS, activation_maxima
+    torch.manual_seed(0)
+    model = _Parts()
+    with torch.no_grad():
+        model.get_submodule("roi_head.0").weight.fill_(3e38)  # finite weights, an output past 3.4e38
+    seen = {}
+    handles = [m.register_forward_hook(lambda m, i, o, n=n: seen.__setitem__(n, bool(o.isfinite().all())))
+               for n, m in model.named_modules() if n]
+    with ActivationProbe(model, blocks=BACKBONE + HEADS) as probe, torch.no_grad():
+        model(torch.randn(3, 4))
+    for h in handles:
+        h.remove()
+    assert [n for n, finite in seen.items() if not finite] == ["roi_head.0", "roi_head"]  # the reference
+    with pytest.raises(DetectionError, match=r"^activation maxima: the output of roi_head\.0 and 1 more is not "
+                                             r"finite \(inf or NaN\)"):
+        activation_maxima(probe, torch.device("cpu"))
+
+
+def test_an_evaluation_whose_maxima_overflow_is_one_error_line_and_writes_nothing(sample, tmp_path, capsys):
+    """The mask head's logits past fp32's largest (finite weights of 3e38): the masks (their sigmoid, 0 or 1) are
+    scored, and the result was written with max_act.head Infinity, which the figure refuses as a file without that
+    number ('re-evaluate it'). evaluate_detection.py refuses it naming the module; no file is written."""
+    from engine.detection import load_config
+    from mmdet.registry import MODELS
+    from tests.conftest import run_entry
+    torch.manual_seed(0)
+    model = MODELS.build(load_config([SAMPLE_CONFIG]).model)
+    state = model.state_dict()
+    logits = "roi_head.mask_head.conv_logits.weight"
+    state[logits] = state[logits].sign() * 3e38
+    weights = tmp_path / "overflow.pth"
+    torch.save({"state_dict": state, "meta": {"dataset_meta": {"classes": ("box", "disc")}}}, weights)
+    out = tmp_path / "eval.json"
+    code, _, err = run_entry("evaluate_detection.py", ["--config", SAMPLE_CONFIG, "--checkpoint", str(weights),
+                                                       "--data-root", sample, "--quant", "--out", str(out)], capsys)
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert lines[0].startswith("error: activation maxima: the output of roi_head.mask_head.conv_logits and 1 more "
+                               "is not finite"), lines[0]
+    assert not out.exists()
+
+
 def test_an_evaluator_reading_another_annotation_file_than_the_loader_is_refused(sample, tmp_path):
     """Refused before any work (the weights are not even read)."""
     import shutil

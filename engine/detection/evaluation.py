@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import math
 import time
 from typing import Any, Dict, List
 
@@ -109,6 +110,26 @@ def activation_maxima(probe: ActivationProbe, device: torch.device) -> Dict[str,
     module of the neck, RPN and RoI heads, on the evaluated images. (The paper does not define the sets
     further; this is our reading of "aggregated ... over the backbone and detector head outputs".)"""
     records = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device).per_layer
+    check_finite_maxima(records)  # the records all-reduced: every rank raises alike
     def largest(prefixes):
         return max((r["max"] for r in records if r["name"].split(".")[0] in prefixes), default=0.0)
     return {"backbone": largest(BACKBONE), "head": largest(HEADS)}
+
+
+def check_finite_maxima(records: List[Dict[str, Any]]) -> None:
+    """Refuse activation maxima that are not finite (engine.act_max records an output holding an inf or a NaN as
+    inf), as evaluate.py does: no maximum was measured there, and written as the result's max_act (JSON Infinity) it
+    is refused by the figure that reads it as a file without that number (scripts/motivation_figure.py). The scores
+    can be defined all the same (an overflow in the mask head's logits, whose sigmoid is 0 or 1), so the FP pass did
+    not refuse them. The evaluation runs in
+    fp32 (no autocast), so no precision flag is the fix. Nothing is written."""
+    # where it began: in the lowest part (backbone, neck, RPN, RoI head), the first module whose submodules' outputs
+    # are finite (a module's output is its last submodule's: mask_head's is conv_logits')
+    bad = [r["name"] for r in sorted(records, key=lambda r: (r["block"], r["kind"] == "block"))
+           if not math.isfinite(r["max"])]
+    if bad:
+        first = next(name for name in bad if not any(other.startswith(name + ".") for other in bad))
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise DetectionError(f"activation maxima: the output of {first}{more} is not finite (inf or NaN) on the test "
+                             "images, so it has no maximum and nothing is written; the detector runs in fp32 there, "
+                             "so its weights overflow it (a diverged run): score a checkpoint of before the divergence")
