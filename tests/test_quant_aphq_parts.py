@@ -422,9 +422,16 @@ def test_rademacher_aph_is_hutchinsons_estimate_with_one_probe_per_sample_and_ba
     g = torch.Generator().manual_seed(5)
     probes = torch.cat([torch.randint(0, 2, (batch, 4), generator=g).double() * 2 - 1 for _ in range(2)])
     assert not torch.equal(probes[:batch], probes[batch:])
-    expected = torch.zeros(4, dtype=torch.float64)
+    expected = sum(z * hz for z, hz in _sample_hessian_products(model, x, logits, probes, temp, batch))
+    torch.testing.assert_close(h[0].double(), (expected / x.shape[0]).clamp(min=0), rtol=1e-3, atol=1e-9)
+
+
+def _sample_hessian_products(model, x, logits, probes, temp, batch):
+    """(z, H z) per sample: H the exact Hessian (autograd) at the sample's `unit` output of its KL(target || q) / batch,
+    target the softmax of its `logits` / temp, q the head's on tanh of the output; z its probe row."""
     with torch.no_grad():
         outs = model.unit(x)
+    products = []
     for o, target_logits, z in zip(outs, logits, probes):
         target = (target_logits / temp).softmax(-1)
 
@@ -432,8 +439,8 @@ def test_rademacher_aph_is_hutchinsons_estimate_with_one_probe_per_sample_and_ba
             log_q = (model.head(torch.tanh(u)) / temp).log_softmax(-1)
             return (target * (target.log() - log_q)).sum() / batch
 
-        expected += z * (torch.autograd.functional.hessian(kl, o) @ z)
-    torch.testing.assert_close(h[0].double(), (expected / x.shape[0]).clamp(min=0), rtol=1e-3, atol=1e-9)
+        products.append((z, torch.autograd.functional.hessian(kl, o) @ z))
+    return products
 
 
 @pytest.mark.parametrize("probe", ["ones", "rademacher"])
@@ -452,18 +459,9 @@ def test_aph_weighs_every_sample_alike_when_the_last_batch_is_shorter(probe):
     else:  # drawn per chunk, in order, from the generator (3 rows, then 2)
         g = torch.Generator().manual_seed(5)
         probes = torch.cat([torch.randint(0, 2, (n, 4), generator=g).double() * 2 - 1 for n in (3, 2)])
-    expected = torch.zeros(4, dtype=torch.float64)
-    with torch.no_grad():
-        outs = model.unit(x)
-    for o, target_logits, z in zip(outs, logits, probes):
-        target = (target_logits / temp).softmax(-1)
-
-        def kl(u, target=target):
-            log_q = (model.head(torch.tanh(u)) / temp).log_softmax(-1)
-            return (target * (target.log() - log_q)).sum() / batch  # 1 / batch for every sample
-
-        hz = torch.autograd.functional.hessian(kl, o) @ z
-        expected += (2 * eps * hz).abs() if probe == "ones" else z * hz
+    # 1 / batch for every sample, the short chunk's too
+    expected = sum((2 * eps * hz).abs() if probe == "ones" else z * hz
+                   for z, hz in _sample_hessian_products(model, x, logits, probes, temp, batch))
     expected = expected / x.shape[0]
     # the logits pass through float32 (perturbation_hessian's .float()): the Rademacher central difference carries
     # ~1e-3 of its terms' size (~5e-3 here), far below the 1.5x the short chunk's samples had

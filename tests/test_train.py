@@ -878,17 +878,24 @@ def test_each_rank_draws_its_own_randomness_at_each_update_and_the_same_again_on
     assert draws(1, start_step=1)[:2] == rank1[1:]  # updates 2 and 3 of a run resumed after update 1
 
 
+def _six_batches_and_first_update_loss():
+    """Six micro-batches of 4, a Linear(3, 2), and the reference: the mean loss of update 1's two micro-batches
+    (accum_steps 2) at the start weights."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(6)]
+    model = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        first = float(sum(F_ce(model(x), y) for x, y in batches[:2]) / 2)
+    return batches, model, first
+
+
 def test_a_checkpoint_written_before_the_first_log_step_carries_the_divergence_reference():
     """train.ckpt_every_steps below train.log_every_steps: checkpoint.pt held no initial loss, so a run resumed
     from it took the loss of its own first update as the divergence guard's reference (and its state was no
     longer the uninterrupted run's). Every checkpoint holds the first update's mean loss over its micro-batches."""
     from engine.loop import TrainBatches
 
-    torch.manual_seed(0)
-    batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(6)]
-    model = torch.nn.Linear(3, 2)
-    with torch.no_grad():  # the reference: the mean loss of update 1's two micro-batches at the start weights
-        first = float(sum(F_ce(model(x), y) for x, y in batches[:2]) / 2)
+    batches, model, first = _six_batches_and_first_update_loss()
     state, saved = TrainState(), []
     loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                      compute_loss=lambda m, x, y: F_ce(m(x), y), device=torch.device("cpu"), accum_steps=2,
@@ -904,11 +911,7 @@ def test_a_stop_request_before_the_first_log_step_writes_the_divergence_referenc
     the loss of its own first update. It holds the first update's mean loss over its micro-batches."""
     from engine.loop import TrainBatches
 
-    torch.manual_seed(0)
-    batches = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(6)]
-    model = torch.nn.Linear(3, 2)
-    with torch.no_grad():  # the reference: the mean loss of update 1's two micro-batches at the start weights
-        first = float(sum(F_ce(model(x), y) for x, y in batches[:2]) / 2)
+    batches, model, first = _six_batches_and_first_update_loss()
     state, saved = TrainState(), []
     loop = TrainLoop(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                      compute_loss=lambda m, x, y: F_ce(m(x), y), device=torch.device("cpu"), accum_steps=2,
