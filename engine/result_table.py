@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Optional, Sequence
 
@@ -139,7 +140,8 @@ def markdown_table(results: list[dict], over_seeds: bool = False, runs: Optional
         if len(values) == 1:
             return format(values[0], spec) + partial
         mean = sum(values) / len(values)
-        std = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5
+        # hypot: a squared deviation past 1e154 (a diverged seed's perplexity below the cap) overflows ** 2
+        std = math.hypot(*(v - mean for v in values)) / math.sqrt(len(values) - 1)
         return f"{format(mean, spec)} ± {format(std, spec)}{partial}"
 
     spec = ".2f" if over_seeds or language else ".3f"

@@ -392,7 +392,8 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for one value)."""
     n = len(values)
     mean = sum(values) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    # hypot: a squared deviation past 1e154 (a diverged seed's perplexity below the cap) overflows ** 2
+    std = math.hypot(*(v - mean for v in values)) / math.sqrt(n - 1) if n > 1 else 0.0
     return mean, std
 
 

@@ -346,6 +346,25 @@ def test_a_perplexity_at_the_cap_is_printed_as_the_bound_not_a_finite_number():
     assert over_seeds[2].startswith("| gpt2_nano | Baseline (n=2) | >= exp(700) (capped) | >= exp(700) (capped) |")
 
 
+def test_a_mean_over_seeds_of_a_huge_perplexity_below_the_cap_is_a_mean_and_std_not_an_overflow():
+    """A diverged seed's perplexity below the cap (loss 400 nats: 5e173) beside a healthy one: the squared deviation
+    (1e347) overflowed a float (OverflowError out of the table); the cell is mean ± sample std, against Python's
+    statistics module (exact fractions)."""
+    import statistics
+
+    diverged = {"model": "gpt2_nano", "method": "Baseline", "fp": {"ppl": math.exp(400.0), "ppl_bf16": 4.5,
+                                                                   "loss": 400.0},
+                "max_act": {"module": 1.0, "block": 2.0}, "quant": {"rtn": {"w4a16": {"ppl": math.exp(500.0)}}}}
+    healthy = json.loads(json.dumps(diverged))
+    healthy["fp"].update(ppl=4.0, loss=1.4)
+    healthy["quant"]["rtn"]["w4a16"]["ppl"] = 6.0
+    row = result_table.markdown_table([diverged, healthy], over_seeds=True).splitlines()[2].split(" | ")
+    for cell, values in ((row[2], [math.exp(400.0), 4.0]), (row[-1].rstrip(" |"), [math.exp(500.0), 6.0])):
+        mean, std = (float(part) for part in cell.split(" ± "))
+        assert mean == pytest.approx(statistics.mean(values), rel=1e-12)
+        assert std == pytest.approx(statistics.stdev(values), rel=1e-12)
+
+
 # -- token files --------------------------------------------------------------------------------------------
 
 def test_an_empty_token_file_is_a_data_error(tmp_path):

@@ -99,6 +99,21 @@ def test_a_perplexity_at_the_cap_is_shown_as_the_bound(tmp_path):
     assert "Quantization gap" not in report  # no run was evaluated below 8 activation bits: no such table
 
 
+def test_a_huge_perplexity_below_the_cap_is_averaged_not_an_overflow(tmp_path):
+    """A diverged seed's perplexity below the cap (loss 400 nats: 5e173) beside a healthy one: the squared deviation
+    (1e347) ended the report in an OverflowError; the cell is mean ± sample std, against Python's statistics
+    module (exact fractions)."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    write_run(root, "baseline_s0", ppl=4.0, rtn=5.0, block_max=20.0, kurtosis=10.0, fc2_final=100.0)
+    write_run(root, "baseline_s1", ppl=math.exp(400.0), rtn=5.0, block_max=30.0, kurtosis=14.0, fc2_final=120.0)
+    report = lm_study.main([str(root), "--out", str(tmp_path / "out")])
+    row = next(line for line in report.splitlines() if line.startswith("| baseline | 0,1 | "))
+    mean, std = (float(part) for part in row.split(" | ")[2].split(" ± "))
+    assert mean == pytest.approx(statistics.mean([4.0, math.exp(400.0)]), rel=1e-12)
+    assert std == pytest.approx(statistics.stdev([4.0, math.exp(400.0)]), rel=1e-12)
+
+
 def test_a_validation_logged_twice_counts_with_its_last_record(tmp_path):
     """A run resumed from before a validation logs that update again: the curve holds the later record once."""
     folder = tmp_path / "baseline_s0"
