@@ -94,6 +94,34 @@ def test_a_resume_draws_what_the_uninterrupted_run_draws_after_its_checkpoint():
     assert _draws() == expected
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_checkpoint_loaded_onto_another_device_than_the_cpu_resumes_the_draws(tmp_path, rank):
+    """MMEngine's resume loads the checkpoint with map_location=get_device(): on a GPU machine every tensor in it
+    goes to the GPU, where torch.set_rng_state refuses a state ("RNG state must be a torch.ByteTensor": every
+    resume on a GPU, train_detection.py's and GPLQ's stage 1, was a traceback). The "meta" device stands for the GPU
+    here; rank 1's state (rng_state_ranks) as rank 0's. The draws after the resume are those of the run that went
+    on (the reference: drawn right after the state was saved)."""
+    import random
+    import numpy as np
+    import torch
+    states = [_seeded_state(20), _seeded_state(21)]  # rank 0's and rank 1's at the checkpoint
+    expected = {1: _draws()}
+    _seeded_state(20)
+    expected[0] = _draws()
+    hook = RngStateHook()
+    hook._gathered = states
+    checkpoint: dict = {}
+    _seeded_state(20)  # rank 0 saves its own state
+    hook.before_save_checkpoint(runner(10, 0, 2), checkpoint)
+    torch.save(checkpoint, tmp_path / "iter_10.pth")
+    loaded = torch.load(tmp_path / "iter_10.pth", map_location="meta", weights_only=False)
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)  # a new process
+    resumed = RngStateHook()
+    resumed.after_load_checkpoint(None, loaded)
+    resumed.before_train(runner(10, rank, 2))
+    assert _draws() == expected[rank]
+
+
 def test_a_validation_inside_training_leaves_the_training_draws_as_they_were():
     """The validation runs after the epoch's checkpoint in the uninterrupted run only: the draws after it are
     those a run without it makes."""

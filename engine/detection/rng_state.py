@@ -91,18 +91,21 @@ class RngStateHook(Hook):
 
     @staticmethod
     def _state() -> dict:
-        state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        # torch's generator states as numpy arrays, not tensors: MMEngine's resume loads a checkpoint with
+        # map_location=get_device(), which puts every tensor on the GPU, where torch.set_rng_state refuses it
+        # ("RNG state must be a torch.ByteTensor", a traceback at the start of every resume on a GPU)
+        state = {"torch": torch.get_rng_state().numpy(), "numpy": np.random.get_state(), "python": random.getstate()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
-            state["cuda"] = torch.cuda.get_rng_state()
+            state["cuda"] = torch.cuda.get_rng_state().numpy()
         return state
 
     @staticmethod
     def _restore(state: dict) -> None:
-        torch.set_rng_state(state["torch"])
+        torch.set_rng_state(_host_bytes(state["torch"]))
         np.random.set_state(state["numpy"])
         random.setstate(state["python"])
         if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
+            torch.cuda.set_rng_state(_host_bytes(state["cuda"]))
 
     def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
         checkpoint["rng_state"] = self._state()
@@ -159,6 +162,12 @@ class RngStateHook(Hook):
         if self._before_val is not None:
             self._restore(self._before_val)
             self._before_val = None
+
+
+def _host_bytes(state) -> torch.Tensor:
+    """A generator state as the CPU ByteTensor torch's set_rng_state takes: from the numpy array `_state` keeps, or
+    from the tensor a checkpoint written before kept (loaded onto the GPU by MMEngine's resume: copied back)."""
+    return state.cpu() if isinstance(state, torch.Tensor) else torch.from_numpy(np.array(state, dtype=np.uint8))
 
 
 class _RestoreAfterSkip:
