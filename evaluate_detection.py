@@ -179,7 +179,8 @@ def main(argv=None) -> dict:
         check_main_rank_wait_read("--main-rank-wait-hours")
     from engine.detection import (DetectionError, DetectorFeed, DetectorSamples, annotation_paths, build_detector,
                                   build_loader, check_annotation_files, check_annotations, check_checkpoint_classes,
-                                  check_evaluator_annotations, check_image_folders, check_pipeline,
+                                  check_evaluator_annotations, check_evaluator_thresholds, check_image_folders,
+                                  check_pipeline,
                                   check_stage1_amp, check_stage1_device, check_stage1_folder, evaluate_detector,
                                   load_config, parse_overrides, train_activation_qat, TrainingImages)
     from configs.cli import named_twice
@@ -254,6 +255,7 @@ def main(argv=None) -> dict:
         check_annotation_files(cfg, source, loaders + ("test_evaluator",))
         check_image_folders(cfg, loaders, source)
         check_evaluator_annotations(cfg)
+        check_evaluator_thresholds(cfg)
         check_scoring_evaluator(cfg)
         # the images scored: --max-images cut; train_dataloader's boxes trained on only by a pipeline that trains
         data_warnings = check_annotations(cfg, loaders, source, args.max_images,

@@ -469,7 +469,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     check_launcher(args.launcher)
     from engine.detection import (check_annotation_files, check_annotations, check_backbone_init,
-                                  check_evaluator_annotations, check_head_classes, check_hooks, check_image_folders,
+                                  check_evaluator_annotations, check_evaluator_thresholds, check_head_classes,
+                                  check_hooks, check_image_folders,
                                   check_load_from, load_config, parse_overrides)
 
     overrides = parse_overrides(args.overrides)
@@ -503,6 +504,7 @@ def main(argv=None) -> int:
         check_annotation_files(cfg, source, ("train_dataloader", "val_dataloader", "val_evaluator"))
         check_image_folders(cfg, ("train_dataloader", "val_dataloader"), source)
         check_evaluator_annotations(cfg, "val")  # the epoch-end validation scores the val loader's predictions
+        check_evaluator_thresholds(cfg, "val")
         data_warnings = check_annotations(cfg, ("train_dataloader", "val_dataloader"), source)
         check_head_classes(cfg)
         if not args.resume:

@@ -85,6 +85,34 @@ def test_a_test_metric_that_dumps_its_predictions_to_a_prefix_is_refused_before_
     assert not out.exists()
 
 
+@pytest.mark.detection  # the data set's files are checked first: full mmcv
+@pytest.mark.parametrize("thresholds", ["[0.5]", "0.5", "[0.5,0.55,0.6,0.65,0.7,0.75,0.8,0.85,0.9,0.95]"])
+def test_iou_thresholds_of_a_coco_metric_are_refused_before_any_work(sample, tmp_path, capsys, thresholds):
+    """CocoMetric's iou_thrs from a config (a list or a number) fail in pycocotools' summary, whose look-up of mAP_50
+    and mAP_75 (`iouThr == p.iouThrs`, checked here on pycocotools itself: the reference) is one bool for them: the
+    evaluation failed with "Calling nonzero on 0d arrays" once the whole split was scored, and training at its first
+    validation, after an epoch. Refused before the weights are read or the work dir made."""
+    import ast
+    import numpy as np
+    from detection_runs import error_line
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+    from pycocotools.cocoeval import Params
+    given = ast.literal_eval(thresholds)
+    params = Params(iouType="bbox")
+    params.iouThrs = given  # as CocoMetric hands them on
+    assert np.ndim(0.5 == params.iouThrs) == 0  # one bool, not a mask of the thresholds
+    out = tmp_path / "x.json"
+    with pytest.raises(DetectionError) as refused:
+        main(["--config", SAMPLE_CONFIG, "--checkpoint", str(tmp_path / "none.pth"), "--data-root", sample, "--out",
+              str(out), "--quant", f"test_evaluator.iou_thrs={thresholds}"])
+    assert str(refused.value).startswith(f"test_evaluator.iou_thrs={given}: ") and not out.exists()
+    work = tmp_path / "run"
+    line = error_line(capsys, ["--config", SAMPLE_CONFIG, "--data-root", sample, "--work-dir", str(work),
+                               f"val_evaluator.iou_thrs={thresholds}"])
+    assert line.startswith(f"error: val_evaluator.iou_thrs={given}: ") and not work.exists()
+
+
 @pytest.mark.parametrize("script", ["scripts/train_detection.py", "evaluate_detection.py"])
 @pytest.mark.parametrize("override", ["train_cfg.max_epochs=[1,(2]", "model.test_cfg.rcnn.max_per_img=(1,2",
                                       "model.backbone.init_cfg=dict(type='Pretrained',checkpoint='/x.pt')"])

@@ -39,7 +39,8 @@ try:
                                                       unlisted_image_problem,
                                                       unusable_images)
     from engine.detection.data_checks import (annotation_files, annotation_paths, check_annotation_files,
-                                              check_annotations, check_evaluator_annotations, check_head_classes,
+                                              check_annotations, check_evaluator_annotations,
+                                              check_evaluator_thresholds, check_head_classes,
                                               check_image_folders, check_pipeline, dataset_classes, image_folders,
                                               loader_datasets, reading_annotations, set_data_root)
     from engine.detection.model import (build_detector, check_backbone_checkpoint, check_backbone_init,
@@ -62,8 +63,8 @@ __all__ = [
     "category_problems", "dropped_objects", "images_with_objects", "label_names", "scored_images", "scored_objects",
     "unlisted_image_problem", "unusable_images",
     "annotation_files", "annotation_paths", "check_annotation_files", "check_annotations",
-    "check_evaluator_annotations", "check_head_classes", "check_image_folders", "check_pipeline",
-    "dataset_classes", "image_folders", "loader_datasets", "reading_annotations", "set_data_root",
+    "check_evaluator_annotations", "check_evaluator_thresholds", "check_head_classes", "check_image_folders",
+    "check_pipeline", "dataset_classes", "image_folders", "loader_datasets", "reading_annotations", "set_data_root",
     "build_detector", "check_backbone_checkpoint", "check_backbone_init", "check_checkpoint_classes",
     "check_checkpoint_file", "check_load_from", "mismatch", "read_state", "training_method",
     "RngStateHook", "RankRngStates",

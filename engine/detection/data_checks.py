@@ -490,3 +490,17 @@ def check_evaluator_annotations(cfg: Config, split: str = "test") -> None:
             raise DetectionError(f"{split}_evaluator.ann_file={ann} but {split}_dataloader reads {loader_ann}: "
                                  f"give both the same file ({split}_dataloader.dataset.ann_file is relative to "
                                  "its data_root)")
+
+
+def check_evaluator_thresholds(cfg: Config, split: str = "test") -> None:
+    """Refuse an `iou_thrs` of the `split` evaluator (CocoMetric's IoU thresholds): pycocotools' summary looks up
+    mAP_50 and mAP_75 with `iouThr == p.iouThrs`, which for thresholds given as a list or a number (a config can give
+    no numpy array) is one bool: under numpy 2 a ValueError ("Calling nonzero on 0d arrays") once the whole split is
+    scored (in training at the first validation), under numpy 1 the two scores -1, pycocotools' mark of no ground
+    truth. COCO's thresholds (0.5:0.95), CocoMetric's default, are the paper's mAP."""
+    metrics = cfg.get(f"{split}_evaluator")
+    for metric in (metrics if isinstance(metrics, list) else [metrics]) if metrics else []:
+        if isinstance(metric, dict) and metric.get("iou_thrs") is not None:
+            raise DetectionError(f"{split}_evaluator.iou_thrs={metric['iou_thrs']}: pycocotools' summary cannot "
+                                 "look up its mAP_50 and mAP_75 among thresholds given in a config (it fails once "
+                                 "every image is scored); drop it, for COCO's IoU thresholds 0.5:0.95")
