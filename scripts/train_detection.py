@@ -305,6 +305,13 @@ def check_resume(work_dir: str, settings: dict, overrides: dict) -> None:
                              f"trained {done.group(1)} epochs ({os.path.basename(target)}), so nothing is left to "
                              f"train: give a larger train_cfg.max_epochs (at least {int(done.group(1)) + 1}) to "
                              "extend the run")
+    # an iteration loop's finished run alike (IterBasedTrainLoop: iter_N.pth); its max_iters cannot change on resume
+    done = re.fullmatch(r"iter_(\d+)\.pth", os.path.basename(target))
+    max_iters = settings.get("train_cfg.max_iters", "None")
+    if done and max_iters.isdigit() and int(max_iters) <= int(done.group(1)):
+        raise DetectionError(f"--resume: the run in {work_dir} has trained all its train_cfg.max_iters={max_iters} "
+                             f"iterations ({os.path.basename(target)}), so nothing is left to train: its weights are "
+                             f"{target}; start a new --work-dir to train longer")
 
 
 def check_config_dump(work_dir: str, cfg) -> None:

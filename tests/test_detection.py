@@ -1044,3 +1044,23 @@ def test_a_run_fine_tuned_from_a_checkpoint_of_this_script_trains_and_its_own_co
     from train_detection import main
     assert main(command + [f"load_from={base}"]) == 0
     assert (tuned / "epoch_2.pth").is_file()
+
+
+def test_a_resume_of_an_iteration_loop_run_that_trained_all_its_iterations_is_refused(tmp_path):
+    """An IterBasedTrainLoop run's last checkpoint iter_4.pth of train_cfg.max_iters=4: MMEngine resumed it, trained
+    nothing and exited 0 (the epoch loop's finished run is refused, above); refused alike, and one of fewer
+    iterations than max_iters (iter_3.pth) resumes."""
+    import json
+
+    from engine.detection import DetectionError
+    from train_detection import SETTINGS_FILE, check_resume
+    settings = {"train_cfg.type": "'IterBasedTrainLoop'", "train_cfg.max_iters": "4"}
+    (tmp_path / SETTINGS_FILE).write_text(json.dumps(settings))
+    for done in (3, 4):
+        torch.save({"meta": {"iter": done}}, tmp_path / f"iter_{done}.pth")
+    (tmp_path / "last_checkpoint").write_text(str(tmp_path / "iter_3.pth"))
+    check_resume(str(tmp_path), settings, {})
+    (tmp_path / "last_checkpoint").write_text(str(tmp_path / "iter_4.pth"))
+    with pytest.raises(DetectionError, match=r"has trained all its train_cfg.max_iters=4 iterations \(iter_4.pth\), "
+                                             r"so nothing is left to train"):
+        check_resume(str(tmp_path), settings, {})
