@@ -1095,14 +1095,16 @@ def check_finite_maxima(records: list, amp: str) -> None:
     NaN as inf): no maximum was measured there, and written as the result's max_act it is refused by every table that
     reads it as a diverged run's. The logits can be finite all the same (an overflow at tokens the head does not read,
     the last block's patch tokens), so the FP pass did not refuse them. Nothing is written."""
-    # the first where it began: the lowest block, its modules before its output (a NaN spreads on from there)
+    # the first where it began: the lowest block, its modules before its output (a NaN spreads on from there), and of
+    # a module and one inside it (blocks.N.mlp and its fc1) the inner one, whose output the outer one's holds
     bad = [r["name"] for r in sorted(records, key=lambda r: (r["block"], r["kind"] == "block"))
            if not math.isfinite(r["max"])]
     if bad:
+        first = next(name for name in bad if not any(other.startswith(f"{name}.") for other in bad))
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
         cause = ("under --amp fp16 a value past fp16's largest, 65504, overflows: give --amp bf16 or none"
                  if amp == "fp16" else "the weights' activations overflow there (a diverged run)")
-        raise NonFiniteLossError(f"activation maxima: the output of {bad[0]}{more} is not finite (inf or NaN) on the "
+        raise NonFiniteLossError(f"activation maxima: the output of {first}{more} is not finite (inf or NaN) on the "
                                  f"val images, so it has no maximum and nothing is written; {cause}")
 
 
