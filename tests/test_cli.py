@@ -89,7 +89,7 @@ def test_help_config_of_log_act_max_names_every_key_it_logs_and_the_kurtosis_def
     names them all, and what the kurtosis is, not the maxima alone."""
     from engine.act_max import ActMaxResult
 
-    record = {"kind": "module", "kurtosis": 3.0}
+    record = {"kind": "module", "kurtosis": 3.0, "max": 1.0}  # as the probe records an output
     keys = ActMaxResult(1.0, 1.0, [record, {**record, "kind": "block"}]).metrics()
     code, out = run(train, ["--help-config", "log.act_max"], capsys)
     text = " ".join(out.split())
