@@ -234,7 +234,11 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
         if recorded := record_quant_in_checkpoints(run):
             log.info("quant.* settings changed: recorded in %s, the defaults of evaluate.py --checkpoint",
                      " and ".join(recorded))
-    if dist.is_main and (kept := save_config_history(cfg.out_dir, config_to_dict(cfg), run.state.step)):
+    kept = None
+    with failure_on_every_rank(dist.device, "writing config.yaml"):  # rank 0's write (a full disk): not left waiting
+        if dist.is_main:
+            kept = save_config_history(cfg.out_dir, config_to_dict(cfg), run.state.step)
+    if kept:
         log.info("config.yaml of the run so far kept as %s", kept)
     run.logger = MetricLogger(cfg.out_dir, dist.is_main, cfg.log.tensorboard, cfg.log.wandb,
                               cfg.log.wandb_project, cfg.log.wandb_mode, config_to_dict(cfg),

@@ -743,15 +743,32 @@ def keep_as_until_step(path: str, step: int, keep=os.replace) -> str:
 
 
 def save_config_history(out_dir: str, config: dict, step: int) -> Optional[str]:
-    """Write config.yaml; an existing one with other values is kept as config.until_step<step>.yaml."""
+    """Write config.yaml; an existing one with other values is kept as config.until_step<step>.yaml. The new file is
+    written whole (a temporary, removed on any error) before the old one is moved aside, so that a write that fails (a
+    full disk, a folder made read-only) leaves config.yaml as it was and no temporary: a RunDirError naming the file."""
     path = os.path.join(out_dir, "config.yaml")
     kept = None
-    if os.path.exists(path) and saved_config(out_dir) != config:
-        kept = keep_as_until_step(path, step)
     tmp = partial_path(path)
-    with open(tmp, "w") as f:
-        dump_yaml(config, f, sort_keys=False)  # read back by --config as written (YAML 1.2 numbers: '1e-3' quoted)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            dump_yaml(config, f, sort_keys=False)  # read back by --config as written (YAML 1.2 numbers: '1e-3' quoted)
+        if os.path.exists(path) and saved_config(out_dir) != config:
+            kept = keep_as_until_step(path, step)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if kept is not None:  # config.yaml back where it was
+                os.replace(kept, path)
+            raise
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if not isinstance(e, OSError):
+            raise
+        reason = (f"the disk is full ({e.strerror})" if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                  else e.strerror or str(e))
+        raise RunDirError(f"could not write {path}: {reason}; the folder's files are as they were, no partial file "
+                          f"left: free space (or fix the folder) and re-run the same command") from None
     return kept
 
 

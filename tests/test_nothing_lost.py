@@ -1016,6 +1016,27 @@ def test_each_config_change_at_one_step_is_kept_and_an_unchanged_config_keeps_no
                     "config.until_step3.3.yaml": 0.3, "config.yaml": 0.4}
 
 
+def test_a_config_yaml_write_that_fails_leaves_the_old_one_in_place_and_no_temporary(tmp_path, monkeypatch):
+    """A full disk when a resume with new settings writes config.yaml. Before, the old config.yaml had been moved
+    aside (config.until_step3.yaml) before the write, whose half-written temporary stayed, and train.py ended in an
+    OSError traceback instead of an error: line."""
+    import engine.run_dir as run_dir
+
+    out = str(tmp_path / "c")
+    os.makedirs(out)
+    save_config_history(out, {"optim": {"lr": 0.1}}, step=0)
+    before = read_bytes(os.path.join(out, "config.yaml"))
+
+    def full_disk(config, f, **options):
+        f.write("optim:\n")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(run_dir, "dump_yaml", full_disk)
+    with pytest.raises(RunDirError, match=r"could not write .*config\.yaml: the disk is full .* re-run the same"):
+        save_config_history(out, {"optim": {"lr": 0.2}}, step=3)
+    assert os.listdir(out) == ["config.yaml"] and read_bytes(os.path.join(out, "config.yaml")) == before
+
+
 def test_only_settings_that_change_what_a_run_computes_count_as_changed():
     """config_changes / start_only_changes / recipe against hand-written lists: paths, limits, logging and the
     quant section may change on resume (ENVIRONMENT_KEYS, 'log.*' and 'quant.*' as wildcards), free-form
