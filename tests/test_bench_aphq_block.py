@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -63,6 +64,38 @@ def test_every_iteration_after_the_warmup_is_timed_the_first_from_the_start(monk
     durations = [ends[0] - (seconds[warmup - 1] if warmup else 0.0)] + [b - a for a, b in zip(ends, ends[1:])]
     assert result["timed_iters"] == iters
     assert result["iter_s"] == round(statistics.median(durations), 4) > 0
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_the_hessian_batch_is_timed_warm_and_without_the_float_logits(monkeypatch, warmup):
+    """The timed Hessian batch is one perturbed pass pair, as each unit's APH is in the pipeline: the float logits,
+    which APHQ computes once for every unit (quant/aphq/pipeline.py fp_logits), and the --warmup batches before it
+    (the first backward passes' one-time costs: CUDA's lazy kernel loading, the allocator's growth) are outside it.
+    A clock that moves only in the stand-ins: the logits take 100 s, a cold Hessian 1000 s, a warm one 1 s."""
+    bench = load_script("bench_aphq_block")
+    clock, calls = [0.0], []
+    model_logits, hessian = bench.model_logits, bench.perturbation_hessian
+
+    def logits(*args, **kwargs):
+        clock[0] += 100.0
+        return model_logits(*args, **kwargs)
+
+    def timed_hessian(*args, **kwargs):
+        clock[0] += 1000.0 if not calls else 1.0
+        calls.append(args[1])
+        return hessian(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "model_logits", logits)
+    monkeypatch.setattr(bench, "perturbation_hessian", timed_hessian)
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    threads = torch.get_num_threads()
+    try:
+        result = bench.main([*SMALL, "--warmup", str(warmup), "--iters", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == ["blocks.1"] * (warmup + 1)
+    assert result["hessian_batch_s"] == (1000.0 if warmup == 0 else 1.0)
+    assert result["extrapolated"]["hessian_s"] == round(result["hessian_batch_s"] * 1024 / 4, 1)
 
 
 @pytest.mark.parametrize("argv, says", [
