@@ -451,21 +451,19 @@ def _lookup_path(path: str, max_links: int = 40) -> list[str]:
 
 
 def saved_config(out_dir: str) -> Optional[dict]:
-    """The run's config.yaml as a dict, or None without a readable one."""
+    """The run's config.yaml as a dict, or None without a readable one (a damaged file, or another program's that is
+    no UTF-8 text: train.py writes it so)."""
     try:
         with open(os.path.join(out_dir, "config.yaml")) as f:
             saved = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
         return None
     return saved if isinstance(saved, dict) else None
 
 
 def saved_train_setting(out_dir: str, key: str) -> Any:
     """train.<key> as the run's config.yaml records it (what its latest command set), None without a readable one."""
-    try:
-        config = saved_config(out_dir)
-    except UnicodeDecodeError:  # a damaged file tells nothing
-        return None
+    config = saved_config(out_dir)
     train = config.get("train") if config else None
     return train.get(key) if isinstance(train, dict) else None
 

@@ -880,7 +880,7 @@ def _folder(path, files):
             os.makedirs(os.path.join(path, name), exist_ok=True)
         else:
             os.makedirs(os.path.dirname(os.path.join(path, name)), exist_ok=True)
-            with open(os.path.join(path, name), "w") as f:
+            with open(os.path.join(path, name), "wb" if isinstance(text, bytes) else "w") as f:
                 f.write(text)
 
 
@@ -890,7 +890,7 @@ def _tree(path):
     for folder, _, names in os.walk(path):
         for name in names:
             full = os.path.join(folder, name)
-            with open(full) as f:
+            with open(full, errors="surrogateescape") as f:  # a file of another program may be no UTF-8 text
                 out[os.path.relpath(full, path)] = f.read()
     return out
 
@@ -961,6 +961,8 @@ def test_claiming_a_folder_starts_archives_or_refuses_as_the_rules_say(tmp_path,
     {"config.yaml": "- a list\n"},  # YAML, but no mapping
     {"config.yaml": "out_dir: [unclosed\n"},  # not YAML
     {"config.yaml": "out_dir: x\noptim: 0.1\ntrain:\n  seed: 0\n"},  # a run's keys, a section that is no mapping
+    # another program's, in Latin-1: no UTF-8 text (before, a UnicodeDecodeError traceback, also with archive_existing)
+    {"config.yaml": b"name: caf\xe9\n"},
 ])
 def test_a_config_yaml_that_no_run_wrote_is_refused_naming_it_and_never_moved(tmp_path, files):
     """A folder holding only a config.yaml (with or without start logs) looked like a start that failed before its
