@@ -30,7 +30,7 @@ either way):
                AdamW (fused), and CD's `apply` against its bare-product floor at TF32
                (scripts/bench_overhead.py, measure_config)
     quant      quantized forward time over float on ViT-B/16 at 224 px, batch 256, for percentile,
-               repq, gplq and aphq (scripts/bench_quant.py)
+               repq, gplq and aphq (scripts/bench_quant.py), fp32 matmuls at full precision as in evaluate.py
     aphq_unit  one APHQ unit's reconstruction iteration and Hessian batch, extrapolated to the official
                counts (scripts/bench_aphq_block.py)
 
@@ -284,11 +284,18 @@ STAGES: dict[str, Callable] = {"pytest": stage_pytest, "precision": stage_precis
                                "quant": stage_quant, "aphq_unit": stage_aphq_unit}
 
 
+# The stages that time training, run as train.py runs it: TF32 for float32 matmuls and convolutions (train.tf32's
+# default). quant and aphq_unit time evaluate.py's work (its float and quantized forwards, APHQ's reconstruction),
+# which leaves torch's defaults (fp32 matmuls at full precision): under TF32 the float forward that the quantized
+# one is divided by, and APHQ's passes, ran faster than evaluate.py runs them. The tests set their own.
+TRAINING_STAGES = ("precision", "overhead")
+
+
 def run_stage(args) -> int:
     """Child side: one stage, its figures in --stage-out."""
     device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and args.stage != "pytest":  # the benchmarks run as train.py does: TF32 for float32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # (the tests set their own)
+    if device == "cuda" and args.stage in TRAINING_STAGES:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     try:
         return STAGES[args.stage](args, Partial(args.stage_out), device)
     except Exception:  # recorded by the driver as the stage's error, with this traceback in its log

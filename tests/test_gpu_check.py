@@ -270,6 +270,44 @@ def test_stages_run_in_the_documented_order_whatever_the_order_of_stages(tmp_pat
     assert order.read_text().split() == ["pytest", "quant", "aphq_unit"] == list(report["stages"])
 
 
+@pytest.fixture
+def cuda_tf32_switches():
+    """The CUDA TF32 switches, set as a stage process starts (torch's defaults: matmuls at full fp32, cuDNN at TF32)
+    and put back as they were, through torch >= 2.9's fp32_precision where it exists (the legacy flags' setters turn
+    an inherited 'none' into 'ieee')."""
+    import torch
+
+    matmul, conv = torch.backends.cuda.matmul, getattr(torch.backends.cudnn, "conv", None)
+    saved = [(o, getattr(o, "fp32_precision", None)) for o in (matmul, conv) if o is not None]
+    legacy = (matmul.allow_tf32, torch.backends.cudnn.allow_tf32) if saved[0][1] is None else None
+    matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+    yield lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    if legacy is not None:
+        matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = legacy
+    for backend, precision in saved:
+        if precision is not None:
+            backend.fp32_precision = precision
+
+
+@pytest.mark.parametrize("stage, tf32", [("precision", True), ("overhead", True), ("quant", False),
+                                         ("aphq_unit", False), ("pytest", False)])
+def test_only_the_training_stages_run_at_tf32(tmp_path, monkeypatch, cuda_tf32_switches, stage, tf32):
+    """precision and overhead time training, which train.py runs with TF32 for float32 matmuls; quant and aphq_unit
+    time evaluate.py's work (the float forward the quantized one is divided by, APHQ's reconstruction), which runs
+    at torch's defaults (matmuls at full fp32): under TF32 the quant stage's float forward was not evaluate.py's. A
+    stand-in stage reads the switches in the child's place, on a CPU, as they are on the GPU machine."""
+    gpu_check = load_script("gpu_check")
+    seen = []
+
+    def stand_in(args, out, device):
+        seen.append((device, cuda_tf32_switches()))
+        return 0
+
+    monkeypatch.setitem(gpu_check.STAGES, stage, stand_in)
+    assert gpu_check.run_stage(Namespace(smoke=False, stage=stage, stage_out=str(tmp_path / "figures.json"))) == 0
+    assert seen == [("cuda", (tf32, True))]
+
+
 def test_every_test_file_with_a_gpu_mark_is_in_the_pytest_stage():
     # The stage names its files instead of collecting all of tests/ (one module that cannot import there ended it with
     # 0 tests run): a new file with a gpu-marked test that is not listed would be silently left out of the GPU check
