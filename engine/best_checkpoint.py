@@ -92,7 +92,8 @@ class BestCheckpoint:
                 if stale and not other_validation:
                     adopted = self._validates_resumed_weights(recorded, state)
                 if stale and adopted is None:
-                    kept = keep_as_until_step(self.path, state.step) if os.path.exists(self.path) else None
+                    # lexists: a link of the user's that leads nowhere is moved aside too, not written over
+                    kept = keep_as_until_step(self.path, state.step) if os.path.lexists(self.path) else None
                     # a best scored on another validation set is no score to restore
                     restored = None if other_validation else self._restore(state)
                     clear = 0.0 if restored else 1.0

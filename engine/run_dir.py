@@ -733,7 +733,7 @@ def keep_as_until_step(path: str, step: int, keep=os.replace) -> str:
     `keep(path, kept)` does the move (another function, e.g. a hard link, keeps `path` in place too)."""
     stem, ext = os.path.splitext(path)
     kept, suffix = f"{stem}.until_step{step}{ext}", 1
-    while os.path.exists(kept):  # another change at the same step: never over an earlier record
+    while os.path.lexists(kept):  # another change at the same step (or a link leading nowhere): never over it
         suffix += 1
         kept = f"{stem}.until_step{step}.{suffix}{ext}"
     keep(path, kept)

@@ -207,6 +207,8 @@ def link_or_copy(source: str, target: str) -> None:
     temporary file and a rename where the file system has no hard links (some network or FUSE ones)."""
     try:
         os.link(source, target)
+    except FileExistsError:  # a name taken (a link of the user's that leads nowhere) is never written over
+        raise
     except OSError:
         tmp = partial_path(target)
         try:
@@ -243,7 +245,7 @@ def keep_snapshot(checkpoint: str, epoch: int, is_main: bool, device: torch.devi
     folder = os.path.join(os.path.dirname(checkpoint), SNAPSHOTS)
     path = os.path.join(folder, f"epoch{epoch:04d}.pt")
     suffix = 1
-    while os.path.exists(path):
+    while os.path.lexists(path):  # lexists: a link that leads nowhere holds its name too
         path = os.path.join(folder, f"epoch{epoch:04d}-{suffix}.pt")
         suffix += 1
     error = None

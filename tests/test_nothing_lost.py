@@ -1018,6 +1018,43 @@ def test_each_config_change_at_one_step_is_kept_and_an_unchanged_config_keeps_no
                     "config.until_step3.3.yaml": 0.3, "config.yaml": 0.4}
 
 
+@pytest.mark.parametrize("hard_links", [True, False], ids=["hard_links", "no_hard_links"])
+def test_a_link_leading_nowhere_at_a_name_a_run_keeps_a_file_under_is_never_written_over(tmp_path, monkeypatch,
+                                                                                        hard_links):
+    """A snapshot (snapshots/epoch<E>.pt) or a kept file (best.until_step<N>.pt) is given a name no file holds; a
+    symbolic link of the user's there whose target is gone (a disk not mounted) held no file by os.path.exists, and
+    was replaced: by the copy of a file system without hard links, and by os.link's EEXIST taken for one."""
+    from engine.run_dir import keep_as_until_step
+    from engine.snapshots import keep_snapshot
+
+    if not hard_links:
+        def no_link(*args, **kwargs):
+            raise OSError(errno.EPERM, "Operation not permitted")
+        monkeypatch.setattr(os, "link", no_link)
+    checkpoint, best = str(tmp_path / "checkpoint.pt"), str(tmp_path / "best.pt")
+    for path in (checkpoint, best):
+        with open(path, "wb") as f:
+            f.write(b"weights")
+    os.makedirs(tmp_path / "snapshots")
+    links = {str(tmp_path / "snapshots" / "epoch0001.pt"): "/gone/epoch0001.pt",
+             str(tmp_path / "best.until_step3.pt"): "/gone/best.until_step3.pt"}
+    for link, target in links.items():
+        os.symlink(target, link)
+    snapshot = keep_snapshot(checkpoint, 1, True, torch.device("cpu"))
+    kept = keep_as_until_step(best, 3)
+    assert os.path.basename(snapshot) == "epoch0001-1.pt" and read_bytes(snapshot) == b"weights"
+    assert os.path.basename(kept) == "best.until_step3.2.pt" and read_bytes(kept) == b"weights"
+    assert {link: os.readlink(link) for link in links} == links
+    # best.pt itself such a link when a resume finds it is no best of the run's: moved aside, not written over later
+    from engine.best_checkpoint import BestCheckpoint
+
+    os.symlink("/gone/best.pt", best)
+    matcher = BestCheckpoint(best, model=torch.nn.Linear(2, 2), ema=None, config={}, classes=None,
+                             save=lambda payload_fn, target: None)
+    moved = matcher.match_file(TrainState(step=4, best_value=40.0, best_step=2), True, torch.device("cpu")).kept
+    assert moved == str(tmp_path / "best.until_step4.pt") and os.readlink(moved) == "/gone/best.pt"
+
+
 def test_a_config_yaml_write_that_fails_leaves_the_old_one_in_place_and_no_temporary(tmp_path, monkeypatch):
     """A full disk when a resume with new settings writes config.yaml. Before, the old config.yaml had been moved
     aside (config.until_step3.yaml) before the write, whose half-written temporary stayed, and train.py ended in an
