@@ -565,9 +565,11 @@ def exclusive_lock(path: str, wait: bool) -> Iterator[None]:
     free, else raise LockBusy), and no file left behind: the holder removes it on release, while still
     holding it. A process that was waiting on the removed file finds that the path no longer names the
     file it locked, and locks the path afresh. A file of the same name that this program did not write
-    (not empty, not beginning with LOCK_MARK) is locked as it is, and never changed or removed."""
+    (not empty, not beginning with LOCK_MARK) is locked as it is, and never changed or removed. A symbolic link at
+    `path` is refused (OSError ELOOP): opened through, it had the lock written into a file elsewhere (or made one
+    there), and the release removed the link."""
     while True:
-        handle = open(path, "a+")
+        handle = open(path, "a+", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW, 0o666))
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
@@ -613,6 +615,9 @@ def lock_folder(out_dir: str, setting: str = "out_dir") -> Iterator[None]:
             raise RunDirError(f"{setting} '{out_dir}' is in use by another run ({busy.owner or 'another process'}); "
                               f"wait for it to finish or use another {setting}") from None
         except OSError as e:  # the lock file cannot be made: a read-only folder, a full disk
+            if e.errno == errno.ELOOP:
+                raise RunDirError(f"{os.path.join(out_dir, LOCK_NAME)} is a symbolic link, where a run keeps its lock "
+                                  f"file: remove the link, or choose another {setting}") from None
             raise _unusable(out_dir, e, setting) from None
         yield
 

@@ -130,6 +130,25 @@ def test_a_second_run_in_the_same_folder_is_refused(debug_config):
     assert not os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl"))
 
 
+@pytest.mark.parametrize("target", ["empty", "missing"])
+def test_a_lock_file_that_is_a_link_is_refused_and_nothing_is_written_through_it(tmp_path, target):
+    """out_dir/.run.lock a symbolic link (to an empty file of the user's, or to none): the lock was taken through
+    it, its text written into that file (or a new file made there, left behind) and the user's link removed at
+    the release."""
+    out, elsewhere = str(tmp_path / "run"), tmp_path / "elsewhere"
+    os.makedirs(out)
+    if target == "empty":
+        elsewhere.write_bytes(b"")
+    lock = os.path.join(out, ".run.lock")
+    os.symlink(elsewhere, lock)
+    with pytest.raises(RunDirError, match=r"\.run\.lock is a symbolic link, where a run keeps its lock file: remove "
+                                          r"the link, or choose another out_dir"):
+        with lock_folder(out):
+            pass
+    assert os.readlink(lock) == str(elsewhere) and os.listdir(out) == [".run.lock"]
+    assert (elsewhere.read_bytes() == b"") if target == "empty" else not elsewhere.exists()
+
+
 def folder_bytes(folder):
     """{relative path: bytes} of every file under `folder`, hidden ones included."""
     out = {}
