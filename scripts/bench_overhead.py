@@ -78,7 +78,13 @@ def cd_norms_every(args) -> int:
 
 
 def timed_ms(fn, device: str) -> float:
-    """Wall time of fn() in ms, synchronizing CUDA."""
+    """Wall time of fn() in ms, synchronizing CUDA before and after.
+
+    The synchronize before the clock starts keeps kernels queued by the previous call (a warm-up, or the other
+    side of an interleaved pair) out of this sample.
+    """
+    if device == "cuda":
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
     if device == "cuda":

@@ -567,3 +567,20 @@ def test_a_step_protocol_flag_under_the_epochs_protocol_says_it_belongs_to_the_s
         err = capsys.readouterr().err
         assert refused.value.code == 2 and len(err.strip().splitlines()) == 1, err
         assert err.startswith("error: ") and f"{flag}: a flag of --protocol step" in err, err
+
+
+def test_a_cuda_sample_waits_for_earlier_queued_work_before_its_clock_starts(monkeypatch):
+    """On CUDA the clock may start only after the device has finished what earlier calls queued (the warm-up
+    before the first sample, the floor before each apply): a fake clock and a fake synchronize record the order,
+    and no work of fn may fall between a synchronize and the clock's start."""
+    bench = _bench()
+    events = []
+    ticks = iter([100.0, 100.005])
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda *a, **k: events.append("sync"))
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: events.append("clock") or next(ticks))
+    ms = bench.timed_ms(lambda: events.append("fn"), "cuda")
+    assert events == ["sync", "clock", "fn", "sync", "clock"]
+    assert ms == pytest.approx(5.0)
+    events.clear()
+    ticks = iter([1.0, 1.25])
+    assert bench.timed_ms(lambda: events.append("fn"), "cpu") == pytest.approx(250.0) and "sync" not in events
