@@ -14,6 +14,7 @@ takes back its own (engine/best_checkpoint.py), the file it replaces kept under 
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -275,8 +276,19 @@ def _keep_copy(path: str, kept: str) -> None:
     """`kept` becomes a hard link to `path` (a copy where the file system has none), `path` staying in place: the
     rename of the rewritten file then replaces it at once. Moved aside first, a kill before that rename left no
     metrics.jsonl, and the resumed run's file began after the resume point, its earlier records only in the kept
-    file (a kill between the two now leaves both whole files, and the resume cuts again)."""
+    file (a kill between the two now leaves both whole files, and the resume cuts again). The copy is written under a
+    temporary name and renamed: a kill or a full disk mid-copy leaves no half file under the kept name, which a later
+    resume would take for the records of the branch it kept. A name taken meanwhile (os.link's EEXIST: a link of the
+    user's that leads nowhere) is never written through."""
     try:
         os.link(path, kept)
+    except FileExistsError:
+        raise
     except OSError:
-        shutil.copyfile(path, kept)
+        tmp = partial_path(kept)
+        try:
+            shutil.copyfile(path, tmp)
+            os.replace(tmp, kept)
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)

@@ -56,3 +56,36 @@ def test_a_plain_resume_keeps_metrics_jsonl_in_place(debug_config, caplog):
     assert _lines(os.path.join(out_dir, "metrics.jsonl"))[:len(before)] == before
     assert not [name for name in os.listdir(out_dir) if name.startswith("metrics.until_step")]
     assert "engine.metrics" not in {r.name for r in caplog.records}
+
+
+def test_a_copy_that_fails_midway_leaves_no_half_file_under_the_kept_name(tmp_path, monkeypatch):
+    """On a file system without hard links the kept metrics.until_step<N>.jsonl is a copy: one that stops midway (a
+    full disk, a kill) must leave no half file under the kept name, which a later resume would read as the whole
+    records of the branch it keeps; metrics.jsonl stays as it was."""
+    import errno
+
+    from engine import metrics
+
+    path = tmp_path / "metrics.jsonl"
+    records = "".join(f'{{"step": {step}, "train/loss": 1.0}}\n' for step in (2, 4, 6, 8))
+    path.write_text(records)
+
+    def no_hard_links(source, target):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    def half_copy(source, target):
+        with open(source) as f, open(target, "w") as out:
+            out.write(f.read()[:20])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "link", no_hard_links)
+    monkeypatch.setattr(shutil, "copyfile", half_copy)
+    try:
+        metrics._truncate_after(str(path), 4)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    else:
+        raise AssertionError("the failed copy was not reported")
+    assert not (tmp_path / "metrics.until_step4.jsonl").exists()
+    assert path.read_text() == records
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("metrics.until_step")]
