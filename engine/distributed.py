@@ -134,7 +134,8 @@ def launcher_environment(joining: bool = True) -> tuple[int, int, int]:
     naming the variable) where they are no whole numbers or describe no process group this process can join: a
     rank outside the world (RANK=3 alone would be a single process that is not the main rank, writing nothing), or,
     `joining` a group of several processes, no RANK, MASTER_ADDR and MASTER_PORT of torchrun's rendezvous (torch's
-    env:// ends in a ValueError traceback without them; a group already formed needs none)."""
+    env:// ends in a ValueError traceback without them; a group already formed needs none), or no LOCAL_RANK, which
+    picks each process's GPU on its node (every process took cuda:0 without it)."""
     def number(name: str, default: int, least: int) -> int:
         text = os.environ.get(name)
         if text is None:
@@ -160,6 +161,13 @@ def launcher_environment(joining: bool = True) -> tuple[int, int, int]:
         if port is None or not 0 < port < 65536:
             raise ConfigError(f"MASTER_PORT={os.environ['MASTER_PORT']!r} is not a port number (1..65535): "
                               f"{launch_fix()}")
+        if os.environ.get("LOCAL_RANK") is None:
+            # LOCAL_RANK picks the process's GPU (init_distributed): without it every process of a node took cuda:0
+            # (a job script that exports RANK and WORLD_SIZE only), sharing one GPU and leaving the others idle
+            raise ConfigError(f"WORLD_SIZE={world} but LOCAL_RANK is not set (torchrun sets it; it picks each "
+                              f"process's GPU on its node, and without it every process would take cuda:0): launch "
+                              f"with torchrun, or export LOCAL_RANK (the process's number on its node, e.g. "
+                              f"srun's SLURM_LOCALID) with the others")
     return rank, world, local_rank
 
 

@@ -42,6 +42,8 @@ REFUSED = [
     (dict(WORLD_SIZE="2", RANK="2", MASTER_ADDR="h", MASTER_PORT="1"), rf"RANK=2 is not below WORLD_SIZE=2: {FIX_RE} "
                                                                        rf"and RANK\)"),
     (dict(LOCAL_RANK="-1"), rf"LOCAL_RANK='-1' is not a process's number \(0, 1, ...\): {FIX_RE} and LOCAL_RANK\)"),
+    (dict(WORLD_SIZE="2", RANK="1", MASTER_ADDR="h", MASTER_PORT="1"), r"WORLD_SIZE=2 but LOCAL_RANK is not set .*"
+                                                                       r"launch with torchrun, or export LOCAL_RANK .*"),
 ]
 
 
@@ -128,3 +130,25 @@ def test_a_local_rank_past_the_visible_gpus_is_one_line(tmp_path, capsys, launch
     from engine.distributed import init_distributed
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     assert init_distributed("auto").device == torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_several_processes_without_local_rank_are_refused_on_every_rank(tmp_path, capsys, launched, monkeypatch,
+                                                                        rank):
+    """A job script that exports RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT but not LOCAL_RANK (srun or mpirun
+    without torchrun) put every process of a node on cuda:0, LOCAL_RANK's default: one GPU shared, the others idle.
+    Every rank refuses in one error line naming LOCAL_RANK and the fix, before any CUDA call or rendezvous (the
+    machine here has no GPU: two visible devices are what torch is told it sees)."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail(f"set_device({device}) was called"))
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: pytest.fail("asked torch to form a group"))
+    launched(RANK=rank, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    out = tmp_path / "o"
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={out}"], capsys)
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: WORLD_SIZE=2 but LOCAL_RANK is not set") and "export LOCAL_RANK" in err
+    assert "launch with torchrun" in err
+    assert not out.exists()
