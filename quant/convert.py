@@ -4,6 +4,12 @@ Layers are selected by patterns over fully-qualified module names (`spec.fqn_mat
 checks, and the float model is never modified. Attention modules are converted first (their `qkv` /
 `proj` children keep their FQNs), then every nn.Linear / nn.Conv2d is matched against the linear
 rules; in strict mode a Linear/Conv2d that matches neither a rule nor `keep_float` is an error.
+
+A QuantLinear / QuantConv2d runs nn.Linear's / nn.Conv2d's forward on the adopted parameters, so a rule that matches
+a subclass with a computation of its own (a forward or _conv_forward of its own: timm's StdConv2d, mmcv's ConvWS2d
+weight standardisation; a parametrized weight) is refused, naming the layer and its class, rather than converted
+into a layer that silently computes something else. Subclasses whose forward is the base's up to dead branches
+(`_SAME_FORWARD`) convert as the base class does.
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .attention import OPERANDS, convert_attention
 from .layers import QuantConv2d, QuantLinear
@@ -19,6 +26,23 @@ from .quantizers import Quantizer
 from models.modules import fqn_matches
 
 from .spec import AttentionRule, LinearRule, QuantizerSpec, QuantSpec
+
+
+# subclasses whose forward is nn.Linear's / nn.Conv2d's on this torch: mmcv's wrappers differ only for an empty input
+# on torch < 1.4 / 1.5, timm's Linear only under torch.jit scripting (MMDetection's heads hold mmcv's wrappers)
+_SAME_FORWARD = {"mmcv.cnn.bricks.wrappers.Linear", "mmcv.cnn.bricks.wrappers.Conv2d", "timm.layers.linear.Linear"}
+
+
+def _own_computation(module: nn.Module) -> Optional[str]:
+    """Why `module` (an nn.Linear / nn.Conv2d) computes other than its base class's forward; None where it does not."""
+    cls = type(module)
+    if f"{cls.__module__}.{cls.__qualname__}" in _SAME_FORWARD:
+        return None
+    if parametrize.is_parametrized(module):
+        return "a parametrized weight"
+    base = nn.Conv2d if isinstance(module, nn.Conv2d) else nn.Linear
+    own = [name for name in ("forward", "_conv_forward") if getattr(cls, name, None) is not getattr(base, name, None)]
+    return f"a {' and '.join(own)} of its own" if own else None
 
 
 def _first_rule(fqn: str, rules: Iterable) -> Optional[object]:
@@ -88,7 +112,8 @@ def convert_in_place(model: nn.Module, spec: QuantSpec) -> Dict[str, List[str]]:
         {"attention": [...], "linear": [...], "float": [...]}: the FQNs converted / deliberately kept float.
 
     Raises:
-        ValueError: strict spec and some Linear/Conv2d matches no rule and no keep_float pattern.
+        ValueError: strict spec and some Linear/Conv2d matches no rule and no keep_float pattern; a rule matches a
+            subclass with a computation of its own (see the module docstring).
     """
     done: Dict[str, List[str]] = {"attention": [], "linear": [], "float": []}
     for fqn, module in list(model.named_modules()):
@@ -103,6 +128,14 @@ def convert_in_place(model: nn.Module, spec: QuantSpec) -> Dict[str, List[str]]:
             continue
         rule = _first_rule(fqn, spec.linears)
         if rule is not None:
+            why = _own_computation(module)
+            if why is not None:
+                cls = type(module)
+                raise ValueError(f"{fqn} is a {cls.__module__}.{cls.__qualname__}, a subclass of "
+                                 f"nn.{'Conv2d' if isinstance(module, nn.Conv2d) else 'Linear'} with {why}: its "
+                                 "quantized layer would run the plain layer's computation and change the model's "
+                                 "output; quantize a model with a plain layer there, or leave it out of the "
+                                 "rules' patterns (float)")
             set_submodule(model, fqn, _convert_linear(fqn, module, rule))
             done["linear"].append(fqn)
         elif fqn_matches(fqn, spec.keep_float):

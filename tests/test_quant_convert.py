@@ -590,6 +590,71 @@ def test_convert_in_place_reports_every_layer_it_left_float():
     assert isinstance(model[0], QuantLinear) and type(model[1]) is nn.Linear and type(model[2]) is nn.Linear
 
 
+class _Doubling(nn.Linear):
+    """A Linear subclass with a forward of its own (a stand-in for a weight-standardised or scaled layer)."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class _StandardisedConv(nn.Conv2d):
+    """Weight standardisation through _conv_forward, as a subclass may do it without touching forward."""
+
+    def _conv_forward(self, x, weight, bias):
+        weight = (weight - weight.mean(dim=(1, 2, 3), keepdim=True)) / weight.std(dim=(1, 2, 3), keepdim=True)
+        return super()._conv_forward(x, weight, bias)
+
+
+class _Plain(nn.Linear):
+    """A subclass that computes nn.Linear's forward (only a name of its own)."""
+
+
+@pytest.mark.parametrize("layer", [_Doubling(4, 3), _StandardisedConv(4, 3, 1), "parametrized"],
+                         ids=["forward", "conv_forward", "parametrized"])
+def test_a_subclass_with_a_computation_of_its_own_is_refused_by_name_not_silently_changed(layer):
+    """A rule matching an nn.Linear / nn.Conv2d subclass whose forward differs is one ValueError naming the layer and
+    its class: a QuantLinear / QuantConv2d would run the plain layer's forward (reference: the float model's own
+    output, which a quantizer-free conversion would have to keep). Left out of the rules, it stays float."""
+    torch.manual_seed(0)
+    if layer == "parametrized":
+        layer = nn.Linear(4, 3)
+        torch.nn.utils.parametrize.register_parametrization(layer, "weight", _Halve())
+    model = nn.Sequential(nn.Identity(), layer)
+    x = torch.randn(2, 4, 5, 5) if isinstance(layer, nn.Conv2d) else torch.randn(5, 4)
+    with pytest.raises(ValueError, match=rf"^1 is a .*{type(layer).__name__}, a subclass of nn\.(Linear|Conv2d) "):
+        quantize_model(model, QuantSpec(linears=(LinearRule(("**",), None, None),)))
+    kept = quantize_model(model, QuantSpec(linears=(LinearRule(("0",), None, None),), keep_float=("1",)))
+    with torch.no_grad():
+        torch.testing.assert_close(kept(x), model(x), rtol=0, atol=0)
+
+
+class _Halve(nn.Module):
+    def forward(self, w):
+        return w / 2
+
+
+def test_a_subclass_computing_the_plain_forward_converts_as_the_plain_layer():
+    """A subclass without a computation of its own (and mmcv's wrappers, whose forward is the base's on this torch,
+    in MMDetection's heads) converts; without quantizers it is the float layer, bit for bit."""
+    torch.manual_seed(0)
+    layers = [_Plain(4, 3)]
+    wrappers = pytest.importorskip("mmcv.cnn.bricks.wrappers")
+    layers += [wrappers.Linear(4, 3)]
+    for layer in layers:
+        model = nn.Sequential(layer)
+        qmodel = quantize_model(model, QuantSpec(linears=(LinearRule(("**",), None, None),)))
+        assert isinstance(qmodel[0], QuantLinear)
+        x = torch.randn(5, 4)
+        with torch.no_grad():
+            torch.testing.assert_close(qmodel(x), model(x), rtol=0, atol=0)
+    conv = wrappers.Conv2d(4, 3, 3, padding=1)
+    qconv = quantize_model(nn.Sequential(conv), QuantSpec(linears=(LinearRule(("**",), None, None),)))[0]
+    x = torch.randn(2, 4, 5, 5)
+    with torch.no_grad():
+        assert isinstance(qconv, QuantConv2d)
+        torch.testing.assert_close(qconv(x), conv(x), rtol=0, atol=0)
+
+
 def test_describe_and_summarize_name_each_quantizer_once_as_it_runs():
     """describe: a Linear input quantized per channel (its last dim) reads "per-channel", a bypassed one "float";
     summarize: one entry per distinct description, in first-seen order (the report's summary)."""
