@@ -234,6 +234,17 @@ def test_smoothquant_runs_on_a_vit_near_its_float_output(pipeline):
     assert 0 < (out - ref).abs().max() < 0.1 * ref.abs().max()
 
 
+@pytest.mark.parametrize("pipeline", ["smoothquant", "smoothquant_strict"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_calibration_activations_are_refused_naming_the_layer(pipeline, bad):
+    """One NaN / inf pixel made max |X_j| non-finite, the smoothing scales NaN and the quantized model NaN on every
+    input; the API refuses it (evaluate.py refuses such images before) naming the first layer whose input holds it."""
+    x = images()
+    x[3, 1, 4, 5] = bad
+    with pytest.raises(ValueError, match=r"input of blocks\.0\.attn\.qkv hold NaN or inf"):
+        PIPELINES[pipeline](vit(), x, "w8a8")
+
+
 @pytest.mark.parametrize("pipeline", sorted(LM_BITS))
 @pytest.mark.parametrize("make, inputs", [(gpt, tokens), (vit, images)], ids=["gpt", "vit"])
 def test_lm_pipelines_create_no_tensor_on_the_default_device(pipeline, make, inputs):

@@ -49,6 +49,13 @@ def smooth_model(model: nn.Module, inputs: torch.Tensor, alpha: float, batch_siz
     the unsmoothed model, as officially). Returns the (norm, linear) FQNs smoothed."""
     sites = find_fold_sites(model, BLOCK_FOLD_SITES)
     amax = channel_absmax(model, {linear_name: linear for _, _, linear_name, linear in sites}, inputs, batch_size)
+    # a NaN / inf max makes that site's scales NaN, and the LayerNorm and every later layer compute NaN: the whole
+    # quantized model would be NaN, silently (one host sync for all sites)
+    if amax and not bool(torch.stack([torch.isfinite(a).all() for a in amax.values()]).all()):
+        bad = next(name for name, a in amax.items() if not bool(torch.isfinite(a).all()))
+        raise ValueError(f"SmoothQuant: the calibration activations at the input of {bad} hold NaN or inf (NaN/inf "
+                         "in the calibration inputs or the float model's weights), so its smoothing scales would be "
+                         "NaN and the quantized model NaN; give finite calibration inputs")
     for _, norm, linear_name, linear in sites:
         migrate_scales(norm, [linear], smoothing_scales(amax[linear_name], [linear.weight], alpha))
     return [(norm_name, linear_name) for norm_name, _, linear_name, _ in sites]
