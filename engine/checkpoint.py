@@ -315,6 +315,10 @@ def training_payload(*, model, optimizer, state, config: dict, ema=None, scaler=
     return payload
 
 
+# optimizer group entries that choose an implementation, not a hyperparameter: the resuming run's own are kept
+_OPTIMIZER_KERNEL_KEYS = ("fused", "foreach", "capturable")
+
+
 def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler=None,
                      source: Optional[str] = None) -> None:
     """Load a `training_payload` into freshly built objects (in place). `optimizer=None` leaves it as built
@@ -330,7 +334,15 @@ def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler
     where = source or "the checkpoint"
     unwrap_model(model).load_state_dict(payload["model"])
     if optimizer is not None:
-        optimizer.load_state_dict(payload["optimizer"])
+        # the kernel choices are this run's (fused on CUDA, engine.optim.use_fused), not the writer's:
+        # load_state_dict takes every group entry from the file, so a checkpoint of a CPU run resumed on CUDA
+        # would step unfused (no sync-free fp16 step). They go into the groups handed to load_state_dict, not
+        # onto the loaded ones, because torch places each 'step' by them (on the parameter's device where fused
+        # or capturable, which the fused CUDA kernel needs), as engine.resume.restore_optimizer's groups do
+        saved = payload["optimizer"]
+        groups = [{**group, **{k: own[k] for k in _OPTIMIZER_KERNEL_KEYS if k in own}}
+                  for group, own in zip(saved["param_groups"], optimizer.param_groups)]
+        optimizer.load_state_dict({**saved, "param_groups": groups})
     for key, value in payload["state"].items():
         if key == "best_top1":  # checkpoints before the task-neutral name; -1 meant "no validation yet"
             key, value = "best_value", (value if value >= 0 else None)

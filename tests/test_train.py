@@ -1,5 +1,6 @@
 """train.py end to end on CPU: outputs, exact resume, DDP (2 gloo processes), non-finite loss (preemption:
 test_preemption.py)."""
+import io
 import json
 import re
 import os
@@ -1285,6 +1286,37 @@ def test_a_training_payload_restores_optimizer_scaler_ema_and_counters():
     fresh = torch.amp.GradScaler("cpu")
     restore_training(payload, model=model2, optimizer=None, state=TrainState(), scaler=fresh)
     assert fresh.get_scale() == 2.0 ** 16  # torch's initial scale
+
+
+@pytest.mark.parametrize("written, resumed", [(None, True), (True, None)])
+def test_a_restored_optimizer_keeps_the_resuming_runs_kernel_choice(written, resumed):
+    """The fused/foreach choice is the resuming run's (train.py: fused on CUDA), not the writer's: torch's
+    load_state_dict takes every group entry from the file, so a CPU run's checkpoint resumed on CUDA (GPLQ's
+    stage-1 resume) stepped unfused. The moments and the lr still come from the file, and the fused and
+    the unfused step then give the same weights (up to rounding), checked against an AdamW that never stopped."""
+    from engine.checkpoint import restore_training, training_payload
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=written)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 0.05
+    buffer = io.BytesIO()  # through a file, as a resume reads it (the payload's tensors alias the live ones)
+    torch.save(training_payload(model=model, optimizer=optimizer, state=TrainState(step=1), config={}), buffer)
+    buffer.seek(0)
+    payload = torch.load(buffer, weights_only=False)
+    model2 = torch.nn.Linear(3, 2)
+    optimizer2 = torch.optim.AdamW(model2.parameters(), lr=0.1, fused=resumed)
+    restore_training(payload, model=model2, optimizer=optimizer2, state=TrainState())
+    assert optimizer2.param_groups[0]["fused"] is resumed and optimizer2.param_groups[0]["lr"] == 0.05
+    x = torch.randn(4, 3)
+    for m, opt in ((model, optimizer), (model2, optimizer2)):
+        opt.zero_grad()
+        m(x).square().sum().backward()
+        opt.step()
+    for got, want in zip(model2.parameters(), model.parameters()):
+        torch.testing.assert_close(got, want)
 
 
 def test_a_training_payload_holds_the_weights_of_the_wrapped_module_by_their_own_names():
