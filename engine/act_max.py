@@ -25,6 +25,13 @@ act/kurtosis_module would change with TIMM_FUSED_ATTN.
 An output that is not finite (an fp16 overflow under autocast, a diverged model) has the maximum inf (a NaN too),
 so that the module or block maximum is inf, never the largest of the other outputs, and no kurtosis.
 
+Swin's window attention (timm's `SwinTransformerBlock._attn`, MMDetection's `ShiftWindowMSA`) zero-pads a token grid
+that is not a multiple of its window to whole windows, and crops the padded tokens off again after the attention. The
+outputs of the attention module and of the modules in it (qkv, softmax, proj) hold rows for those padded tokens: no
+token of the image, yet a padded query's attention output is not zero, and its qkv row is the bias. They are left out
+of the maxima and the kurtosis (only the padded queries' rows: a real token's probabilities over the padded keys are
+the model's computation). The padding is known to the block's forward from its input's grid (`_window_validity`).
+
 Running maxima stay on the device (no host sync per batch); `result()` syncs once. For distributed
 evaluation pass `reduce_fn` (e.g. an all_reduce with MAX) or reduce `maxima()` and `seen()` yourself; nothing
 here touches torch.distributed. The model is never modified: hooks are removed when the context exits.
@@ -39,6 +46,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
 import torch
 from torch import nn
 from timm.layers import DropPath
+from timm.models.swin_transformer import SwinTransformerBlock
 
 from configs import ConfigError
 from models.modules import BLOCK_PATTERNS, fqn_matches
@@ -118,6 +126,12 @@ class ActivationProbe:
                 self.targets.append((name, "module", -1, re.sub(r"\.\d+\.", ".N.", name), sub))
         # the targets whose outputs are probabilities: measured for the maxima, not for the kurtosis
         self._probabilities = {i for i, target in enumerate(self.targets) if isinstance(target[4], PROBABILITIES)}
+        # Swin window attention whose windows may be padded (module docstring): the target index -> the owner (the
+        # module that pads) of the attention module that it is or lies in; the owners' pre-hooks set the validity
+        self._owners = {id(owner): (owner, attention, layout) for owner, attention, layout in _window_owners(model)}
+        inside = {id(sub): key for key, (_, attention, _) in self._owners.items() for sub in attention.modules()}
+        self._owner_of = {i: inside[id(t[4])] for i, t in enumerate(self.targets) if id(t[4]) in inside}
+        self._valid: Dict[int, Optional[torch.Tensor]] = {}  # owner -> [windows * B, N] bool of the real tokens
         self._handles: list = []
         self._max: Optional[torch.Tensor] = None
         self._seen: Optional[torch.Tensor] = None  # [K]: 1.0 where the hook measured an output, else 0.0
@@ -132,7 +146,13 @@ class ActivationProbe:
                     continue
                 # a NaN (an overflow's inf - inf) is kept as inf: a NaN drops out of Python's max() of the records
                 # (it compares false) and of a distributed MAX all-reduce, and the other outputs' largest was reported
-                value = t.detach().abs().amax().float()
+                # Swin's padded tokens are no tokens of the image (module docstring): left out
+                valid = self._valid.get(self._owner_of[index]) if index in self._owner_of else None
+                mask = None if valid is None else _token_mask(t, valid, index in self._probabilities,
+                                                               self.targets[index][0])
+                magnitude = t.detach().abs()
+                # a padded entry as 0: the largest |value| of a tensor that holds a real token is unchanged
+                value = (magnitude if mask is None else magnitude.masked_fill(~mask, 0)).amax().float()
                 value = value.masked_fill(value.isnan(), float("inf"))
                 if self._max is None:
                     self._max = torch.zeros(len(self.targets), device=value.device)
@@ -141,12 +161,17 @@ class ActivationProbe:
                 # a max of 0.0 may be measured (an all-zero output): only the flag tells it from "never ran"
                 self._seen[index].fill_(1.0)
                 if self.moments and index not in self._probabilities:
-                    x = t.detach().double().flatten()
+                    x = t.detach().double()
+                    if mask is None:
+                        # the count as a fill: new_tensor is a blocking host-to-device copy (a sync per module)
+                        count = x.new_full((), float(x.numel()))
+                    else:  # padded entries as 0 add nothing to the sums; the count of the others stays on the device
+                        count = mask.expand(x.shape).sum(dtype=torch.float64)
+                        x = x.masked_fill(~mask, 0)
+                    x = x.flatten()
                     if self._sums is None:
                         self._sums = torch.zeros(len(self.targets), 5, device=x.device, dtype=torch.float64)
-                    # the count as a fill: new_tensor is a blocking host-to-device copy (a sync per module)
-                    powers = torch.stack([x.new_full((), float(x.numel())), x.sum(), x.square().sum(),
-                                          x.pow(3).sum(), x.square().square().sum()])
+                    powers = torch.stack([count, x.sum(), x.square().sum(), x.pow(3).sum(), x.square().square().sum()])
                     self._sums[index] += powers
         return hook
 
@@ -155,12 +180,26 @@ class ActivationProbe:
             raise RuntimeError("probe is already attached")
         self._handles = [m.register_forward_hook(self._hook(i))
                          for i, (_, _, _, _, m) in enumerate(self.targets)]
+        for key, (owner, _, layout) in self._owners.items():
+            self._handles.append(owner.register_forward_pre_hook(self._window_hook(key, layout), with_kwargs=True))
+            self._handles.append(owner.register_forward_hook(self._window_done(key)))
         return self
+
+    def _window_hook(self, key: int, layout: Callable) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self._valid[key] = layout(module, args, kwargs)
+        return hook
+
+    def _window_done(self, key: int) -> Callable:
+        def hook(module: nn.Module, inputs: tuple, output: object) -> None:
+            self._valid.pop(key, None)
+        return hook
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._valid = {}
 
     # -- results --------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -215,6 +254,63 @@ class ActivationProbe:
         module = max((r["max"] for r in records if r["kind"] == "module"), default=0.0)
         block = max((r["max"] for r in records if r["kind"] == "block"), default=0.0)
         return ActMaxResult(module=module, block=block, per_layer=records)
+
+
+def _window_validity(batch: int, height: int, width: int, window: Tuple[int, int], roll: Tuple[int, int],
+                     device: torch.device) -> Optional[torch.Tensor]:
+    """[windows * batch, window tokens] bool, True at the tokens of the (height, width) grid, in the order of the
+    window partition (batch, window row, window column; row-major inside a window) after zero-padding the grid at the
+    bottom and right to whole windows and rolling the padded grid by `roll`; None where nothing is padded."""
+    wh, ww = window
+    padded_h, padded_w = -(-height // wh) * wh, -(-width // ww) * ww
+    if (padded_h, padded_w) == (height, width):
+        return None
+    grid = torch.zeros(padded_h, padded_w, dtype=torch.bool, device=device)
+    grid[:height, :width] = True
+    if any(roll):
+        grid = grid.roll(roll, dims=(0, 1))
+    windows = grid.view(padded_h // wh, wh, padded_w // ww, ww).permute(0, 2, 1, 3).reshape(-1, wh * ww)
+    return windows.repeat(batch, 1)
+
+
+def _timm_swin_layout(block: nn.Module, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """timm's SwinTransformerBlock: x [B, H, W, C] is rolled by -shift_size, then padded (`_attn`): the real tokens
+    are the top-left H x W of the padded grid."""
+    x = args[0] if args else kwargs["x"]
+    return _window_validity(x.shape[0], x.shape[1], x.shape[2], tuple(block.window_size), (0, 0), x.device)
+
+
+def _mmdet_swin_layout(msa: nn.Module, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """MMDetection's ShiftWindowMSA(query [B, H * W, C], hw_shape): padded first, then rolled by -shift_size."""
+    query = args[0] if args else kwargs["query"]
+    height, width = args[1] if len(args) > 1 else kwargs["hw_shape"]
+    window, shift = (msa.window_size,) * 2, (-msa.shift_size,) * 2
+    return _window_validity(query.shape[0], height, width, window, shift, query.device)
+
+
+def _window_owners(model: nn.Module) -> List[Tuple[nn.Module, nn.Module, Callable]]:
+    """(the module that pads the windows, the window attention module it calls, its layout) for each Swin block."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, SwinTransformerBlock):
+            found.append((module, module.attn, _timm_swin_layout))
+        elif f"{type(module).__module__}.{type(module).__qualname__}" == "mmdet.models.backbones.swin.ShiftWindowMSA":
+            found.append((module, module.w_msa, _mmdet_swin_layout))
+    return found
+
+
+def _token_mask(t: torch.Tensor, valid: torch.Tensor, probabilities: bool, name: str) -> torch.Tensor:
+    """`valid` [windows * B, N] as a mask broadcasting over `t`, the output of a module in a window attention: rows of
+    tokens ([windows * B, N, ...]: qkv, proj, the attention's output) or probabilities ([windows * B, heads, N, keys],
+    a softmax: the rows of the padded queries)."""
+    rows, tokens = valid.shape
+    if probabilities and t.dim() == 4 and t.shape[0] == rows and t.shape[2] == tokens:
+        return valid[:, None, :, None]
+    if not probabilities and t.dim() >= 2 and tuple(t.shape[:2]) == (rows, tokens):
+        return valid.view(rows, tokens, *([1] * (t.dim() - 2)))
+    raise RuntimeError(f"activation maxima: the output {tuple(t.shape)} of {name} in a Swin window attention of "
+                       f"{rows} windows of {tokens} tokens is not laid out by window and token, so its padded tokens "
+                       "cannot be left out")
 
 
 def kurtosis_from_sums(sums: torch.Tensor) -> torch.Tensor:
