@@ -308,6 +308,23 @@ def test_gptq_on_a_vit_counts_the_patch_tokens_its_hessians_sum_not_the_pixels()
         PIPELINES["gptq"](tiny_vit(), images(1), "w4a16", {"percdamp": 1e-12})
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_calibration_inputs_are_named_as_such_not_blamed_on_percdamp(bad):
+    """A NaN / inf input makes the first Linear's Hessian non-finite, which cholesky refused and the refusal read as a
+    too small quant.gptq.percdamp; no dampening helps, so it is a ValueError saying what is wrong, naming the layer."""
+    from configs import ConfigError
+
+    x = images(4)
+    x[2, 0, 5, 6] = bad
+    with pytest.raises(ValueError, match=r"^GPTQ of blocks\.0\.attn\.qkv: its Hessian holds NaN or inf") as e:
+        PIPELINES["gptq"](tiny_vit(), x, "w4a16")
+    assert not isinstance(e.value, ConfigError) and "percdamp=" not in str(e.value)
+    hessian = torch.eye(6)
+    hessian[1, 2] = bad
+    with pytest.raises(ValueError, match="Hessian holds NaN or inf"):
+        gptq_quantize(torch.randn(3, 6), hessian, GPTQQuantizer(4))
+
+
 def test_a16_parses_as_float_activations():
     from quant import parse_bits
 

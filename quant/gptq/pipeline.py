@@ -156,6 +156,8 @@ def quantize_layer(layer: nn.Module, hessian: torch.Tensor, options: GPTQOptions
         q, error = gptq_quantize(layer.weight.float(), hessian, layer.weight_quantizer,
                                  blocksize=options.blocksize, percdamp=options.percdamp,
                                  act_order=options.act_order, static_groups=options.static_groups)
+    except ValueError as e:  # a Hessian of NaN / inf (solver.py), named by its layer
+        raise ValueError(f"GPTQ of {name}: {e}") from None
     except torch.linalg.LinAlgError:
         # fewer calibration tokens than input columns leave H singular, and a tiny dampening does not make it
         # invertible in float32: the user's settings, worded as such rather than a traceback from cholesky

@@ -66,7 +66,15 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, quantizer: GPTQQu
 
     Returns:
         (the quantized weight, on the grid, in weight's dtype; GPTQ's error sum (w - q)^2 / (2 U_jj^2)).
+
+    Raises:
+        ValueError: the Hessian is not finite; torch.linalg.LinAlgError: the dampened Hessian is not positive definite.
     """
+    if not bool(torch.isfinite(hessian).all()):
+        # checked before the dampening: cholesky would fail on it and the failure read as a too small percdamp
+        raise ValueError("its Hessian holds NaN or inf: the layer's calibration inputs are not finite (NaN/inf in the "
+                         "calibration inputs or the model's weights) or their products overflow float32; no "
+                         "percdamp makes it invertible: give finite calibration inputs")
     W = weight.clone()
     columns = W.shape[1]
     size = quantizer.group_size
