@@ -217,7 +217,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
         # at an epoch's end of out_dir's own checkpoint.pt, its snapshot maybe not kept: whether one was owed is the
         # writing run's train.keep_every_epochs (snapshot_owed), not this run's, which may have changed it
         state = run.state
-        if os.path.abspath(resume_path) == os.path.abspath(run.ckpt_path) and state.epoch_batches == 0 and state.epoch:
+        if not run.resumed_elsewhere and state.epoch_batches == 0 and state.epoch:  # out_dir's own, by any name
             if kept := keep_missing_snapshot(run.ckpt_path, payload, state.epoch, dist.is_main, dist.device):
                 log.warning("epoch %d kept as %s: the run that wrote checkpoint.pt at its end stopped before it "
                             "kept it", state.epoch, kept)
@@ -818,7 +818,9 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
         # update ran before, but the update number its norms_every counts is the run's, so that the update norms
         # fall on the log steps (from 0 they were computed at the updates a multiple past the resume instead)
         run.decay.load_state_dict({"num_updates": 0, "steps": state.step, "config": None})
-    own = os.path.abspath(resume_path) == os.path.abspath(run.ckpt_path)
+    # out_dir's own checkpoint.pt by any name (train.resume through a link to out_dir or one of its parents, or out_dir
+    # given through one): abspath kept the names apart, and the run took its own file for another run's start
+    own = os.path.realpath(resume_path) == os.path.realpath(run.ckpt_path)
     # the wandb run goes on where the run does (its checkpoint.pt, or one of its snapshots: MetricLogger derives a
     # new id from it for a roll-back); another run's checkpoint (train.resume into a new out_dir) starts a new one:
     # its id would log into that run, renamed
@@ -1188,7 +1190,7 @@ def check_resumable(saved: dict, current: Config, source: str, warn: bool = True
     engine/run_dir.py ENVIRONMENT_KEYS), logged as such unless `warn` is False (a sweep's check before its runs
     start: the resume it would announce is the run's own, at its turn)."""
     current_d = compared_config(saved, current)
-    own = os.path.abspath(source) == os.path.abspath(os.path.join(current.out_dir, "checkpoint.pt"))
+    own = os.path.realpath(source) == os.path.realpath(os.path.join(current.out_dir, "checkpoint.pt"))
     other = "use another out_dir" if own else "give train.resume a checkpoint of this model and data set"
     # the model's build (not its start weights, nor its drop rates, model.drop(_path)'s or model.kwargs' *drop_rate:
     # they add no parameter, and a change of them is one more changed setting below)

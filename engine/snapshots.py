@@ -179,9 +179,12 @@ def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[di
         if payload is None:
             raise CheckpointError(f"train.resume={resume} ({os.path.getsize(resume)} bytes) cannot be "
                                   f"resumed: {problem}")
-        if os.path.isfile(own) and os.path.abspath(own) != os.path.abspath(resume):
+        # compared with links resolved: out_dir's own checkpoint.pt named through a link is no other start, and the
+        # file a run recorded it started from is the same by any name (train.py records it as it was given)
+        if os.path.isfile(own) and os.path.realpath(own) != os.path.realpath(resume):
             own_payload, problem = read_training_checkpoint(own)
-            if own_payload is not None and own_payload.get("resumed_from") == os.path.abspath(resume):
+            started_from = own_payload.get("resumed_from") if own_payload is not None else None
+            if isinstance(started_from, str) and os.path.realpath(started_from) == os.path.realpath(resume):
                 log.info("%s was written by a run started from train.resume=%s: continuing from it",
                          own, resume)
                 return own, own_payload

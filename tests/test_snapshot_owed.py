@@ -110,3 +110,31 @@ def test_a_rerun_after_a_roll_back_keeps_no_second_snapshot_of_an_epoch_passed_a
     assert not same_snapshot(tmp_path / "run/snapshots/epoch0002.pt", tmp_path / "run/snapshots/epoch0002-1.pt")
     train.main(debug_config(*back))  # the same command again
     assert snapshots_of(tmp_path / "run") == kept
+
+
+def test_its_own_checkpoint_named_through_a_link_resumes_as_its_own(tmp_path, debug_config, monkeypatch, caplog):
+    """train.resume naming out_dir's own checkpoint.pt through a link to a folder above it (a scratch path and its
+    link in the home folder) was compared by os.path.abspath and taken for another run's start: the owed snapshot
+    was not kept (lost at the next write of checkpoint.pt), the checkpoints recorded the run as started from its own
+    file at the resumed update, and the resume warned that checkpoint.pt was of another start. Reference: a straight
+    run's snapshot, and the record of a run started afresh (no train.resume file, update 0)."""
+    import logging
+
+    from engine import snapshots
+
+    run = ("train.keep_every_epochs=1",)
+    train.main(debug_config(*run, name="straight"))
+    link = snapshots.link_or_copy
+    monkeypatch.setattr(snapshots, "link_or_copy", killed_at_the_snapshot("epoch0001.pt"))
+    with pytest.raises(Killed):
+        train.main(debug_config(*run, name="killed"))
+    monkeypatch.setattr(snapshots, "link_or_copy", link)
+    (tmp_path / "alias").symlink_to(tmp_path, target_is_directory=True)
+    with caplog.at_level(logging.WARNING):
+        train.main(debug_config(*run, f"train.resume={tmp_path / 'alias' / 'killed' / 'checkpoint.pt'}",
+                                name="killed"))
+    assert snapshots_of(tmp_path / "killed") == snapshots_of(tmp_path / "straight") == ["epoch0001.pt", "epoch0002.pt"]
+    assert same_snapshot(tmp_path / "killed/snapshots/epoch0001.pt", tmp_path / "straight/snapshots/epoch0001.pt")
+    final = torch.load(tmp_path / "killed/checkpoint.pt", weights_only=True)
+    assert (final["resumed_from"], final[snapshots.STARTED_AT_STEP]) == (None, 0)
+    assert not [r for r in caplog.records if "another start than train.resume" in r.getMessage()]
