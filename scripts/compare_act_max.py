@@ -4,9 +4,10 @@ Reads the `*_act_max.csv` files that evaluate.py writes next to its JSON (engine
 block, the maximum |activation| of the block output (solid) and of any module inside the block (dashed), mean over
 a method's files with their min-max range shaded; writes the PNG and a CSV, and prints a markdown table. Each CSV
 is read with the result file evaluate.py wrote beside it (`<stem>.json` for `<stem>_act_max.csv`), which says how
-its maxima were measured: the runs of a method must be distinct runs evaluated alike
-(engine.result_table.check_seed_group: data, raw or EMA weights, the kind of checkpoint (best.pt, checkpoint.pt),
-the update of snapshots, autocast, quant.act_max_extra_modules, model.kwargs, and the method and recipe the result
+its maxima were measured (a CSV whose size and SHA-256 are not those that result file records, edited or replaced
+since, is refused; --overwrite never replaces a maxima file evaluate.py wrote for a result file): the runs of a
+method must be distinct runs evaluated alike (engine.result_table.check_seed_group: data, raw or EMA weights, the
+kind of checkpoint (best.pt, checkpoint.pt), the update of snapshots, autocast, quant.act_max_extra_modules, model.kwargs, and the method and recipe the result
 files record) whose runs ended alike (engine/eval_results.refuse_unfinished: a run stopped by train.max_steps or a
 signal before the others' end is refused, and one stopped by a signal, or evaluated while it trained, even alone,
 as its run folder's metrics.jsonl tells); the
@@ -34,11 +35,13 @@ import glob
 import hashlib
 import math
 import os
+import re
 import sys
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser, first_line  # noqa: E402
+from engine.act_max_files import file_digest  # noqa: E402
 from engine.eval_results import (EVALUATION_KEYS, first_difference, read_result_file,  # noqa: E402
                                  refuse_unfinished_groups, stopped_early)
 from engine.figures import new_figure  # noqa: E402
@@ -112,7 +115,32 @@ def result_beside(path: str) -> dict:
         raise ValueError(f"{json_path} lists no act_max CSV (evaluated with quant.act_max_csv=false), so {path} "
                          f"is not of its evaluation: measure again with python evaluate.py --out {json_path} "
                          f"quant.act_max_csv=true and the same settings, or leave the CSV out")
+    # the size and SHA-256 of the CSV it wrote (engine.act_max_ownership; none in results written before digests): a
+    # CSV edited since, or another evaluation's put at its name, holds maxima the settings recorded are not those of
+    digests = result["max_act"].get("digests")
+    recorded = digests.get("csv") if isinstance(digests, dict) else None
+    if recorded is not None and file_digest(path) != recorded:
+        raise ValueError(f"{path} is not the CSV that {json_path} records (its size and SHA-256 are not those "
+                         f"evaluate.py wrote: the file was edited or replaced since), so the settings recorded there "
+                         f"are not known to be those of its maxima: give the CSV as evaluate.py wrote it, or move it "
+                         f"aside and measure again with python evaluate.py --out {json_path} --recompute")
     return result
+
+
+# evaluate.py's per-layer maxima files of a result file <stem>.json (engine.act_max_ownership.act_max_paths and the
+# <stem>_act_max.replaced<N> names keep_act_max_files moves them aside as)
+EVALUATE_FILE = re.compile(r"^(?P<stem>.*)_act_max(\.replaced\d+)?\.(csv|png)$")
+
+
+def evaluate_files(paths: list[str]) -> list[tuple[str, str]]:
+    """(path, result file) for each existing file of `paths` named as evaluate.py names the maxima files of a result
+    file that is there: files this script did not write, which --overwrite never replaces."""
+    found = []
+    for path in paths:
+        match = EVALUATE_FILE.match(path)
+        if match and os.path.lexists(path) and os.path.isfile(match["stem"] + ".json"):
+            found.append((path, match["stem"] + ".json"))
+    return found
 
 
 def evaluated_alike(groups: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -257,9 +285,15 @@ def main(argv=None) -> list[dict]:
             if first != (method, path):
                 sys.exit(f"error: {path} ({method}) holds the same maxima as {first[1]} ({first[0]}): one run "
                          "would count twice (a file given twice, or a copy); give each run's CSV once")
+    outputs, inputs = [args.out + ".png", args.out + ".csv"], [p for paths in groups.values() for p in paths]
+    read = {os.path.realpath(p) for p in inputs}  # an input is refused as one (refuse_existing_outputs)
+    theirs = [(path, result) for path, result in evaluate_files(outputs) if os.path.realpath(path) not in read]
+    if theirs:  # evaluate.py's per-layer plot or CSV (of another run than those read): not this script's to replace
+        path, result = theirs[0]
+        sys.exit(f"error: {path} is a per-layer maxima file that evaluate.py wrote for {result}; --overwrite "
+                 f"replaces only this script's outputs: choose another --out")
     try:
-        refuse_existing_outputs([args.out + ".png", args.out + ".csv"], args.overwrite,
-                                inputs=[p for paths in groups.values() for p in paths])
+        refuse_existing_outputs(outputs, args.overwrite, inputs=inputs)
     except RunDirError as e:
         sys.exit(f"error: {e}")
     try:

@@ -334,3 +334,65 @@ def test_an_out_or_a_group_of_another_form_is_a_usage_error_before_anything_is_r
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
     assert list(tmp_path.iterdir()) == []
+
+
+def record_digests(csv_path, plot=b"a plot"):
+    """The result file beside `csv_path` records the size and SHA-256 of the CSV (as evaluate.py does, computed here
+    with hashlib) and of a plot it writes beside."""
+    import hashlib
+
+    csv_path, json_path = str(csv_path), str(csv_path)[:-len("_act_max.csv")] + ".json"
+    with open(csv_path, "rb") as f:
+        data = f.read()
+    with open(csv_path[:-4] + ".png", "wb") as f:
+        f.write(plot)
+    with open(json_path) as f:
+        record = json.load(f)
+    record["max_act"]["digests"] = {key: {"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
+                                    for key, b in (("csv", data), ("plot", plot))}
+    with open(json_path, "w") as f:
+        json.dump(record, f)
+
+
+def test_a_csv_other_than_the_one_its_result_file_records_is_refused(tmp_path):
+    """The result file records the size and SHA-256 of the CSV evaluate.py wrote; a CSV edited since, or another
+    evaluation's put at its name, was read with the settings of that result file as if they were its own."""
+    compare = load()
+    write(tmp_path / "s0_act_max.csv", run_rows([1.0], [2.0], [3.0]))
+    write(tmp_path / "s1_act_max.csv", run_rows([3.0], [1.0], [1.0]))
+    for name in ("s0_act_max.csv", "s1_act_max.csv"):
+        record_digests(tmp_path / name)
+    rows = compare.main([f"m={tmp_path}/s*_act_max.csv", "--out", str(tmp_path / "cmp")])
+    assert [(r["block_mean"], r["module_mean"]) for r in rows] == [(2.0, 2.0)]  # as recorded: read
+    with open(tmp_path / "s1_act_max.csv", "a") as f:  # edited: a row more
+        f.write("blocks.0.mlp.fc1,module,0,mlp.fc1,50.0\n")
+    with pytest.raises(SystemExit, match=r"^error: .*s1_act_max.csv is not the CSV that .*s1.json records .*"
+                                         r"edited or replaced since.*--recompute"):
+        compare.main([f"m={tmp_path}/s*_act_max.csv", "--out", str(tmp_path / "cmp2")])
+    # another evaluation's CSV at the name of s1's (whose own is gone): the same rows as s0's, not s1's
+    (tmp_path / "s1_act_max.csv").write_bytes((tmp_path / "s0_act_max.csv").read_bytes().replace(b"3.0", b"4.0"))
+    with pytest.raises(SystemExit, match=r"s1_act_max.csv is not the CSV that .*s1.json records"):
+        compare.main([f"m={tmp_path}/s1_act_max.csv", "--out", str(tmp_path / "cmp2")])
+    assert not os.path.exists(tmp_path / "cmp2.csv")
+
+
+@pytest.mark.parametrize("stem", ["c_act_max", "c_act_max.replaced1"])
+def test_overwrite_never_replaces_a_maxima_file_evaluate_py_wrote(tmp_path, stem):
+    """--out naming evaluate.py's per-layer plot and CSV of a result file (c.json) replaced them under --overwrite:
+    files this script did not write. Refused, and both stay as they were; this script's own outputs are still
+    replaced."""
+    compare = load()
+    write(tmp_path / "a_act_max.csv", run_rows([1.0], [2.0], [3.0]))
+    write(tmp_path / "c_act_max.csv", run_rows([9.0], [9.0], [9.0]))
+    record_digests(tmp_path / "c_act_max.csv", plot=b"evaluate.py's plot")
+    if stem != "c_act_max":  # the old maxima's files that --recompute moved aside
+        for end in (".csv", ".png"):
+            os.replace(tmp_path / f"c_act_max{end}", tmp_path / f"{stem}{end}")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(SystemExit, match=rf"^error: .*{re.escape(stem)}\.png is a per-layer maxima file that "
+                                         r"evaluate.py wrote for .*c\.json; --overwrite replaces only this script's "
+                                         r"outputs: choose another --out$"):
+        compare.main([f"a={tmp_path}/a_act_max.csv", "--out", str(tmp_path / stem), "--overwrite"])
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    compare.main([f"a={tmp_path}/a_act_max.csv", "--out", str(tmp_path / "cmp")])
+    assert compare.main([f"a={tmp_path}/a_act_max.csv", "--out", str(tmp_path / "cmp"), "--overwrite"])
