@@ -212,6 +212,30 @@ def test_a_binding_beside_an_attach_of_the_same_matrices_is_refused_both_ways():
     OptimizerBinding(decay, opt)  # a removed binding is gone
 
 
+def test_a_bind_refused_at_a_later_optimizer_leaves_no_hook_on_the_earlier_ones_and_a_retry_binds():
+    """bind_optimizers over two optimizers, the second with an attach of the same matrices: refused, and the first
+    optimizer (bound before the refusal) keeps no hook of it; once the attach is removed, as the refusal asks, a
+    new bind (MMEngine's train() again, whose hook binds at before_train) is not refused by the failed one's."""
+    model, decay, _, loss = _setup()
+    first = list(model.blocks[0].parameters())
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    a, b = torch.optim.SGD(first, lr=0.1), torch.optim.SGD(rest, lr=0.1)
+    with pytest.warns(UserWarning, match="not in the optimizer"):  # block 0's matrices are a's
+        handle = ColinearityDecay(model, lam=0.5).attach(b)
+    with pytest.raises(RuntimeError, match=r"another CD update runs in this optimizer's step already"):
+        bind_optimizers(decay, [a, b])
+    assert not a._optimizer_step_pre_hooks and not a._optimizer_step_post_hooks
+    assert len(b._optimizer_step_pre_hooks) == 1  # the attach's alone
+    handle.remove()
+    bindings = bind_optimizers(decay, [a, b])
+    for binding in bindings.values():
+        binding.arm()
+    loss().backward()
+    a.step()
+    b.step()
+    assert decay.num_updates == 1
+
+
 def test_a_disarmed_binding_leaves_the_next_step_alone():
     """disarm() after an event whose step never came (a GradScaler skip, an iteration without an update): the
     next step of the optimizer, outside the framework's event, is the plain optimizer step of a copy."""

@@ -389,8 +389,20 @@ def bind_optimizers(decay: ColinearityDecay, optimizers: list, strict_steps: boo
         _warn_outside(decay, {i for opt in opts.values() for i in decay._group_index(opt)})
     # one optimizer's step is the whole update
     shared = SharedUpdate(decay, list(opts.values())) if len(opts) > 1 else None
-    return {key: OptimizerBinding(decay, opt, strict_steps, warn_outside=False, shared=shared)
-            for key, opt in opts.items()}
+    bindings: dict[int, OptimizerBinding] = {}
+    try:
+        for key, opt in opts.items():
+            bindings[key] = OptimizerBinding(decay, opt, strict_steps, warn_outside=False, shared=shared)
+    except BaseException:
+        # an optimizer refused (another CD update in its step) after others were bound: the caller gets no
+        # bindings to remove, so the hooks made so far go now; left on, they would refuse the retry that the
+        # refusal asks for (the other update removed) as a second CD update in the first optimizers' steps
+        for binding in bindings.values():
+            binding.remove()
+        if shared is not None:
+            shared.remove()
+        raise
+    return bindings
 
 
 def _refuse_tf32_off_cuda(decay: ColinearityDecay) -> None:
