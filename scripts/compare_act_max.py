@@ -7,11 +7,11 @@ is read with the result file evaluate.py wrote beside it (`<stem>.json` for `<st
 its maxima were measured (a CSV whose size and SHA-256 are not those that result file records, edited or replaced
 since, is refused; --overwrite never replaces a maxima file evaluate.py wrote for a result file): the runs of a
 method must be distinct runs evaluated alike (engine.result_table.check_seed_group: data, raw or EMA weights, the
-kind of checkpoint (best.pt, checkpoint.pt), the update of snapshots, autocast, quant.act_max_extra_modules, model.kwargs, and the method and recipe the result
-files record) whose runs ended alike (engine/eval_results.refuse_unfinished: a run stopped by train.max_steps or a
-signal before the others' end is refused, and one stopped by a signal, or evaluated while it trained, even alone,
-as its run folder's metrics.jsonl tells); the
-methods must be measured alike in what sets the float maxima (data, image count, the val images' names, raw or EMA
+kind of checkpoint (best.pt, checkpoint.pt), the update of snapshots, autocast, quant.act_max_extra_modules,
+model.kwargs, and the method and recipe the result files record) whose runs ended alike
+(engine/eval_results.refuse_unfinished: a run stopped by train.max_steps or a signal before the others' end is
+refused, and one stopped by a signal, or evaluated while it trained, even alone, as its run folder's metrics.jsonl
+tells); the methods must be measured alike in what sets the float maxima (data, image count, the val images' names, raw or EMA
 weights, autocast, the kind of a run's checkpoint (model.pretrained weights, no file of a run, are drawn beside
 any), the modules counted (quant.act_max_extra_modules): compared as paper_table.py's fine-tuning layout compares
 its methods, engine/eval_results.first_difference), and a method evaluated with other model.kwargs than it trained
