@@ -1,26 +1,26 @@
 """Per-block activation maxima of several methods side by side, each averaged over its runs (seeds).
 
 Reads the `*_act_max.csv` files that evaluate.py writes next to its JSON (engine/act_max_files.py) and draws, per
-block, the maximum |activation| of the block output (solid) and of any module inside the block (dashed), mean over
-a method's files with their min-max range shaded; writes the PNG and a CSV, and prints a markdown table. Each CSV
-is read with the result file evaluate.py wrote beside it (`<stem>.json` for `<stem>_act_max.csv`), which says how
-its maxima were measured (a CSV whose size and SHA-256 are not those that result file records, edited or replaced
-since, is refused; --overwrite never replaces a maxima file evaluate.py wrote for a result file): the runs of a
-method must be distinct runs evaluated alike (engine.result_table.check_seed_group: data, raw or EMA weights, the
-kind of checkpoint (best.pt, checkpoint.pt), the update of snapshots, autocast, quant.act_max_extra_modules,
-model.kwargs, and the method and recipe the result files record) whose runs ended alike
-(engine/eval_results.refuse_unfinished: a run stopped by train.max_steps or a signal before the others' end is
-refused, and one stopped by a signal, or evaluated while it trained, even alone, as its run folder's metrics.jsonl
-tells); the methods must be measured alike in what sets the float maxima (data, image count, the val images' names, raw or EMA
-weights, autocast, the kind of a run's checkpoint (model.pretrained weights, no file of a run, are drawn beside
-any), the modules counted (quant.act_max_extra_modules): compared as paper_table.py's fine-tuning layout compares
-its methods, engine/eval_results.first_difference), and a method evaluated with other model.kwargs than it trained
-with is marked † with a note below the table, as paper_table.py marks it; a method whose runs their own
-train.max_steps stopped before the end of their schedule, beside a method of its model that ended at another update
-or short of 99 % of its schedule, is marked § (in its legend label, table column and CSV `method`) with a note on
-stderr saying how far they got, as paper_table.py and motivation_figure.py mark it. A method whose result files
-record no train.seed for some of its runs (older files outside their run folders) is averaged, and a note below the
-table names them: the seed check could not compare them, so one seed may be counted twice.
+block, the maximum |activation| of the block output (solid) and of any module inside the block (dashed), mean over a
+method's files with their min-max range shaded; writes the PNG and a CSV, and prints a markdown table. Each CSV is
+read with the result file evaluate.py wrote beside it (`<stem>.json` for `<stem>_act_max.csv`), which says how its
+maxima were measured (a CSV whose size and SHA-256 are not those that result file records, edited or replaced since,
+is refused; --overwrite never replaces a maxima file evaluate.py wrote for a result file): the runs of a method must
+be distinct runs evaluated alike (engine.result_table.check_seed_group: data, raw or EMA weights, the kind of
+checkpoint (best.pt, checkpoint.pt), the update of snapshots, autocast, quant.act_max_extra_modules, model.kwargs,
+and the method and recipe the result files record) whose runs ended alike (engine/eval_results.refuse_unfinished: a
+run stopped by train.max_steps or a signal before the others' end is refused, and one stopped by a signal, or
+evaluated while it trained, even alone, as its run folder's metrics.jsonl tells); the methods must be measured alike
+in what sets the float maxima (data, image count, the val images' names, raw or EMA weights, autocast, the kind of a
+run's checkpoint (model.pretrained weights, no file of a run, are drawn beside any), the modules counted
+(quant.act_max_extra_modules): compared as paper_table.py's fine-tuning layout compares its methods,
+engine/eval_results.first_difference), and a method evaluated with other model.kwargs than it trained with is marked
+† with a note below the table, as paper_table.py marks it; a method whose runs their own train.max_steps stopped
+before the end of their schedule, beside a method of its model that ended at another update or short of 99 % of its
+schedule, is marked § (in its legend label, table column and CSV `method`) with a note on stderr saying how far they
+got, as paper_table.py and motivation_figure.py mark it. A method whose result files record no train.seed for some
+of its runs (older files outside their run folders) is averaged, and a note below the table names them: the seed
+check could not compare them, so one seed may be counted twice.
 
     python scripts/compare_act_max.py \\
         baseline='runs/sweeps/fashion_mnist_mini/baseline_s*/eval_best_act_max.csv' \\
