@@ -89,10 +89,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from configs import DEFAULT_CONFIG, ConfigError, load_config  # noqa: E402
 from configs.cli import OneLineParser, move_overrides  # noqa: E402
-from configs.loader import (close_keys, dotted_settings, get_key, overlapping_keys,  # noqa: E402
-                            override_keys, read_yaml_file, schema_keys)
-from configs.schema import (TRAIN_BATCH_OVERRIDE_KEYS, TRAINING_ONLY_OVERRIDE_KEYS, Config,  # noqa: E402
-                            unread_training_settings)
+from configs.loader import (close_keys, dotted_settings, dump_yaml, get_key, overlapping_keys,  # noqa: E402
+                            override_keys, parse_yaml, read_yaml_file, schema_keys)
+from configs.schema import (EVAL_TRAIN_KEYS, TRAIN_BATCH_OVERRIDE_KEYS, TRAINING_ONLY_OVERRIDE_KEYS,  # noqa: E402
+                            Config, unread_training_settings)
 from engine.console import console_print  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 from launchers import (ForwardedSignals, launcher_refusal, launcher_world_size, log_mark,  # noqa: E402  (scripts/)
@@ -578,11 +578,26 @@ def evaluation_paths(run: dict) -> tuple[str, str]:
 
 def evaluation_overrides(run: dict) -> list[str]:
     """The overrides of a run's evaluate.py command: its data and quant overrides (data.root=..., and
-    quant={...} as well as quant.x=...), then the sweep's list. Training's own data settings (data.mixup,
-    data.reprob, ...) stay out: the checkpoint's config holds them as the run trained, and evaluate.py refuses
-    them where none of its passes reads them."""
-    return [o for o in run["overrides"] if o.split("=", 1)[0].split(".", 1)[0].strip() in ("data", "quant")
-            and not set(override_keys(o)) <= TRAINING_ONLY_OVERRIDE_KEYS] + run["evaluate"]
+    quant={...} as well as quant.x=...), its train.device and train.eval_batch_size_per_gpu (EVAL_TRAIN_KEYS, which
+    evaluate.py reads: a train={...} mapping gives them as key=value items of their own), then the sweep's list.
+    Training's own data settings (data.mixup, data.reprob, ...) stay out: the checkpoint's config holds them as the
+    run trained, and evaluate.py refuses them where none of its passes reads them. The train.* ones go on, as the
+    data placement keys do: the checkpoint holds the values of the command that wrote it, so a sweep requeued with
+    train.eval_batch_size_per_gpu=32 (an evaluation that ran out of memory) or train.device=cpu evaluated a run
+    trained before it at its checkpoint's values."""
+    items = []
+    for o in run["overrides"]:
+        section, keys = o.split("=", 1)[0].split(".", 1)[0].strip(), set(override_keys(o))
+        if section in ("data", "quant") and not keys <= TRAINING_ONLY_OVERRIDE_KEYS:
+            items.append(o)
+        elif section == "train" and keys <= set(EVAL_TRAIN_KEYS):
+            items.append(o)
+        elif section == "train" and keys & set(EVAL_TRAIN_KEYS):  # train={device: cpu, seed: 3}: the device alone
+            key, _, raw = o.partition("=")
+            settings = dotted_settings(key.strip(), parse_yaml(raw), Config())
+            items += [f"{k}={dump_yaml(v, default_flow_style=True).splitlines()[0]}" for k, v in settings.items()
+                      if k in EVAL_TRAIN_KEYS]
+    return items + run["evaluate"]
 
 
 def main(argv=None) -> int:

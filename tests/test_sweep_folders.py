@@ -602,3 +602,32 @@ def test_a_sweep_without_config_files_checks_its_runs_as_train_py_runs_them(tmp_
     folder.mkdir(parents=True)
     torch.save({"config": config_to_dict(ran)}, folder / "checkpoint.pt")
     sweep.refuse_changed_training_settings([run], str(path), world_size=1)  # the run's own settings: no refusal
+
+
+@pytest.fixture(scope="module")
+def trained_sweep(tmp_path_factory):
+    """A sweep of one run 'a' that has trained (tiny.yaml: train.eval_batch_size_per_gpu 16, train.device auto)."""
+    import train
+    from configs import load_config
+    from tests.conftest import DEBUG_CONFIG
+
+    root = tmp_path_factory.mktemp("sweep")
+    items = ["sched.epochs=1", "sched.warmup_epochs=0", "log.tensorboard=false"]
+    train.main(load_config([DEBUG_CONFIG], [*items, f"out_dir={root / 'runs' / 'a'}"]))
+    return sweep_file(root, f"  a: [{', '.join(items)}]\n")
+
+
+@pytest.mark.parametrize("given", [["train.eval_batch_size_per_gpu=4", "train.device=cpu"],
+                                   ["train={eval_batch_size_per_gpu: 4, device: cpu, seed: 3}"]])
+def test_the_eval_batch_and_device_given_for_a_sweep_reach_a_trained_runs_evaluation(trained_sweep, given):
+    """train.eval_batch_size_per_gpu and train.device, which evaluate.py reads, given to a sweep requeued after a run
+    trained (a smaller eval batch after an evaluation ran out of memory): the run's evaluate.py command evaluated its
+    best.pt at the values its checkpoint holds (16, auto), as the sweep passed on only data.* and quant.*. The
+    reference is evaluate.py's own resolution of the command."""
+    import evaluate
+
+    (run,) = sweep.expand(trained_sweep, given)
+    command = sweep.commands(run, "", True)[1]
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args(command[command.index("evaluate.py") + 1:]))
+    assert (cfg.train.eval_batch_size_per_gpu, cfg.train.device) == (4, "cpu")
+    assert not any("seed" in item for item in command)  # a training setting: evaluate.py would refuse it
