@@ -3,7 +3,9 @@
 torchrun sets RANK / WORLD_SIZE / LOCAL_RANK (and MASTER_ADDR / MASTER_PORT); without them the run is a
 single process. Values that are no numbers, or WORLD_SIZE > 1 without the others (a command started without
 torchrun), are one error line (`launcher_environment`). NCCL on CUDA, gloo on CPU (so tests can run two CPU
-processes).
+processes); ranks that resolved train.device to different device types (auto on nodes with and without a GPU) are
+refused on every rank before the group forms (`same_device_type_on_every_rank`), instead of waiting for each other
+until the timeout.
 
 Work that must happen once (a quantization pipeline's sequential reconstruction, a file write) runs on
 rank 0 through `run_on_main`; the other ranks wait for its result in a separate gloo group whose timeout
@@ -95,14 +97,61 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
     rank, world, local_rank = launcher_environment(joining=not dist.is_initialized())
     if use_cuda:
         check_local_rank_device(local_rank, torch.cuda.device_count())
+    joining = world > 1 and not dist.is_initialized()
+    backend = "nccl" if use_cuda else "gloo"
+    store = None
+    if joining:
+        # torch's own rendezvous (env://, torchrun's agent store included), made here so that the ranks compare the
+        # backend each chose before any forms it: a rank on NCCL and one on gloo wait for each other until the
+        # timeout (train.device=auto on a node without a visible GPU beside nodes with one)
+        timeout = timeout or (dist.constants.default_pg_nccl_timeout if use_cuda else dist.constants.default_pg_timeout)
+        store = next(dist.rendezvous("env://", rank, world, timeout=timeout))[0]
+        store.set_timeout(timeout)
+        same_device_type_on_every_rank(store, rank, world, "cuda" if use_cuda else "cpu", device)
+    if use_cuda:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+    if joining:
+        # the store as init_process_group makes it from env:// itself (its keys under the same prefix)
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world,
                                 device_id=dev if use_cuda else None, timeout=timeout)
     return DistInfo(rank, world, local_rank, dev)
+
+
+_joins = 0  # process groups this process joined through init_distributed: names each one's keys in the store
+
+
+def same_device_type_on_every_rank(store, rank: int, world: int, device_type: str, setting: str) -> None:
+    """Refuse, on every rank alike (ConfigError, one line), ranks whose devices are of different types (`device_type`,
+    "cuda" or "cpu", as each rank resolved train.device=`setting`): their backends (NCCL, gloo) cannot form one
+    group, and each would wait for the others until the group's timeout. Compared through the rendezvous `store`
+    before the group forms; rank 0 (whose process holds the store outside torchrun) leaves only once the others have
+    read what it needs, or SAME_ERROR_WAIT has passed."""
+    global _joins
+    _joins += 1
+    key = f"engine.distributed/join{_joins}/device"
+    store.set(f"{key}/{rank}", device_type)
+    names = [f"{key}/{other}" for other in range(world)]
+    store.wait(names)
+    types = [store.get(name).decode("utf-8", "replace") for name in names]
+    if len(set(types)) == 1:
+        return
+    store.set(f"{key}/read/{rank}", "1")
+    if rank == 0:
+        with contextlib.suppress(Exception):  # a rank gone meanwhile: it read already, or never will
+            store.wait([f"{key}/read/{other}" for other in range(1, world)], SAME_ERROR_WAIT)
+
+    def ranks(kind: str) -> str:
+        listed = [str(r) for r, t in enumerate(types) if t == kind]
+        return f"rank{'s' if len(listed) > 1 else ''} {', '.join(listed[:8])}{', ...' if len(listed) > 8 else ''}"
+
+    chosen = "; ".join(f"{kind} on {ranks(kind)}" for kind in sorted(set(types)))
+    why = (" (auto takes cuda where a GPU is visible: some nodes show none)" if setting == "auto"
+           else " (the nodes' configs or command lines name other devices)")
+    raise ConfigError(f"train.device={setting} gives the ranks different devices, {chosen}{why}, and NCCL and gloo "
+                      f"cannot form one group: show every node a GPU, or set train.device=cpu (or cuda) on every node")
 
 
 def check_local_rank_device(local_rank: int, devices: int) -> None:

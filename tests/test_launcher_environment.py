@@ -152,3 +152,42 @@ def test_several_processes_without_local_rank_are_refused_on_every_rank(tmp_path
     assert err.startswith("error: WORLD_SIZE=2 but LOCAL_RANK is not set") and "export LOCAL_RANK" in err
     assert "launch with torchrun" in err
     assert not out.exists()
+
+
+def _rank_on_its_node_device(rank: int, world: int, port: int, work: str, gpu_ranks: tuple) -> None:
+    """A rank of a two-node run under train.device=auto: the ranks in `gpu_ranks` see two GPUs (torch is told so:
+    the machine here has none; set_device is a no-op there), the others none. Its outcome: ("ok", device) or
+    (exception type, text)."""
+    import datetime
+    import os
+
+    from engine.distributed import init_distributed
+    from tests.dist_utils import as_torchrun_rank
+
+    as_torchrun_rank(rank, world, port)
+    if rank in gpu_ranks:
+        torch.cuda.is_available = lambda: True
+        torch.cuda.device_count = lambda: 2
+        torch.cuda.set_device = lambda device: None
+    try:
+        outcome = ("ok", str(init_distributed("auto", timeout=datetime.timedelta(seconds=20)).device))
+    except BaseException as e:  # noqa: BLE001 - recorded for the test
+        outcome = (type(e).__name__, str(e))
+    torch.save(outcome, os.path.join(work, f"rank{rank}.pt"))
+    os._exit(0)
+
+
+@pytest.mark.slow
+def test_ranks_that_resolve_auto_to_different_devices_are_refused_on_every_rank(tmp_path):
+    """train.device=auto on a node without a visible GPU beside one with GPUs: one rank formed the group on gloo, the
+    other on NCCL, and each waited for the other until the group's timeout (or NCCL's init failed on one). Both now
+    refuse at once with the same error line naming train.device and the fix, before either forms a group."""
+    from tests.dist_utils import free_port, spawn_within
+
+    spawn_within(_rank_on_its_node_device, (2, free_port(), str(tmp_path), (1,)), 2, seconds=90)
+    outcomes = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert outcomes[0] == outcomes[1], outcomes
+    kind, text = outcomes[0]
+    assert kind == "ConfigError", outcomes
+    assert text.startswith("train.device=auto gives the ranks different devices, cpu on rank 0; cuda on rank 1 ")
+    assert "set train.device=cpu (or cuda) on every node" in text
