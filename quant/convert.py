@@ -105,6 +105,24 @@ def _convert_attention(fqn: str, attn: nn.Module, rule: AttentionRule) -> nn.Mod
     return convert_attention(attn, quantizers)
 
 
+def _converted_at_another_path(seen: Dict[int, Tuple[str, object, Optional[nn.Module]]], fqn: str, module: nn.Module,
+                                decision: object) -> Optional[nn.Module]:
+    """The conversion of `module` made at an earlier path of it (None: none); records its first path's rule (`decision`,
+    None: float).
+
+    A module held at several paths is one layer: a spec that treats its paths differently (a rule at one, another
+    rule or float at another) cannot be followed at both, and is refused naming them."""
+    first = seen.get(id(module))
+    if first is None:
+        seen[id(module)] = (fqn, decision, None)
+        return None
+    if first[1] is not decision:
+        raise ValueError(f"{first[0]} and {fqn} are one module ({type(module).__name__}) held at two paths, which "
+                         "the spec's rules treat differently; converting it at one converts it at both: give both "
+                         "paths the same rule (or keep both float)")
+    return first[2]
+
+
 def convert_in_place(model: nn.Module, spec: QuantSpec) -> Dict[str, List[str]]:
     """Apply `spec` to `model` itself (use `quantize_model` to keep the original).
 
@@ -113,20 +131,30 @@ def convert_in_place(model: nn.Module, spec: QuantSpec) -> Dict[str, List[str]]:
 
     Raises:
         ValueError: strict spec and some Linear/Conv2d matches no rule and no keep_float pattern; a rule matches a
-            subclass with a computation of its own (see the module docstring).
+            subclass with a computation of its own (see the module docstring); a module held at two paths that the
+            rules treat differently.
     """
     done: Dict[str, List[str]] = {"attention": [], "linear": [], "float": []}
-    for fqn, module in list(model.named_modules()):
+    # every path of a module held at several (one object at two names: named_modules would list it once, and the
+    # second path kept the float module whatever the rules said); it is converted once and set at each path
+    seen: Dict[int, Tuple[str, object, Optional[nn.Module]]] = {}
+    for fqn, module in list(model.named_modules(remove_duplicate=False)):
         rule = _first_rule(fqn, spec.attentions)
+        new = _converted_at_another_path(seen, fqn, module, rule)
         if rule is not None:
-            set_submodule(model, fqn, _convert_attention(fqn, module, rule))
+            if new is None:
+                new = _convert_attention(fqn, module, rule)
+                seen[id(module)] = (fqn, rule, new)
+            set_submodule(model, fqn, new)
             done["attention"].append(fqn)
 
     unmatched = []
-    for fqn, module in list(model.named_modules()):
+    seen = {}
+    for fqn, module in list(model.named_modules(remove_duplicate=False)):
         if isinstance(module, (QuantLinear, QuantConv2d)) or not isinstance(module, (nn.Linear, nn.Conv2d)):
             continue
         rule = _first_rule(fqn, spec.linears)
+        new = _converted_at_another_path(seen, fqn, module, rule)
         if rule is not None:
             why = _own_computation(module)
             if why is not None:
@@ -136,7 +164,10 @@ def convert_in_place(model: nn.Module, spec: QuantSpec) -> Dict[str, List[str]]:
                                  "quantized layer would run the plain layer's computation and change the model's "
                                  "output; quantize a model with a plain layer there, or leave it out of the "
                                  "rules' patterns (float)")
-            set_submodule(model, fqn, _convert_linear(fqn, module, rule))
+            if new is None:
+                new = _convert_linear(fqn, module, rule)
+                seen[id(module)] = (fqn, rule, new)
+            set_submodule(model, fqn, new)
             done["linear"].append(fqn)
         elif fqn_matches(fqn, spec.keep_float):
             done["float"].append(fqn)

@@ -13,6 +13,7 @@ from quant.layers import QuantConv2d, QuantLinear
 from quant.modes import describe, named_quantizers, quant_state, set_quant_state
 from configs.quant import PercentileOptions, RepQOptions
 from models.modules import fqn_matches
+from quant.ranges import RangeSearch
 from quant.spec import LinearRule, QuantizerSpec, QuantSpec, parse_bits
 from quant_models import images, tiny_swin, tiny_vit
 
@@ -653,6 +654,33 @@ def test_a_subclass_computing_the_plain_forward_converts_as_the_plain_layer():
     with torch.no_grad():
         assert isinstance(qconv, QuantConv2d)
         torch.testing.assert_close(qconv(x), conv(x), rtol=0, atol=0)
+
+
+def test_a_layer_held_at_two_paths_is_converted_at_both_or_refused():
+    """One Linear at two paths (weight sharing): named_modules lists it once, so the second path kept the float layer
+    the rule asked to quantize. Both paths now hold one QuantLinear; reference: the float model with the weight
+    rounded naively (per output channel, min/max, 4 bits) at both uses. Rules that differ between the paths are
+    refused naming both."""
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    spec = QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(4, granularity="channel",
+                                                                search=RangeSearch("minmax")), None),))
+    qmodel = quantize_model(model, spec)
+    assert isinstance(qmodel[0], QuantLinear) and qmodel[2] is qmodel[0]
+    calibrate(qmodel, torch.randn(3, 4))
+    w = shared.weight.detach()
+    lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    step = (hi - lo) / 15
+    zero = torch.round(-lo / step)
+    wq = (torch.clamp(torch.round(w / step) + zero, 0, 15) - zero) * step
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        want = torch.relu(x @ wq.T + shared.bias) @ wq.T + shared.bias
+        torch.testing.assert_close(qmodel(x), want, rtol=0, atol=1e-6)
+    mixed = QuantSpec(linears=(LinearRule(("0",), QuantizerSpec(4, granularity="channel"), None),), keep_float=("2",))
+    with pytest.raises(ValueError, match="^0 and 2 are one module .* held at two paths"):
+        quantize_model(model, mixed)
 
 
 def test_describe_and_summarize_name_each_quantizer_once_as_it_runs():
