@@ -28,8 +28,9 @@ What is read from each run, and what is written:
                          module type (norm1, attn.qkv, ..., ls2, block output), one bar per point
   best.pt                the FC1-FC2 alignment peak max_ij alpha_ij (App. A.1, Eq. (13)) at the end (of the
                          weights eval_best.json scored: a best.pt saved after the evaluation is refused); the
-                         start is the pretrained backbone (`model.pretrained` of the runs' config; a file that
-                         holds other weights than the runs started from, as best.pt records them, is refused)
+                         start is the pretrained backbone (`model.pretrained` of the runs' config, one line per
+                         start where points started from other weights; a file that holds other weights than the
+                         runs started from, as best.pt records them, is refused)
   -> dose_report.md      the tables, and each point's training settings beside the first point's
                          (the recipe in eval_best.json); printed as well
 Files are never overwritten: an existing output is refused unless --overwrite is given.
@@ -477,25 +478,46 @@ def run_config(run: Run) -> Config:
     return config_from_dict(load_checkpoint(os.path.join(run.folder, "best.pt"), unreadable=RUN_UNREADABLE)["config"])
 
 
-def pretrained_model(run: Run) -> Optional[torch.nn.Module]:
-    """The backbone the runs started from (`model.pretrained` of their config); None when they started from a
-    random initialisation, which is no backbone to report. The path is read now: a file that no longer holds the
-    weights the run started from (overwritten since: the fingerprint its best.pt records, engine/start_weights.py)
-    is refused, not reported as the start. A best.pt written before that record is not checked."""
-    checkpoint = os.path.join(run.folder, "best.pt")
-    payload = load_checkpoint(checkpoint, unreadable=RUN_UNREADABLE)
-    cfg = config_from_dict(payload["config"]).model
-    if not cfg.pretrained:
-        return None
-    model = build_model(cfg).eval()
-    problem = check_start_file(payload, checkpoint, cfg.pretrained, model)
-    if problem:
-        raise ReportError(problem)
-    return model
+def start_models(groups: dict[str, list[Run]]) -> list[tuple[list[str], Optional[torch.nn.Module]]]:
+    """The backbones the runs started from (`model.pretrained` of each run's config, with its model.name), each with
+    the names of the runs that did: their points where every run of a point did, else the run folders; one entry
+    where all started alike. None for runs that started from a random initialisation, which is no backbone to report.
+    Each path is read now: a file that no longer holds the weights a run started from (overwritten since: the
+    fingerprint its best.pt records, engine/start_weights.py) is refused, not reported as the start. A best.pt written
+    before that record is not checked. Points may start from other weights (a sweep over backbones, or a run from
+    scratch beside fine-tunes): the report shows each start, never the first run's as every run's."""
+    starts: dict = {}  # (model.pretrained, model.name) -> (the start model or None, its runs)
+    for run in (run for runs in groups.values() for run in runs):
+        checkpoint = os.path.join(run.folder, "best.pt")
+        payload = load_checkpoint(checkpoint, unreadable=RUN_UNREADABLE)
+        cfg = config_from_dict(payload["config"]).model
+        key = (cfg.pretrained, cfg.name) if cfg.pretrained else None
+        if key not in starts:
+            starts[key] = (build_model(cfg).eval() if cfg.pretrained else None, [])
+        model, members = starts[key]
+        problem = check_start_file(payload, checkpoint, cfg.pretrained, model) if model is not None else None
+        if problem:
+            raise ReportError(problem)
+        members.append(run)
+    return [(run_names(groups, members), model) for model, members in starts.values()]
 
 
-def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_peak: Optional[dict]) -> str:
-    """The markdown report: accuracy and maxima, pair energies against the baseline, alignment peaks."""
+def run_names(groups: dict[str, list[Run]], members: Sequence[Run]) -> list[str]:
+    """`members` named by their points where a point's runs are all among them, else by their folders."""
+    names = []
+    for point, runs in groups.items():
+        mine = [run for run in runs if run in members]
+        names += [point] if len(mine) == len(runs) else [os.path.basename(run.folder) for run in mine]
+    return names
+
+
+def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]],
+           start_peaks: list[tuple[list[str], Optional[dict]]] | Optional[dict]) -> str:
+    """The markdown report: accuracy and maxima, pair energies against the baseline, alignment peaks (of each start
+    the runs trained from, `start_models`: (the runs' names, its peak or None for a random initialisation); or one
+    peak, None for a random initialisation, of the start of every run)."""
+    if not isinstance(start_peaks, list):
+        start_peaks = [(list(groups), start_peaks)]
     head = ["Point", "Seeds", "FP Top-1", "Max. Act. mod.", "Max. Act. blk."] + \
         [f"{'Percentile' if p == 'percentile' else 'RepQ-ViT'} {b.upper()}" for p, b in QUANT_COLUMNS]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -542,9 +564,14 @@ def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]], start_pea
             for k in TYPE_ORDER) + " |")
 
     lines += ["", "FC1-FC2 alignment peak max_ij alpha_ij (App. A.1, Eq. (13)): block / direction i / FC2 "
-              "row j / alpha", "",
-              f"- pretrained backbone (start): "
-              f"{describe_peak(start_peak) if start_peak else 'n/a (the runs start from a random initialisation)'}"]
+              "row j / alpha", ""]
+    if len(start_peaks) == 1:
+        start_peak = start_peaks[0][1]
+        none = "n/a (the runs start from a random initialisation)"
+        lines.append(f"- pretrained backbone (start): {describe_peak(start_peak) if start_peak else none}")
+    else:  # the runs started from other weights: each start, naming its runs
+        lines += [f"- pretrained backbone (start) of {', '.join(names)}: "
+                  f"{describe_peak(peak) if peak else 'n/a (a random initialisation)'}" for names, peak in start_peaks]
     for point, runs in groups.items():
         lines.append(f"- {point}: " + "; ".join(f"s{r.seed} {describe_peak(p)}"
                                                  for r, p in zip(runs, peaks[point])))
@@ -633,8 +660,8 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     check_finished([r for rs in groups.values() for r in rs])
     torch.set_num_threads(1)  # a few SVDs of 384 x 1536 matrices: one thread is as fast and shares the CPU
     with torch.no_grad():
-        start = pretrained_model(next(iter(groups.values()))[0])
-        start_peak = alignment_peak(start) if start is not None else None
+        start_peaks = [(names, alignment_peak(start) if start is not None else None)
+                       for names, start in start_models(groups)]
         peaks = {p: [alignment_peak(evaluated_model(r)) for r in runs]
                  for p, runs in groups.items()}
     # the runs' own configs name what they trained; read before any output is written
@@ -642,7 +669,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     os.makedirs(args.out, exist_ok=True)
     plot_energies(groups, paths[0], args.overwrite, title=title)
     plot_type_maxima(groups, paths[1], args.overwrite)
-    report = tables(groups, peaks, start_peak)
+    report = tables(groups, peaks, start_peaks)
     write_text(paths[2], report, args.overwrite)  # UTF-8 whatever the locale: the report has ± and †
     console_print(report)
     return report

@@ -598,3 +598,43 @@ def test_points_whose_runs_max_steps_stopped_short_of_their_schedule_are_marked(
     assert ("§ cd10x: stopped before the end of its schedule: validated last at update 20 of the 200 of its schedule "
             "(sched.steps=200), where its train.max_steps stopped it, at 10.0 % of its schedule's updates (under "
             "99 %)") in report.splitlines()
+
+
+def test_points_started_from_other_weights_each_show_their_start_not_the_first_runs(tmp_path):
+    """The "pretrained backbone (start)" peak was of the first run's model.pretrained alone: points fine-tuned from
+    other files, or trained from scratch beside fine-tunes, were reported as starting from it (and only the first
+    run's file was checked against the start its best.pt records). Each start is shown with the points that started
+    from it; its peak is that of the file's weights, loaded here into a model of the tests' own."""
+    from models import build_model
+    from configs import load_config
+    from tests.conftest import DEMO_CONFIG
+
+    def weights_file(seed, name):
+        torch.manual_seed(seed)
+        model = build_model(load_config([DEMO_CONFIG], ["model.name=vit_nano"]).model)
+        torch.save(model.state_dict(), tmp_path / name)
+        fingerprint = weights_fingerprint({k: v for k, v in model.state_dict().items() if not k.startswith("head.")})
+        return fingerprint, dose_report.describe_peak(dose_report.alignment_peak(model.eval()))
+
+    starts = {"a.pt": weights_file(7, "a.pt"), "b.pt": weights_file(8, "b.pt")}
+    assert starts["a.pt"][1] != starts["b.pt"][1]  # the two starts' peaks tell them apart
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    for seed, (name, start) in enumerate((("baseline_s0", "a.pt"), ("baseline_s1", "a.pt"), ("cd10x_s0", "b.pt"),
+                                          ("scratch_s0", None))):
+        folder = write_run(sweep, name, fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=seed)
+        if start is not None:
+            payload = torch.load(folder / "best.pt")
+            payload["config"]["model"]["pretrained"] = str(tmp_path / start)
+            payload["start_weights"] = {"pretrained": "file", "fingerprint": starts[start][0]}
+            torch.save(payload, folder / "best.pt")
+    report = dose_report.main([str(sweep), "--out", str(tmp_path / "o")])
+    lines = [line for line in report.splitlines() if line.startswith("- pretrained backbone (start)")]
+    assert lines == [f"- pretrained backbone (start) of baseline: {starts['a.pt'][1]}",
+                     f"- pretrained backbone (start) of cd10x: {starts['b.pt'][1]}",
+                     "- pretrained backbone (start) of scratch: n/a (a random initialisation)"]
+    # every run's file is checked against the start its best.pt records, not the first run's only
+    weights_file(9, "b.pt")
+    with pytest.raises(dose_report.ReportError, match=rf"model.pretrained={tmp_path / 'b.pt'} is not the weights the "
+                                                      r"run of .*cd10x_s0.best\.pt started from"):
+        dose_report.main([str(sweep), "--out", str(tmp_path / "o2")])
