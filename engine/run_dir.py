@@ -230,10 +230,12 @@ _LEGACY_PARTIAL = re.compile(r"^(checkpoint\.pt|best\.pt|config\.yaml|metrics\.j
 _HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
 # The files this program writes through such a temporary file in a run folder or its snapshots folder: checkpoint.pt,
 # best.pt, config.yaml, metrics.jsonl, checkpoint.until_step<N>[.<k>].pt (a copy of engine/snapshots.py
-# keep_abandoned_checkpoint), snapshots/epoch<E>[-<k>].pt (a copy of keep_snapshot) and evaluate.py's result files
-# beside a checkpoint (eval_<checkpoint>.json, eval_<checkpoint>_act_max.csv / .png). A temporary name of another
-# file (a user's `notes.txt.partial-...`) is no proof that this program wrote it: remove_partial_writes leaves it.
+# keep_abandoned_checkpoint), metrics.until_step<N>[.<k>].jsonl (a copy of engine/metrics.py _keep_copy),
+# snapshots/epoch<E>[-<k>].pt (a copy of keep_snapshot) and evaluate.py's result files beside a checkpoint
+# (eval_<checkpoint>.json, eval_<checkpoint>_act_max.csv / .png). A temporary name of another file (a user's
+# `notes.txt.partial-...`) is no proof that this program wrote it: remove_partial_writes leaves it.
 _OWN_NAMES = re.compile(r"checkpoint\.pt|best\.pt|config\.yaml|metrics\.jsonl|checkpoint\.until_step\d+(?:\.\d+)?\.pt"
+                        r"|metrics\.until_step\d+(?:\.\d+)?\.jsonl"
                         r"|epoch\d+(?:-\d+)?\.pt|eval_.+(?:\.json|_act_max\.csv|_act_max\.png)")
 # How much older than the process now holding its writer's pid a temporary file must be to be of another process:
 # the file's time is the file system's clock, which on a network file system may run behind this machine's

@@ -363,7 +363,8 @@ def test_only_the_temporaries_of_the_files_a_run_writes_are_removed(tmp_path, ca
     dead = f"{host}-4194999-0a1b2c3d"  # 4194999: above Linux's largest pid, its writer is not running
     (tmp_path / "snapshots").mkdir()
     ours = ["checkpoint.pt", "best.pt", "config.yaml", "metrics.jsonl", "checkpoint.until_step4.pt",
-            "checkpoint.until_step4.2.pt", "eval_best.json", "eval_best_act_max.csv", "eval_best_act_max.png",
+            "checkpoint.until_step4.2.pt", "metrics.until_step4.jsonl", "metrics.until_step4.2.jsonl",
+            "eval_best.json", "eval_best_act_max.csv", "eval_best_act_max.png",
             "snapshots/epoch0002.pt", "snapshots/epoch0002-1.pt", "snapshots/eval_epoch0002.json"]
     ours = [f"{name}.partial-{dead}" for name in ours] + ["metrics.jsonl.partial-4194999-0a1b2c3d",
                                                           "best.pt.tmp.4194999"]
