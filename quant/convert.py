@@ -7,9 +7,10 @@ rules; in strict mode a Linear/Conv2d that matches neither a rule nor `keep_floa
 
 A QuantLinear / QuantConv2d runs nn.Linear's / nn.Conv2d's forward on the adopted parameters, so a rule that matches
 a subclass with a computation of its own (a forward or _conv_forward of its own: timm's StdConv2d, mmcv's ConvWS2d
-weight standardisation; a parametrized weight) is refused, naming the layer and its class, rather than converted
-into a layer that silently computes something else. Subclasses whose forward is the base's up to dead branches
-(`_SAME_FORWARD`) convert as the base class does.
+weight standardisation; a parametrized weight; nn.MultiheadAttention's out_proj, whose weight the attention reads
+itself) is refused, naming the layer and its class, rather than converted into a layer that silently computes
+something else. Subclasses whose forward is the base's up to dead branches (`_SAME_FORWARD`) convert as the base
+class does.
 """
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ def _own_computation(module: nn.Module) -> Optional[str]:
         return None
     if parametrize.is_parametrized(module):
         return "a parametrized weight"
+    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        # nn.MultiheadAttention reads out_proj.weight itself (F.multi_head_attention_forward) and never calls this
+        # Linear: its weight quantizer would never run while the layer is reported quantized
+        return "a weight nn.MultiheadAttention reads directly, never calling the layer"
     base = nn.Conv2d if isinstance(module, nn.Conv2d) else nn.Linear
     own = [name for name in ("forward", "_conv_forward") if getattr(cls, name, None) is not getattr(base, name, None)]
     return f"a {' and '.join(own)} of its own" if own else None

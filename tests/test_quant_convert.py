@@ -629,6 +629,17 @@ def test_a_subclass_with_a_computation_of_its_own_is_refused_by_name_not_silentl
         torch.testing.assert_close(kept(x), model(x), rtol=0, atol=0)
 
 
+def test_the_out_projection_of_torchs_multihead_attention_is_refused_not_reported_quantized():
+    """nn.MultiheadAttention computes with out_proj.weight itself (F.multi_head_attention_forward) and never calls
+    out_proj: a QuantLinear there would never quantize anything (a weight-only refit, as RTN's, reported it quantized;
+    a calibration forward found its quantizer unused, after the conversion). Refused at the conversion, by name."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"mha": nn.MultiheadAttention(8, 2, batch_first=True)}).eval()
+    with pytest.raises(ValueError, match=r"^mha\.out_proj is a torch\..*NonDynamicallyQuantizableLinear.* reads "
+                                         r"directly"):
+        quantize_model(model, QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(2), None),)))
+
+
 class _Halve(nn.Module):
     def forward(self, w):
         return w / 2
