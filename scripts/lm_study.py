@@ -58,7 +58,10 @@ COLUMNS = (("rtn", "w4a16"), ("gptq", "w4a16"), ("smoothquant", "w8a8"), ("smoot
 ACT_BITS = tuple((p, f"w8a{a}") for p in ("smoothquant_strict", "smoothquant") for a in (8, 6, 5, 4))
 TYPES = ("norm1", "attn.qkv", "attn.proj", "attn", "norm2", "mlp.fc1", "mlp.act", "mlp.fc2", "mlp", "block")
 CURVES = (("act/max_block", "max |block output|"), ("act/kurtosis_block", "largest kurtosis of a block output"),
-          ("act/max_module", "max |module output|"), ("val/loss", "val loss (nats / character)"))
+          ("act/max_module", "max |module output|"), ("val/loss", "val loss (nats / {unit})"))
+# what one val loss is per, by the data set the runs were evaluated on (eval_best.json's data.dataset): the embedded
+# text is encoded by characters, token files hold tokenizer ids
+LOSS_UNITS = {"kjv": "character", "tokens": "token"}
 # the numbers of eval_best.json the tables read, besides each quantized entry's perplexity
 FIELDS = ("fp.ppl", "fp.ppl_bf16", "max_act.module", "max_act.block", "max_act.kurtosis.block")
 OUTPUTS = ("lm_study.md", "lm_study_energy.png", "lm_study_outliers.png", "lm_study_act_max_types.png")
@@ -173,10 +176,19 @@ def figure_title(subject: str, groups: dict[str, list[Run]]) -> str:
     return training_title(subject, [config_from_dict(config) for config in saved])
 
 
+def loss_unit(groups: dict[str, list[Run]]) -> str:
+    """What the runs' val loss is per (LOSS_UNITS), from the data set each eval_best.json records; 'token or
+    character' where they record none, or several."""
+    kinds = {(r.result.get("data") or {}).get("dataset") for runs in groups.values() for r in runs}
+    return LOSS_UNITS.get(kinds.pop(), "token or character") if len(kinds) == 1 else "token or character"
+
+
 def plot_outliers(groups: dict[str, list[Run]], path: str, overwrite: bool, title: str) -> None:
     """The validation curves of CURVES, one line per point (mean over its seeds, the seeds' range shaded)."""
     fig = new_figure(11, 6.4)
+    unit = loss_unit(groups)
     for k, (key, panel) in enumerate(CURVES):
+        panel = panel.format(unit=unit)
         ax = fig.add_subplot(2, 2, k + 1)
         for point, runs in groups.items():
             per_seed = [dict(validation_curve(r, key)) for r in runs]

@@ -77,3 +77,23 @@ def test_seeds_without_a_recorded_train_seed_are_named_below_the_tables(tmp_path
         else:  # both points, each naming its two folders
             assert [n.split(":")[0] for n in notes] == ["seeds of baseline", "seeds of cd10x"]
             assert all("the train.seed of 2 of its 2 results is not recorded" in n for n in notes)
+
+
+@pytest.mark.parametrize("dataset, unit", [("tokens", "token"), ("kjv", "character"), (None, "token or character")])
+def test_the_val_loss_panel_is_per_token_or_character_as_the_runs_were_evaluated(tmp_path, monkeypatch, dataset,
+                                                                                 unit):
+    """The outliers figure's val-loss panel named nats per character for a sweep of token files as well."""
+    root = write_sweep(tmp_path / "s")
+    if dataset is not None:  # eval_best.json's "data", as evaluate.py records it (engine/eval_results identity)
+        for name in NAMES:
+            path = root / name / "eval_best.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), "data": {"dataset": dataset}}))
+    panels = {}
+
+    def keep(fig, path, overwrite, **options):
+        panels[os.path.basename(path)] = [ax.get_title() for ax in fig.axes]
+    monkeypatch.setattr(lm_study, "save_figure", keep)
+    monkeypatch.setattr(sys.modules[lm_study.plot_energies.__module__], "save_figure", keep)
+    monkeypatch.setattr(lm_study, "plot_type_maxima", lambda *a, **k: None)
+    lm_study.main([str(root), "--out", str(tmp_path / "o")])
+    assert f"val loss (nats / {unit})" in panels["lm_study_outliers.png"]
