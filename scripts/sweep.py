@@ -1287,7 +1287,8 @@ def evaluation_change(run: dict, data: dict, world_size: Optional[int],
     commands run (relative data paths: a token file's train split is part of its settings). A data-parallel
     pipeline's result depends on the number of processes (GPLQ): the launcher's, which a launcher that does not say
     how many it starts leaves uncompared. `refused` (default None) where evaluate.py would refuse the command itself:
-    its error says why."""
+    its error says why. best.pt is read as the run's train.py leaves it before the evaluation: with the run's quant.*
+    settings (quant_recorded_at_its_turn)."""
     import evaluate
     from engine.eval_results import extra_modules, settings_change
     from engine.quant_settings import quant_settings
@@ -1296,7 +1297,7 @@ def evaluation_change(run: dict, data: dict, world_size: Optional[int],
     checkpoint, result = evaluation_paths(run)
     args = evaluate.parse_args(["--checkpoint", os.path.join(ROOT, checkpoint), "--out", os.path.join(ROOT, result),
                                 *evaluation_overrides(run)])
-    with in_root():  # the command's relative paths (data.root) as it reads them
+    with in_root(), quant_recorded_at_its_turn(run):  # the command's relative paths (data.root) as it reads them
         try:
             cfg, _ = evaluate.resolve_config(args)
             for name, bits in planned(cfg):
@@ -1318,6 +1319,33 @@ def evaluation_change(run: dict, data: dict, world_size: Optional[int],
         return (f"activation maxima over quant.act_max_extra_modules={json.dumps(before)}, the sweep measures them "
                 f"over {json.dumps(now)}")
     return None
+
+
+@contextlib.contextmanager
+def quant_recorded_at_its_turn(run: dict):
+    """evaluate.py's load_checkpoint reading a checkpoint with the quant section of its config replaced by `run`'s
+    quant.* settings, as the run's train.py records them in its best.pt (train.py record_quant_in_checkpoints, which
+    rewrites only that section) before the sweep evaluates it: a quant.* setting of the sweep's config files or
+    overrides changed since the run trained (no training setting, so train.py resumes with it) is the evaluation's
+    default then. Read from best.pt as it is now, evaluate.py's resolution kept the old one: a result computed with it
+    passed the check before the start, and evaluate.py refused it after the run's training."""
+    import evaluate
+    from configs import config_to_dict
+
+    quant = config_to_dict(load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"]))["quant"]
+    load = evaluate.load_checkpoint
+
+    def loaded(path, *args, **kwargs):
+        payload = load(path, *args, **kwargs)
+        if isinstance(payload, dict) and isinstance(payload.get("config"), dict):
+            payload = {**payload, "config": {**payload["config"], "quant": quant}}
+        return payload
+
+    evaluate.load_checkpoint = loaded
+    try:
+        yield
+    finally:
+        evaluate.load_checkpoint = load
 
 
 def is_stale_result(json_path: str, checkpoint: str) -> bool:

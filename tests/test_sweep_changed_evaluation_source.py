@@ -3,6 +3,8 @@ is refused before anything starts, and the refusal names where the change comes 
 sweep's command line (the sweep file as it was: "put the settings in <sweep file> back" pointed at an unchanged
 file), or the sweep file. The reference is evaluate.py's own refusal of the command, and the command with the fix
 made: the named overrides dropped, the sweep takes it."""
+import os
+
 import pytest
 
 import evaluate
@@ -89,3 +91,35 @@ def test_a_change_from_both_names_the_override_and_the_sweep_file(trained, tmp_p
     assert f"drop quant.calib_seed=5 from the command line and put the settings in {path} back" in message, message
     assert capsys.readouterr().out == ""
     evaluate_refuses(trained, [*evaluated, "quant.calib_seed=5"])
+
+
+def test_a_quant_setting_a_config_file_changed_since_the_evaluation_is_refused_before_anything_starts(tmp_path,
+                                                                                                     capsys):
+    """A quant.* setting that a config file of the sweep changed since the run was evaluated (a layer's
+    quant.calib_images: 16): train.py, at the run's turn, records the run's quant.* in best.pt (train.py
+    record_quant_in_checkpoints), from which evaluate.py takes them. The sweep resolved the evaluation from best.pt as
+    it was before that turn, found no change, and the run failed at its evaluation after its training, the later runs
+    not started. The reference is train.py's turn, then evaluate.py's refusal of the run's command."""
+    folder = tmp_path / "runs" / "a"
+    train.main(load_config([DEBUG_CONFIG], [*ITEMS, f"out_dir={folder}"]))
+    evaluate.main(evaluate.parse_args(["--checkpoint", str(folder / "best.pt"), "--out",
+                                       str(folder / "eval_best.json"), *EVALUATED]))
+    layer = tmp_path / "calibration.yaml"
+    layer.write_text("quant:\n  calib_images: 16\n")
+    path = tmp_path / "s.yaml"
+    path.write_text(f"configs: [configs/debug/tiny.yaml, {layer}]\nout_root: {tmp_path / 'runs'}\n"
+                    f"evaluate: [{', '.join(repr(e) for e in EVALUATED)}]\nruns:\n  a: [{', '.join(ITEMS)}]\n")
+    capsys.readouterr()
+    message = refused_at_start(str(path))
+    assert "calibration.images 32 -> 16" in message and "--recompute" in message, message
+    assert capsys.readouterr().out == ""
+    (run,) = sweep.expand(str(path), [])
+    train.main(load_config([layer_path(c) for c in run["configs"]], run["overrides"]))  # the run's turn
+    command = sweep.commands(run, "", evaluate=True)[1]
+    with pytest.raises(ResultsError, match=r"calibration.images 32 -> 16.*--recompute"):
+        evaluate.main(evaluate.parse_args(command[command.index("evaluate.py") + 1:]))
+
+
+def layer_path(config: str) -> str:
+    """A sweep's config file as its commands read it, from the repository root."""
+    return os.path.join(sweep.ROOT, config)
