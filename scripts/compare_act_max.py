@@ -123,7 +123,7 @@ def result_beside(path: str) -> dict:
         raise ValueError(f"{path} is not the CSV that {json_path} records (its size and SHA-256 are not those "
                          f"evaluate.py wrote: the file was edited or replaced since), so the settings recorded there "
                          f"are not known to be those of its maxima: give the CSV as evaluate.py wrote it, or move it "
-                         f"aside and measure again with python evaluate.py --out {json_path} --recompute")
+                         f"aside and measure again with python evaluate.py --out {json_path} and the same settings")
     return result
 
 

@@ -367,7 +367,7 @@ def test_a_csv_other_than_the_one_its_result_file_records_is_refused(tmp_path):
     with open(tmp_path / "s1_act_max.csv", "a") as f:  # edited: a row more
         f.write("blocks.0.mlp.fc1,module,0,mlp.fc1,50.0\n")
     with pytest.raises(SystemExit, match=r"^error: .*s1_act_max.csv is not the CSV that .*s1.json records .*"
-                                         r"edited or replaced since.*--recompute"):
+                                         r"edited or replaced since.*evaluate.py --out .*s1.json"):
         compare.main([f"m={tmp_path}/s*_act_max.csv", "--out", str(tmp_path / "cmp2")])
     # another evaluation's CSV at the name of s1's (whose own is gone): the same rows as s0's, not s1's
     (tmp_path / "s1_act_max.csv").write_bytes((tmp_path / "s0_act_max.csv").read_bytes().replace(b"3.0", b"4.0"))

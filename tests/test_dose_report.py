@@ -638,3 +638,23 @@ def test_points_started_from_other_weights_each_show_their_start_not_the_first_r
     with pytest.raises(dose_report.ReportError, match=rf"model.pretrained={tmp_path / 'b.pt'} is not the weights the "
                                                       r"run of .*cd10x_s0.best\.pt started from"):
         dose_report.main([str(sweep), "--out", str(tmp_path / "o2")])
+
+
+def test_a_maxima_csv_other_than_the_one_its_result_file_records_is_refused(tmp_path):
+    """eval_best.json records the size and SHA-256 of the eval_best_act_max.csv evaluate.py wrote; a CSV edited since
+    (or another evaluation's put at its name) was read into the per-type maxima table and figure as the run's."""
+    import hashlib
+
+    folder = write_run(tmp_path, "baseline_s0", fp=80.0, w4=60.0, fc2_curve=[100.0], norm1_max=4.0, seed=0)
+    data = (folder / "eval_best_act_max.csv").read_bytes()
+    result = json.loads((folder / "eval_best.json").read_text())
+    result["max_act"].update(csv=str(folder / "eval_best_act_max.csv"),
+                             digests={"csv": {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}})
+    (folder / "eval_best.json").write_text(json.dumps(result))
+    report = dose_report.main([str(tmp_path), "--out", str(tmp_path / "o1")])
+    assert "| baseline | 4.0 | - | - | - | - | - | - | - | - | 5.0 |" in report  # the recorded CSV: read
+    (folder / "eval_best_act_max.csv").write_bytes(data.replace(b"norm1,4.0", b"norm1,40.0"))
+    with pytest.raises(dose_report.ReportError, match=r"eval_best_act_max.csv is not the CSV that .*eval_best.json "
+                                                      r"records .*edited or replaced since.*--out .*eval_best.json$"):
+        dose_report.main([str(tmp_path), "--out", str(tmp_path / "o2")])
+    assert not (tmp_path / "o2").exists()
