@@ -92,7 +92,14 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
     global _main_rank_wait
     _main_rank_wait = main_rank_wait or MainRankWait()
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+        error = ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+        if launched_world_size() > 1 and not dist.is_initialized():
+            # a node without a GPU among nodes with one: the others, which would wait for this rank until their
+            # timeout, learn of it in the comparison of devices and stop too (this rank with its own error)
+            with contextlib.suppress(Exception):
+                rank, world, _ = launcher_environment()
+                _meet(rank, world, timeout or dist.constants.default_pg_timeout, "none", device)
+        raise error
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     rank, world, local_rank = launcher_environment(joining=not dist.is_initialized())
     if use_cuda:
@@ -101,13 +108,8 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
     backend = "nccl" if use_cuda else "gloo"
     store = None
     if joining:
-        # torch's own rendezvous (env://, torchrun's agent store included), made here so that the ranks compare the
-        # backend each chose before any forms it: a rank on NCCL and one on gloo wait for each other until the
-        # timeout (train.device=auto on a node without a visible GPU beside nodes with one)
         timeout = timeout or (dist.constants.default_pg_nccl_timeout if use_cuda else dist.constants.default_pg_timeout)
-        store = next(dist.rendezvous("env://", rank, world, timeout=timeout))[0]
-        store.set_timeout(timeout)
-        same_device_type_on_every_rank(store, rank, world, "cuda" if use_cuda else "cpu", device)
+        store = _meet(rank, world, timeout, "cuda" if use_cuda else "cpu", device)
     if use_cuda:
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -123,10 +125,22 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
 _joins = 0  # process groups this process joined through init_distributed: names each one's keys in the store
 
 
+def _meet(rank: int, world: int, timeout: datetime.timedelta, device_type: str, setting: str):
+    """torch's own rendezvous (env://, torchrun's agent store included) and its store, made before the process group
+    so that the ranks compare the device each resolved before any forms a backend on it
+    (`same_device_type_on_every_rank`): a rank on NCCL and one on gloo wait for each other until the timeout
+    (train.device=auto on a node without a visible GPU beside nodes with one)."""
+    store = next(dist.rendezvous("env://", rank, world, timeout=timeout))[0]
+    store.set_timeout(timeout)
+    same_device_type_on_every_rank(store, rank, world, device_type, setting)
+    return store
+
+
 def same_device_type_on_every_rank(store, rank: int, world: int, device_type: str, setting: str) -> None:
     """Refuse, on every rank alike (ConfigError, one line), ranks whose devices are of different types (`device_type`,
-    "cuda" or "cpu", as each rank resolved train.device=`setting`): their backends (NCCL, gloo) cannot form one
-    group, and each would wait for the others until the group's timeout. Compared through the rendezvous `store`
+    "cuda" or "cpu", as each rank resolved train.device=`setting`; "none": train.device=cuda where no GPU is
+    visible): their backends (NCCL, gloo) cannot form one group, and each would wait for the others until the
+    group's timeout. Compared through the rendezvous `store`
     before the group forms; rank 0 (whose process holds the store outside torchrun) leaves only once the others have
     read what it needs, or SAME_ERROR_WAIT has passed."""
     global _joins
@@ -147,8 +161,10 @@ def same_device_type_on_every_rank(store, rank: int, world: int, device_type: st
         listed = [str(r) for r, t in enumerate(types) if t == kind]
         return f"rank{'s' if len(listed) > 1 else ''} {', '.join(listed[:8])}{', ...' if len(listed) > 8 else ''}"
 
-    chosen = "; ".join(f"{kind} on {ranks(kind)}" for kind in sorted(set(types)))
+    named = {"none": "no visible GPU"}  # a rank of train.device=cuda that sees none (init_distributed)
+    chosen = "; ".join(f"{named.get(kind, kind)} on {ranks(kind)}" for kind in sorted(set(types)))
     why = (" (auto takes cuda where a GPU is visible: some nodes show none)" if setting == "auto"
+           else " (some nodes show no GPU)" if "none" in types
            else " (the nodes' configs or command lines name other devices)")
     raise ConfigError(f"train.device={setting} gives the ranks different devices, {chosen}{why}, and NCCL and gloo "
                       f"cannot form one group: show every node a GPU, or set train.device=cpu (or cuda) on every node")

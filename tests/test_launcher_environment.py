@@ -154,8 +154,9 @@ def test_several_processes_without_local_rank_are_refused_on_every_rank(tmp_path
     assert not out.exists()
 
 
-def _rank_on_its_node_device(rank: int, world: int, port: int, work: str, gpu_ranks: tuple) -> None:
-    """A rank of a two-node run under train.device=auto: the ranks in `gpu_ranks` see two GPUs (torch is told so:
+def _rank_on_its_node_device(rank: int, world: int, port: int, work: str, gpu_ranks: tuple,
+                             device: str = "auto") -> None:
+    """A rank of a two-node run under train.device=`device`: the ranks in `gpu_ranks` see two GPUs (torch is told so:
     the machine here has none; set_device is a no-op there), the others none. Its outcome: ("ok", device) or
     (exception type, text)."""
     import datetime
@@ -170,7 +171,7 @@ def _rank_on_its_node_device(rank: int, world: int, port: int, work: str, gpu_ra
         torch.cuda.device_count = lambda: 2
         torch.cuda.set_device = lambda device: None
     try:
-        outcome = ("ok", str(init_distributed("auto", timeout=datetime.timedelta(seconds=20)).device))
+        outcome = ("ok", str(init_distributed(device, timeout=datetime.timedelta(seconds=20)).device))
     except BaseException as e:  # noqa: BLE001 - recorded for the test
         outcome = (type(e).__name__, str(e))
     torch.save(outcome, os.path.join(work, f"rank{rank}.pt"))
@@ -191,3 +192,20 @@ def test_ranks_that_resolve_auto_to_different_devices_are_refused_on_every_rank(
     assert kind == "ConfigError", outcomes
     assert text.startswith("train.device=auto gives the ranks different devices, cpu on rank 0; cuda on rank 1 ")
     assert "set train.device=cpu (or cuda) on every node" in text
+
+
+@pytest.mark.slow
+def test_a_rank_of_train_device_cuda_without_a_gpu_stops_the_others_too(tmp_path):
+    """train.device=cuda on a node that shows no GPU: that rank refused at once, and the ranks of the other nodes
+    waited for it at the rendezvous until the group's timeout (30 minutes). It now stops them in the comparison of
+    devices: it says its own error, they say which ranks see no GPU."""
+    from tests.dist_utils import free_port, spawn_within
+
+    spawn_within(_rank_on_its_node_device, (2, free_port(), str(tmp_path), (1,), "cuda"), 2, seconds=90)
+    outcomes = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert outcomes[0] == ("ConfigError", "train.device=cuda but no CUDA device is visible; use train.device=cpu or "
+                                          "auto"), outcomes
+    kind, text = outcomes[1]
+    assert kind == "ConfigError", outcomes
+    assert text.startswith("train.device=cuda gives the ranks different devices, cuda on rank 1; no visible GPU on "
+                           "rank 0 (some nodes show no GPU)")
