@@ -98,7 +98,7 @@ def init_distributed(device: str = "auto", main_rank_wait: Optional[MainRankWait
             # timeout, learn of it in the comparison of devices and stop too (this rank with its own error)
             with contextlib.suppress(Exception):
                 rank, world, _ = launcher_environment()
-                _meet(rank, world, timeout or dist.constants.default_pg_timeout, "none", device)
+                _meet(rank, world, timeout or START_FAILURE_WAIT, "none", device)  # as a rank failed at start
         raise error
     use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     rank, world, local_rank = launcher_environment(joining=not dist.is_initialized())
