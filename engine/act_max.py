@@ -25,12 +25,14 @@ act/kurtosis_module would change with TIMM_FUSED_ATTN.
 An output that is not finite (an fp16 overflow under autocast, a diverged model) has the maximum inf (a NaN too),
 so that the module or block maximum is inf, never the largest of the other outputs, and no kurtosis.
 
-Swin's window attention (timm's `SwinTransformerBlock._attn`, MMDetection's `ShiftWindowMSA`) zero-pads a token grid
-that is not a multiple of its window to whole windows, and crops the padded tokens off again after the attention. The
-outputs of the attention module and of the modules in it (qkv, softmax, proj) hold rows for those padded tokens: no
-token of the image, yet a padded query's attention output is not zero, and its qkv row is the bias. They are left out
-of the maxima and the kurtosis (only the padded queries' rows: a real token's probabilities over the padded keys are
-the model's computation). The padding is known to the block's forward from its input's grid (`_window_validity`).
+Swin's window attention (timm's `SwinTransformerBlock._attn` and SwinV2's, MMDetection's `ShiftWindowMSA`) zero-pads a
+token grid that is not a multiple of its window to whole windows, and crops the padded tokens off again after the
+attention. The outputs of the attention module and of the modules in it (qkv, softmax, proj) hold rows for those
+padded tokens: no token of the image, yet a padded query's attention output is not zero, and its qkv row is the bias.
+They are left out of the maxima and the kurtosis (only the padded queries' rows: a real token's probabilities over the
+padded keys are the model's computation). The padding is known to the block's forward from its input's grid
+(`_window_validity`). An output in the attention that holds no tokens (SwinV2's position-bias MLP over the window
+offsets) is measured whole.
 
 Running maxima stay on the device (no host sync per batch); `result()` syncs once. For distributed
 evaluation pass `reduce_fn` (e.g. an all_reduce with MAX) or reduce `maxima()` and `seen()` yourself; nothing
@@ -47,6 +49,7 @@ import torch
 from torch import nn
 from timm.layers import DropPath
 from timm.models.swin_transformer import SwinTransformerBlock
+from timm.models.swin_transformer_v2 import SwinTransformerV2Block
 
 from configs import ConfigError
 from models.modules import BLOCK_PATTERNS, fqn_matches
@@ -148,8 +151,7 @@ class ActivationProbe:
                 # (it compares false) and of a distributed MAX all-reduce, and the other outputs' largest was reported
                 # Swin's padded tokens are no tokens of the image (module docstring): left out
                 valid = self._valid.get(self._owner_of[index]) if index in self._owner_of else None
-                mask = None if valid is None else _token_mask(t, valid, index in self._probabilities,
-                                                               self.targets[index][0])
+                mask = None if valid is None else _token_mask(t, valid, index in self._probabilities)
                 magnitude = t.detach().abs()
                 # a padded entry as 0: the largest |value| of a tensor that holds a real token is unchanged
                 value = (magnitude if mask is None else magnitude.masked_fill(~mask, 0)).amax().float()
@@ -292,25 +294,24 @@ def _window_owners(model: nn.Module) -> List[Tuple[nn.Module, nn.Module, Callabl
     """(the module that pads the windows, the window attention module it calls, its layout) for each Swin block."""
     found = []
     for module in model.modules():
-        if isinstance(module, SwinTransformerBlock):
+        if isinstance(module, (SwinTransformerBlock, SwinTransformerV2Block)):  # the same roll, pad and partition
             found.append((module, module.attn, _timm_swin_layout))
         elif f"{type(module).__module__}.{type(module).__qualname__}" == "mmdet.models.backbones.swin.ShiftWindowMSA":
             found.append((module, module.w_msa, _mmdet_swin_layout))
     return found
 
 
-def _token_mask(t: torch.Tensor, valid: torch.Tensor, probabilities: bool, name: str) -> torch.Tensor:
+def _token_mask(t: torch.Tensor, valid: torch.Tensor, probabilities: bool) -> Optional[torch.Tensor]:
     """`valid` [windows * B, N] as a mask broadcasting over `t`, the output of a module in a window attention: rows of
     tokens ([windows * B, N, ...]: qkv, proj, the attention's output) or probabilities ([windows * B, heads, N, keys],
-    a softmax: the rows of the padded queries)."""
+    a softmax: the rows of the padded queries); None for an output not laid out by window and token, which holds no
+    token (SwinV2's cpb_mlp: the position bias of each window offset)."""
     rows, tokens = valid.shape
     if probabilities and t.dim() == 4 and t.shape[0] == rows and t.shape[2] == tokens:
         return valid[:, None, :, None]
     if not probabilities and t.dim() >= 2 and tuple(t.shape[:2]) == (rows, tokens):
         return valid.view(rows, tokens, *([1] * (t.dim() - 2)))
-    raise RuntimeError(f"activation maxima: the output {tuple(t.shape)} of {name} in a Swin window attention of "
-                       f"{rows} windows of {tokens} tokens is not laid out by window and token, so its padded tokens "
-                       "cannot be left out")
+    return None
 
 
 def kurtosis_from_sums(sums: torch.Tensor) -> torch.Tensor:

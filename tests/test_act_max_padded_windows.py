@@ -12,10 +12,11 @@ import pytest
 import timm
 import torch
 from timm.models.swin_transformer import SwinTransformerBlock, window_reverse
+from timm.models.swin_transformer_v2 import SwinTransformerV2Block
 from torch import nn
 
 from engine.act_max import ActivationProbe
-from quant_models import images, perturb_norms
+from quant_models import perturb_norms
 
 
 def kurtosis(x: torch.Tensor) -> float:
@@ -34,7 +35,7 @@ def uncropped_and_cropped(outputs, grids, unpad):
     kept = {}
     for name, output in outputs.items():
         owner = next((o for o in grids if name == o or name.startswith(o + ".")), None)
-        if owner is None:
+        if owner is None or ".cpb_mlp" in name:  # SwinV2's MLP of the window offsets holds no tokens
             continue
         rows = tokens_first(output, name.endswith("softmax"))
         kept[name] = (output, unpad(owner, rows.reshape(rows.shape[0], rows.shape[1], -1)))
@@ -71,11 +72,15 @@ def keep_outputs(model, names):
     return outputs, handles
 
 
-def test_timm_swin_maxima_and_kurtosis_leave_out_the_padded_tokens():
-    """Windows of 3 over 16 x 16 and 8 x 8 token grids (padded to 18 x 18 and 9 x 9), shifted in odd blocks."""
+@pytest.mark.parametrize("name, size, window, maxima_changed", [("swin_tiny_patch4_window7_224", 32, 3, 1),
+                                                                ("swinv2_tiny_window8_256", 36, 4, 0)])
+def test_timm_swin_maxima_and_kurtosis_leave_out_the_padded_tokens(name, size, window, maxima_changed):
+    """Swin: windows of 3 over 16 x 16 and 8 x 8 token grids (padded to 18 x 18 and 9 x 9); SwinV2 (whose attention
+    also holds an MLP of the window offsets, no tokens: measured whole): windows of 4 over 18 x 18 and 9 x 9 (padded to
+    20 x 20 and 12 x 12); shifted in odd blocks."""
     torch.manual_seed(0)
-    model = timm.create_model("swin_tiny_patch4_window7_224", img_size=32, patch_size=2, window_size=3,
-                              embed_dim=32, depths=(2, 2), num_heads=(2, 4), num_classes=10).eval()
+    model = timm.create_model(name, img_size=size, patch_size=2, window_size=window, embed_dim=32, depths=(2, 2),
+                              num_heads=(2, 4), num_classes=10).eval()
     perturb_norms(model)
     for module in model.modules():
         if hasattr(module, "fused_attn"):
@@ -87,12 +92,12 @@ def test_timm_swin_maxima_and_kurtosis_leave_out_the_padded_tokens():
             grids[name] = (args[0].shape[1], args[0].shape[2], module.window_size)
         return hook
 
-    blocks = {n: m for n, m in model.named_modules() if isinstance(m, SwinTransformerBlock)}
-    assert all(m.input_resolution[0] % m.window_size[0] for m in blocks.values())  # every grid is padded
+    blocks = {n: m for n, m in model.named_modules() if isinstance(m, (SwinTransformerBlock, SwinTransformerV2Block))}
+    assert len(blocks) == 4 and all(m.input_resolution[0] % m.window_size[0] for m in blocks.values())  # all padded
     handles = [m.register_forward_pre_hook(grid_of(n + ".attn")) for n, m in blocks.items()]
     with torch.no_grad(), ActivationProbe(model, moments=True) as probe:
         outputs, more = keep_outputs(model, probe.names())
-        model(images(3))
+        model(torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(1)))
     for handle in handles + more:
         handle.remove()
 
@@ -101,7 +106,7 @@ def test_timm_swin_maxima_and_kurtosis_leave_out_the_padded_tokens():
         padded = [-(-size // w) * w for size, w in zip((height, width), window)]
         return window_reverse(rows.reshape(-1, *window, rows.shape[-1]), window, *padded)[:, :height, :width]
 
-    check(probe, outputs, uncropped_and_cropped(outputs, grids, unpad), maxima_changed=1)
+    check(probe, outputs, uncropped_and_cropped(outputs, grids, unpad), maxima_changed)
 
 
 def test_mmdetection_swin_maxima_and_kurtosis_leave_out_the_padded_tokens():
