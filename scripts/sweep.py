@@ -14,7 +14,7 @@ A sweep file (configs/sweeps/*.yaml):
     out_root: runs/sweeps/cd_lambda                                  # run <name> writes to out_root/<name>
                                                                      # (an out_dir set anywhere else: refused)
     runs:
-      baseline: [cd.enabled=false]              # items ending in .yaml are further --config layers,
+      baseline: [cd.enabled=false]              # items ending in .yaml (.yml) are further --config layers,
       lam0.01: [cd.lam=0.01]                    # the others key=value overrides
     evaluate: ["quant.pipelines=[repq,aphq]"]   # optional: overrides for every evaluate.py command
     run_keys: [data.root]                       # optional: keys each run sets (a data-set preset), which
@@ -137,8 +137,9 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
                               f"are config files (.yaml) and key=value overrides, e.g. {name}: [{example}]")
         items = [str(i) for i in items or []]
         # a key=value item is an override whatever its value ends with (log.wandb_project=x.yaml); a path may hold '='
-        # past a folder (configs/lr=1e-3.yaml)
-        files = [i for i in items if i.endswith(".yaml") and "=" not in i.split("/")[0]]
+        # past a folder (configs/lr=1e-3.yaml). A .yml file is YAML too (--config reads it): taken for an override, it
+        # was refused as 'not of the form key=value'
+        files = [i for i in items if i.endswith((".yaml", ".yml")) and "=" not in i.split("/")[0]]
         # no config file at all: train.py's own default recipe, named in the command and read by every check here
         # (the schema's defaults alone are no run's settings)
         split[name] = (base + files or [DEFAULT_CONFIG], [i for i in items if i not in files])

@@ -631,3 +631,13 @@ def test_the_eval_batch_and_device_given_for_a_sweep_reach_a_trained_runs_evalua
     cfg, _ = evaluate.resolve_config(evaluate.parse_args(command[command.index("evaluate.py") + 1:]))
     assert (cfg.train.eval_batch_size_per_gpu, cfg.train.device) == (4, "cpu")
     assert not any("seed" in item for item in command)  # a training setting: evaluate.py would refuse it
+
+
+def test_a_run_item_ending_in_yml_is_a_config_file_as_one_ending_in_yaml(tmp_path):
+    """A run's config file named .yml (which train.py's --config reads as any YAML file) was taken for an override and
+    refused as 'not of the form key=value'."""
+    layer = tmp_path / "lr.yml"
+    layer.write_text("optim:\n  lr: 0.002\n")
+    (run,) = sweep.expand(sweep_file(tmp_path, f"  a: [{layer}]\n"), [])
+    assert run["configs"] == ["configs/debug/tiny.yaml", str(layer)]
+    assert not any(item.endswith(".yml") for item in run["overrides"])
