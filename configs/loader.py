@@ -161,6 +161,8 @@ def _yaml_file_example(folder: str) -> str:
 def read_yaml_file(path: str) -> dict:
     """The top-level mapping of the YAML file at `path` (a config or a sweep file); a missing file, invalid
     YAML, a key given twice or a non-mapping is a ConfigError naming the file (and the line)."""
+    if not path.strip():  # `--config "$RECIPE"` with the variable unset: 'config file not found: ' named nothing
+        raise ConfigError(f"a YAML file path is empty ({path!r}; an unset shell variable?): give the file's path")
     if os.path.isdir(path):  # "not found" would send the user looking for a path that is there
         raise ConfigError(f"{path} is a folder, not a YAML file{_yaml_file_example(path)}")
     if not os.path.isfile(path):

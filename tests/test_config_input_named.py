@@ -120,3 +120,9 @@ def test_a_config_with_a_key_runs_is_told_its_unknown_key():
     """Only a file without a config section is taken for a sweep file: a config's stray key stays an unknown key."""
     with pytest.raises(ConfigError, match=r"unknown config key 'runs'"):
         load_config([DEBUG_CONFIG], ["runs=3"])
+
+
+@pytest.mark.parametrize("path", ["", " "])
+def test_an_empty_config_path_is_named_as_empty(path):
+    """`--config "$RECIPE"` with the variable unset: 'config file not found: ' named no input and no fix."""
+    assert refusal([path]) == f"a YAML file path is empty ({path!r}; an unset shell variable?): give the file's path"
