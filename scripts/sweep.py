@@ -263,7 +263,9 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
     # the modules whose maxima the run's config (train.py) and its evaluation (evaluate.py) measure
     probed = repr((cfg.model, cfg.quant.act_max_extra_modules,
                    evaluated.quant.act_max_extra_modules if evaluated is not None else None))
-    if key in checked and regularizers in checked and probed in checked:
+    # the plans a conversion of the model is checked for: the run's own and its evaluation's quant.pipelines
+    converts = repr((cfg.model, cfg.data.dataset, cfg.quant, evaluated.quant if evaluated is not None else None))
+    if key in checked and regularizers in checked and probed in checked and converts in checked:
         return
     model = check_model(cfg.model)
     if probed not in checked:
@@ -281,6 +283,41 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
     if regularizers not in checked:
         check_regularizers(cfg, model)
         checked.add(regularizers)
+    if converts not in checked:
+        check_plans_convert(cfg, evaluated, model)
+        checked.add(converts)
+
+
+def check_plans_convert(cfg, evaluated, model) -> None:
+    """A quant.pipelines plan the model cannot be quantized with (quant.plan.check_model_converts: RepQ-ViT's fold on
+    a Swin whose windows are padded, an attention class without a quantized version) is refused by train.py once its
+    data are built (check_evaluation_fits, before the first update: the run's own quant.pipelines) and by evaluate.py
+    after the training (the sweep's evaluate list's, or the run's): in a sweep, after the runs before it had trained,
+    or after its own training. Refused here, in their words. `evaluated`: the run's config under the evaluate list
+    (None without one). The task's default plan (quant.pipelines unset) is left to the run, which trains for its float
+    score and warns what its evaluation will refuse (train.check_evaluation_fits). `model` is check_model's, on the
+    meta device; the evaluation's model is built as evaluate.py builds it (evaluate.eval_model_config). Raises
+    ConfigError."""
+    import dataclasses
+
+    from quant.plan import RECORDED_FOR_EVALUATION, check_model_converts, evaluation_pipelines
+
+    def plan(config):
+        return dataclasses.replace(config, quant=dataclasses.replace(config.quant,
+                                                                     pipelines=evaluation_pipelines(config)))
+
+    if cfg.quant.pipelines is not None:
+        try:
+            check_model_converts(model, plan(cfg))
+        except ConfigError as e:
+            raise ConfigError(f"{e} ({RECORDED_FOR_EVALUATION})") from None
+    if evaluated is not None and evaluated.quant.pipelines is not None:
+        from evaluate import eval_model_config
+        try:
+            check_model_converts(check_model(eval_model_config(cfg.model)), plan(evaluated))
+        except ConfigError as e:
+            raise ConfigError(f"{e} (the sweep's evaluate list: evaluate.py would refuse it after the training)"
+                              ) from None
 
 
 def check_probed_modules(cfg, evaluated, model) -> None:

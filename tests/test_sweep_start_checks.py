@@ -22,6 +22,7 @@ from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT, make_folder
 import sweep  # noqa: E402  (scripts/, on the path of the tests)
 
 KJV = os.path.join(ROOT, "configs", "lm", "kjv_cpu.yaml")
+SWIN_CONFIG = os.path.join(ROOT, "configs", "demo", "swin_digits.yaml")
 
 
 def sweep_file(tmp_path, config: str, b_items: list[str]) -> str:
@@ -67,8 +68,10 @@ def train_refusal(tmp_path, config: str, items: list[str]) -> str:
     # the modules whose maxima the run's evaluation measures besides its blocks: none, or pass-through ones only
     (DEMO_CONFIG, ["quant.act_max_extra_modules=[bar.*]"]),
     (DEMO_CONFIG, ["quant.act_max_extra_modules=[blocks.*.drop_path1]"]),
+    # a plan the model cannot be quantized with: RepQ-ViT's fold on a Swin whose windows are padded (40 pixels)
+    (SWIN_CONFIG, ["model.img_size=40", "quant.pipelines=[repq]"]),
 ], ids=["kwargs", "img_size", "auto_augment", "classes", "mixup", "gpt_kwargs", "vocabulary", "cd_no_pairs",
-        "tweo_no_blocks", "cd_gated_mlp", "extra_module_none", "extra_module_pass_through"])
+        "tweo_no_blocks", "cd_gated_mlp", "extra_module_none", "extra_module_pass_through", "plan_not_converting"])
 def test_a_later_runs_setting_train_py_refuses_at_its_start_is_refused_before_anything(tmp_path, capsys, config,
                                                                                        items):
     message = refused(sweep_file(tmp_path, config, items), capsys)
@@ -168,6 +171,30 @@ def test_an_extra_module_of_the_evaluate_list_evaluate_py_refuses_is_refused_bef
     assert "the sweep's evaluate list" in message and capsys.readouterr().out == ""
     out = tmp_path / "trained"
     train.main(load_config([DEBUG_CONFIG], ["train.max_steps=1", "log.tensorboard=false", f"out_dir={out}"]))
+    with pytest.raises(ConfigError) as reference:
+        evaluate.main(evaluate.parse_args(["--checkpoint", str(out / "best.pt"), "--out", str(out / "e.json"), item]))
+    assert str(reference.value) in message
+
+
+def test_a_plan_of_the_evaluate_list_the_model_cannot_be_quantized_with_is_refused_before_anything(tmp_path, capsys):
+    """quant.pipelines=[repq] in the sweep's evaluate list for a Swin whose windows are padded (model.img_size=40):
+    train.py trains the run (its own plan is the task's default, which it only warns about) and evaluate.py refused
+    the plan after the training. The reference is evaluate.py's own refusal of the run's command on a checkpoint of
+    the run's model (1 update)."""
+    import evaluate
+
+    item = "quant.pipelines=[repq]"
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"configs: [{SWIN_CONFIG}]\nout_root: {tmp_path}/runs\nevaluate: ['{item}']\n"
+                    "runs:\n  a: [model.img_size=40]\n")
+    with pytest.raises(SystemExit) as stop:
+        sweep.main([str(spec), "--evaluate"])
+    message = str(stop.value.code)
+    assert message.startswith("error: sweep run 'a': ") and "\n" not in message, message
+    assert "the sweep's evaluate list" in message and capsys.readouterr().out == ""
+    out = tmp_path / "trained"
+    train.main(load_config([SWIN_CONFIG], ["model.img_size=40", "train.max_steps=1", "log.tensorboard=false",
+                                           f"out_dir={out}"]))
     with pytest.raises(ConfigError) as reference:
         evaluate.main(evaluate.parse_args(["--checkpoint", str(out / "best.pt"), "--out", str(out / "e.json"), item]))
     assert str(reference.value) in message
