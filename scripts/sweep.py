@@ -1047,8 +1047,9 @@ def refuse_results_of_other_data(runs: list[dict]) -> None:
     validated its first finished run again and ended at that run's evaluation as 'failed during evaluation', the
     later runs not started. Refused before anything starts (ConfigError), naming the settings the file was evaluated
     with. The data are resolved as evaluate.py resolves them (its resolve_config of the run's best.pt and the
-    command's overrides, in the repository root, with the model's input size); a command evaluate.py would refuse
-    for another reason is left to it and the other checks. Not refused: results move_stale_result moves aside. As in
+    command's overrides, in the repository root, with the model's input size; best.pt as the run's train.py leaves it:
+    quant_recorded_at_its_turn); a command evaluate.py would refuse for another reason is left to it and the other
+    checks. Not refused: results move_stale_result moves aside. As in
     refuse_results_of_another_autocast, a run that is to train further may yet write a newer best.pt, which would
     have the file moved aside: that is not known before it trains, and the file is refused."""
     import evaluate
@@ -1065,7 +1066,8 @@ def refuse_results_of_other_data(runs: list[dict]) -> None:
         args = evaluate.parse_args(["--checkpoint", os.path.join(ROOT, checkpoint), "--out",
                                     os.path.join(ROOT, result), *evaluation_overrides(run)])
         try:
-            with in_root():  # relative paths (data.root) as the command reads them
+            # relative paths (data.root) as the command reads them, best.pt as the run's train.py leaves it
+            with in_root(), quant_recorded_at_its_turn(run):
                 cfg, _ = evaluate.resolve_config(args)
                 now = evaluate.data_identity(cfg.data, input_size(check_model(evaluate.eval_model_config(cfg.model))))
         except evaluate.USER_ERRORS:

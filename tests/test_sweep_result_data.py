@@ -5,13 +5,14 @@ evaluate.py adds to a result file only for the data it was written of (its 'data
 transform). A sweep requeued with another data.root (the data set copied to the node's own disk) validated its first
 finished run again and then failed at its evaluation ('give --out another file': the sweep's to name), and the later
 runs were not started. The reference is evaluate.py's own handling of the run's evaluate.py command."""
+import os
 import shutil
 
 import pytest
 
 import evaluate
 import train
-from configs import load_config
+from configs import ConfigError, load_config
 from engine.eval_results import ResultsError
 from tests.conftest import DEBUG_CONFIG, make_folder
 from tests.sweep_refusals import refused_at_start
@@ -65,3 +66,29 @@ def test_a_result_of_the_same_data_is_not_refused(trained):
     runs = sweep.expand(sweep_file(trained), [f"data.root={trained / 'd1'}"])
     sweep.refuse_results_of_other_data(runs)
     evaluate_run(runs[1])  # takes it
+
+
+def test_a_result_of_other_data_is_refused_with_the_quant_settings_train_py_records_before_the_evaluation(trained,
+                                                                                                         tmp_path):
+    """The data of a result file are compared as evaluate.py resolves the run's command once the run's train.py has
+    recorded the run's quant.* in best.pt. Read from best.pt as it was (quant.pipelines [rtn], since changed to
+    [percentile] in a config file of the sweep), the command's quant.calib_images=16 was one no pipeline reads, that
+    resolution was refused, and the other data.root went unchecked: the run failed at its evaluation after training.
+    The reference is train.py's turn, then evaluate.py's refusal of the run's command."""
+    layer = tmp_path / "plan.yaml"
+    layer.write_text("quant:\n  pipelines: [rtn]\n")
+    folder = tmp_path / "runs" / "a"
+    train.main(load_config([DEBUG_CONFIG, str(layer)], [*ITEMS, f"data.root={trained / 'd1'}", f"out_dir={folder}"]))
+    evaluate.main(evaluate.parse_args(["--checkpoint", str(folder / "best.pt"), "--out",
+                                       str(folder / "eval_best.json"), f"data.root={trained / 'd1'}"]))
+    layer.write_text("quant:\n  pipelines: [percentile]\n")
+    path = tmp_path / "s.yaml"
+    path.write_text(f"configs: [configs/debug/tiny.yaml, {layer}]\nout_root: {tmp_path / 'runs'}\n"
+                    f"runs:\n  a: [{', '.join(ITEMS)}]\n")
+    given = [f"data.root={trained / 'd2'}", "quant.calib_images=16"]
+    (run,) = sweep.expand(str(path), given)
+    with pytest.raises(ConfigError, match=r"holds its evaluation of other data \(data.root: "):
+        sweep.refuse_results_of_other_data([run])
+    train.main(load_config([os.path.join(sweep.ROOT, c) for c in run["configs"]], run["overrides"]))  # its turn
+    with pytest.raises(ResultsError, match="holds results of another evaluation"):
+        evaluate_run(run)
