@@ -733,11 +733,17 @@ def checkpoint_config(payload: dict, checkpoint: str) -> Config:
                               f"trained it") from None
 
 
-def resolve_config(args: argparse.Namespace):
-    """Config and checkpoint payload: the checkpoint's own config (+ overrides), or --config files."""
+def resolve_config(args: argparse.Namespace, recorded_quant: Optional[dict] = None):
+    """Config and checkpoint payload: the checkpoint's own config (+ overrides), or --config files.
+
+    recorded_quant: the quant section the checkpoint's config will hold when the command runs, in place of the one
+    it holds now (scripts/sweep.py: a run's train.py records the run's quant.* in its best.pt before the sweep
+    evaluates it, engine.checkpoint.record_quant_settings)."""
     payload, saved = None, None
     if args.checkpoint:
         payload = load_checkpoint(args.checkpoint)
+        if recorded_quant is not None and isinstance(payload, dict) and isinstance(payload.get("config"), dict):
+            payload = {**payload, "config": {**payload["config"], "quant": recorded_quant}}
         # --config: e.g. a data preset for another machine
         saved = checkpoint_config(payload, args.checkpoint)  # parsed once: cfg is built on a copy
         cfg = layer_config(copy.deepcopy(saved), args.config or (), args.overrides)

@@ -1067,8 +1067,8 @@ def refuse_results_of_other_data(runs: list[dict]) -> None:
                                     os.path.join(ROOT, result), *evaluation_overrides(run)])
         try:
             # relative paths (data.root) as the command reads them, best.pt as the run's train.py leaves it
-            with in_root(), quant_recorded_at_its_turn(run):
-                cfg, _ = evaluate.resolve_config(args)
+            with in_root():
+                cfg, _ = evaluate.resolve_config(args, recorded_quant=quant_recorded_at_its_turn(run))
                 now = evaluate.data_identity(cfg.data, input_size(check_model(evaluate.eval_model_config(cfg.model))))
         except evaluate.USER_ERRORS:
             continue
@@ -1337,9 +1337,9 @@ def evaluation_change(run: dict, data: dict, world_size: Optional[int],
     checkpoint, result = evaluation_paths(run)
     args = evaluate.parse_args(["--checkpoint", os.path.join(ROOT, checkpoint), "--out", os.path.join(ROOT, result),
                                 *evaluation_overrides(run)])
-    with in_root(), quant_recorded_at_its_turn(run):  # the command's relative paths (data.root) as it reads them
+    with in_root():  # the command's relative paths (data.root) as it reads them
         try:
-            cfg, _ = evaluate.resolve_config(args)
+            cfg, _ = evaluate.resolve_config(args, recorded_quant=quant_recorded_at_its_turn(run))
             for name, bits in planned(cfg):
                 entries = data["quant"].get(name)
                 entry = entries.get(bits) if isinstance(entries, dict) else None
@@ -1361,31 +1361,16 @@ def evaluation_change(run: dict, data: dict, world_size: Optional[int],
     return None
 
 
-@contextlib.contextmanager
-def quant_recorded_at_its_turn(run: dict):
-    """evaluate.py's load_checkpoint reading a checkpoint with the quant section of its config replaced by `run`'s
-    quant.* settings, as the run's train.py records them in its best.pt (train.py record_quant_in_checkpoints, which
-    rewrites only that section) before the sweep evaluates it: a quant.* setting of the sweep's config files or
-    overrides changed since the run trained (no training setting, so train.py resumes with it) is the evaluation's
-    default then. Read from best.pt as it is now, evaluate.py's resolution kept the old one: a result computed with it
-    passed the check before the start, and evaluate.py refused it after the run's training."""
-    import evaluate
+def quant_recorded_at_its_turn(run: dict) -> dict:
+    """The quant section of the config in `run`'s best.pt when the sweep evaluates it: its train.py records the run's
+    quant.* settings there (train.py record_quant_in_checkpoints, which rewrites only that section), so a quant.*
+    setting of the sweep's config files or overrides changed since the run trained (no training setting, so train.py
+    resumes with it) is the evaluation's default then. Read from best.pt as it is now (evaluate.resolve_config
+    without it), the old one passed the check before the start, and evaluate.py refused it after the run's
+    training."""
     from configs import config_to_dict
 
-    quant = config_to_dict(load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"]))["quant"]
-    load = evaluate.load_checkpoint
-
-    def loaded(path, *args, **kwargs):
-        payload = load(path, *args, **kwargs)
-        if isinstance(payload, dict) and isinstance(payload.get("config"), dict):
-            payload = {**payload, "config": {**payload["config"], "quant": quant}}
-        return payload
-
-    evaluate.load_checkpoint = loaded
-    try:
-        yield
-    finally:
-        evaluate.load_checkpoint = load
+    return config_to_dict(load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"]))["quant"]
 
 
 def is_stale_result(json_path: str, checkpoint: str) -> bool:
