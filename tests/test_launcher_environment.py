@@ -72,9 +72,12 @@ def test_what_torchrun_sets_and_a_plain_process_pass(launched, monkeypatch):
 
     launched()
     assert init_distributed("cpu") == DistInfo(0, 1, 0, torch.device("cpu"))
+    from engine import distributed
+
     joined = []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append((kw["rank"], kw["world_size"])))
+    monkeypatch.setattr(distributed, "_meet", lambda *args: dist.HashStore())  # node0 is no host here
     launched(RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", MASTER_ADDR="node0", MASTER_PORT="29500")
     assert init_distributed("cpu") == DistInfo(3, 4, 1, torch.device("cpu"))
     assert joined == [(3, 4)]

@@ -974,14 +974,22 @@ def test_the_rank_is_torchruns_global_rank_and_the_device_index_its_local_rank(m
 
     from engine.distributed import DistInfo, init_distributed
 
-    joined = []
+    from engine import distributed
+
+    joined, met = [], []
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: joined.append((backend, kw)))
+    # the rendezvous and the ranks' comparison of devices before the group forms (node0 is no host here)
+    monkeypatch.setattr(distributed, "_meet", lambda *args: met.append(args) or dist.HashStore())
     for name, value in (("RANK", "3"), ("LOCAL_RANK", "1"), ("WORLD_SIZE", "4"), ("MASTER_ADDR", "node0"),
                         ("MASTER_PORT", "29500")):
         monkeypatch.setenv(name, value)
     assert init_distributed("cpu") == DistInfo(3, 4, 1, torch.device("cpu"))
-    assert joined == [("gloo", {"rank": 3, "world_size": 4, "device_id": None, "timeout": None})]  # torch's own
+    timeout = dist.constants.default_pg_timeout  # torch's own for gloo
+    assert met == [(3, 4, timeout, "cpu", "cpu")]
+    [(backend, kw)] = joined
+    assert (backend, isinstance(kw.pop("store"), dist.PrefixStore)) == ("gloo", True)
+    assert kw == {"rank": 3, "world_size": 4, "device_id": None, "timeout": timeout}
 
 
 def test_a_reduction_other_than_sum_or_max_is_refused_even_in_one_process():
