@@ -42,8 +42,8 @@ REFUSED = [
     (dict(WORLD_SIZE="2", RANK="2", MASTER_ADDR="h", MASTER_PORT="1"), rf"RANK=2 is not below WORLD_SIZE=2: {FIX_RE} "
                                                                        rf"and RANK\)"),
     (dict(LOCAL_RANK="-1"), rf"LOCAL_RANK='-1' is not a process's number \(0, 1, ...\): {FIX_RE} and LOCAL_RANK\)"),
-    (dict(WORLD_SIZE="2", RANK="1", MASTER_ADDR="h", MASTER_PORT="1"), r"WORLD_SIZE=2 but LOCAL_RANK is not set .*"
-                                                                       r"launch with torchrun, or export LOCAL_RANK .*"),
+    (dict(WORLD_SIZE="2", RANK="1", MASTER_ADDR="h", MASTER_PORT="1"),
+     r"WORLD_SIZE=2 but LOCAL_RANK is not set .*launch with torchrun, or export LOCAL_RANK .*"),
 ]
 
 
