@@ -40,7 +40,7 @@ from .checkpoint import weights_fingerprint
 from .distributed import all_reduce, raise_on_every_rank
 from .loop import TrainState
 from .run_dir import RunDirError, keep_as_until_step
-from .snapshots import link_or_copy
+from .run_dir import link_or_copy
 
 log = logging.getLogger(__name__)
 

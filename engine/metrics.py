@@ -14,17 +14,15 @@ takes back its own (engine/best_checkpoint.py), the file it replaces kept under 
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import hashlib
 import json
 import logging
 import math
 import os
-import shutil
 from typing import Optional
 
-from .run_dir import keep_as_until_step, partial_path
+from .run_dir import keep_as_until_step, link_or_copy, partial_path
 
 log = logging.getLogger(__name__)
 
@@ -277,18 +275,6 @@ def _keep_copy(path: str, kept: str) -> None:
     rename of the rewritten file then replaces it at once. Moved aside first, a kill before that rename left no
     metrics.jsonl, and the resumed run's file began after the resume point, its earlier records only in the kept
     file (a kill between the two now leaves both whole files, and the resume cuts again). The copy is written under a
-    temporary name and renamed: a kill or a full disk mid-copy leaves no half file under the kept name, which a later
-    resume would take for the records of the branch it kept. A name taken meanwhile (os.link's EEXIST: a link of the
-    user's that leads nowhere) is never written through."""
-    try:
-        os.link(path, kept)
-    except FileExistsError:
-        raise
-    except OSError:
-        tmp = partial_path(kept)
-        try:
-            shutil.copyfile(path, tmp)
-            os.replace(tmp, kept)
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
+    temporary name and renamed (run_dir.link_or_copy): a kill or a full disk mid-copy leaves no half file under the
+    kept name, which a later resume would take for the records of the branch it kept."""
+    link_or_copy(path, kept)

@@ -253,6 +253,23 @@ def partial_path(path: str) -> str:
     return f"{path}.partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
+def link_or_copy(source: str, target: str) -> None:
+    """`target` becomes a hard link to `source` (no copy, no extra write time), or a copy written through a
+    temporary file and a rename where the file system has no hard links (some network or FUSE ones)."""
+    try:
+        os.link(source, target)
+    except FileExistsError:  # a name taken (a link of the user's that leads nowhere) is never written over
+        raise
+    except OSError:
+        tmp = partial_path(target)
+        try:
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+
+
 def _partial_writer(name: str) -> Optional[int]:
     """The pid that wrote `name` if it is one of this program's temporary files written on this machine (or
     named by an earlier version, without a host), else None: another machine's pid cannot be checked here."""

@@ -20,13 +20,11 @@
 """
 from __future__ import annotations
 
-import contextlib
 import glob
 import logging
 import os
 import re
 import shlex
-import shutil
 import sys
 from typing import Optional
 
@@ -38,7 +36,7 @@ from models.pretrained import mapped_payload
 from .checkpoint import CheckpointError, foreign_objects, not_a_torch_file, weights_fingerprint
 from .distributed import all_reduce, raise_on_every_rank
 from .rank_agreement import differing_between_ranks
-from .run_dir import SNAPSHOTS, checkpoint_path_problem, is_inside, keep_as_until_step, partial_path
+from .run_dir import SNAPSHOTS, checkpoint_path_problem, is_inside, keep_as_until_step, link_or_copy
 
 log = logging.getLogger(__name__)
 
@@ -203,23 +201,6 @@ def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[di
     if payload is None:
         raise unusable(own, problem)
     return own, payload
-
-
-def link_or_copy(source: str, target: str) -> None:
-    """`target` becomes a hard link to `source` (no copy, no extra write time), or a copy written through a
-    temporary file and a rename where the file system has no hard links (some network or FUSE ones)."""
-    try:
-        os.link(source, target)
-    except FileExistsError:  # a name taken (a link of the user's that leads nowhere) is never written over
-        raise
-    except OSError:
-        tmp = partial_path(target)
-        try:
-            shutil.copyfile(source, tmp)
-            os.replace(tmp, target)
-        finally:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
 
 
 def keep_abandoned_checkpoint(out_dir: str, resume_path: str, step: int, is_main: bool,
