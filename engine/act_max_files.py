@@ -43,6 +43,15 @@ def file_digest(path: Union[str, Path]) -> Optional[Dict[str, object]]:
         return digest(f.read())
 
 
+def csv_differs_from_record(max_act: dict, path: Union[str, Path]) -> bool:
+    """Whether the maxima CSV at `path` is not the one a result file's `max_act` section records (the size and SHA-256
+    evaluate.py wrote, engine.act_max_ownership): edited since, or another evaluation's put at its name, it holds
+    maxima the recorded settings are not those of. A result written before digests records none: nothing to tell."""
+    digests = max_act.get("digests")
+    recorded = digests.get("csv") if isinstance(digests, dict) else None
+    return recorded is not None and file_digest(path) != recorded
+
+
 def max_by_type(records: Sequence[Dict[str, object]]) -> Dict[str, List[tuple]]:
     """{module type: [(block index, max), ...]} sorted by block index
     (records without a block are left to `outside_blocks`)."""

@@ -41,7 +41,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser, first_line  # noqa: E402
-from engine.act_max_files import file_digest  # noqa: E402
+from engine.act_max_files import csv_differs_from_record  # noqa: E402
 from engine.eval_results import (EVALUATION_KEYS, first_difference, read_result_file,  # noqa: E402
                                  refuse_unfinished_groups, stopped_early)
 from engine.figures import new_figure  # noqa: E402
@@ -115,11 +115,7 @@ def result_beside(path: str) -> dict:
         raise ValueError(f"{json_path} lists no act_max CSV (evaluated with quant.act_max_csv=false), so {path} "
                          f"is not of its evaluation: measure again with python evaluate.py --out {json_path} "
                          f"quant.act_max_csv=true and the same settings, or leave the CSV out")
-    # the size and SHA-256 of the CSV it wrote (engine.act_max_ownership; none in results written before digests): a
-    # CSV edited since, or another evaluation's put at its name, holds maxima the settings recorded are not those of
-    digests = result["max_act"].get("digests")
-    recorded = digests.get("csv") if isinstance(digests, dict) else None
-    if recorded is not None and file_digest(path) != recorded:
+    if csv_differs_from_record(result["max_act"], path):
         raise ValueError(f"{path} is not the CSV that {json_path} records (its size and SHA-256 are not those "
                          f"evaluate.py wrote: the file was edited or replaced since), so the settings recorded there "
                          f"are not known to be those of its maxima: give the CSV as evaluate.py wrote it, or move it "

@@ -57,7 +57,7 @@ from engine.checkpoint import CheckpointError, load_checkpoint, weights_fingerpr
 from engine.eval_results import (ResultsError, extra_modules, first_difference, metrics_records,  # noqa: E402
                                  missing_number, read_result_file, recipe_difference, refuse_unfinished,
                                  repeated_weights, stopped_early)
-from engine.act_max_files import FIELDS as ACT_MAX_FIELDS, file_digest  # noqa: E402
+from engine.act_max_files import FIELDS as ACT_MAX_FIELDS, csv_differs_from_record  # noqa: E402
 from engine.result_table import (dagger_note, entries_nondefault, evaluated_otherwise, extra_modules_note,  # noqa: E402
                                  method_difference, model_kwargs_unlike, settings_note, stopped_note)
 from engine.outputs import save_figure, write_text  # noqa: E402
@@ -116,11 +116,7 @@ def read_run(folder: str, point: str, seed: int) -> Optional[Run]:
         raise ReportError(f"{os.path.join(folder, 'metrics.jsonl')} has no record of {', '.join(missing)}: not "
                           "the log of a train.py run that reached a log step")
     act_max_path = os.path.join(folder, "eval_best_act_max.csv")
-    # the size and SHA-256 of the CSV evaluate.py wrote (engine.act_max_ownership; none in results written before
-    # digests): a CSV edited since, or another evaluation's put at its name, is not of the evaluation reported
-    digests = result["max_act"].get("digests")
-    recorded = digests.get("csv") if isinstance(digests, dict) else None
-    if recorded is not None and file_digest(act_max_path) != recorded:
+    if csv_differs_from_record(result["max_act"], act_max_path):  # not of the evaluation reported
         raise ReportError(f"{act_max_path} is not the CSV that {result_path} records (its size and SHA-256 are not "
                           f"those evaluate.py wrote: the file was edited or replaced since); put the CSV evaluate.py "
                           f"wrote back, or move it aside and re-evaluate the run (evaluate.py measures the maxima "
