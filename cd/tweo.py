@@ -310,14 +310,23 @@ class TWEO:
         return {"penalty_sum": penalty_sum, "count": count, "last_penalty": self._last_penalty,
                 "last_lam": self._last_lam}
 
-    def load_window_state(self, state: dict, keep_sums: bool = True) -> None:
+    def load_window_state(self, state: dict, keep_sums: bool = True, forwards: Optional[int] = None) -> None:
         """Go on from `window_state`'s `state`. `keep_sums`: this process takes the sums (the main rank, the others
         starting from 0, so that their sum over the ranks is the window's); the last values are taken either way.
-        The sum goes on the hooked blocks' device, where the next forward adds to it and `sum_fn` reduces it."""
+        The sum goes on the hooked blocks' device, where the next forward adds to it and `sum_fn` reduces it.
+        `forwards`: the forwards (over all ranks) this run makes in the updates the window carries, where a trainer
+        knows it (its micro-batches per update x those updates); None: as the window counted them."""
         if keep_sums and state["count"]:
             device = self._device()
-            self._window_sum = torch.tensor(float(state["penalty_sum"]), dtype=_window_dtype(device), device=device)
-            self._window_count = int(state["count"])
+            penalty_sum, count = float(state["penalty_sum"]), int(state["count"])
+            if forwards and count != forwards:
+                # written with the global batch in other micro-batches (another per-process batch, e.g. on another
+                # process count): tweo/penalty, the mean over the forwards, would weigh each update by its number of
+                # forwards; the carried updates count as many as this run's do (their mean penalty kept), as the
+                # trainer's train/loss (engine/loop.py _Window.carry_on)
+                penalty_sum, count = penalty_sum * forwards / count, forwards
+            self._window_sum = torch.tensor(penalty_sum, dtype=_window_dtype(device), device=device)
+            self._window_count = count
         self._last_penalty, self._last_lam = state["last_penalty"], state["last_lam"]
 
     def _device(self) -> torch.device:

@@ -178,8 +178,10 @@ class TrainLoop:
     log_epoch_costs: bool = False  # also log epoch/train_seconds and epoch/max_mem_mib per whole epoch
     # name -> (state, load): a metric source's own sums over the log window (TWEO's penalty), which go with the
     # window's into a checkpoint written inside it (TrainState.log_window): `state()` returns all ranks' sums (a
-    # collective, called on every rank), `load(sums, main)` takes them back, on the main rank (`main` True) only,
-    # the others starting from 0 (their sum over the ranks is the window's)
+    # collective, called on every rank), `load(sums, main, forwards)` takes them back, on the main rank (`main` True)
+    # only, the others starting from 0 (their sum over the ranks is the window's); `forwards`: the micro-batches of
+    # all ranks this run makes in the carried updates, for a sum per micro-batch to weigh each update alike
+    # (`_Window.carry_on`) where the checkpoint was written with the global batch in other micro-batches
     window_sources: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -264,11 +266,12 @@ class TrainLoop:
         bar = _progress_bar(total, state.epoch_batches // self.accum_steps, state.epoch, self.epochs, self.progress)
         window = self._window = _Window(self.device)
         if state.log_window is not None:  # the window the resumed checkpoint cut: go on with its sums
-            window.carry_on(state.log_window["loop"], main=self.rank == 0,
-                            micro_per_update=self.accum_steps * self.world_size)
+            micro_per_update = self.accum_steps * self.world_size
+            window.carry_on(state.log_window["loop"], main=self.rank == 0, micro_per_update=micro_per_update)
             for name, (_, load) in self.window_sources.items():
                 if name in state.log_window:
-                    load(state.log_window[name], self.rank == 0)
+                    load(state.log_window[name], self.rank == 0,
+                         state.log_window["loop"]["updates"] * micro_per_update)
             state.log_window = None
         images_per_update = batch_size_per_gpu * self.accum_steps * self.world_size
         reason = "epoch_end"
