@@ -1531,6 +1531,42 @@ def test_clipping_bounds_the_norm_of_every_parameter_group_together():
     torch.testing.assert_close(model.bias.detach(), b0 - 0.5 * scale * gb, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("layer_decay", [None, 0.5])
+def test_layer_decay_and_weight_decay_groups_are_beits_rule_and_timms_exclusions(layer_decay):
+    """optim.layer_decay=d (BEiT / DeiT-III fine-tuning): a parameter of layer i trains at lr x d^(depth + 1 - i),
+    with the embeddings (cls_token, pos_embed, patch_embed) layer 0, block j layer j + 1 and the head layer depth + 1
+    (lr x 1); timm's group_matcher puts the final norm with the last block (layer depth, BEiT: depth + 1). Weight
+    decay skips every 1-D parameter, the biases and the model's no_weight_decay() names (pos_embed, cls_token).
+    Reference: the rule written out over the parameter names, the lr the timm scheduler sets at the warmup's end."""
+    from configs.schema import ModelConfig, OptimConfig, SchedConfig
+    from engine.optim import build_optimizer, build_scheduler
+    from models import build_model
+
+    model = build_model(ModelConfig(name="vit_nano", pretrained="", num_classes=4))
+    depth, lr, wd = len(model.blocks), 1e-3, 0.05
+    optimizer = build_optimizer(model, OptimConfig(name="adamw", lr=lr, layer_decay=layer_decay), lr, wd)
+    sched = SchedConfig(epochs=3, warmup_epochs=1, warmup_prefix=True, per_step=True)
+    scheduler = build_scheduler(optimizer, sched, updates_per_epoch=4)
+    scheduler.step_update(4)  # the warmup's end, where the cosine begins: the peak lr
+    got = {name: (group["lr"], group["weight_decay"]) for group in optimizer.param_groups
+           for name, p in model.named_parameters() for q in group["params"] if p is q}
+
+    def layer(name):
+        if name.split(".")[0] in ("cls_token", "pos_embed", "patch_embed"):
+            return 0
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) + 1
+        return depth if name.startswith("norm.") else depth + 1
+
+    want = {name: (lr * (1.0 if layer_decay is None else layer_decay ** (depth + 1 - layer(name))),
+                   0.0 if p.ndim <= 1 or name.endswith(".bias") or name in ("pos_embed", "cls_token") else wd)
+            for name, p in model.named_parameters()}
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name] == pytest.approx(want[name], rel=1e-12), name
+    assert want["blocks.0.attn.qkv.weight"][1] == wd and want["pos_embed"][1] == 0.0
+
+
 def test_the_micro_batches_of_one_update_draw_their_own_randomness():
     """The RNG is reseeded once per update, not per micro-batch: with train.accum_steps=2 the two micro-batches
     of an update must not mix with the same lambda or drop the same paths (their draws differ), and a run
