@@ -50,6 +50,7 @@ from configs.cli import OneLineParser, add_config_arguments, parse_known, print_
 from configs.loader import IgnoredOverrideError, device_of_overrides, get_key
 from data import (DataError, build_loaders, build_token_loaders, calibration_window_count,
                   check_same_data_on_every_rank)
+from data.digits import split_indices as digits_split
 from data.loader import same_split_data, split_location, split_reading
 from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks
 from engine.best_checkpoint import BestCheckpoint, BestMatch
@@ -529,6 +530,8 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
     task = task_for(cfg.data.dataset)
     torch.manual_seed(cfg.train.seed)
     with failure_on_every_rank(device, "building the model (model.pretrained)"):
+        if not resumed:  # a run checkpoint's record of its data, before its weights are read
+            check_pretrained_data(cfg)
         model = build_model(dataclasses.replace(cfg.model, pretrained="") if resumed else cfg.model).to(device)
         recorded = None if resumed else pretrained_run_config(cfg.model)
         if recorded is not None:
@@ -715,6 +718,51 @@ def check_pretrained_classes(cfg: Config, model: nn.Module, classes: Optional[li
     model.load_state_dict({k: fresh[k] for k in head}, strict=False)
     log.info("%s was trained on other classes than data.root=%s holds (then vs now: %s): new classifier: %s",
              path, cfg.data.root, different, ", ".join(head))
+
+
+def check_pretrained_data(cfg: Config) -> None:
+    """A checkpoint of this code base given as model.pretrained records the data it was trained on (its config's
+    data.*, and its token files' `data_fingerprint`). A fine-tune from it validates, and picks best.pt, on data held
+    out from that training, as evaluate.py --checkpoint scores it (evaluate.check_not_trained_on): not its training
+    folder or token file, by any name, link or copy; for kjv not a larger data.kjv_val_fraction (that tail reaches
+    into the text it trained on; a smaller one lies inside its held-out tail, and the fine-tune trains on the rest);
+    for digits not another data.digits_val_fraction whose val images include some of its training images (the
+    split is a seeded stratified draw of one set, another for each fraction: data.digits.split_indices compares
+    them). A language model is fine-tuned on the kind of text
+    it was trained on: characters (kjv) or token ids (tokens), else id i would mean another symbol
+    (evaluate.check_vocabulary_kind). A file of another kind (timm's, DeiT's, nanoGPT's) records none of this."""
+    config = pretrained_run_config(cfg.model)
+    if config is None or not isinstance(config.get("data"), dict):
+        return
+    try:
+        trained = config_from_dict({"data": config["data"]}).data
+    except ConfigError:  # a record of an older schema: nothing to compare it with
+        return
+    path, data = cfg.model.pretrained, cfg.data
+    weights = f"model.pretrained={path}"
+    kinds = {"kjv": "characters (data.dataset=kjv)", "tokens": "token ids (data.dataset=tokens)"}
+    if trained.dataset in kinds and data.dataset in kinds and trained.dataset != data.dataset:
+        raise ConfigError(f"data.dataset={data.dataset}: {weights} was trained on {kinds[trained.dataset]}, this "
+                          f"run's text is {kinds[data.dataset]}, so its embedding of id i would be read as another "
+                          f"symbol; fine-tune it on data.dataset={trained.dataset}, or train from scratch (without "
+                          f"model.pretrained)")
+    if data.dataset == trained.dataset == "kjv" and data.kjv_val_fraction > trained.kjv_val_fraction:
+        raise ConfigError(f"data.kjv_val_fraction={data.kjv_val_fraction}: {weights} was trained on the text before "
+                          f"its last {trained.kjv_val_fraction}, so validation on the last {data.kjv_val_fraction} "
+                          f"(and best.pt) would score text it was trained on; give data.kjv_val_fraction="
+                          f"{trained.kjv_val_fraction} or less")
+    if data.dataset == trained.dataset == "digits" and data.digits_val_fraction != trained.digits_val_fraction:
+        # another fraction's split is another seeded draw: its val images may or may not lie in the start's val split
+        seen = (set(digits_split(trained.digits_val_fraction)[0].tolist())
+                & set(digits_split(data.digits_val_fraction)[1].tolist()))
+        if len(seen):
+            raise ConfigError(f"data.digits_val_fraction={data.digits_val_fraction}: {len(seen)} of its val images "
+                              f"are among the digits {weights} was trained on (outside a val fraction of "
+                              f"{trained.digits_val_fraction}), so validation (and best.pt) would score images it was "
+                              f"trained on; give data.digits_val_fraction={trained.digits_val_fraction}")
+    import evaluate  # its check of a val split against a checkpoint's training split (the evaluation stack: here only)
+    payload = mapped_payload(path)
+    evaluate.check_not_trained_on(trained, data, weights, payload.get("data_fingerprint"))
 
 
 def note_attention_change(model_cfg, config: dict) -> None:

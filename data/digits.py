@@ -22,15 +22,12 @@ class DigitsDataset(Dataset):
 
     def __init__(self, split: str, img_size: int = 32, val_fraction: float = 0.2, transform=None):
         from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
 
         if split not in ("train", "val"):
             raise ValueError(f"digits has splits 'train' and 'val', not '{split}'")
         digits = load_digits()
-        check_val_fraction(val_fraction, len(digits.target), len(set(digits.target.tolist())))
         images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)  # 0..16 -> 0..255
-        idx_train, idx_val = train_test_split(np.arange(len(images)), test_size=val_fraction,
-                                              stratify=digits.target, random_state=0)
+        idx_train, idx_val = split_indices(val_fraction, digits.target)
         idx = idx_train if split == "train" else idx_val
         self.images = [Image.fromarray(images[i]).resize((img_size, img_size), Image.BICUBIC).convert("RGB")
                        for i in idx]
@@ -43,6 +40,21 @@ class DigitsDataset(Dataset):
     def __getitem__(self, i: int):
         img = self.images[i]
         return (self.transform(img) if self.transform else img), self.targets[i]
+
+
+def split_indices(val_fraction: float, targets=None) -> tuple[np.ndarray, np.ndarray]:
+    """The indices into sklearn's digits (`targets`: their labels, read when None) of the train and val splits of
+    `val_fraction`: stratified and seeded (seed 0). Splits of two fractions are two draws, neither of which need
+    hold the other's val images (train.py compares a fine-tune's val split with its start weights' training)."""
+    from sklearn.model_selection import train_test_split
+
+    if targets is None:
+        from sklearn.datasets import load_digits
+        targets = load_digits().target
+    check_val_fraction(val_fraction, len(targets), len(set(targets.tolist())))
+    idx_train, idx_val = train_test_split(np.arange(len(targets)), test_size=val_fraction, stratify=targets,
+                                          random_state=0)
+    return idx_train, idx_val
 
 
 def check_val_fraction(val_fraction: float, images: int, classes: int) -> None:
