@@ -237,26 +237,38 @@ def _cublas_tf32(enabled: bool):
     `torch.backends.cuda.matmul.fp32_precision` ('ieee' | 'tf32' | 'none' = inherit). Reading the legacy
     flag raises RuntimeError once a caller has set 'tf32' through the new one, and writing the legacy
     flag turns 'none' into 'ieee'. So the new API is used where it exists, and the restore writes back
-    only what reads differently from before, legacy flag first: a caller's state reads as it did,
-    through whichever API the caller used.
+    only what reads differently from before: the new API's value first, then the legacy flag only if it
+    still reads otherwise (and the new value again after it), so a caller's state reads as it did, through
+    whichever API the caller used. A legacy write where the new value alone restores the state is not
+    harmless: after torch.set_float32_matmul_precision('medium') it reads 'high' to the global getter, which
+    then raises for a mix of the APIs (torch.get_float32_matmul_precision(), which inductor and Lightning call).
     """
     matmul = torch.backends.cuda.matmul
     before = getattr(matmul, "fp32_precision", None)  # None: torch < 2.9, the legacy flag only
     new_api = before is not None
-    try:
-        legacy = matmul.allow_tf32
-    except RuntimeError:  # the caller set TF32 through the new API
-        legacy = None
+
+    def read_legacy() -> Optional[bool]:
+        try:
+            return matmul.allow_tf32
+        except RuntimeError:  # the caller set TF32 through the new API
+            return None
+
+    legacy = read_legacy()
     if new_api:
         matmul.fp32_precision = "tf32" if enabled else "ieee"
     else:
         matmul.allow_tf32 = enabled
 
     def restore() -> None:
-        if legacy is not None:
+        if not new_api:
             matmul.allow_tf32 = legacy
-        if new_api and matmul.fp32_precision != before:
+            return
+        if matmul.fp32_precision != before:
             matmul.fp32_precision = before
+        if legacy is not None and read_legacy() != legacy:
+            matmul.allow_tf32 = legacy
+            if matmul.fp32_precision != before:
+                matmul.fp32_precision = before
     return restore
 
 

@@ -476,11 +476,16 @@ def _tf32_flags() -> tuple:
         legacy = matmul.allow_tf32
     except RuntimeError:
         legacy = "raises"
-    return legacy, getattr(matmul, "fp32_precision", None)
+    try:  # the global getter (inductor's and Lightning's read), which raises for a mix of the two APIs
+        whole = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        whole = "raises"
+    return legacy, getattr(matmul, "fp32_precision", None), whole
 
 
 @pytest.mark.parametrize("api,value", [("legacy", True), ("legacy", False), ("new", "tf32"),
-                                       ("new", "ieee"), ("new", "none"), (None, None)])
+                                       ("new", "ieee"), ("new", "none"), ("global", "medium"),
+                                       ("global", "high"), (None, None)])
 @pytest.mark.parametrize("precision", ["tf32", "fp32"])
 def test_attach_steps_whichever_tf32_api_the_caller_used_and_leaves_it_as_set(api, value, precision):
     # torch >= 2.9: a caller setting TF32 through fp32_precision made the legacy read in CD raise at the
@@ -491,11 +496,14 @@ def test_attach_steps_whichever_tf32_api_the_caller_used_and_leaves_it_as_set(ap
     if api == "new" and getattr(matmul, "fp32_precision", None) is None:
         pytest.skip("torch < 2.9 has only the legacy TF32 flag")
     saved = _tf32_flags()
+    mkldnn_saved = getattr(torch.backends.mkldnn.matmul, "fp32_precision", None)
     try:
         if api == "legacy":
             matmul.allow_tf32 = value
         elif api == "new":
             matmul.fp32_precision = value
+        elif api == "global":  # 'medium' (Lightning's advice): CD's restore made the global getter raise after
+            torch.set_float32_matmul_precision(value)
         before = _tf32_flags()
         model = tiny_vit()
         if precision == "tf32":
@@ -510,6 +518,10 @@ def test_attach_steps_whichever_tf32_api_the_caller_used_and_leaves_it_as_set(ap
             assert decay.num_updates == 1
         assert _tf32_flags() == before  # read back through each API as the caller set it
     finally:
+        if api == "global" and saved[2] != "raises":
+            torch.set_float32_matmul_precision(saved[2])
+        if api == "global" and mkldnn_saved is not None:  # 'medium' sets oneDNN's CPU matmuls to bf16 too
+            torch.backends.mkldnn.matmul.fp32_precision = mkldnn_saved
         if saved[0] != "raises":
             matmul.allow_tf32 = saved[0]
         if saved[1] is not None:
