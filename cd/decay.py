@@ -420,6 +420,14 @@ class ColinearityDecay:
             roles = sorted({p.role for p in self.pairs}, key=ROLES.index)
             raise ValueError(f"cd lam_per_role: {unused} decay(s) no matrix of this model with targets "
                              f"{targets!r}, which decay the roles {roles}; drop it or change the targets")
+        if (mode == "decoupled" and matmul_precision != DEFAULT_MATMUL_PRECISION
+                and all(p.diagonal for p in self.pairs)):
+            # a composable pair's update is a column scaling by g^2 / mean(g^2), computed in fp32 (`cd.update`):
+            # no product that the setting could make in another precision
+            raise ValueError(f"cd matmul_precision={matmul_precision!r} sets the precision of the functional pairs' "
+                             f"products; targets {targets!r} decay only composable pairs, whose update is a column "
+                             f"scaling (no product): drop matmul_precision, or use targets that decay functional "
+                             f"pairs ('B', 'C', 'A+B')")
         self._lams = [self.lam_per_role.get(p.role, self.lam) for p in self.pairs]
         # Target C: the upstream matrix of every (functional) pair is decayed with the pair's strength.
         self._upstream = targets == "C"

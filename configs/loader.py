@@ -551,6 +551,8 @@ READ_ONLY_WHEN = [
     (("cd.loss_coef",), "cd.mode", ("loss",)),
     (("cd.lam",), CD_LAM_READ, None),
     (("cd.matmul_precision",), "cd.mode", ("decoupled",)),  # the loss form's penalty runs in fp32 under autograd
+    # target A decays composable pairs alone, a column scaling in fp32 (cd/update.py): no product to set
+    (("cd.matmul_precision",), "cd.targets", ("B", "C", "A+B")),
     (("tweo.",), "tweo.enabled", (True,)),
     # the rescaled term lam * P * detach(|L| / P) has the gradient lam * |L| * grad(P) / P, and P's factor
     # (tau + eps)^-p cancels in grad(P) / P: tau and eps change only the logged tweo/penalty, not what trains

@@ -714,6 +714,17 @@ def test_a_setting_of_the_other_form_is_refused_not_ignored(mode, setting, fix):
         ColinearityDecay(tiny_vit(), mode=mode, **setting)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_a_matmul_precision_with_only_composable_pairs_decayed_is_refused_not_ignored(precision):
+    """Targets 'A' decay the composable pairs alone, whose update is W2's columns scaled by g^2 / mean(g^2) in fp32:
+    there is no product for matmul_precision to make in another precision, so the run would be the same whatever it
+    says (tf32 on a CPU model included)."""
+    with pytest.raises(ValueError, match=re.escape("drop matmul_precision, or use targets that decay functional")):
+        ColinearityDecay(tiny_vit(), targets="A", matmul_precision=precision)
+    ColinearityDecay(tiny_vit(), targets="A")  # the default, 'auto', says nothing of its own
+    ColinearityDecay(tiny_vit(), targets="B", matmul_precision=precision if precision != "tf32" else "fp32")
+
+
 def test_attach_to_something_else_than_an_optimizer_is_a_type_error():
     model = tiny_vit()
     scheduler_by_mistake = torch.optim.lr_scheduler.StepLR(sgd(model.parameters()), 1)

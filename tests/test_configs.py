@@ -369,6 +369,7 @@ IGNORED = [  # (config, overrides, the key refused): each override is one the co
     ("configs/pretrain/vit_b.yaml", ["cd.lam_per_role.fc2=0.02"], "cd.lam_per_role.fc2"),
     ("configs/method/cd.yaml", ["cd.loss_coef=0.01"], "cd.loss_coef"),  # decoupled mode has no loss
     ("configs/method/cd.yaml", ["cd.mode=loss", "cd.matmul_precision=bf16"], "cd.matmul_precision"),  # fp32 loss
+    ("configs/method/cd.yaml", ["cd.targets=A", "cd.matmul_precision=bf16"], "cd.matmul_precision"),  # no product
     ("configs/pretrain/vit_b.yaml", ["tweo.lam=0.1"], "tweo.lam"),
     ("configs/pretrain/vit_b.yaml", ["train.ema_decay=0.999"], "train.ema_decay"),
     ("configs/pretrain/vit_b.yaml", ["model.pretrained_strict=true"], "model.pretrained_strict"),  # "" is unset
