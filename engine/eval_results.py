@@ -617,6 +617,11 @@ class EvalResults:
                 self._merge_into(data)
                 with open(tmp, "w") as f:
                     json.dump(data, f, indent=2, default=str)
+                    # on disk before the rename (docs/operations.md): a machine that goes down after it could
+                    # otherwise leave an empty file in place of every result written so far (XFS, ext4 without
+                    # auto_da_alloc), and a full disk shows here, with the file unchanged
+                    f.flush()
+                    os.fsync(f.fileno())
                 os.replace(tmp, target)
             except BaseException as e:  # a full disk, a read-only folder, Ctrl-C: the file stays, the temp goes
                 with contextlib.suppress(OSError):

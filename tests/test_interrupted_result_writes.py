@@ -34,6 +34,41 @@ def test_interrupted_eval_results_save_leaves_no_temporary(tmp_path, monkeypatch
     assert path.read_text() == before and json.loads(before)["fp"] == {"top1": 1.0}
 
 
+def test_eval_results_save_is_on_disk_before_it_replaces_the_file(tmp_path, monkeypatch):
+    """docs/operations.md: files are written through a temporary file, fsync and a rename. Without the fsync a
+    machine that goes down after the rename may leave an empty eval.json (XFS): every result written so far gone.
+    The written file (by its inode) is fsynced, and only then renamed over the result file; a full disk that shows
+    at the fsync leaves the file as it was and no temporary."""
+    path = tmp_path / "eval.json"
+    events, fsync, replace = [], os.fsync, os.replace
+
+    def record_fsync(fd):  # the file by its inode: the descriptor has no name on every system
+        events.append(("fsync", os.fstat(fd).st_ino))
+        fsync(fd)
+
+    def record_replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino))
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", record_fsync)
+    monkeypatch.setattr(os, "replace", record_replace)
+    results = er.EvalResults.open(str(path), IDENTITY)
+    results.update(fp={"top1": 1.0})
+    results.save()
+    assert [e[0] for e in events] == ["fsync", "replace"] and events[0][1] == events[1][1], events
+    assert json.loads(path.read_text())["fp"] == {"top1": 1.0}
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    before = path.read_text()
+    results.update(fp={"top1": 2.0})
+    with pytest.raises(er.ResultsError, match="No space left on device; the file is unchanged"):
+        results.save()
+    assert path.read_text() == before and sorted(os.listdir(tmp_path)) == ["eval.json"]
+
+
 def script_writers():
     """The scripts' JSON writers, as (name, write(path, data))."""
     import bench_quant
