@@ -189,6 +189,14 @@ def check_layouts(layouts: Any) -> tuple[Layout, ...]:
             lay = Layout(**lay)
         if not isinstance(lay, Layout):
             raise TypeError(f"layouts[{k}] is {type(lay).__name__} {lay!r}, not a cd.Layout")
+        # cd.pairs tells the built-in layouts by their names (a guessed `transposed` there, one stated in a layout
+        # given): a layout of one's own under a built-in name would have its transposed=True taken for a guess and
+        # never refused unread, and its refusals would name the built-in layout
+        built_in = next((b for b in LAYOUTS if b.library == lay.library), None)
+        if built_in is not None and lay != built_in:
+            raise ValueError(f"layouts[{k}]: cd.Layout(library={lay.library!r}) is not the built-in layout of that "
+                             f"name but has its name, which tells the built-in layouts apart in CD's checks; give "
+                             f"yours a name of its own (e.g. library='{lay.library} (mine)')")
         out.append(lay)
     if not out:
         raise ValueError("layouts is empty: give at least one cd.Layout (the default is cd.LAYOUTS, the built-in ones)")

@@ -301,6 +301,22 @@ def test_a_transposed_that_no_layer_reads_is_refused_naming_the_field():
         find_pairs(model, _x(), layouts=[lay])
 
 
+@pytest.mark.parametrize("name", ["timm", "GPT-2 (transformers, nanoGPT)"])
+def test_a_layout_of_ones_own_under_a_built_in_name_is_refused_naming_the_fix(name):
+    """Was: the built-in layouts are told apart by their names, so a layout of one's own called 'timm' had its unread
+    transposed=True taken for the built-in guess and silently ignored (the same layout called 'mine' is refused)."""
+    import timm
+
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, embed_dim=32, depth=1, num_heads=2,
+                              num_classes=3)
+    lay = Layout(name, norm1="norm1", norm2="norm2", qkv="attn.qkv", proj="attn.proj", fc1="mlp.fc1", fc2="mlp.fc2",
+                 transposed=True)
+    with pytest.raises(ValueError, match=r"is not the built-in layout of that name but has its name.*give yours a "
+                                         r"name of its own"):
+        find_pairs(model, layouts=[lay])
+    assert len(find_pairs(model, layouts=[LAYOUTS[0], {**vars(LAYOUTS[1])}])) == 4  # the built-in ones, copied
+
+
 def test_the_built_in_gpt2_layouts_transposed_is_no_statement_on_nanogpts_linear_layers():
     from cd.family_nanogpt import NanoGPTShaped
 
