@@ -723,20 +723,12 @@ def check_pretrained_classes(cfg: Config, model: nn.Module, classes: Optional[li
 def check_pretrained_data(cfg: Config) -> None:
     """A checkpoint of this code base given as model.pretrained records the data it was trained on (its config's
     data.*, and its token files' `data_fingerprint`). A fine-tune from it validates, and picks best.pt, on data held
-    out from that training, as evaluate.py --checkpoint scores it (evaluate.check_not_trained_on): not its training
-    folder or token file, by any name, link or copy; for kjv not a larger data.kjv_val_fraction (that tail reaches
-    into the text it trained on; a smaller one lies inside its held-out tail, and the fine-tune trains on the rest);
-    for digits not another data.digits_val_fraction whose val images include some of its training images (the
-    split is a seeded stratified draw of one set, another for each fraction: data.digits.split_indices compares
-    them). A language model is fine-tuned on the kind of text
-    it was trained on: characters (kjv) or token ids (tokens), else id i would mean another symbol
+    out from that training (`check_held_out_from`). A language model is fine-tuned on the kind of text it was
+    trained on: characters (kjv) or token ids (tokens), else id i would mean another symbol
     (evaluate.check_vocabulary_kind). A file of another kind (timm's, DeiT's, nanoGPT's) records none of this."""
     config = pretrained_run_config(cfg.model)
-    if config is None or not isinstance(config.get("data"), dict):
-        return
-    try:
-        trained = config_from_dict({"data": config["data"]}).data
-    except ConfigError:  # a record of an older schema: nothing to compare it with
+    trained = recorded_data(config)
+    if trained is None:
         return
     path, data = cfg.model.pretrained, cfg.data
     weights = f"model.pretrained={path}"
@@ -746,6 +738,28 @@ def check_pretrained_data(cfg: Config) -> None:
                           f"run's text is {kinds[data.dataset]}, so its embedding of id i would be read as another "
                           f"symbol; fine-tune it on data.dataset={trained.dataset}, or train from scratch (without "
                           f"model.pretrained)")
+    check_held_out_from(trained, mapped_payload(path).get("data_fingerprint"), data, weights)
+
+
+def recorded_data(config: Optional[dict]):
+    """The data settings a checkpoint's recorded `config` holds; None where it holds none, or of an older schema
+    (nothing to compare with)."""
+    if not isinstance(config, dict) or not isinstance(config.get("data"), dict):
+        return None
+    try:
+        return config_from_dict({"data": config["data"]}).data
+    except ConfigError:
+        return None
+
+
+def check_held_out_from(trained, fingerprint: Optional[dict], data, weights: str) -> None:
+    """Refuse a val split of `data` that reads data the weights `weights` (a run checkpoint, as the error names it)
+    were trained on, as evaluate.py --checkpoint refuses to score it (evaluate.check_not_trained_on): `trained`, the
+    data settings it recorded (`fingerprint`: its data_fingerprint), its training folder or token file by any name,
+    link or copy; for kjv a larger data.kjv_val_fraction (that tail reaches into the text it trained on; a smaller
+    one lies inside its held-out tail); for digits another data.digits_val_fraction whose val images include some
+    of its training images (the split is a seeded stratified draw of one set, another for each fraction, which
+    data.digits.split_indices gives). Validation, and best.pt chosen by it, would score data the weights learned."""
     if data.dataset == trained.dataset == "kjv" and data.kjv_val_fraction > trained.kjv_val_fraction:
         raise ConfigError(f"data.kjv_val_fraction={data.kjv_val_fraction}: {weights} was trained on the text before "
                           f"its last {trained.kjv_val_fraction}, so validation on the last {data.kjv_val_fraction} "
@@ -761,8 +775,7 @@ def check_pretrained_data(cfg: Config) -> None:
                               f"{trained.digits_val_fraction}), so validation (and best.pt) would score images it was "
                               f"trained on; give data.digits_val_fraction={trained.digits_val_fraction}")
     import evaluate  # its check of a val split against a checkpoint's training split (the evaluation stack: here only)
-    payload = mapped_payload(path)
-    evaluate.check_not_trained_on(trained, data, weights, payload.get("data_fingerprint"))
+    evaluate.check_not_trained_on(trained, data, weights, fingerprint)
 
 
 def note_attention_change(model_cfg, config: dict) -> None:
@@ -1201,12 +1214,16 @@ def validate(task, model: nn.Module, ema, loader, device: torch.device, amp: str
 
 def check_resume(cfg: Config, resume_path: Optional[str], payload: Optional[dict], warn: bool = True) -> None:
     """The settings the checkpoint `resume_path` (resume_source's; None: a fresh start) cannot continue with
-    (check_resumable), the schedule check, which check_before_start leaves to here where a checkpoint may be
-    continued (may_resume), and a train.max_steps below the checkpoint's update (check_max_steps_reach). The run and
-    --print-config make it alike; `warn` as check_resumable's (the run says the changed settings itself, once
-    its length is known to leave them updates: check_something_to_train)."""
+    (check_resumable) and a val split that reads data it was trained on (check_held_out_from), the schedule check,
+    which check_before_start leaves to here where a checkpoint may be continued (may_resume), and a train.max_steps
+    below the checkpoint's update (check_max_steps_reach). The run and --print-config make it alike; `warn` as
+    check_resumable's (the run says the changed settings itself, once its length is known to leave them updates:
+    check_something_to_train)."""
     if resume_path is not None:
         check_resumable(payload["config"], cfg, resume_path, warn=warn)
+        # a val split changed on resume (train.allow_changed_config=true) must not read what the run trained on
+        if (trained := recorded_data(payload["config"])) is not None:
+            check_held_out_from(trained, payload.get("data_fingerprint"), cfg.data, resume_path)
     check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)
     if resume_path is not None:
         check_max_steps_reach(cfg, payload, resume_path)

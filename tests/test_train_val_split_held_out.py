@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import train
-from configs import ConfigError, load_config
+from configs import ConfigError, config_to_dict, load_config
 from tests.conftest import DEBUG_CONFIG, make_folder
 
 NANO = "configs/lm/kjv_nano.yaml"
@@ -112,3 +112,26 @@ def test_a_val_folder_that_is_the_training_folder_is_refused(tmp_path, split):
                                           r"trains on"):
         train.check_before_start(load_config([DEBUG_CONFIG], [*common, f"data.val_split={split}"]))
     train.check_before_start(load_config([DEBUG_CONFIG], common))
+
+
+@pytest.mark.parametrize("split", ["train", "old"])
+def test_a_resume_whose_val_split_reads_the_checkpoint_s_training_file_is_refused(tmp_path, split):
+    """train.allow_changed_config=true lets a resume change data.train_split: a val split that is the token file the
+    checkpoint recorded as its training split (or a byte copy of it) would score, and pick best.pt on, text the run
+    trained on. The resume's own train and val files differ, so only the checkpoint's record tells it."""
+    root = _token_root(tmp_path)
+    shutil.copyfile(root / "train.bin", root / "old.bin")
+    np.random.default_rng(1).integers(0, 65, 4096).astype(np.uint16).tofile(root / "new.bin")
+    assert filecmp.cmp(root / "train.bin", root / f"{split}.bin", shallow=False)
+    assert not filecmp.cmp(root / "new.bin", root / f"{split}.bin", shallow=False)
+    common = [f"out_dir={tmp_path / 'run'}", "data.dataset=tokens", f"data.root={root}"]
+    trained = load_config([NANO], common)  # trained on train.bin, validated on val.bin
+    payload = {"config": config_to_dict(trained), "state": {"step": 2}}
+    cfg = load_config([NANO], [*common, "data.train_split=new", f"data.val_split={split}",
+                               "train.allow_changed_config=true"])
+    with pytest.raises(ConfigError, match=rf"^data.val_split={split}: .*{split}.bin is (a copy of )?the train split "
+                                          r".*checkpoint.pt was trained on .*text it was trained on; score its "
+                                          r"held-out split \(data.val_split=val\)$"):
+        train.check_resume(cfg, str(tmp_path / "run" / "checkpoint.pt"), payload, warn=False)
+    held_out = load_config([NANO], [*common, "data.train_split=new", "train.allow_changed_config=true"])
+    train.check_resume(held_out, str(tmp_path / "run" / "checkpoint.pt"), payload, warn=False)  # val.bin: held out
