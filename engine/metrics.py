@@ -22,7 +22,7 @@ import math
 import os
 from typing import Optional
 
-from .run_dir import keep_as_until_step, link_or_copy, partial_path
+from .run_dir import keep_as_until_step, link_or_copy, partial_path, sync_file
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +237,7 @@ def _take_back_branch(path: str, step: int, fingerprint: str) -> Optional[str]:
     tmp = partial_path(path)
     with open(tmp, "w") as f:
         f.writelines(branch)
+    sync_file(tmp)
     kept = keep_as_until_step(path, step, keep=_keep_copy)  # metrics.jsonl stays until the rename replaces it
     os.replace(tmp, path)
     log.warning("%s held another branch's records before update %d: kept as %s; this run's records up to update "
@@ -262,6 +263,7 @@ def _truncate_after(path: str, step: int) -> Optional[str]:
     tmp = partial_path(path)
     with open(tmp, "w") as f:
         f.writelines(kept)
+    sync_file(tmp)
     if later:
         kept_as = keep_as_until_step(path, step, keep=_keep_copy)  # metrics.jsonl stays until the rename
         log.warning("%s: %d record(s) after update %d, from which this run goes on: the file as it was is "

@@ -253,6 +253,17 @@ def partial_path(path: str) -> str:
     return f"{path}.partial-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
+def sync_file(path: str) -> None:
+    """fsync the written file at `path` before a rename publishes it: without it a machine that goes down just after
+    the rename may leave the new name empty (XFS; ext4 without auto_da_alloc), the previous file gone too (docs/
+    operations.md: a temporary file, fsync and a rename). A full disk may show only here (an OSError)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def link_or_copy(source: str, target: str) -> None:
     """`target` becomes a hard link to `source` (no copy, no extra write time), or a copy written through a
     temporary file and a rename where the file system has no hard links (some network or FUSE ones)."""
@@ -264,6 +275,7 @@ def link_or_copy(source: str, target: str) -> None:
         tmp = partial_path(target)
         try:
             shutil.copyfile(source, tmp)
+            sync_file(tmp)
             os.replace(tmp, target)
         finally:
             with contextlib.suppress(OSError):
@@ -774,6 +786,7 @@ def save_config_history(out_dir: str, config: dict, step: int) -> Optional[str]:
     try:
         with open(tmp, "w") as f:
             dump_yaml(config, f, sort_keys=False)  # read back by --config as written (YAML 1.2 numbers: '1e-3' quoted)
+        sync_file(tmp)
         if os.path.exists(path) and saved_config(out_dir) != config:
             kept = keep_as_until_step(path, step)
         try:
@@ -863,6 +876,7 @@ def write_whole(path: str, write: Callable[[str], None], overwrite: bool = True)
     tmp = partial_path(path)
     try:
         write(tmp)
+        sync_file(tmp)
         if overwrite:
             os.replace(tmp, path)
         else:
