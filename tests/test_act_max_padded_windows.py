@@ -109,9 +109,10 @@ def test_timm_swin_maxima_and_kurtosis_leave_out_the_padded_tokens(name, size, w
     check(probe, outputs, uncropped_and_cropped(outputs, grids, unpad), maxima_changed)
 
 
+@pytest.mark.detection  # MMDetection needs full mmcv (scripts/install_mmcv.sh): CI's detection step runs it
 def test_mmdetection_swin_maxima_and_kurtosis_leave_out_the_padded_tokens():
     """MMDetection pads, then rolls: a 20 x 28 image's 10 x 14 grid in windows of 4, shifted in the second block."""
-    swin = pytest.importorskip("mmdet.models.backbones.swin")
+    from mmdet.models.backbones import swin
     torch.manual_seed(0)
 
     class Detector(nn.Module):
