@@ -1079,16 +1079,20 @@ def held_out_advice(trained: DataConfig, here: DataConfig, fingerprint: Optional
     """What check_not_trained_on advises: the checkpoint's recorded val split, unless that reads its training split
     too (a run validated on its train file or folder, by name or link, or on a copy of its train file, under the
     recorded root or `here`'s), or the checkpoint's `fingerprint` recorded both files of one size and first MiB and
-    they are not both here to be compared in full: a name that would only be refused again."""
+    they are not both here to be compared in full: a name that would only be refused again. A held-out val split
+    whose name reads the training split under `here`'s root only is said to be so, not to have been trained on."""
     recorded = recorded_train_file(trained, fingerprint)
     recorded_val = fingerprint.get(f"{trained.val_split}.bin") if recorded is not None else None
     same_record = recorded is not None and recorded == recorded_val
     if (trained.val_split == trained.train_split
             or any(same_split_data(val_at, "val", train_at, "train")
-                   for val_at in (trained, here) for train_at in (trained, here))
+                   for val_at, train_at in ((trained, trained), (here, here), (trained, here)))
             or (same_record and recorded["bytes"] <= FINGERPRINT_HEAD_BYTES)):  # the record hashed both files whole
         return (f"it was validated on that split too (data.val_split={trained.val_split}): give data.val_split a "
                 f"split held out from its training")
+    if same_split_data(here, "val", trained, "train"):  # its own val split was held out; this root's of that name not
+        return (f"data.val_split={trained.val_split}, the split it was validated on, reads its training split under "
+                f"data.root={here.root}: give data.val_split a split there held out from its training")
     if same_record and not any(holds_recorded_file(recorded, "train", at)
                                and holds_recorded_file(recorded_val, "val", at) for at in (trained, here)):
         return (f"it was validated on a split of its train file's size and first MiB, as the checkpoint recorded "

@@ -67,3 +67,22 @@ def test_a_recorded_val_file_of_the_train_file_s_recorded_text_is_not_advised(to
     assert "held-out split" not in evaluate.held_out_advice(trained, here, same)
     other = {"train.bin": record(range(64)), "val.bin": record(range(1, 65))}
     assert evaluate.held_out_advice(trained, here, other) == "score its held-out split (data.val_split=val)"
+
+
+def test_a_recorded_val_split_that_reads_the_train_file_under_another_root_only_is_not_said_to_be_trained_on(tokens,
+                                                                                                          tmp_path):
+    """The run validated on its own val.bin (held out); under another data.root, val.bin is a copy of the run's
+    train.bin: scoring it is refused, and the advice neither names that split as one to score nor says the run was
+    validated on its training text."""
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copyfile(tmp_path / "train.bin", other / "val.bin")
+    np.arange(7, 71, dtype=np.uint16).tofile(other / "train.bin")
+    assert filecmp.cmp(tmp_path / "train.bin", other / "val.bin", shallow=False)
+    assert not filecmp.cmp(tmp_path / "train.bin", tmp_path / "val.bin", shallow=False)  # the run's val: held out
+    with pytest.raises(ConfigError) as e:
+        evaluate.check_not_trained_on(tokens, dataclasses.replace(tokens, root=str(other)), "run.pt")
+    line = str(e.value)
+    assert "validated on that split too" not in line and "score its held-out split" not in line, line
+    assert line.endswith(f"; data.val_split=val, the split it was validated on, reads its training split under "
+                         f"data.root={other}: give data.val_split a split there held out from its training"), line
