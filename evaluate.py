@@ -1086,7 +1086,9 @@ def held_out_advice(trained: DataConfig, here: DataConfig, fingerprint: Optional
     same_record = recorded is not None and recorded == recorded_val
     if (trained.val_split == trained.train_split
             or any(same_split_data(val_at, "val", train_at, "train")
-                   for val_at, train_at in ((trained, trained), (here, here), (trained, here)))
+                   for val_at, train_at in ((trained, trained), (here, here)))
+            # the run's val file and this root's train file: its training split only where its own is gone
+            or (split_location(trained, "train") is None and same_split_data(trained, "val", here, "train"))
             or (same_record and recorded["bytes"] <= FINGERPRINT_HEAD_BYTES)):  # the record hashed both files whole
         return (f"it was validated on that split too (data.val_split={trained.val_split}): give data.val_split a "
                 f"split held out from its training")

@@ -7,6 +7,7 @@ import hashlib
 import os
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -78,6 +79,14 @@ def test_a_recorded_val_split_that_reads_the_train_file_under_another_root_only_
     other.mkdir()
     shutil.copyfile(tmp_path / "train.bin", other / "val.bin")
     np.arange(7, 71, dtype=np.uint16).tofile(other / "train.bin")
+    line = _refused_under(tokens, other)
+    shutil.copyfile(tmp_path / "val.bin", other / "train.bin")  # the two files swapped: the run's val.bin is held out
+    assert line == _refused_under(tokens, other)
+
+
+def _refused_under(tokens, other) -> str:
+    """The refusal of scoring val.bin under the root `other`, whose val.bin is a copy of the run's train.bin."""
+    tmp_path = Path(tokens.root)
     assert filecmp.cmp(tmp_path / "train.bin", other / "val.bin", shallow=False)
     assert not filecmp.cmp(tmp_path / "train.bin", tmp_path / "val.bin", shallow=False)  # the run's val: held out
     with pytest.raises(ConfigError) as e:
@@ -86,3 +95,4 @@ def test_a_recorded_val_split_that_reads_the_train_file_under_another_root_only_
     assert "validated on that split too" not in line and "score its held-out split" not in line, line
     assert line.endswith(f"; data.val_split=val, the split it was validated on, reads its training split under "
                          f"data.root={other}: give data.val_split a split there held out from its training"), line
+    return line
