@@ -152,49 +152,29 @@ def test_the_wandb_package_is_looked_for_only_where_the_commands_run(tmp_path, c
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("pattern", ["foo.*", "blocks.*.drop_path1"], ids=["none", "pass_through"])
-def test_an_extra_module_of_the_evaluate_list_evaluate_py_refuses_is_refused_before_anything(tmp_path, capsys,
-                                                                                                pattern):
-    """quant.act_max_extra_modules in the sweep's evaluate list reaches evaluate.py only, which refused a pattern
-    naming no module (or only pass-through ones) after the run had trained. The reference is evaluate.py's own
-    refusal of the run's command on a checkpoint of the run's model (tiny.yaml, 1 update)."""
+@pytest.mark.parametrize("item, recipe, run", [
+    ("quant.act_max_extra_modules=[foo.*]", DEBUG_CONFIG, []),
+    ("quant.act_max_extra_modules=[blocks.*.drop_path1]", DEBUG_CONFIG, []),
+    ("quant.pipelines=[repq]", SWIN_CONFIG, ["model.img_size=40"]),
+], ids=["extra_module_none", "extra_module_pass_through", "plan_not_converting"])
+def test_an_evaluate_list_setting_evaluate_py_refuses_is_refused_before_anything(tmp_path, capsys, item, recipe, run):
+    """Settings of the sweep's evaluate list reach evaluate.py only, which refused them after the run had trained:
+    quant.act_max_extra_modules naming no module (or only pass-through ones), and quant.pipelines=[repq] for a Swin
+    whose windows are padded (model.img_size=40: train.py trains the run, its own plan being the task's default,
+    which it only warns about). The reference is evaluate.py's own refusal of the run's command on a checkpoint of
+    the run's model (1 update). The later run b is never reached."""
     import evaluate
 
-    item = f"quant.act_max_extra_modules=[{pattern}]"
     spec = tmp_path / "s.yaml"
-    spec.write_text(f"configs: [{DEBUG_CONFIG}]\nout_root: {tmp_path}/runs\nevaluate: ['{item}']\n"
-                    "runs:\n  a: []\n  b: [train.seed=1]\n")
+    spec.write_text(f"configs: [{recipe}]\nout_root: {tmp_path}/runs\nevaluate: ['{item}']\n"
+                    f"runs:\n  a: [{', '.join(run)}]\n  b: [{', '.join([*run, 'train.seed=1'])}]\n")
     with pytest.raises(SystemExit) as stop:
         sweep.main([str(spec), "--evaluate"])
     message = str(stop.value.code)
     assert message.startswith("error: sweep run 'a': ") and "\n" not in message, message
     assert "the sweep's evaluate list" in message and capsys.readouterr().out == ""
     out = tmp_path / "trained"
-    train.main(load_config([DEBUG_CONFIG], ["train.max_steps=1", "log.tensorboard=false", f"out_dir={out}"]))
-    with pytest.raises(ConfigError) as reference:
-        evaluate.main(evaluate.parse_args(["--checkpoint", str(out / "best.pt"), "--out", str(out / "e.json"), item]))
-    assert str(reference.value) in message
-
-
-def test_a_plan_of_the_evaluate_list_the_model_cannot_be_quantized_with_is_refused_before_anything(tmp_path, capsys):
-    """quant.pipelines=[repq] in the sweep's evaluate list for a Swin whose windows are padded (model.img_size=40):
-    train.py trains the run (its own plan is the task's default, which it only warns about) and evaluate.py refused
-    the plan after the training. The reference is evaluate.py's own refusal of the run's command on a checkpoint of
-    the run's model (1 update)."""
-    import evaluate
-
-    item = "quant.pipelines=[repq]"
-    spec = tmp_path / "s.yaml"
-    spec.write_text(f"configs: [{SWIN_CONFIG}]\nout_root: {tmp_path}/runs\nevaluate: ['{item}']\n"
-                    "runs:\n  a: [model.img_size=40]\n")
-    with pytest.raises(SystemExit) as stop:
-        sweep.main([str(spec), "--evaluate"])
-    message = str(stop.value.code)
-    assert message.startswith("error: sweep run 'a': ") and "\n" not in message, message
-    assert "the sweep's evaluate list" in message and capsys.readouterr().out == ""
-    out = tmp_path / "trained"
-    train.main(load_config([SWIN_CONFIG], ["model.img_size=40", "train.max_steps=1", "log.tensorboard=false",
-                                           f"out_dir={out}"]))
+    train.main(load_config([recipe], [*run, "train.max_steps=1", "log.tensorboard=false", f"out_dir={out}"]))
     with pytest.raises(ConfigError) as reference:
         evaluate.main(evaluate.parse_args(["--checkpoint", str(out / "best.pt"), "--out", str(out / "e.json"), item]))
     assert str(reference.value) in message
