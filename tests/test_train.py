@@ -1052,7 +1052,7 @@ def test_a_snapshot_copy_that_fails_midway_leaves_no_partial_snapshot(tmp_path, 
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(snapshots.os, "link", no_links)
-    monkeypatch.setattr(snapshots.shutil, "copyfile", full_disk)
+    monkeypatch.setattr(shutil, "copyfile", full_disk)
     checkpoint = tmp_path / "checkpoint.pt"
     _training_checkpoint(checkpoint, 1.0)
     with pytest.raises(snapshots.CheckpointError, match="No space left on device"):
