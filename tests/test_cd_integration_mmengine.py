@@ -161,6 +161,58 @@ def test_every_update_of_an_iteration_gets_cd(tmp_path):
         next(iter(optimizer.state))]["step"]  # AdamW's own count of its updates
 
 
+@HOOKS.register_module(force=True)
+class LaterStep(Hook):
+    """A hook that runs after ColinearityDecayHook's after_train_iter (priority LOW) and makes one more SGD update
+    of the runner's optimizer on the iteration's batch (an extra step, as a SAM-like or n-critic hook does),
+    recording the backbone's weights and gradients before that step and its weights after it."""
+
+    priority = "LOW"
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[dict, dict, dict]] = []
+
+    def after_train_iter(self, runner, batch_idx, data_batch=None, outputs=None):
+        model, wrapper = runner.model, runner.optim_wrapper
+        net = model.backbone
+        loss, _ = model.parse_losses(model._run_forward(model.data_preprocessor(data_batch, True), mode="loss"))
+        wrapper.backward(loss)
+        before = ({n: p.detach().clone() for n, p in net.named_parameters()},
+                  {n: p.grad.detach().clone() for n, p in net.named_parameters()})
+        wrapper.step()
+        wrapper.zero_grad()
+        self.steps.append((*before, {n: p.detach().clone() for n, p in net.named_parameters()}))
+
+
+def test_a_step_that_a_later_hook_makes_gets_cd(tmp_path):
+    """A hook after ColinearityDecayHook's after_train_iter that steps the runner's optimizer: that update got
+    no CD and no error (CD was armed from before_train_iter to the hook's own after_train_iter). Each such step
+    is SGD on the weights that CD (eq. 12, from the weights of before the step, ref_block_update) left."""
+    from mmengine.runner import Runner
+
+    from cd.integrations.mmengine import ColinearityDecayHook
+    from cd_models import ref_block_update
+
+    later, lr, iters = LaterStep(), 0.1, 3
+    runner = Runner(model=Classifier(), work_dir=str(tmp_path), log_level="ERROR",
+                    train_dataloader=dict(dataset=RandomImages(2 * iters), batch_size=2, num_workers=0,
+                                          sampler=dict(type="DefaultSampler", shuffle=False),
+                                          collate_fn=dict(type="default_collate")),
+                    train_cfg=dict(by_epoch=False, max_iters=iters),
+                    optim_wrapper=dict(optimizer=dict(type="SGD", lr=lr)),
+                    default_hooks=dict(checkpoint=None, logger=None),
+                    custom_hooks=[ColinearityDecayHook(lam=LAM), later])
+    runner.train()
+    assert len(later.steps) == iters
+    assert hook_of(runner, "ColinearityDecayHook").decay.num_updates == 2 * iters  # train_step's and the hook's
+    for before, grads, after in later.steps:
+        want = {n: w.double() for n, w in before.items()}
+        for block in BLOCKS:
+            ref_block_update(before, block, lr * LAM, want)
+        for name, got in after.items():
+            torch.testing.assert_close(got, want[name] - lr * grads[name], rtol=0, atol=1e-12, msg=name)
+
+
 def test_a_step_amp_optim_wrapper_skips_applies_no_cd(tmp_path):
     runner = run(config(tmp_path, iters=3, amp=True, model=dict(poison=1)))
     after = hook_of(runner, "RecordWeights").after
@@ -364,9 +416,9 @@ def test_a_train_again_after_one_that_raised_gets_one_cd_update_per_step():
     hook.after_train(runner)
 
 
-def test_cd_runs_in_the_iterations_steps_only():
+def test_cd_runs_in_every_step_of_the_run_only():
     """The hook's events, called as the Runner calls them: a step inside an iteration gets CD, a step of the
-    same optimizer after the iteration (another hook's) is a plain optimizer step, and after_train leaves no
+    same optimizer after the iteration (another hook's) too (an update as any other), and after_train leaves no
     CD on the optimizer."""
     from types import SimpleNamespace
 
@@ -385,7 +437,7 @@ def test_cd_runs_in_the_iterations_steps_only():
         wrapper.update_params(F.cross_entropy(net(x), y))
         if inside:
             hook.after_train_iter(runner, 0)
-        assert hook.decay.num_updates == 1
+        assert hook.decay.num_updates == 1 + (not inside)
     hook.after_train(runner)  # the optimizer is the user's again: an attach of their own is no second update
     ColinearityDecay(net, lam=0.5).attach(wrapper.optimizer).remove()
 

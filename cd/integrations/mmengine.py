@@ -9,10 +9,11 @@ Importing this module also registers the baselines' hooks, `TweoHook` (cd/integr
 
 Where it runs in MMEngine's step (0.10): no hook event sits between backward and the optimizer step
 (`run_iter` calls `before_train_iter`, `train_step`, `after_train_iter`, and `OptimWrapper.update_params` does
-backward, clipping and the step inside). So the hook arms CD at `before_train_iter` for the iteration, and the
-update runs in a step pre-hook of the torch optimizer inside the OptimWrapper: after backward and clipping, right
-before the optimizer reads the weights, once per real update (each of them where a train_step updates more than
-once; with `accumulative_counts` the wrapper steps only on the last micro-batch, and CD with it), and not when
+backward, clipping and the step inside). So the update runs in a step pre-hook of the torch optimizer inside the
+OptimWrapper, armed from `before_train` to `after_train`: after backward and clipping, right before the optimizer
+reads the weights, once per real update (each of them where a train_step updates more than once, and a step that
+another hook makes, before or after this hook's events; with `accumulative_counts` the wrapper steps only on the
+last micro-batch, and CD with it), and not when
 `AmpOptimWrapper`'s GradScaler skips the step (inf/NaN gradients). Any OptimWrapper type works, since none is
 replaced: OptimWrapper, AmpOptimWrapper, an OptimWrapperDict (each optimizer holding decayed matrices is bound),
 or your own. Each matrix gets the lr of its
@@ -162,12 +163,20 @@ class ColinearityDecayHook(Hook):
         # the bindings hold their optimizers, so an id here is of the same object as long as it is bound
         if set(self._bindings) != {id(torch_optimizer(opt)) for opt in _optimizers(runner.optim_wrapper)}:
             self._bind(runner)  # a wrapper replaced since (a second stage's optimizer): bound as the first ones were
-        for binding in self._bindings.values():  # every update of the iteration (a train_step may make several)
-            binding.arm(until_disarmed=True)
+        else:
+            self._new_round()  # a step another hook made after the last iteration was an update of its own
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        self._new_round()
+
+    def _new_round(self) -> None:
+        """The steps made from now on are a new update (SharedUpdate's round), and CD stays armed for every one:
+        an optimizer stepped by another hook, before or after this one's events, gets CD as the train_step's
+        steps do (armed only from before_train_iter to this hook's after_train_iter, a later hook's step was a
+        plain optimizer step, silently)."""
         for binding in self._bindings.values():
             binding.disarm()
+            binding.arm(until_disarmed=True)
 
     def after_train(self, runner) -> None:
         self._unbind()
@@ -177,6 +186,7 @@ class ColinearityDecayHook(Hook):
         before); the decay, and so its counter, stays."""
         self._unbind()
         self._bindings = bind_optimizers(self.decay, _optimizers(runner.optim_wrapper))
+        self._new_round()  # armed until after_train: every step of these optimizers is an update with CD
 
     def _unbind(self) -> None:
         for binding in self._bindings.values():
