@@ -11,6 +11,11 @@ weight standardisation; a parametrized weight; nn.MultiheadAttention's out_proj,
 itself) is refused, naming the layer and its class, rather than converted into a layer that silently computes
 something else. Subclasses whose forward is the base's up to dead branches (`_SAME_FORWARD`) convert as the base
 class does.
+
+A module replaced by its quantized layer (an attention, a Linear/Conv2d a rule matches) that has forward or backward
+hooks registered on it (a user's hook, cd.noise's WeightNoise, torch's old weight_norm / spectral_norm / pruning,
+which compute the weight in a forward pre-hook) is refused naming its path and hooks: the quantized layer is a new
+module, which would run without them (a hook may also hold the float module itself, as WeightNoise does by id).
 """
 from __future__ import annotations
 
@@ -48,6 +53,25 @@ def _own_computation(module: nn.Module) -> Optional[str]:
     base = nn.Conv2d if isinstance(module, nn.Conv2d) else nn.Linear
     own = [name for name in ("forward", "_conv_forward") if getattr(cls, name, None) is not getattr(base, name, None)]
     return f"a {' and '.join(own)} of its own" if own else None
+
+
+# the hook dicts nn.Module's __call__ runs (torch/nn/modules/module.py: _call_impl), and what each holds
+_HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+          ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
+
+
+def _refuse_hooks(fqn: str, module: nn.Module) -> None:
+    """Raise ValueError naming `module`'s forward/backward hooks, which its replacement would not run; None without."""
+    hooks = []
+    for attr, kind in _HOOKS:
+        for hook in getattr(module, attr, {}).values():
+            target = getattr(hook, "func", hook)  # functools.partial: the function it calls
+            hooks.append(f"{kind} {getattr(target, '__qualname__', type(target).__qualname__)}")
+    if hooks:
+        raise ValueError(f"{fqn or type(module).__name__} ({type(module).__name__}) has {', '.join(hooks)} registered "
+                         "on it, which the quantized layer replacing it would not run: remove them (their handles' "
+                         "remove(), cd.noise's WeightNoise.remove()) before quantizing, or leave it out of the rules' "
+                         "patterns (float)")
 
 
 def _first_rule(fqn: str, rules: Iterable) -> Optional[object]:
@@ -137,7 +161,7 @@ def convert_in_place(model: nn.Module, spec: QuantSpec) -> Dict[str, List[str]]:
     Raises:
         ValueError: strict spec and some Linear/Conv2d matches no rule and no keep_float pattern; a rule matches a
             subclass with a computation of its own (see the module docstring); a module held at two paths that the
-            rules treat differently.
+            rules treat differently; a module to replace has forward/backward hooks.
     """
     done: Dict[str, List[str]] = {"attention": [], "linear": [], "float": []}
     # every path of a module held at several (one object at two names: named_modules would list it once, and the
@@ -147,6 +171,7 @@ def convert_in_place(model: nn.Module, spec: QuantSpec) -> Dict[str, List[str]]:
         rule = _first_rule(fqn, spec.attentions)
         new = _converted_at_another_path(seen, fqn, module, rule)
         if rule is not None:
+            _refuse_hooks(fqn, module)
             if new is None:
                 new = _convert_attention(fqn, module, rule)
                 seen[id(module)] = (fqn, rule, new)
@@ -169,6 +194,7 @@ def convert_in_place(model: nn.Module, spec: QuantSpec) -> Dict[str, List[str]]:
                                  "quantized layer would run the plain layer's computation and change the model's "
                                  "output; quantize a model with a plain layer there, or leave it out of the "
                                  "rules' patterns (float)")
+            _refuse_hooks(fqn, module)
             if new is None:
                 new = _convert_linear(fqn, module, rule)
                 seen[id(module)] = (fqn, rule, new)

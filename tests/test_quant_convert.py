@@ -755,3 +755,38 @@ def test_in_block_layout_quantizes_the_block_linears_only():
                                                         block_input=None))
     assert not any(isinstance(m, QuantAttentionBase) for m in plain.modules())
     assert {name for name, _ in named_quantizers(plain)} == {n for n in want if n.endswith("weight_quantizer")}
+
+
+def test_a_layer_with_hooks_is_refused_by_path_not_replaced_by_a_layer_without_them():
+    """Hooks live on the module object: the QuantLinear / quantized attention put in its place ran without them, so
+    cd.noise's WeightNoise (hooks on every Linear), a user's hook or torch's hook-based weight_norm silently stopped
+    acting. Each is one ValueError naming the path and the hook; the same layer left float converts (its hooks stay)."""
+    from cd.noise import WeightNoise
+    torch.manual_seed(0)
+    spec = QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(4), None),))
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    noise = WeightNoise(model, bits=4, seed=0)
+    with pytest.raises(ValueError, match=r"^0 \(Linear\) has forward pre-hook WeightNoise\._swap_in, forward hook "
+                                         r"WeightNoise\._swap_out registered on it"):
+        quantize_model(model, spec)
+    noise.remove()
+    assert isinstance(quantize_model(model, spec)[0], QuantLinear)
+
+    seen = []
+    model[2].register_forward_hook(lambda m, args, out: seen.append(out))
+    with pytest.raises(ValueError, match=r"^2 \(Linear\) has forward hook .*<lambda> registered"):
+        quantize_model(model, spec)
+    kept = quantize_model(model, QuantSpec(linears=(LinearRule(("0",), None, None),), keep_float=("2",)))
+    with torch.no_grad():
+        kept(torch.randn(3, 4))
+    assert len(seen) == 1  # the float layer kept its hook in the copy
+
+    from quant.convert import convert_in_place
+    normed = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 4)))  # the old API: a forward pre-hook
+    with pytest.raises(ValueError, match=r"^0 \(Linear\) has forward pre-hook WeightNorm registered"):
+        convert_in_place(normed, spec)  # (a deep copy of it fails in torch: its weight is no leaf)
+
+    vit = tiny_vit()
+    vit.blocks[0].attn.register_forward_pre_hook(lambda m, args: None)
+    with pytest.raises(ValueError, match=r"^blocks\.0\.attn \(Attention\) has forward pre-hook"):
+        PIPELINES["percentile"](vit, images(2), "w4a4")
