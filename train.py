@@ -725,10 +725,14 @@ def check_pretrained_data(cfg: Config) -> None:
     data.*, and its token files' `data_fingerprint`). A fine-tune from it validates, and picks best.pt, on data held
     out from that training (`check_held_out_from`). A language model is fine-tuned on the kind of text it was
     trained on: characters (kjv) or token ids (tokens), else id i would mean another symbol
-    (evaluate.check_vocabulary_kind). A file of another kind (timm's, DeiT's, nanoGPT's) records none of this."""
+    (evaluate.check_vocabulary_kind). A file of another kind (timm's, DeiT's, nanoGPT's) records none of this: a
+    language model's file that records no characters counts as trained on token ids, as evaluate.py counts it, and is
+    refused on data.dataset=kjv, whose id i is the i-th of its own characters (a nanoGPT shakespeare_char file's 65
+    ids are 65 other characters in another order), since no setting names the file's vocabulary."""
     config = pretrained_run_config(cfg.model)
     trained = recorded_data(config)
     if trained is None:
+        check_recorded_characters(cfg)
         return
     path, data = cfg.model.pretrained, cfg.data
     weights = f"model.pretrained={path}"
@@ -739,6 +743,24 @@ def check_pretrained_data(cfg: Config) -> None:
                           f"symbol; fine-tune it on data.dataset={trained.dataset}, or train from scratch (without "
                           f"model.pretrained)")
     check_held_out_from(trained, mapped_payload(path).get("data_fingerprint"), data, weights)
+
+
+def check_recorded_characters(cfg: Config) -> None:
+    """Refuse to fine-tune on data.dataset=kjv from a model.pretrained file that records no characters (`classes`,
+    which train.py's checkpoints of a kjv run hold): nanoGPT's ckpt.pt, transformers' or bare weights, a safetensors
+    file. Their embedding's id i means a symbol of a vocabulary the file does not name (GPT-2's BPE, or a character
+    set of nanoGPT's meta.pkl), which training would silently read as the i-th character of the Bible."""
+    path = cfg.model.pretrained
+    if cfg.data.dataset != "kjv" or not path or not os.path.isfile(path):
+        return
+    payload = mapped_payload(path)
+    if isinstance(payload, dict) and isinstance(payload.get("classes"), list):
+        return
+    raise ConfigError(f"data.dataset=kjv: model.pretrained={path} records no vocabulary (not a checkpoint of train.py, "
+                      "which records its characters), so its embedding's id i means a symbol this run cannot know "
+                      "(GPT-2's token ids, another text's characters) while kjv reads it as its i-th character; "
+                      "fine-tune a train.py checkpoint trained on data.dataset=kjv, or train from scratch (without "
+                      "model.pretrained)")
 
 
 def recorded_data(config: Optional[dict]):

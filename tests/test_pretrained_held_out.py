@@ -108,3 +108,23 @@ def test_fine_tuning_on_the_other_kind_of_text_is_refused(tmp_path, trained, giv
                                           r"scratch \(without model.pretrained\)$"):
         _build([NANO], [f"data.dataset={given}", *root(given), f"out_dir={tmp_path / 'run'}",
                         f"model.pretrained={start}"])
+
+
+@pytest.mark.parametrize("layout", ["nanogpt", "weights", "safetensors"])
+def test_fine_tuning_on_kjv_from_weights_that_record_no_characters_is_refused(tmp_path, layout):
+    """A nanoGPT ckpt.pt of another 65-symbol text (shakespeare_char), a bare state dict or a safetensors file fits
+    gpt2_nano of 65 ids, but its id i names a symbol it does not record: trained on kjv it would be read as the i-th
+    character of the Bible. A train.py checkpoint that records kjv's characters fine-tunes."""
+    from safetensors.torch import save_file
+    weights = build_model(load_config([NANO], []).model).state_dict()
+    path = tmp_path / ("w.safetensors" if layout == "safetensors" else "w.pt")
+    if layout == "safetensors":
+        save_file({k: v.contiguous() for k, v in weights.items() if k != "head.weight"}, path)
+    else:
+        torch.save({"model": weights, "model_args": {"n_layer": 2, "vocab_size": 65}, "iter_num": 5000,
+                    "config": {"dataset": "shakespeare_char"}} if layout == "nanogpt" else weights, path)
+    with pytest.raises(ConfigError, match=r"^data.dataset=kjv: model.pretrained=.*records no vocabulary .*fine-tune a "
+                                          r"train.py checkpoint trained on data.dataset=kjv, or train from scratch"):
+        _build([NANO], [f"out_dir={tmp_path / 'run'}", f"model.pretrained={path}"])
+    start = _start(tmp_path / "best.pt", [NANO], [], classes=sorted(set(_kjv_text())))
+    _build([NANO], [f"out_dir={tmp_path / 'run'}", f"model.pretrained={start}"])  # its characters recorded: trains
