@@ -41,7 +41,6 @@ here touches torch.distributed. The model is never modified: hooks are removed w
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
 
@@ -124,9 +123,10 @@ class ActivationProbe:
         # a module inside a block is counted already: named again, it was a second record, drawn and marked as one
         # outside the blocks (check_extra_modules refuses a pattern that names nothing else)
         counted = {id(t[4]) for t in self.targets if t[1] == "module"}
-        for name, sub in model.named_modules():
-            if fqn_matches(name, extra_modules) and not skip(sub) and id(sub) not in counted:
-                self.targets.append((name, "module", -1, re.sub(r"\.\d+\.", ".N.", name), sub))
+        outside = [name for name, sub in model.named_modules()
+                   if fqn_matches(name, extra_modules) and not skip(sub) and id(sub) not in counted]
+        types = types_outside_blocks(model, outside)
+        self.targets += [(name, "module", -1, types[name], model.get_submodule(name)) for name in outside]
         # the targets whose outputs are probabilities: measured for the maxima, not for the kurtosis
         self._probabilities = {i for i, target in enumerate(self.targets) if isinstance(target[4], PROBABILITIES)}
         # Swin window attention whose windows may be padded (module docstring): the target index -> the owner (the
@@ -331,6 +331,28 @@ def kurtosis_from_sums(sums: torch.Tensor) -> torch.Tensor:
     resolved = var > m2 * torch.finfo(torch.float64).eps ** 0.5
     return torch.where((sums[:, 0] > 0) & resolved, central4 / var.clamp(min=1e-300) ** 2,
                        torch.full_like(var, float("nan")))
+
+
+def types_outside_blocks(model: nn.Module, names: Sequence[str]) -> Dict[str, str]:
+    """{name: module type} of modules outside the blocks, which groups a module's record with those of the same module
+    of the other stages: each index into a container of repeated units (a ModuleList or Sequential whose children are
+    all of one class: Swin's `layers`, MMDetection's `stages`, GPT-2's `transformer.h`, nested ones too) as N, so
+    `layers.1.downsample.reduction` is `layers.N.downsample.reduction` and `a.0.1.b` is `a.N.N.b`. An index into a
+    container of unlike members (a Sequential of a conv and a norm: `downsample.0`, `downsample.1`) names distinct
+    modules and stays, and so do the names of modules of other classes that would share a type."""
+    types = {}
+    for name in names:
+        parent, parts = model, []
+        for part in name.split("."):
+            children = dict(parent.named_children())
+            repeated = part.isdigit() and len({type(child) for child in children.values()}) == 1
+            parts.append("N" if repeated else part)
+            parent = children[part]
+        types[name] = ".".join(parts)
+    classes: Dict[str, set] = {}
+    for name, typ in types.items():
+        classes.setdefault(typ, set()).add(type(model.get_submodule(name)))
+    return {name: typ if len(classes[typ]) == 1 else name for name, typ in types.items()}
 
 
 def names_of_blocks(model: nn.Module, blocks: Sequence[str] = BLOCK_PATTERNS) -> List[str]:

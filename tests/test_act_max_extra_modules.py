@@ -128,3 +128,56 @@ def test_modules_inside_the_blocks_that_a_wider_pattern_names_are_recorded_once(
     want = {name for name, sub in model.named_modules() if fqn_matches(name, ["**.norm*"]) and ".blocks." not in name
             and not isinstance(sub, nn.Identity)}
     assert outside == want and "norm" in outside
+
+
+class _Unit(nn.Module):
+    def __init__(self, b: nn.Module) -> None:
+        super().__init__()
+        self.b = b
+
+
+class _Families(nn.Module):
+    """Module names of the families the probe meets, outside the blocks: Swin stages (`layers.N.blocks.M`,
+    `layers.N.downsample.reduction`), GPT-2's `transformer.h.N.mlp`, MMDetection's `backbone.stages.N.downsample.norm`,
+    a ModuleList of ModuleLists (`a.0.1.b`), and Sequentials of unlike members (`stem`, `pre`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Unit(nn.Linear(4, 4)) for _ in range(2)])  # the Transformer blocks (ViT)
+        self.a = nn.ModuleList([nn.ModuleList([_Unit(nn.Linear(4, 4)) for _ in range(2)]) for _ in range(2)])
+        self.transformer = nn.Module()
+        self.transformer.h = nn.ModuleList([nn.Module() for _ in range(3)])
+        for h in self.transformer.h:
+            h.mlp = nn.Linear(4, 4)
+        self.layers, self.backbone = self._stages(), nn.Module()
+        self.backbone.stages = self._stages()
+        self.stem = nn.Sequential(_Unit(nn.Linear(4, 4)), _Unit(nn.LayerNorm(4)))
+        self.pre = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+
+    @staticmethod
+    def _stages() -> nn.ModuleList:
+        stages = nn.ModuleList([nn.Module() for _ in range(2)])
+        for stage in stages:
+            stage.downsample = nn.Module()
+            stage.downsample.norm, stage.downsample.reduction = nn.LayerNorm(4), nn.Linear(4, 4)
+        return stages
+
+
+def test_modules_outside_the_blocks_are_grouped_by_their_stage_index_only():
+    """The type of a module outside the blocks replaced `.<digits>.` in its name by `.N.` with a regular expression:
+    the matches do not overlap, so `a.0.1.b` was `a.N.1.b` (a.0.1.b and a.0.0.b, the same module of two units, drawn
+    as two types), and an index into a Sequential of unlike members was replaced too (`stem.0.b`, a Linear, and
+    `stem.1.b`, a LayerNorm, one type). The reference: the types written out by hand for each family (`blocks.*` names
+    the model's blocks: the probe needs some)."""
+    model = _Families()
+    patterns = ["a.*.*.b", "transformer.h.*.mlp", "layers.*.downsample.*", "backbone.stages.*.downsample.norm",
+                "stem.*.b", "pre.*"]
+    with ActivationProbe(model, extra_modules=patterns) as probe:
+        pass
+    types = {name: typ for name, kind, block, typ, _ in probe.targets if block == -1}
+    want = {**{f"a.{i}.{j}.b": "a.N.N.b" for i in range(2) for j in range(2)},
+            **{f"transformer.h.{i}.mlp": "transformer.h.N.mlp" for i in range(3)},
+            **{f"layers.{i}.downsample.{m}": f"layers.N.downsample.{m}" for i in range(2) for m in ("norm", "reduction")},
+            **{f"backbone.stages.{i}.downsample.norm": "backbone.stages.N.downsample.norm" for i in range(2)},
+            "stem.0.b": "stem.0.b", "stem.1.b": "stem.1.b", "pre.0": "pre.0", "pre.1": "pre.1"}
+    assert types == want
