@@ -177,7 +177,8 @@ def test_modules_outside_the_blocks_are_grouped_by_their_stage_index_only():
     types = {name: typ for name, kind, block, typ, _ in probe.targets if block == -1}
     want = {**{f"a.{i}.{j}.b": "a.N.N.b" for i in range(2) for j in range(2)},
             **{f"transformer.h.{i}.mlp": "transformer.h.N.mlp" for i in range(3)},
-            **{f"layers.{i}.downsample.{m}": f"layers.N.downsample.{m}" for i in range(2) for m in ("norm", "reduction")},
+            **{f"layers.{i}.downsample.{m}": f"layers.N.downsample.{m}"
+               for i in range(2) for m in ("norm", "reduction")},
             **{f"backbone.stages.{i}.downsample.norm": "backbone.stages.N.downsample.norm" for i in range(2)},
             "stem.0.b": "stem.0.b", "stem.1.b": "stem.1.b", "pre.0": "pre.0", "pre.1": "pre.1"}
     assert types == want
