@@ -755,6 +755,42 @@ def test_optim_wrappers_that_accumulate_over_different_counts_are_refused():
         accumulative_counts(wrappers(1, 2))
 
 
+@HOOKS.register_module(force=True)
+class SetAccumulation(Hook):
+    """Sets the optim wrapper's accumulative_counts to `counts` before iteration `at` (runs before TweoHook's)."""
+
+    priority = "HIGH"
+
+    def __init__(self, at: int, counts: int) -> None:
+        self.at, self.counts = at, counts
+
+    def before_train_iter(self, runner, batch_idx, data_batch=None):
+        if runner.iter == self.at:
+            runner.optim_wrapper._accumulative_counts = self.counts
+
+
+def test_a_cosine_tweo_refuses_an_accumulation_count_that_changes_during_training(tmp_path):
+    """The count was read once at before_train: after a hook set 1 for 2, t = iteration // 2 went on indexing the
+    cosine's lam(t) by half the updates made. A constant lam reads no t: the change passes there."""
+    hooks = [dict(type="TweoHook", lam=0.5, schedule="cosine"), dict(type="SetAccumulation", at=2, counts=1)]
+    with pytest.raises(RuntimeError, match="accumulative_counts changed from 2 to 1 at iteration 2"):
+        run(config(tmp_path / "cosine", hooks, iters=4, accum=2))
+    hooks[0] = dict(type="TweoHook", lam=0.5)
+    assert run(config(tmp_path / "constant", hooks, iters=4, accum=2)).iter == 4
+
+
+def test_a_cosine_tweo_resumed_with_another_accumulation_count_is_refused(tmp_path, monkeypatch):
+    """The resumed run's t = iteration // accumulative_counts counts its updates only under the checkpoint's count
+    (4 iterations of 2 micro-batches are 2 updates, not 4 of 1)."""
+    hook = dict(type="TweoHook", lam=0.5, schedule="cosine")
+    run(config(tmp_path / "first", [hook], iters=4, accum=2))
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # MMEngine's own message hub (numpy) in it
+    checkpoint = str(tmp_path / "first" / "iter_4.pth")
+    with pytest.raises(ValueError, match="accumulative_counts=1, where the checkpoint's run accumulated over 2"):
+        run(config(tmp_path / "other", [hook], iters=6, accum=1, resume=checkpoint))
+    assert run(config(tmp_path / "same", [hook], iters=6, accum=2, resume=checkpoint)).iter == 6
+
+
 @MODELS.register_module(force=True)
 class NoParseLosses(BaselineNet):
     """A train_step of its own that steps on the loss without the model's parse_losses."""

@@ -20,7 +20,10 @@ removed at `after_train`) and adds `lam(t) * L_TWEO` (rescaled) to the loss it r
     to one wrapper object (an OptimWrapperDict has several).
 The term is added once per micro-batch (each has its own forward), and lam(t) reads t = runner.iter //
 accumulative_counts, the index of the optimizer update the micro-batch belongs to (restored by resume with
-runner.iter). It is logged as `loss_tweo` (and the raw L_TWEO as `tweo_penalty`, lam(t) as `tweo_lam`) in the
+runner.iter). That index holds for one accumulation count over the whole run: where the cosine schedule reads it,
+a count that changes during training (a hook that sets the wrapper's, a wrapper replaced by one of another count)
+or differs from the one that the resumed checkpoint's run trained with (saved in it under
+"tweo_accumulative_counts") is refused, as t would no longer count the updates. It is logged as `loss_tweo` (and the raw L_TWEO as `tweo_penalty`, lam(t) as `tweo_lam`) in the
 step's log variables, which MMEngine puts in the message hub as `train/loss_tweo`; `loss` is the total.
 A model whose `train_step` never calls `parse_losses` would train without TWEO: the hook then raises after the
 iteration, as it does when blocks ran again after the term was added. Validation forwards (eval mode, no grad)
@@ -56,6 +59,9 @@ from ..pairs import find_blocks
 from ..tweo import TWEO, check_tweo_settings
 from ..wrappers import unwrap_model
 from . import check_module_name, select_module
+
+
+ACCUM_KEY = "tweo_accumulative_counts"  # the run's accumulation count in its checkpoints (module doc)
 
 
 def accumulative_counts(optim_wrapper: Any) -> int:
@@ -150,6 +156,8 @@ class TweoHook(Hook):
         self._step = 0
         self._armed = False
         self._added = False  # whether this iteration's parse_losses added the term
+        self._accum: Optional[int] = None
+        self._loaded_accum: Optional[int] = None  # the count that the loaded checkpoint's run trained with, if saved
 
     def before_train(self, runner) -> None:
         self._unwrap_parse_losses()
@@ -157,6 +165,11 @@ class TweoHook(Hook):
             self.tweo.remove()
         accum = accumulative_counts(runner.optim_wrapper)
         total = self.total_steps or math.ceil(runner.max_iters / accum)
+        if runner.iter > 0 and self._loaded_accum not in (None, accum) and self._reads_step():  # a resumed run
+            raise ValueError(f"TweoHook: resuming at iteration {runner.iter} with optim_wrapper accumulative_counts="
+                             f"{accum}, where the checkpoint's run accumulated over {self._loaded_accum}: the cosine "
+                             "schedule's update index t = iteration // accumulative_counts would no longer count the "
+                             f"run's updates; resume with accumulative_counts={self._loaded_accum}")
         self._accum = accum
         model = unwrap_model(runner.model)
         if "parse_losses" in vars(model):
@@ -199,8 +212,20 @@ class TweoHook(Hook):
         blocks = find_blocks(select_module(model, self.module), self.kwargs.get("layouts", LAYOUTS))
         return checkpointing_refusal(model, names, [block for _, block in blocks])
 
+    def _reads_step(self) -> bool:
+        """Whether lam(t) depends on the update index t (the cosine schedule; the constant one never reads it)."""
+        return self.kwargs.get("schedule", "constant") == "cosine"
+
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
-        self._step = runner.iter // self._accum  # the optimizer update this micro-batch belongs to
+        # read at every iteration: a hook may set the count, or replace the wrapper, during training
+        accum = accumulative_counts(runner.optim_wrapper)
+        if accum != self._accum and self._reads_step():
+            raise RuntimeError(f"TweoHook: the optim wrapper's accumulative_counts changed from {self._accum} to "
+                               f"{accum} at iteration {runner.iter}: the cosine schedule's update index t = iteration "
+                               "// accumulative_counts would no longer count the run's updates; keep one "
+                               "accumulative_counts for the run, or use schedule='constant'")
+        self._accum = accum
+        self._step = runner.iter // accum  # the optimizer update this micro-batch belongs to
         self._armed = True
         self._added = False
 
@@ -220,6 +245,13 @@ class TweoHook(Hook):
                            "parse_losses never ran, so no TWEO term was added (does the model override train_step "
                            "without calling parse_losses? or were the blocks recomputed during the backward pass "
                            "by reentrant activation checkpointing of a module that contains them?)")
+
+    def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
+        if self._accum is not None:
+            checkpoint[ACCUM_KEY] = self._accum  # a plain int: loads with weights_only
+
+    def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
+        self._loaded_accum = checkpoint.get(ACCUM_KEY)  # compared in before_train, for a resumed run only
 
     def after_train(self, runner) -> None:
         self._unwrap_parse_losses()
