@@ -23,7 +23,8 @@ accumulative_counts, the index of the optimizer update the micro-batch belongs t
 runner.iter). That index holds for one accumulation count over the whole run: where the cosine schedule reads it,
 a count that changes during training (a hook that sets the wrapper's, a wrapper replaced by one of another count)
 or differs from the one that the resumed checkpoint's run trained with (saved in it under
-"tweo_accumulative_counts") is refused, as t would no longer count the updates. It is logged as `loss_tweo` (and the raw L_TWEO as `tweo_penalty`, lam(t) as `tweo_lam`) in the
+"tweo_accumulative_counts") is refused, as t would no longer count the updates.
+It is logged as `loss_tweo` (and the raw L_TWEO as `tweo_penalty`, lam(t) as `tweo_lam`) in the
 step's log variables, which MMEngine puts in the message hub as `train/loss_tweo`; `loss` is the total.
 A model whose `train_step` never calls `parse_losses` would train without TWEO: the hook then raises after the
 iteration, as it does when blocks ran again after the term was added. Validation forwards (eval mode, no grad)
