@@ -29,6 +29,9 @@ whose checkpoint beside it
 (the run's best.pt) holds other weights now than those it scored (the run trained on after its evaluation) is
 refused, naming the command that refreshes it (engine/eval_results.refuse_stale).
 
+--out also writes the table to a file, ending it with a marker comment line (OWN_MARK); --overwrite replaces only a
+file that ends with it, a table this script wrote, and refuses any other (a hand-written table, a result file).
+
 Layouts:
     rows      one row per result: Model | Method | FP Top-1 | Max. Act. (mod./blk.) | one column per
               pipeline (and bit-width) (engine.result_table.markdown_table, the row evaluate.py prints).
@@ -73,6 +76,27 @@ from engine.outputs import write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import (FP_COLUMNS, PAPER_NAMES, dagger_note, evaluated_otherwise,  # noqa: E402
                                  extra_modules_note, markdown_table, nondefault_settings, stopped_note)
+
+# the last line of every --out file this script writes (a markdown comment: not shown), by which --overwrite knows a
+# file as one of its tables: any other file at --out (a hand-written table, another script's report) is not replaced
+OWN_MARK = "<!-- written by scripts/paper_table.py: its --overwrite replaces only a file that ends with this line -->"
+
+
+def refuse_unowned_out(path: str) -> None:
+    """--overwrite replaces only a table this script wrote (its last line OWN_MARK): SystemExit naming any other file
+    at `path` ("Nothing lost": no command replaces a file it did not create)."""
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().decode("utf-8", errors="replace").rstrip("\n").split("\n")
+    except OSError as e:
+        sys.exit(f"error: --out {path} cannot be read ({e.strerror}) to tell whether this script wrote it: "
+                 "choose another --out")
+    if lines[-1].rstrip("\r") != OWN_MARK:
+        sys.exit(f"error: --out {path} is not a table paper_table.py wrote (its last line is not {OWN_MARK}), "
+                 "and --overwrite replaces only those: choose another --out, or move the file aside")
+
 
 # Table 3's row order and names; data sets not listed follow, by folder name
 FINETUNE_DATASETS = {"flowers102": "Flowers102", "pets": "Pets", "aircraft": "Aircraft", "cars": "Cars",
@@ -283,7 +307,8 @@ def main(argv=None) -> str:
     p.add_argument("results", nargs="+", help="JSON files written by evaluate.py")
     p.add_argument("--layout", choices=["rows", "finetune"], default="rows", help="see above (default rows)")
     p.add_argument("--out", help="also write the table to this file (a new file, unless --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out file that this script wrote (it ends with a marker comment)")
     p.add_argument("--over-seeds", action="store_true",
                    help="rows layout: one row per model and method, mean ± std over its results (the seeds "
                         "of a sweep: results of other training settings, evaluations or weights are refused)")
@@ -300,6 +325,8 @@ def main(argv=None) -> str:
         results = read_result_files(args.results)
     except (RunDirError, ResultsError) as e:
         sys.exit(f"error: {e}")
+    if args.out and args.overwrite:
+        refuse_unowned_out(args.out)
     for path, result in zip(args.results, results):  # the numbers the tables print (a file cut by hand lacks some)
         if args.layout == "finetune" and "top1" not in result["fp"]:
             continue  # a language model's: the fine-tuning layout refuses it as such
@@ -330,9 +357,12 @@ def main(argv=None) -> str:
         table += ("\n" if "\n\n" in table else "\n\n") + "\n".join(notes)
     console_print(table)  # its † and ± on an ASCII console, or a closed pipe
     if args.out:
+        if args.overwrite:  # a file another command put at --out meanwhile is not this script's either
+            refuse_unowned_out(args.out)
         try:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            write_text(args.out, table + "\n", args.overwrite)  # never over a file another command wrote meanwhile
+            # never over a file another command wrote meanwhile
+            write_text(args.out, f"{table}\n\n{OWN_MARK}\n", args.overwrite)
         except RunDirError as e:
             sys.exit(f"error: {e}; the table is printed above")
         except OSError as e:  # a folder that cannot be made or written (read-only, /proc): the table is printed

@@ -364,8 +364,36 @@ def test_finetune_layout_refuses_two_results_for_one_cell_and_out_is_never_repla
     with pytest.raises(SystemExit, match="already exist.*choose another --out or add --overwrite"):
         paper_table.main(["--out", str(out), str(a)])
     assert out.read_text() == "someone's table\n"
-    paper_table.main(["--out", str(out), "--overwrite", str(a)])
-    assert "| CD |" in out.read_text()
+    mine = tmp_path / "mine.md"
+    paper_table.main(["--out", str(mine), str(a)])
+    paper_table.main(["--out", str(mine), "--overwrite", str(a)])
+    assert "| CD |" in mine.read_text()
+
+
+def test_paper_table_overwrite_replaces_only_a_table_it_wrote(tmp_path, capsys):
+    """--out X --overwrite replaced whatever was at X (another run's result file that is not among the inputs, a
+    hand-written table, another script's report) with the table. It replaces only a file this script wrote now (the
+    marker line it ends its --out files with), and refuses any other with one error line, leaving it as it was; the
+    reference is the bytes of the file before."""
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps(_finetune_result("pets", "CD", 95.0, 94.0)))
+    other = tmp_path / "other_run" / "eval_best.json"  # another run's result file, no input of this table
+    other.parent.mkdir()
+    other.write_text(json.dumps(_finetune_result("pets", "Baseline", 90.0, 80.0)))
+    hand = tmp_path / "table.md"
+    hand.write_text("| my | notes |\n")
+    for path in (other, hand):
+        before = path.read_bytes()
+        with pytest.raises(SystemExit) as refused:
+            paper_table.main(["--out", str(path), "--overwrite", str(a)])
+        assert str(refused.value.code).startswith(f"error: --out {path} is not a table paper_table.py wrote")
+        assert "\n" not in str(refused.value.code) and path.read_bytes() == before
+    ours = tmp_path / "ours.md"
+    first = paper_table.main(["--out", str(ours), str(a)])
+    assert ours.read_text(encoding="utf-8").startswith(first + "\n")
+    a.write_text(json.dumps(_finetune_result("pets", "CD", 96.0, 94.0)))
+    second = paper_table.main(["--out", str(ours), "--overwrite", str(a)])  # its own table: replaced
+    assert second != first and ours.read_text(encoding="utf-8").startswith(second + "\n")
 
 
 def test_paper_table_refuses_a_result_of_weights_its_best_pt_no_longer_holds(tmp_path):
