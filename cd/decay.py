@@ -27,7 +27,7 @@ from .layouts import LAYOUTS, Layout, check_layouts
 from .pairs import ROLES, Pair, check_switches, find_pairs
 from .sharded import any_sharded, block_plans, register_shards, sharded_colinearity_decay_, sharded_pair_energy
 from .update import (PRECISIONS, align_to_task_loss, build_plan, check_tf32_device, colinearity_decay_, is_sharded,
-                     known_zero, pair_energy, pair_penalty, refuse_meta, resolve_precision)
+                     known_zero, onto, pair_energy, pair_penalty, refuse_meta, resolve_precision)
 from .verify import UnsupportedModelError
 from .wrappers import (check_model, closure_then, in_outer_step, steps_without_hooks, torch_optimizer,
                        unhooked_step_text, unwrap_model)
@@ -190,14 +190,16 @@ def _ran_on_device(live: list, gate: Optional[Tensor]) -> Optional[Tensor]:
     update runs (its deltas are zero when skipped) and `_count_gated` takes it out of cd/updates lazily."""
     if not all(isinstance(lr, Tensor) for lr in live):
         return gate
-    moves = functools.reduce(torch.logical_or, [lr != 0 for lr in {id(lr): lr for lr in live}.values()])
-    return moves if gate is None else gate & moves
+    # on one device: a split model's param groups may hold their lrs on their own blocks' devices (`onto`)
+    flags = [lr != 0 for lr in {id(lr): lr for lr in live}.values()]
+    moves = functools.reduce(torch.logical_or, [onto(f, flags[0].device) for f in flags])
+    return moves if gate is None else gate & onto(moves, gate.device)
 
 
 def _kept_unless(ran: Tensor, new: Tensor, old: Tensor) -> Tensor:
     """`new` where `ran`, else `old`, by arithmetic: a 0-dim `ran` on the CPU (a CPU lr tensor's verdict) enters a
     CUDA product as a scalar, with no copy to the device and no wait for it."""
-    r = ran.to(new.dtype)
+    r = onto(ran, new.device).to(new.dtype)  # a split model's verdict may be on another GPU than the norms
     return new * r + old * (1 - r)
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .pairs import Pair
-from .update import Plan, build_plan, colinearity_decay_, energy_units, is_sharded, pair_energy
+from .update import Plan, build_plan, colinearity_decay_, energy_units, is_sharded, onto, pair_energy
 
 
 def register_shards(model: nn.Module) -> None:
@@ -91,8 +91,9 @@ def sharded_colinearity_decay_(pairs: Sequence[Pair], steps: Sequence, up_steps:
         written |= {id(pairs[i].upstream) for k, i in enumerate(idx) if isinstance(s1[k], Tensor) or s1[k] != 0}
         for key in written & whole.keys():
             _write_back(*whole[key])
-        for role, norm in result.items():
-            squares[role] = squares[role] + norm.square() if role in squares else norm.square()
+        for role, norm in result.items():  # summed on the first block's device (a split model's, `onto`)
+            sq = norm.square() if role not in squares else onto(norm.square(), squares[role].device)
+            squares[role] = squares[role] + sq if role in squares else sq
     return {role: sq.sqrt() for role, sq in squares.items()}
 
 
@@ -106,7 +107,7 @@ def sharded_pair_energy(pairs: Sequence[Pair], plans: list[tuple[list[int], Plan
         block = [pairs[i] for i in idx]
         units = energy_units(block)
         for role, mean in pair_energy(_gathered(block)[0], plan).items():
-            n = units[role]
-            sums[role] = sums[role] + mean * n if role in sums else mean * n
+            n = units[role]  # summed on the first block's device (a split model's, `onto`)
+            sums[role] = sums[role] + onto(mean * n, sums[role].device) if role in sums else mean * n
             counts[role] = counts.get(role, 0) + n
     return {role: sums[role] / counts[role] for role in sums}

@@ -154,10 +154,21 @@ def align_to_task_loss(penalty: Tensor, task_loss: Tensor) -> Tensor:
     The magnitude, not the signed loss: the paper aligns the term to the task loss's scale, and a negative task loss
     (a Gaussian NLL, a negative ELBO or similarity) would otherwise flip the term into one that raises the penalty.
     """
+    penalty = onto(penalty, task_loss.device)  # a split model's penalty is on its first block's device (`onto`)
     # fp32 at least (an fp16 task loss), float64 for a float64 penalty (exact float64 references)
     ratio = task_loss.detach().abs().to(compute_dtype(penalty)) / \
         penalty.detach().clamp_min(torch.finfo(torch.float32).tiny)
     return penalty * ratio
+
+
+def onto(t: Tensor, device: torch.device) -> Tensor:
+    """`t` on `device`, for a sum over blocks: a model split over devices (pipeline stages, transformers'
+    device_map="auto": block 0 on cuda:0, block 1 on cuda:1) gives each block's norm, energy or penalty on its own
+    device, and torch refuses to add 0-dim tensors of two CUDA devices. A 0-dim CPU tensor stays where it is: torch
+    takes it into an op on any device as a scalar, with no copy (a CPU lr's, a CPU block's norm)."""
+    if t.device == device or (t.dim() == 0 and t.device.type == "cpu"):
+        return t
+    return t.to(device)
 
 
 def compute_dtype(t: Tensor) -> torch.dtype:
@@ -299,12 +310,12 @@ def _fold_steps(steps: Sequence[Number], gate: Optional[Tensor], factor: Tensor)
     alphas = []
     for k, s in enumerate(steps):
         if isinstance(s, Tensor):
-            factor[k].mul_(s.to(factor.dtype))
+            factor[k].mul_(onto(s, factor.device).to(factor.dtype))  # a split model's lr: another device's
             alphas.append(-1.0)
         else:
             alphas.append(-float(s))
     if gate is not None:
-        factor.mul_(gate.to(factor.dtype))
+        factor.mul_(onto(gate, factor.device).to(factor.dtype))  # GradScaler's verdict, on its own device
     return alphas
 
 
@@ -347,7 +358,8 @@ def colinearity_decay_(
     Returns:
         with `norms`, dict role -> 0-dim fp32 tensor: Frobenius norm of the role's whole update (root of
         the summed squared per-block norms), plus '<role>_upstream' for target set C; roles that were
-        skipped are absent. Without `norms`, {}.
+        skipped are absent. Without `norms`, {}. On the first pair's W2's device (a split model's blocks' norms
+        are moved there, `onto`).
 
     Raises:
         ValueError: step_sizes has another length than pairs, a matrix is an FSDP2 shard (a DTensor: see
@@ -368,12 +380,13 @@ def colinearity_decay_(
         plan = build_plan(pairs, [not known_zero(s) for s in up_steps])
 
     sq_norms: dict[str, Tensor] = {}
+    out = pairs[0].w2().device if n_pairs else torch.device("cpu")  # where the norms are summed (`onto`)
     pending: list[tuple[Tensor, Tensor]] = []  # (target, delta) of deferred groups, added at the end
 
     def record(key: str, delta: Tensor) -> None:
         """Add delta's squared norm to key's (with `norms`)."""
         if norms:
-            sq = delta.square().sum()
+            sq = onto(delta.square().sum(), out)
             sq_norms[key] = sq_norms[key] + sq if key in sq_norms else sq
 
     def add(key: str, target: Tensor, delta: Tensor, deferred: bool) -> None:
@@ -472,17 +485,18 @@ def pair_energy(pairs: Sequence[Pair], plan: Optional[Plan] = None) -> dict[str,
 
     Returns:
         dict role -> 0-dim fp32 tensor: the MEAN over the role's blocks of the block's ||W2 W1n||_F^2, summed over
-        the pairs of one upstream matrix.
+        the pairs of one upstream matrix. On the first pair's W2's device (`onto`).
 
     Raises:
         ValueError: a matrix is on the meta device (`refuse_meta`: no values to measure).
     """
     plan = plan or build_plan(pairs)
     sums: dict[str, Tensor] = {}
+    out = pairs[0].w2().device if pairs else torch.device("cpu")  # one device for the sums over blocks (`onto`)
     for group in plan.groups:
-        e = _group_energy([pairs[i] for i in group], grad=False, upstream_grad=False)  # (n,)
+        e = onto(_group_energy([pairs[i] for i in group], grad=False, upstream_grad=False).sum(), out)
         role = pairs[group[0]].role
-        sums[role] = sums[role] + e.sum() if role in sums else e.sum()
+        sums[role] = sums[role] + e if role in sums else e
     units = energy_units(pairs)
     return {role: sums[role] / units[role] for role in sums}
 
@@ -540,7 +554,7 @@ def pair_penalty(
         plan: optional cached `build_plan(pairs)`.
 
     Returns:
-        0-dim fp32 tensor (zero without a graph if every weight is 0).
+        0-dim fp32 tensor on the first pair's W2's device (`onto`; zero without a graph if every weight is 0).
 
     Raises:
         ValueError: a matrix is on the meta device (`refuse_meta`: no values to differentiate).
@@ -558,6 +572,6 @@ def pair_penalty(
         values = [float(weights[i]) for i in idx]
         w = (e.new_full((len(idx),), values[0], dtype=torch.float32) if len(set(values)) == 1
              else torch.stack([e.new_full((), v, dtype=torch.float32) for v in values]))
-        term = (e * w).sum()
+        term = onto((e * w).sum(), device)  # one device for the sum over blocks (`onto`)
         total = term if total is None else total + term
     return total if total is not None else torch.zeros((), dtype=compute_dtype(pairs[0].w2()), device=device)

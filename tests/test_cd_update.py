@@ -5,14 +5,17 @@ explicit V-row slicing and full matrices (diag(g) as a matrix), never with cd/'s
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import pytest
 import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cd import ColinearityDecay, UnsupportedModelError, find_pairs
-from cd.update import colinearity_decay_
+from cd.update import align_to_task_loss, colinearity_decay_, pair_energy, pair_penalty
 from cd_models import (SWIN_DEPTHS, VIT_DEPTH, changed, normalized, randomize_norms, ref_block_update, ref_w2,
                        snapshot, tiny_swin, tiny_vit)
 
@@ -480,3 +483,56 @@ def test_a_tiny_but_nonzero_upstream_matrix_is_normalized_like_any_other():
     torch.testing.assert_close(params["blocks.1.attn.qkv.weight"].detach(),
                                ref_w2(P["blocks.1.attn.qkv.weight"], torch.diag(P["blocks.1.norm1.weight"]), 0.05),
                                rtol=1e-10, atol=1e-12)
+
+
+def _split_over_two_gpus(model):
+    """`model` with block 1 on cuda:1 and every other parameter on cuda:0 (pipeline stages, transformers'
+    device_map="auto"), as torch's FakeTensors: tensors of shape and device only, which refuse an op on tensors of
+    two CUDA devices as CUDA does ("found at least two devices"), on a machine without a GPU. Returns the mode."""
+    mode = FakeTensorMode()
+    values = {name: p.detach() for name, p in model.named_parameters()}
+    with mode:
+        for name, value in values.items():
+            module, _, attr = name.rpartition(".")
+            device = "cuda:1" if name.startswith("blocks.1.") else "cuda:0"
+            setattr(model.get_submodule(module), attr, nn.Parameter(mode.from_tensor(value).to(device)))
+    return mode
+
+
+def test_the_sums_over_blocks_of_a_model_split_over_two_gpus_are_made_on_one_device():
+    """The 0-dim norms, energies and penalty of blocks on cuda:0 and cuda:1 were added across the two devices, which
+    torch refuses; they are summed on the first pair's device, and the penalty follows the task loss's."""
+    model = tiny_vit()
+    pairs = find_pairs(model)
+    mode = _split_over_two_gpus(model)
+    params = dict(model.named_parameters())
+    pairs = [dataclasses.replace(p, upstream=params[p.upstream_name.split("[")[0]], downstream=params[p.name])
+             for p in pairs]
+    with mode:
+        assert {p.w2().device.index for p in pairs} == {0, 1}
+        gate = torch.ones((), dtype=torch.bool, device="cuda:1")  # GradScaler's found_inf == 0, on its own GPU
+        norms = colinearity_decay_(pairs, [0.1] * len(pairs), [0.1] * len(pairs), gate=gate, norms=True)
+        energy = pair_energy(pairs)
+        penalty = pair_penalty(pairs, [1.0] * len(pairs), upstream_grad=True)
+        term = align_to_task_loss(penalty, torch.ones((), device="cuda:1"))  # the last stage's loss
+    assert set(norms) == {"qkv", "proj", "fc1", "fc2", "proj_upstream", "fc2_upstream"}
+    assert {str(v.device) for v in (*norms.values(), *energy.values(), penalty)} == {"cuda:0"}
+    assert term.device == torch.device("cuda:1")
+
+
+def test_colinearity_decay_steps_a_model_split_over_two_gpus():
+    """Attached to an optimizer whose param groups hold their lrs on their blocks' GPUs, under a fused step's
+    GradScaler verdict on the other one: the update, its flags and its norms were combined across the devices."""
+    model = tiny_vit()
+    mode = _split_over_two_gpus(model)
+    with mode:
+        decay = ColinearityDecay(model, verify=False, matmul_precision="fp32")
+        opt = torch.optim.SGD([{"params": list(model.blocks[0].parameters()), "lr": torch.tensor(0.1, device="cuda:0")},
+                               {"params": list(model.blocks[1].parameters()), "lr": torch.tensor(0.1, device="cuda:1")}])
+        decay.attach(opt)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        for device in ("cuda:1", "cuda:0"):  # the second update also joins the first's flags and norms
+            opt.found_inf = torch.zeros((), device=device)
+            assert decay.apply_for(opt)
+    assert {str(v.device) for v in decay._last_update_norms.values()} == {"cuda:0"}
