@@ -621,3 +621,100 @@ def test_a_float64_default_dtype_changes_nothing(name, bits, options):
         finally:
             torch.set_default_dtype(previous)
     assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
+# -- a Conv2d inside a block: GPTQ's flattened weight and unfolded inputs (IST-DASLab/gptq gptq.py) ----------------
+class _ConvMlp(nn.Module):
+    def __init__(self, padding_mode: str, groups: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Conv2d(3, 6, 3, padding=2, dilation=2, padding_mode=padding_mode)
+        self.fc2 = nn.Conv2d(6, 3, 1, groups=groups)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self, padding_mode: str, groups: int) -> None:
+        super().__init__()
+        self.mlp = _ConvMlp(padding_mode, groups)
+
+    def forward(self, x):
+        return x + self.mlp(x)
+
+
+class _ConvNet(nn.Module):
+    """Two blocks whose MLP layers (blocks.N.mlp.fc1 / fc2: the in-block patterns) are convolutions."""
+
+    def __init__(self, padding_mode: str, groups: int) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(_ConvBlock(padding_mode, groups), _ConvBlock(padding_mode, groups))
+        self.head = nn.Linear(3, 10)
+
+    def forward(self, x):
+        return self.head(self.blocks(x).mean((2, 3)))
+
+
+def conv_net(padding_mode: str = "zeros", groups: int = 1) -> nn.Module:
+    torch.manual_seed(0)
+    return _ConvNet(padding_mode, groups).eval()
+
+
+def naive_patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """[B, L, C * kh * kw]: each output position's input values under the kernel, read one at a time in
+    (channel, kernel row, kernel column) order, from the input padded as the layer's padding_mode pads it."""
+    (ph, pw), (kh, kw), (dh, dw), (sh, sw) = conv.padding, conv.kernel_size, conv.dilation, conv.stride
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    xp = torch.nn.functional.pad(x, (pw, pw, ph, ph), mode=mode)
+    out_h, out_w = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1, (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    rows = [[[xp[b, c, i * sh + u * dh, j * sw + v * dw] for c in range(x.shape[1]) for u in range(kh)
+              for v in range(kw)] for i in range(out_h) for j in range(out_w)] for b in range(x.shape[0])]
+    return torch.tensor(rows, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+def test_gptq_and_rtn_of_a_conv_quantize_its_flattened_weight_on_its_unfolded_inputs(padding_mode):
+    """A Conv2d the in-block patterns match ended in an AttributeError (gptq: in_features) or a shape error (rtn).
+    GPTQ quantizes it as IST-DASLab/gptq does: the weight as [C_out, C_in*kh*kw], the Hessian of the input unfolded
+    into kernel patches. Reference: the patches read naively (checked against the conv's own output), their Hessian,
+    and GPTQ of the flattened weight; rtn: naive per-row rounding of the flattened weight (groups of its columns)."""
+    model, x = conv_net(padding_mode), torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1))
+    qmodel, report = PIPELINES["gptq"](model, x, "w4a16", {"batch_size": 4})
+    inputs = {}
+    hooks = [model.get_submodule(n).register_forward_pre_hook(lambda m, a, n=n: inputs.setdefault(n, a[0]))
+             for n in ("blocks.0.mlp.fc1", "blocks.0.mlp.fc2")]
+    with torch.no_grad():
+        model(x)  # block 0's layers: their inputs in the float model (one pass per block, as opt_sequential)
+    for h in hooks:
+        h.remove()
+    for name, seen in inputs.items():
+        conv, layer = model.get_submodule(name), qmodel.get_submodule(name)
+        patches = naive_patches(conv, seen)
+        with torch.no_grad():  # the patches' column order is the flattened weight's: the conv's own output
+            want = (patches @ conv.weight.flatten(1).T + conv.bias).transpose(1, 2).reshape(conv(seen).shape)
+            torch.testing.assert_close(want, conv(seen), rtol=1e-5, atol=1e-5)
+        acc = HessianAccumulator(patches.shape[-1], torch.device("cpu"))
+        acc.add(patches)
+        ref = gptq_quantize(conv.weight.detach().flatten(1), acc.hessian, GPTQQuantizer(4))[0].view_as(conv.weight)
+        torch.testing.assert_close(layer.weight, ref, rtol=0, atol=1e-6)
+        torch.testing.assert_close(layer.quantized_weight(), layer.weight, rtol=0, atol=1e-6)  # on its grid
+    assert report["calibration_tokens"] == 4 * 36  # one row per output position
+
+    rtn, _ = PIPELINES["rtn"](model, x, "w4a16", {"group_size": 9})
+    ref = conv_net(padding_mode)
+    with torch.no_grad():
+        for block in ref.blocks:
+            for conv in (block.mlp.fc1, block.mlp.fc2):
+                conv.weight.copy_(naive_round(conv.weight.flatten(1), 4, group=9).view_as(conv.weight))
+        torch.testing.assert_close(rtn(x), ref(x), rtol=0, atol=1e-5)
+
+
+def test_gptq_refuses_a_grouped_conv_by_name_before_any_work():
+    """One Hessian of the whole unfolded input does not describe a grouped convolution (officially a shape error):
+    refused naming the layer; rtn, which needs no inputs, rounds it per output channel."""
+    model, x = conv_net(groups=3), torch.randn(2, 3, 6, 6)
+    with pytest.raises(ValueError, match=r"^gptq cannot quantize blocks\.0\.mlp\.fc2, a Conv2d with groups=3"):
+        PIPELINES["gptq"](model, x, "w4a16")
+    rtn, _ = PIPELINES["rtn"](model, x, "w4a16")
+    w = model.blocks[0].mlp.fc2.weight
+    torch.testing.assert_close(rtn.blocks[0].mlp.fc2.quantized_weight(), naive_round(w.flatten(1), 4).view_as(w))

@@ -19,10 +19,12 @@ from ..spec import QuantSpec
 
 
 def quantized_widths(model: nn.Module, spec: QuantSpec) -> dict[str, int]:
-    """{FQN: in_features} of the Linears of `model` that `spec`'s linear rules quantize (convert.py matches the same
-    names: a converted attention keeps its qkv / proj names)."""
-    return {fqn: module.in_features for fqn, module in model.named_modules()
-            if isinstance(module, nn.Linear) and any(fqn_matches(fqn, rule.patterns) for rule in spec.linears)}
+    """{FQN: input columns} of the Linears (in_features) and Conv2ds (C_in / groups * kh * kw: the flattened weight's
+    columns, which GPTQ groups, quantizer.py) of `model` that `spec`'s linear rules quantize (convert.py matches the
+    same names: a converted attention keeps its qkv / proj names)."""
+    return {fqn: module.weight[0].numel() for fqn, module in model.named_modules()
+            if isinstance(module, (nn.Linear, nn.Conv2d)) and any(fqn_matches(fqn, rule.patterns)
+                                                                   for rule in spec.linears)}
 
 
 def group_size_unread(model: nn.Module, spec: QuantSpec, name: str, options: Any) -> Optional[str]:

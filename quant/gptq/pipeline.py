@@ -13,8 +13,9 @@ gptq (their `opt_sequential`, `llama_sequential`), block by block in order:
    still float; hooks accumulate each of its Linears' Hessian H = 2/n sum x x^T from the inputs they see
    (all of the block's Linears from that one pass, as `opt_sequential`; with `true_sequential` one pass per
    Linear, after the earlier ones of the block were quantized, as llama.py's option);
-2. each Linear: GPTQ (`solver.py`) with the official defaults (percdamp 0.01, blocksize 128, no act_order,
-   no groups); the result is written into the copy's weight and the layer's weight quantizer keeps the grid.
+2. each Linear (a Conv2d as officially, on its unfolded inputs): GPTQ (`solver.py`) with the official defaults
+   (percdamp 0.01, blocksize 128, no act_order, no groups); the result is written into the copy's weight and the
+   layer's weight quantizer keeps the grid.
 The next block's inputs then come from this quantized block (officially the block's outputs are recomputed
 with its quantized weights; here the prefix forward recomputes them).
 """
@@ -38,9 +39,10 @@ from ..pipeline_base import Pipeline, PTQResult, StageTimer, check_float_ends, p
 from ..pipeline_data import PipelineData
 from ..spec import Bits, QuantizerSpec, QuantSpec
 from ..units import find_units, stream_module_inputs
+from models.modules import fqn_matches
 from .group_width import group_size_unread
 from .quantizer import GPTQQuantizer
-from .solver import HessianAccumulator, gptq_quantize
+from .solver import HessianAccumulator, conv_rows, gptq_quantize
 
 log = logging.getLogger("quant.gptq")
 
@@ -107,6 +109,18 @@ class GPTQPipeline(RTNPipeline):
             raise ValueError("static_groups=true fixes the ranges of groups of input columns: give group_size "
                              "as well (without it every output channel has one range and there are no groups)")
 
+    def check_model_options(self, fp_model: nn.Module, bits: Bits, options: GPTQOptions) -> None:
+        super().check_model_options(fp_model, bits, options)
+        # before any work: conv_rows refuses a grouped convolution (solver.py), here named by its path
+        spec = self.layout(bits, options)
+        for fqn, module in fp_model.named_modules():
+            if (isinstance(module, nn.Conv2d) and module.groups != 1
+                    and any(fqn_matches(fqn, rule.patterns) for rule in spec.linears)):
+                raise ValueError(f"gptq cannot quantize {fqn}, a Conv2d with groups={module.groups}: GPTQ's Hessian "
+                                 "is one of the whole unfolded input (IST-DASLab/gptq unfolds a convolution's input), "
+                                 "which a grouped convolution's output channels do not each read; use rtn, or a "
+                                 "model with an ungrouped convolution there")
+
     def run(self, fp_model: nn.Module, calib_images: Images, bits: Bits, options: GPTQOptions,
             data: Optional[PipelineData] = None) -> PTQResult:
         del data
@@ -141,9 +155,13 @@ def block_hessians(model: nn.Module, layers: List[Tuple[str, nn.Module]], tokens
                    batch_size: int) -> Dict[str, HessianAccumulator]:
     """GPTQ's Hessian of each layer (and the rows it summed) from the inputs it sees in `model`'s current state
     (the forward stops after the last of `layers`, which are in execution order)."""
-    acc = {name: HessianAccumulator(layer.in_features, layer.weight.device) for name, layer in layers}
-    stream_module_inputs(model, dict(layers), layers[-1][0], tokens, batch_size,
-                         lambda name, x: acc[name].add(x))
+    acc = {name: HessianAccumulator(layer.weight[0].numel(), layer.weight.device) for name, layer in layers}
+    convs = {name: layer for name, layer in layers if isinstance(layer, nn.Conv2d)}
+
+    def add(name: str, x: torch.Tensor) -> None:
+        acc[name].add(conv_rows(convs[name], x) if name in convs else x)
+
+    stream_module_inputs(model, dict(layers), layers[-1][0], tokens, batch_size, add)
     return acc
 
 
@@ -152,8 +170,8 @@ def quantize_layer(layer: nn.Module, hessian: torch.Tensor, options: GPTQOptions
                    tokens: int = 0) -> float:
     """GPTQ of one QuantLinear: its weight becomes GPTQ's result, its weight quantizer GPTQ's grid (enabled).
     `name` and `tokens` (the input rows its Hessian summed) only word the error below."""
-    try:
-        q, error = gptq_quantize(layer.weight.float(), hessian, layer.weight_quantizer,
+    try:  # a conv's weight as the matrix of its unfolded input's columns (solver.py), reshaped back below
+        q, error = gptq_quantize(layer.weight.float().flatten(1), hessian, layer.weight_quantizer,
                                  blocksize=options.blocksize, percdamp=options.percdamp,
                                  act_order=options.act_order, static_groups=options.static_groups)
     except ValueError as e:  # a Hessian of NaN / inf (solver.py), named by its layer
@@ -162,10 +180,10 @@ def quantize_layer(layer: nn.Module, hessian: torch.Tensor, options: GPTQOptions
         # fewer calibration tokens than input columns leave H singular, and a tiny dampening does not make it
         # invertible in float32: the user's settings, worded as such rather than a traceback from cholesky
         raise ConfigError(f"quant.gptq.percdamp={options.percdamp}: the dampened Hessian of {name} "
-                          f"({layer.in_features} input columns, from {tokens} calibration tokens) is not positive "
+                          f"({hessian.shape[0]} input columns, from {tokens} calibration tokens) is not positive "
                           f"definite, so GPTQ cannot invert it; give a larger quant.gptq.percdamp (default 0.01) "
                           f"or more calibration windows (quant.calib_images)") from None
-    layer.weight.copy_(q)
+    layer.weight.copy_(q.view_as(layer.weight))
     layer.weight_quantizer.enabled = True
     layer.weight_quantizer.search_label = "GPTQ"
     layer.invalidate_weight_cache()

@@ -12,6 +12,9 @@ setting), for nn.Linear weights [C_out, C_in], per output channel or per output 
   group without negative values keeps lo = 0 (its levels then reach only about half of hi);
 * value: scale * (clamp(round(w / scale) + zero, 0, 2^b - 1) - zero).
 
+A Conv2d weight [C_out, C_in, kh, kw] is quantized as GPTQ's `fasterquant` does it, flattened to the matrix
+[C_out, C_in * kh * kw] (its input columns then are the unfolded input's, solver.py), and reshaped back.
+
 `group_index` [C_in] names each input column's group: GPTQ with `act_order` forms groups in activation
 order, so a group's columns need not be contiguous. A weight that GPTQ already rounded onto this grid is
 returned unchanged (the pipeline stores GPTQ's result in the weight and keeps the quantizer, so that the
@@ -63,7 +66,8 @@ class GPTQQuantizer(UniformQuantizer):
         return scale, torch.round(-lo / scale)
 
     def fit(self, w: torch.Tensor) -> None:
-        """Round to nearest: ranges of contiguous column groups of the weight as it is."""
+        """Round to nearest: ranges of contiguous column groups of the weight as it is (a conv's flattened)."""
+        w = w.flatten(1)
         columns = w.shape[1]
         size = self.group_size or columns
         params = [self.range_params(w[:, i:i + size]) for i in range(0, columns, size)]
@@ -81,7 +85,9 @@ class GPTQQuantizer(UniformQuantizer):
         scale, zp = self.scale.view(rows, -1), self.zero_point.view(rows, -1)
         if scale.shape[1] > 1:  # per group: each column takes its group's parameters
             scale, zp = scale[:, self.group_index], zp[:, self.group_index]
-        return fake_quant_uniform(x, scale, zp, self.qmin, self.qmax, ste=self._use_ste(x))
+        # a conv weight [C_out, C_in, kh, kw] as the matrix [C_out, C_in * kh * kw] GPTQ quantizes
+        flat = x.flatten(1)
+        return fake_quant_uniform(flat, scale, zp, self.qmin, self.qmax, ste=self._use_ste(flat)).view_as(x)
 
     def get_extra_state(self) -> Dict[str, Any]:
         return {**super().get_extra_state(), "group_size": self.group_size}

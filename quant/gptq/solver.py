@@ -15,6 +15,13 @@ Groups (`group_size`): a group's range is taken when its first column comes up, 
 stood at the start of the current block (officially from `W`, which the lazy update refreshes only at block
 boundaries; with groups aligned to the blocks, as the usual 128 / 128, that is their current value);
 `static_groups` takes every group's range from the weights before any update, in the original column order.
+
+A Conv2d, as officially: its weight is the matrix [C_out, C_in * kh * kw] (`weight.flatten(1)`), whose columns are
+those of its input unfolded into patches (`add_batch`'s nn.Unfold(kernel, dilation, padding, stride): each output
+position's patch is one input row, `conv_rows`); the result is reshaped back to the kernel. The padding is applied
+as the layer's own forward applies it (its padding_mode: zeros as officially, reflect / replicate / circular as
+the layer reads them). A grouped convolution (groups > 1) is refused: its output channels read disjoint input
+channels, which one Hessian of the whole unfolded input does not describe (officially a shape error).
 """
 from __future__ import annotations
 
@@ -22,9 +29,25 @@ import math
 from typing import Tuple
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from ..functional import fake_quant_uniform
 from .quantizer import GPTQQuantizer
+
+
+def conv_rows(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """The inputs [B, C_in, H, W] of `conv` as the rows GPTQ's Hessian sums: [B, L, C_in * kh * kw], one row per
+    output position (L of them) in weight.flatten(1)'s column order (channel, then kernel row, then column)."""
+    if conv.groups != 1:
+        raise ValueError(f"a Conv2d with groups={conv.groups}: GPTQ's Hessian is one of the whole unfolded input, "
+                         "which a grouped convolution's output channels do not each read")
+    if x.dim() == 3:  # an unbatched input, as Conv2d accepts it
+        x = x.unsqueeze(0)
+    # the padding as conv._conv_forward applies it (F.pad with its padding_mode; the zeros of nn.Unfold's padding)
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    x = F.pad(x, conv._reversed_padding_repeated_twice, mode=mode)
+    return F.unfold(x, conv.kernel_size, dilation=conv.dilation, stride=conv.stride).transpose(1, 2)
 
 
 class HessianAccumulator:
