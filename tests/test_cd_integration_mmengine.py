@@ -213,6 +213,61 @@ def test_a_step_that_a_later_hook_makes_gets_cd(tmp_path):
             torch.testing.assert_close(got, want[name] - lr * grads[name], rtol=0, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("module, decayed, shape", [(None, BLOCKS, None), ("backbone", BLOCKS, None),
+                                                    ("backbone.blocks.1", ["blocks.1"], (1, 17, DIM))])
+def test_cd_through_mmengines_separate_ddp_wrapper_decays_the_part_named(tmp_path, module, decayed, shape):
+    """MMSeparateDistributedDataParallel (MMEngine's wrapper for GANs and the like) wraps each child of the model
+    in its own MMDistributedDataParallel, so a dotted name that reaches inside a child (module='backbone.blocks.1')
+    met the child's wrapper and was refused as naming no submodule. Through it, in a gloo group of one process,
+    the hook decays the blocks named and nothing else: one train_step of SGD is W2 - lr * lam * W2 W1n W1n^T
+    (eq. 12, ref_block_update) from the weights of before it, minus lr * grad, and the blocks not named and the
+    head take the SGD step alone."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    from mmengine.model import MMSeparateDistributedDataParallel
+
+    from cd.integrations.mmengine import ColinearityDecayHook
+    from cd_models import ref_block_update
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        net = Classifier(width=DIM)
+        net.backbone.reset_classifier(0)  # the head classifies the pooled features
+        model = MMSeparateDistributedDataParallel(net)
+        assert type(model.module.backbone).__name__ == "MMDistributedDataParallel"  # the child's own wrapper
+        lr = 0.1
+        sgd = torch.optim.SGD(model.parameters(), lr=lr)
+        grads = {}  # each gradient as the step finds it: this pre-hook, registered before CD's, runs first
+        sgd.register_step_pre_hook(lambda *_: grads.update({p: p.grad.clone() for p in net.parameters()}))
+        wrapper = OptimWrapper(sgd)
+        runner = SimpleNamespace(model=model, optim_wrapper=wrapper, iter=0)
+        hook = ColinearityDecayHook(lam=LAM, module=module, input_shape=shape)  # a block's: 16 patches + cls
+        hook.before_train(runner)
+        # the parameters by their names in the unwrapped model (each child's wrapper holds it as `.module`)
+        params = {n.replace(".module.", "."): p for n, p in net.named_parameters()}
+        names = {id(p): n for n, p in params.items()}
+        assert {names[id(pair.downstream)].split(".")[2] for pair in hook.decay.pairs} == {b[-1] for b in decayed}
+        before = {n: p.detach().clone() for n, p in params.items()}
+        hook.before_train_iter(runner, 0)
+        data = RandomImages(2)
+        model.train_step(dict(inputs=torch.stack([data[i]["inputs"] for i in range(2)]),
+                              labels=data.y[:2]), wrapper)
+        hook.after_train_iter(runner, 0)
+        hook.after_train(runner)
+        assert hook.decay.num_updates == 1
+        want = {n: w.double() for n, w in before.items()}
+        for block in decayed:
+            cd = {}
+            ref_block_update({n[len("backbone."):]: w for n, w in before.items() if n.startswith("backbone.")},
+                             block, lr * LAM, cd)
+            want.update({f"backbone.{n}": w for n, w in cd.items()})
+        for name, p in params.items():
+            torch.testing.assert_close(p.detach(), want[name] - lr * grads[p], rtol=0, atol=1e-12, msg=name)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_step_amp_optim_wrapper_skips_applies_no_cd(tmp_path):
     runner = run(config(tmp_path, iters=3, amp=True, model=dict(poison=1)))
     after = hook_of(runner, "RecordWeights").after

@@ -72,9 +72,9 @@ def check_module_name(module: Optional[str], who: str, backbone: bool = True) ->
 
 
 def select_module(model: torch.nn.Module, module: Optional[str]) -> torch.nn.Module:
-    """The part of `model` (wrappers looked through) that a regularizer acts on: for `module` None, the
-    `backbone` if the model has one (a detector's, as the paper regularizes the backbone), else the whole model;
-    "" the whole model; otherwise the dotted submodule name.
+    """The part of `model` (wrappers looked through, also those around its parts) that a regularizer acts on: for
+    `module` None, the `backbone` if the model has one (a detector's, as the paper regularizes the backbone), else
+    the whole model; "" the whole model; otherwise the dotted submodule name, as in the unwrapped model.
 
     Raises:
         ValueError: `module` names no submodule of the model (naming the model's own submodules).
@@ -82,13 +82,21 @@ def select_module(model: torch.nn.Module, module: Optional[str]) -> torch.nn.Mod
     model = unwrap_model(model)
     if module is None:
         backbone = getattr(model, "backbone", None)
-        return backbone if isinstance(backbone, torch.nn.Module) else model
-    try:
-        return model.get_submodule(module) if module else model
-    except AttributeError as e:
-        children = [name for name, _ in model.named_children()]
-        raise ValueError(f"module={module!r} names no submodule of the {type(model).__name__} ({e}); give a dotted "
-                         f"submodule name (its own: {children[:8]}) or '' for the whole model") from None
+        return unwrap_model(backbone) if isinstance(backbone, torch.nn.Module) else model
+    # each part unwrapped on the way: MMEngine's MMSeparateDistributedDataParallel wraps every child of the model in
+    # a DDP of its own, so "backbone.blocks.1" would otherwise meet that wrapper (no `blocks`), and a part returned
+    # in it would hide its own input size from the pair check
+    part = model
+    for name in module.split(".") if module else ():
+        try:
+            if not name:
+                raise AttributeError("an empty name between dots")
+            part = unwrap_model(part.get_submodule(name))
+        except AttributeError as e:
+            children = [child for child, _ in model.named_children()]
+            raise ValueError(f"module={module!r} names no submodule of the {type(model).__name__} ({e}); give a "
+                             f"dotted submodule name (its own: {children[:8]}) or '' for the whole model") from None
+    return part
 
 
 def name_the_part(message: str, model: torch.nn.Module, argument: str) -> str:
