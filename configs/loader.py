@@ -1026,7 +1026,7 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
         choices = typing.get_args(annotation)
         if value not in choices:
             raise ConfigError(f"{source}: '{key}' must be one of {', '.join(map(repr, choices))}; "
-                              f"got {value!r}")
+                              f"got {value!r}{_boolean_choice_fix(value, choices, key, source)}")
         return value
     if annotation is bool:
         if isinstance(value, bool):
@@ -1115,6 +1115,24 @@ def _spelling_fix(value: Any, annotation: Any, key: str, source: str) -> str:
     if type(value) is int and value in (0, 1) and _takes(annotation, bool):
         return "; give true or false"
     return ""
+
+
+def _boolean_choice_fix(value: Any, choices: tuple, key: str, source: str) -> str:
+    """For a boolean given to a field of text choices: that YAML 1.1 read the word as a boolean (an unquoted yes, no,
+    on, off, true or false, any case: `amp: off` is False), and the fix: the choice that word is, quoted ('; ... quote
+    it to keep it as text: quantize_bmm='off''), or where no choice is such a word, one of the choices; '' for any
+    other value."""
+    if not isinstance(value, bool) or not any(isinstance(c, str) for c in choices):
+        return ""
+    words = [c for c in choices if isinstance(c, str) and parse_yaml(c) is value]  # 'off' for False
+    read = (f"; YAML 1.1 read the value as the boolean {str(value).lower()} (it reads an unquoted yes, no, on, off, "
+            "true or false so), not as text")
+    if not words:
+        return f"{read}; quoted it stays text, but no choice is such a word: give one of the choices"
+    given = f"{key}=" if source == "command line" and "[" not in key else ""
+    quoted = " or ".join(f"{given}{_single_quoted(w)}" for w in words)
+    shell = ", inside the shell's quotes" if given else ""
+    return f"{read}: quote it to keep it as text: {quoted}{shell}"
 
 
 def _takes(annotation: Any, kind: type) -> bool:

@@ -79,3 +79,38 @@ def test_a_file_section_given_as_an_empty_mapping_is_refused_and_no_shipped_conf
     assert len(configs) > 20
     for config in configs:
         load_config([config])
+
+
+@pytest.mark.parametrize("word, read", [("off", "false"), ("no", "false"), ("On", "true"), ("YES", "true")])
+def test_a_yaml_boolean_given_to_a_field_of_choices_is_named_as_one(tmp_path, word, read):
+    """YAML 1.1 reads an unquoted yes/no/on/off (any case) as a boolean: train.amp=off was refused as "must be one
+    of 'none', 'fp16', 'bf16'; got False", which names no off and no boolean. The line says now that YAML read the
+    value as a boolean, on the command line and in a file; no choice of train.amp is such a word, so it sends the user
+    to the choices, not to quoting."""
+    config = tmp_path / "amp.yaml"
+    config.write_text(f"train:\n  amp: {word}\n")
+    for files, overrides, source in (([TINY], [f"train.amp={word}"], "command line"),
+                                     ([TINY, str(config)], [], str(config))):
+        with pytest.raises(ConfigError) as refused:
+            load_config(files, overrides)
+        message = str(refused.value)
+        assert message.startswith(f"{source}: 'train.amp' must be one of 'none', 'fp16', 'bf16'; got {read.title()}; "
+                                  f"YAML 1.1 read the value as the boolean {read} ") and "\n" not in message, message
+        assert message.endswith("no choice is such a word: give one of the choices"), message
+
+
+@pytest.mark.parametrize("source, fix", [("command line", "x.mode='off', inside the shell's quotes"),
+                                         ("f.yaml", "'off'")])
+def test_a_yaml_boolean_for_a_choice_that_is_such_a_word_is_told_to_be_quoted(source, fix):
+    """A field whose choices are words YAML 1.1 reads as booleans (on / off): the line names the choice quoted, and
+    the quoted word, text, is taken."""
+    from typing import Literal
+
+    from configs.loader import coerce_value
+
+    annotation = Literal["on", "off", "auto"]
+    with pytest.raises(ConfigError) as refused:
+        coerce_value(False, annotation, "x.mode", source)
+    assert str(refused.value).endswith(f"YAML 1.1 read the value as the boolean false (it reads an unquoted yes, no, "
+                                       f"on, off, true or false so), not as text: quote it to keep it as text: {fix}")
+    assert coerce_value("off", annotation, "x.mode", source) == "off"
