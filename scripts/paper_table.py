@@ -52,7 +52,8 @@ Layouts:
               all nine) and the maximum activations of the ImageNet-1K run; one table per pipeline and
               bit-width found. The data set of a result is the last folder name of its data.root
               (data_sets/<name> in configs/sweeps/finetune.yaml). The entries of a row must be evaluated
-              on the same data (root, split, transform, image count, the val images' names), and all entries
+              on the same data (root, split, transform, image count, the val images' names) and, where they score
+              snapshots or files set aside, at one update; and all entries
               with the same kind of weights (raw or EMA), autocast and kind of checkpoint: results evaluated
               otherwise are refused. An entry whose run stopped at a train.max_steps of its own before the end
               of its schedule is marked § where the rows layout would mark its row (beside a run of its data
@@ -69,9 +70,9 @@ from typing import Optional, Sequence
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
 from engine.console import console_print  # noqa: E402
-from engine.eval_results import (ResultsError, extra_modules, first_difference, missing_number,  # noqa: E402
-                                 read_result_files, recipe_difference, refuse_unfinished_groups, run_folder,
-                                 stopped_early)
+from engine.eval_results import (BEST_FIELD, STEP_FIELD, ResultsError, extra_modules,  # noqa: E402
+                                 first_difference, missing_number, read_result_files, recipe_difference,
+                                 refuse_unfinished_groups, run_folder, stopped_early)
 from engine.outputs import write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import (FP_COLUMNS, PAPER_NAMES, dagger_note, evaluated_otherwise,  # noqa: E402
@@ -114,10 +115,11 @@ def dataset_of(result: dict) -> str:
 
 # what must match for entries to share the fine-tuning layout: a data set's row compares its methods on the same
 # val images seen the same way (val_names: their names, compared where both results record them: a val folder
-# exported again at the same path holds other images); the whole table (its Average) uses one kind of weights (raw
-# or EMA), autocast and kind of checkpoint (every method's best.pt, or every one's checkpoint.pt: weights of the
-# same point of training)
-ROW_KEYS = ("data", "images", "val_names")
+# exported again at the same path holds other images), and where they score snapshots (or files set aside), those of
+# one update (engine.eval_results.step_difference: the data sets' schedules differ, their rows' updates may too);
+# the whole table (its Average) uses one kind of weights (raw or EMA), autocast and kind of checkpoint (every
+# method's best.pt, or every one's checkpoint.pt: weights of the same point of training)
+ROW_KEYS = ("data", "images", "val_names", "checkpoint_kind", STEP_FIELD, BEST_FIELD)
 TABLE_KEYS = ("weights", "eval_amp", "checkpoint_kind")
 
 

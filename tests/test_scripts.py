@@ -552,6 +552,23 @@ def test_finetune_layout_refuses_a_row_or_table_of_results_evaluated_differently
         assert "| Cars |" in paper_table.main(["--layout", "finetune", *files])
 
 
+def test_finetune_layout_refuses_a_row_of_snapshots_of_other_updates():
+    """A data set's row of snapshots (evaluate.py --checkpoint <run>/snapshots/...): the Baseline's of update 100
+    beside CD's of update 900 compared weights of other points of training as one method against the other (the
+    row's keys held no update, and the table's kind of checkpoint, "snapshot" for both, was alike). Refused now;
+    snapshots of one update in a row, and of other updates in other rows (other data sets' schedules), are
+    tabulated."""
+    results = [dict(_finetune_result(root, method, 95.0, 94.0), checkpoint_kind="snapshot", checkpoint_step=step)
+               for root, method, step in (("pets", "Baseline", 100), ("pets", "CD", 900))]
+    with pytest.raises(ValueError, match=r"pets/Baseline and pets/CD were evaluated differently \(checkpoint_step: "
+                                         r"update 100 vs update 900 \(snapshot files\)"):
+        paper_table.finetune_table(results)
+    results[1]["checkpoint_step"] = 100
+    cars = [dict(_finetune_result("cars", method, 90.0, 89.0), checkpoint_kind="snapshot", checkpoint_step=700)
+            for method in ("Baseline", "CD")]
+    assert "| Cars |" in paper_table.finetune_table(results + cars)
+
+
 def test_finetune_layout_checks_every_data_sets_row_not_only_the_first():
     """Each row is checked on its own: Aircraft's entries evaluated alike, Pets' on other image counts (a
     --max-images evaluation of its CD entry) are refused, though Aircraft's row, the first in order, is
