@@ -27,7 +27,8 @@ percentile, RepQ-ViT and APHQ quantize on rank 0, which hands the quantized dete
 stage 1 trains on every rank in DDP (batch 1 per GPU, as the paper), its stage 2 on rank 0. The other ranks
 wait for rank 0 up to --main-rank-wait-hours.
 
-The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_act` (backbone, head),
+The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_act` (backbone, head; measured on the
+padded test batches, the padded pixels counted, as `max_act.padding` records: docs/reproduce.md),
 `quant.<pipeline>.<bits>`, `method` (CD, TWEO, Noise or Baseline, from the hooks of the training config the
 checkpoint keeps; null without one); a file of other weights, data or config (the merged config's hash,
 `config_sha256`) is refused, later calls add their pipelines.

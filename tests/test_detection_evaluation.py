@@ -127,3 +127,38 @@ def test_the_box_and_mask_maps_are_pycocotools_bbox_and_segm_each(sample):
         for key, exact in zip((f"{kind}_mAP", f"{kind}_mAP_50", f"{kind}_mAP_75"), run.stats[:3]):
             assert result[key] == round(float(exact), 3), (key, result[key], exact)
     assert result["bbox_mAP"] == pytest.approx(1.0) and result["segm_mAP"] < 0.9, result  # so the test tells
+
+
+class _PaddedIdentity(_Shifted):
+    """A stand-in detector whose `backbone` is an identity 1x1 conv on the batch its data preprocessor makes:
+    each image padded to a multiple of 48 pixels with the value 1000 (unnormalized pixels, at most 255)."""
+
+    def __init__(self, gt, cat_ids):
+        from mmdet.models.data_preprocessors import DetDataPreprocessor
+        super().__init__(gt, cat_ids)
+        self.data_preprocessor = DetDataPreprocessor(pad_size_divisor=48, pad_value=1000)
+        self.backbone = nn.Conv2d(3, 3, 1, bias=False)
+        with torch.no_grad():
+            self.backbone.weight.copy_(torch.eye(3).view(3, 3, 1, 1))
+
+    def test_step(self, batch):
+        self.backbone(self.data_preprocessor(batch, False)["inputs"])
+        return super().test_step(batch)
+
+
+def test_the_recorded_maxima_count_the_padded_pixels_and_say_so(sample):
+    """The data preprocessor pads every test image (the 64-pixel sample images to 96 here) and the backbone
+    computes on the padding too: its maximum is the pad value, 1000, not a pixel's (255 at most), and the result
+    records that (max_act.padding, docs/reproduce.md): the settings it was measured under were nowhere in it."""
+    from pycocotools.coco import COCO
+    from engine.detection import build_loader, load_config
+    from engine.detection.evaluation import evaluate_detector
+    cfg = load_config([SAMPLE_CONFIG], data_root=sample)
+    cfg.test_evaluator = dict(cfg.test_evaluator, metric="bbox")
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(os.path.join(sample, "annotations", "instances_val2017.json"))
+    loader = build_loader(cfg, "test")
+    result = evaluate_detector(_PaddedIdentity(gt, sorted(gt.getCatIds())), cfg, loader, probe_maxima=True,
+                               progress=False)
+    assert result["max_act"] == {"backbone": 1000.0, "head": 0.0, "padding": {
+        "counted": True, "pad_size_divisor": 48, "pad_value": 1000, "batch_size": cfg.test_dataloader.batch_size}}

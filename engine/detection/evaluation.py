@@ -100,15 +100,29 @@ def evaluate_detector(model: nn.Module, cfg: Config, loader, probe_maxima: bool 
     scored = int(all_reduce(torch.tensor([images], device=device)).item())
     result.update(images=min(scored, len(loader.dataset)), seconds=time.perf_counter() - start)
     if probe is not None:
-        result["max_act"] = activation_maxima(probe, device)
+        result["max_act"] = {**activation_maxima(probe, device), "padding": padding_record(model, loader)}
     return result
+
+
+def padding_record(model: nn.Module, loader) -> Dict[str, Any]:
+    """What the activation maxima were measured on as to padding, for the result file: the data preprocessor pads
+    each image of a test batch at the bottom and right with `pad_value` (in normalized pixels) to a multiple of
+    `pad_size_divisor` and to the largest image of its batch (`batch_size`), and the backbone, neck and heads
+    compute on the padded batch, so their outputs at the padded pixels are in the maxima (`counted`): the detector
+    computes them (the neck's and RPN's convolutions read them beside the image's; the windows of real tokens
+    attend to them), unlike Swin's window padding, whose rows are cropped off and left out (engine/act_max.py).
+    The maxima thus depend on the test batch: at batch 1 on the padding to the divisor alone."""
+    pre = getattr(model, "data_preprocessor", None)
+    return {"counted": True, "pad_size_divisor": getattr(pre, "pad_size_divisor", None),
+            "pad_value": getattr(pre, "pad_value", None), "batch_size": getattr(loader, "batch_size", None)}
 
 
 def activation_maxima(probe: ActivationProbe, device: torch.device) -> Dict[str, Any]:
     """The paper's detection "Max. Act. (backbone / head)": max |value| over the outputs of every module in
     the backbone (blocks and everything in them, patch merging, the output norms), and over those of every
-    module of the neck, RPN and RoI heads, on the evaluated images. (The paper does not define the sets
-    further; this is our reading of "aggregated ... over the backbone and detector head outputs".)"""
+    module of the neck, RPN and RoI heads, on the evaluated images as the detector sees them, padded
+    (`padding_record`). (The paper does not define the sets further; this is our reading of "aggregated ... over
+    the backbone and detector head outputs".)"""
     records = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device).per_layer
     check_finite_maxima(records)  # the records all-reduced: every rank raises alike
     def largest(prefixes):
