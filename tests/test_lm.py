@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 
 import numpy as np
@@ -937,6 +938,80 @@ def test_the_largest_id_is_read_across_every_chunk_of_the_file(at):
     ids = np.zeros(10, dtype=np.uint16)
     ids[at] = 7
     assert largest_id(ids, chunk=4) == int(ids.max()) == 7
+
+
+def _token_folder_of(tmp_path, ids: np.ndarray) -> DataConfig:
+    """A folder of train.bin (`ids`) and a short val.bin under tmp_path, as data.dataset=tokens reads it."""
+    ids.astype(np.uint16).tofile(tmp_path / "train.bin")
+    np.arange(64, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    return DataConfig(dataset="tokens", root=str(tmp_path))
+
+
+def _counting_passes(monkeypatch) -> list:
+    """The arrays data.text.largest_id is asked to read whole (each a pass over a token file), counted."""
+    import data.text
+    passes, real = [], data.text.largest_id
+    monkeypatch.setattr(data.text, "largest_id", lambda ids, *a, **k: passes.append(len(ids)) or real(ids, *a, **k))
+    return passes
+
+
+def test_a_token_file_s_ids_are_read_once_and_a_bad_id_is_refused_from_the_record_too(tmp_path, monkeypatch):
+    """check_vocabulary reads every id of a token file on its first check (numpy's max of the ids written as the
+    reference) and records the largest beside it: a second start reads no id again, and an id past
+    model.num_classes is refused on both."""
+    import data.text
+    passes = _counting_passes(monkeypatch)
+    ids = np.random.default_rng(0).integers(0, 60, 5000)
+    ids[4321] = 99
+    cfg = _token_folder_of(tmp_path, ids)
+    for start in range(2):
+        with pytest.raises(DataError, match=r"holds ids up to 99, model.num_classes=65 embeds 0..64"):
+            check_vocabulary(token_stream(cfg, "train"), 65)
+        assert passes == [5000], start  # the first start's pass only
+    check_vocabulary(token_stream(cfg, "train"), 100)
+    assert passes == [5000]
+    record = [p for p in tmp_path.iterdir() if p.name.startswith("train.bin.largest_id")]
+    assert len(record) == 1 and json.loads(record[0].read_text())["largest_id"] == int(ids.max()) == 99
+    assert data.text.largest_id(np.fromfile(tmp_path / "train.bin", dtype=np.uint16)) == 99
+
+
+@pytest.mark.parametrize("keep_time", [False, True])
+def test_a_token_file_written_anew_is_read_again_not_taken_from_the_old_record(tmp_path, monkeypatch, keep_time):
+    """The record names the file as it was (size, modification time, the SHA-256 of its first MiB): the file
+    rewritten with as many ids, one of them past model.num_classes, is read again and refused, its modification
+    time set back too (cp -p of another file of that size); the old record is left as it was."""
+    passes = _counting_passes(monkeypatch)
+    ids = np.random.default_rng(1).integers(0, 60, 5000)
+    cfg = _token_folder_of(tmp_path, ids)
+    check_vocabulary(token_stream(cfg, "train"), 65)
+    (old,) = [p for p in tmp_path.iterdir() if p.name.startswith("train.bin.largest_id")]
+    kept, stat = old.read_bytes(), (tmp_path / "train.bin").stat()
+    ids[0] = 70
+    ids.astype(np.uint16).tofile(tmp_path / "train.bin")
+    os.utime(tmp_path / "train.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns + (0 if keep_time else 10**9)))
+    with pytest.raises(DataError, match=r"holds ids up to 70"):
+        check_vocabulary(token_stream(cfg, "train"), 65)
+    assert passes == [5000, 5000] and old.read_bytes() == kept
+
+
+def test_a_file_of_the_record_s_name_that_is_not_one_is_neither_trusted_nor_overwritten(tmp_path, monkeypatch):
+    """A file where the record would go that is not a record of this file (a user's notes, or a record of 0 for ids
+    up to 70 that names no head of the file): the ids are read each time and the file is left as it was."""
+    from data.text import largest_id_record
+    passes = _counting_passes(monkeypatch)
+    ids = np.random.default_rng(2).integers(0, 71, 5000)
+    cfg = _token_folder_of(tmp_path, ids)
+    stat = (tmp_path / "train.bin").stat()
+    record = largest_id_record(str(tmp_path / "train.bin"), stat.st_size, stat.st_mtime_ns)
+    for text in ("my notes", json.dumps({"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "largest_id": 0})):
+        with open(record, "w") as f:
+            f.write(text)
+        for _ in range(2):
+            with pytest.raises(DataError, match=r"holds ids up to 70"):
+                check_vocabulary(token_stream(cfg, "train"), 65)
+        with open(record) as f:
+            assert f.read() == text
+    assert passes == [5000] * 4
 
 
 def test_calibration_windows_are_distinct_whole_windows_of_the_train_text_chosen_by_the_seed(tmp_path):

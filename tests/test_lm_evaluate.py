@@ -16,7 +16,7 @@ from configs import ConfigError, Config, load_config
 from configs.loader import IgnoredOverrideError
 from data import DataError
 from data.loader import calibration_windows
-from data.text import check_vocabulary, largest_id, token_stream
+from data.text import TokenStream, check_vocabulary, largest_id, token_stream
 from configs.schema import DataConfig
 from engine.checkpoint import CheckpointError, load_checkpoint
 from engine.eval_results import ResultsError
@@ -384,7 +384,7 @@ def test_every_id_of_a_token_file_is_checked_against_the_vocabulary():
     tail = np.zeros(65, dtype=np.uint16)
     tail[64] = 70  # a last chunk of one id is read too
     assert largest_id(tail, chunk=64) == 70
-    stream = type("S", (), {"ids": ids, "vocab": None, "source": "train.bin"})()
+    stream = TokenStream(ids, None, "train.bin")  # ids held in memory: read on every check
     with pytest.raises(DataError, match="holds ids up to 70, model.num_classes=65"):
         check_vocabulary(stream, 65)
     ids[:] = 0
