@@ -105,7 +105,9 @@ class APHQOptions(FirstLastOptions):
     # float)): the probability of an element's quantized value, the float one otherwise; 1: QDrop off
     drop_prob: Annotated[float, Probability] = 0.5  # inside activation quantizers
     input_mix_prob: Annotated[float, Probability] = 0.5  # at the unit input: P(quantized-prefix input element)
-    normalize_loss: bool = True  # divide the reconstruction loss by its first value and multiply by 2
+    # divide the reconstruction loss (a mean) by its first value and multiply by 2 (APHQ since 73e78a7); false: the
+    # official loss before that commit, ((O^ - O)^2 * H).sum(1).mean() / 10 (quant/aphq/reconstruct.block_loss)
+    normalize_loss: bool = True
     loss: Literal["aph", "mse"] = "aph"  # APH-weighted MSE (APHQ) or plain MSE (QDrop baseline ablation)
     hessian_probe: Literal["ones", "rademacher"] = "ones"  # official all-ones probe, or Hutchinson diagonal
     # None: 1e-6 (ones, official), 1e-4 (rademacher); on a detector the official detection +-1e-3 (aphq/detector.py)

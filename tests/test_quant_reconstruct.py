@@ -131,8 +131,9 @@ def first_iteration_reference(unit, q_in, target, idx, drop_prob):
 def test_first_iteration_loss_is_the_recipe_on_the_quantized_prefix_input(loss_kind, drop_prob, normalize):
     # reference written out: batch = randperm(n)[:batch_size] of a generator seeded as the caller's; input = the
     # quantized-prefix input (input_mix_prob 1); rec = mean((O^ - O)^2 * H / mean(H)) or KL(softmax(O) || softmax(O^))
-    # (batchmean); round = 0.01 * sum(1 - |2 frac(w / s) - 1|^beta) at AdaRound's initial alpha, beta at iteration
-    # 1 with warm-up 0 of 5 iterations = 2 + 18 * (1 - 1 / 5);
+    # (batchmean), or unnormalised sum over dim 1 of (O^ - O)^2 * H / mean(H), mean, / 10 (the official loss before
+    # its normalisation); round = 0.01 * sum(1 - |2 frac(w / s) - 1|^beta) at AdaRound's initial alpha, beta at
+    # iteration 1 with warm-up 0 of 5 iterations = 2 + 18 * (1 - 1 / 5);
     # loss = rec / (rec / 2) + round (normalised) or rec + round
     fp, unit, x = two_layer_unit(seed=3)
     q_in = x + 0.3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(9))
@@ -145,7 +146,8 @@ def test_first_iteration_loss_is_the_recipe_on_the_quantized_prefix_input(loss_k
         p, log_p, log_q = tgt.softmax(-1), tgt.log_softmax(-1), out.log_softmax(-1)
         rec = float((p * (log_p - log_q)).sum() / st.batch_size)
     else:
-        rec = float(((out - tgt) ** 2 * (h / h.mean())).mean())
+        weighted = (out - tgt) ** 2 * (h / h.mean())
+        rec = float(weighted.mean() if normalize else weighted.sum(1).mean() / 10)
     beta, reg = 2 + 18 * (1 - 1 / 5), 0.0
     for layer in (unit[0], unit[2]):
         q = layer.weight_quantizer
@@ -197,7 +199,7 @@ def test_dropout_inside_the_unit_stays_off_when_the_unit_comes_in_training_mode(
     logged = []
     reconstruct_unit(unit, x, x, target, None, "weighted_mse", st, torch.Generator().manual_seed(0),
                      progress=logged.append)
-    assert logged[0]["rec"] == pytest.approx(float((out - tgt).pow(2).mean()), rel=1e-5)
+    assert logged[0]["rec"] == pytest.approx(float((out - tgt).pow(2).sum(1).mean() / 10), rel=1e-5)
     assert not unit[1][1].training
 
 
@@ -241,3 +243,25 @@ def test_activation_scales_are_learned_and_zero_points_and_weight_scales_are_not
         assert torch.equal(q.zero_point, z0)
     for i, s0 in zip((0, 2), w_before):
         assert torch.equal(unit[i].weight_quantizer.scale, s0)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_block_loss_is_the_official_formula_of_each_setting(weighted, normalize):
+    """block_loss on random [B, N, C] outputs against loops over every element: normalize_loss=true, the mean of
+    (O^ - O)^2 * H (official since commit 73e78a7, then divided by its first value); false, the official loss before
+    it, GoatWu/APHQ-ViT ((pred - tgt).pow(2) * grad).sum(1).mean() / 10 (lp_loss's sum(1).mean() / 10 without H):
+    per sample and channel the sum over the N tokens, averaged over B and C, divided by 10."""
+    from quant.aphq.reconstruct import block_loss
+    g = torch.Generator().manual_seed(7)
+    out, tgt = torch.randn(3, 5, 4, generator=g, dtype=torch.float64), torch.randn(3, 5, 4, generator=g,
+                                                                                  dtype=torch.float64)
+    h = torch.rand(1, 5, 4, generator=g, dtype=torch.float64) + 0.5
+    h = h / h.mean()
+    total = 0.0
+    for b in range(3):
+        for n in range(5):
+            for c in range(4):
+                total += (float(out[b, n, c]) - float(tgt[b, n, c])) ** 2 * (float(h[0, n, c]) if weighted else 1.0)
+    expected = total / (3 * 5 * 4) if normalize else total / (3 * 4) / 10
+    assert float(block_loss(out, tgt, h if weighted else None, normalize)) == pytest.approx(expected, rel=1e-12)

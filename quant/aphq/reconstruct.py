@@ -11,10 +11,13 @@ block, patch merging or head) of the quantized model, with cached tensors for th
   quantizer returns its quantized value with p = 0.5 element-wise, its float input otherwise (QDrop level 2,
   `Quantizer.drop_prob`); both probabilities are of the quantized element, as the official `drop_prob` is (1: off);
 * target: the float model's unit output on float inputs;
-* loss: mean((O^ - O)^2 * H) for ordinary units (H: APH weight [1, ...], normalised to mean 1 here,
-  which changes nothing below), KL(softmax(O) || softmax(O^)) for the head; then divided by its value
-  at the first iteration and multiplied by 2 (APHQ commit 73e78a7), plus the AdaRound regulariser
-  0.01 * sum(1 - |2h - 1|^beta) after a 20% warm-up, beta 20 -> 2;
+* loss (`block_loss`): mean((O^ - O)^2 * H) for ordinary units (H: APH weight [1, ...], normalised to mean 1
+  here, which changes nothing below), KL(softmax(O) || softmax(O^)) for the head; then divided by its value
+  at the first iteration and multiplied by 2 (APHQ commit 73e78a7, `normalize_loss=True`, the default), plus
+  the AdaRound regulariser 0.01 * sum(1 - |2h - 1|^beta) after a 20% warm-up, beta 20 -> 2. Without the
+  normalisation (`normalize_loss=False`) an ordinary unit's loss is the official code's before that commit:
+  ((O^ - O)^2 * H).sum(1).mean() / 10 (summed over dimension 1, the tokens of a [B, N, C] output, H of mean 1
+  as it normalised it then; plain MSE without H), the head's KL as above;
 * afterwards: hard rounding baked into the weights, QDrop off, scales frozen, quantizers in eval mode.
 
 Only quantizers run in train mode (for QDrop): dropout / drop path of the model stay in eval mode.
@@ -124,10 +127,24 @@ def reconstruct_unit(unit: nn.Module, fp_in: torch.Tensor, q_in: torch.Tensor, t
         tgt = target[idx].to(device)
         if loss_kind == "kl":
             return F.kl_div(F.log_softmax(out, dim=-1), F.softmax(tgt, dim=-1), reduction="batchmean")
-        err = (out - tgt).pow(2)
-        return (err * weight).mean() if weight is not None else err.mean()
+        return block_loss(out, tgt, weight, settings.normalize_loss)
 
     return optimize_unit(unit, reconstruction_error, settings, name, progress)
+
+
+def block_loss(out: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], normalize: bool
+               ) -> torch.Tensor:
+    """The reconstruction error of an ordinary unit's output `out` [B, ...] against `target`, weighted by the APH
+    `weight` (mean 1, broadcastable; None: plain MSE). `normalize` (ReconSettings.normalize_loss): the mean over
+    every element, which optimize_unit divides by its first value (official since commit 73e78a7, whose
+    normalisation makes the loss's scale irrelevant). Without it: the official loss before that commit, which
+    nothing rescales, so its scale is the recipe: GoatWu/APHQ-ViT `LossFunction`, ((pred - tgt).pow(2) *
+    grad).sum(1).mean() / 10 for the Hessian metrics, lp_loss(p=2) = (pred - tgt).pow(2).sum(1).mean() / 10 for
+    plain MSE."""
+    err = (out - target).pow(2)
+    if weight is not None:
+        err = err * weight
+    return err.mean() if normalize else err.sum(1).mean() / 10
 
 
 def reconstruct_unit_calls(unit: nn.Module, fp_calls: List[UnitCall], q_calls: List[UnitCall],
@@ -138,7 +155,8 @@ def reconstruct_unit_calls(unit: nn.Module, fp_calls: List[UnitCall], q_calls: L
     cycling (`idx = it % n`); the first argument (a tensor, or FPN's tuple of levels) mixed element-wise from
     the quantized-prefix and float inputs, the other arguments (Swin's `hw_shape`) as captured; loss
     sum((O^ - O)^2 * H_i) with the image's own APH weight H_i (backbone units), else the MSE over all output
-    tensors (FPN), then normalised and regularised as `reconstruct_unit`.
+    tensors (FPN), then normalised and regularised as `reconstruct_unit` (`normalize_loss=False`: these raw sums and
+    means, the official detection code's rec_loss before its normalisation; it has no /10 form).
 
     Args:
         unit: the unit of the quantized model (quantizers enabled and calibrated).
