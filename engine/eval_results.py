@@ -128,6 +128,26 @@ def detector_result(result: dict) -> bool:
     return result.get("task") == "detection"
 
 
+# what percentile's clipping levels recorded as null meant, by the range rule of their operand: entries written before
+# results recorded the levels used (quant/ptq/percentile.py recorded_options) hold null for the default of then
+# (quant.ranges.range_search, unchanged until they were recorded), which is compared as these values, not as whatever
+# the default is when they are read; minmax reads no level (null)
+NULL_PERCENTILES = {"percentile": [0.9999], "percentile_mse": [0.999, 0.9999, 0.99999]}
+
+
+def _null_meant(pipeline: str, options: dict) -> dict:
+    """`options` with each percentile level recorded as null replaced by the levels it meant (NULL_PERCENTILES, by its
+    operand's range rule as recorded, else the default rule of then, percentile_mse)."""
+    if pipeline != "percentile":
+        return options
+    meant = {}
+    for operand in ("act", "weight"):
+        key, method = f"{operand}_percentiles", options.get(f"{operand}_range", "percentile_mse")
+        if key in options and options[key] is None and method in NULL_PERCENTILES:
+            meant[key] = NULL_PERCENTILES[method]
+    return {**options, **meant}
+
+
 def read_options(pipeline: str, options: dict, detector: bool = False) -> dict:
     """`options` ({name: value} of `pipeline`'s quant.<pipeline> section) without those that the config's rules
     say are unread under the others (configs/loader.py unread_options: quant.aphq.recon_images at iters=0): the
@@ -135,9 +155,10 @@ def read_options(pipeline: str, options: dict, detector: bool = False) -> dict:
     Options of a classifier (evaluate.py's, the default) by every rule, those of a `detector` by the rules its
     --quant-options obey (configs/loader.py DETECTOR_RULES: without the classifier's own, CLASSIFIER_ONLY, as a
     detector's neck reads quant.aphq.act_lr at drop_prob=0; with its own, DETECTOR_ONLY, as an entry written before
-    they refused quant.gplq.batch_size_per_gpu at steps=0 holds it)."""
+    they refused quant.gplq.batch_size_per_gpu at steps=0 holds it). A null that an older entry holds for what results
+    now record the value of reads as the value it meant then (`_null_meant`)."""
     unread = unread_options(f"quant.{pipeline}", options, classifier=not detector, detector=detector)
-    return {name: value for name, value in options.items() if name not in unread}
+    return {name: value for name, value in _null_meant(pipeline, options).items() if name not in unread}
 
 
 def _detector_defaults(pipeline: str, options: dict) -> dict:

@@ -29,7 +29,9 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
     calibration batch where the pipeline reads it (RTN reads no data; APHQ and GPLQ draw their own images on
     a classifier), and the training transform where it sees training-transform images."""
     options = pipeline_options(cfg, pipeline)
-    settings = {"options": read_options(pipeline, dataclasses.asdict(options)) if options is not None else {},
+    # the values used where a null option means a default (percentile's levels): a later default is another setting
+    recorded = PIPELINES[pipeline].recorded_options(options) if options is not None else None
+    settings = {"options": read_options(pipeline, dataclasses.asdict(recorded)) if options is not None else {},
                 **(PIPELINES[pipeline].scheme_settings(options) if options is not None else {})}
     reads_batch = reads_calibration_batch(pipeline, task_for(cfg.data.dataset).language)
     if reads_batch:

@@ -283,11 +283,20 @@ def nondefault_settings(pipeline: str, settings: Optional[dict], bits: Optional[
         return []
     settings, defaults = as_stored(settings), as_stored(quant_settings(Config(), pipeline))
     # every default option, also those the defaults leave unread (the MLP reconstruction's, read where it is on)
-    defaults["options"] = as_stored(dataclasses.asdict(pipeline_options(Config(), pipeline)))
+    base = pipeline_options(Config(), pipeline)
+    options = read_options(pipeline, settings.get("options") or {})
+    # an option whose null means a default is recorded as the value used (quant_settings: percentile's levels), which
+    # depends on the entry's other options (weight_range=percentile's one level): compared with the value the
+    # default's null takes beside the entry's own other options, so that only a value given differs
+    own = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(base)}
+           and getattr(base, k) is not None}
+    resolved = dataclasses.asdict(PIPELINES[pipeline].recorded_options(dataclasses.replace(base, **own)))
+    defaults["options"] = as_stored({**dataclasses.asdict(base),
+                                     **{k: v for k, v in resolved.items() if getattr(base, k) is None}})
     names = {"images": "quant.calib_images", "seed": "quant.calib_seed", "transform": "quant.calib_transform"}
     found, unread = [], unread_at_bits(pipeline, bits)
     # the options read under the entry's own (an older entry holds unread ones, at whatever value it was given)
-    for key, value in read_options(pipeline, settings.get("options") or {}).items():
+    for key, value in options.items():
         default = defaults["options"].get(key, value)
         if value != default and key not in NEUTRAL_OPTIONS.get(pipeline, ()) and key not in unread:
             found.append(f"quant.{pipeline}.{key}={value}")

@@ -239,6 +239,13 @@ class Pipeline:
         as chosen even where it equals the default."""
         return {}
 
+    def recorded_options(self, options: Any) -> Any:
+        """`options` as a result records them (engine/quant_settings.py, the report): an option whose null means a
+        default the pipeline resolves (percentile's clipping levels) holds the value used instead, so that a later
+        change of that default cannot make an older result read as computed with the new one. The default: as
+        given."""
+        return options
+
     def scheme_settings(self, options: Any) -> Dict[str, Any]:
         """Settings of how this pipeline computes that no option names, where that changed while the options
         stayed: evaluate.py records them beside the options (engine/quant_settings.py), so that a result of the

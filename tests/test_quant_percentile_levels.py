@@ -63,3 +63,44 @@ def test_train_refuses_a_bad_level_before_it_trains(tmp_path):
     with pytest.raises(ConfigError, match=r"quant\.percentile: weight_percentiles=\[0\.3\]"):
         train.main(cfg)
     assert not out.exists()
+
+
+def test_results_record_the_levels_used_and_read_an_older_null_as_the_default_of_then(monkeypatch):
+    """A null level means the range rule's default (quant.ranges.range_search). Recorded as null, a result computed at
+    today's default would read as one of any later default: the settings now hold the levels used, in the result's
+    settings and report alike, and an entry written with null compares as the levels null meant then (the constants
+    of the range rules: 0.9999 for percentile, RepQ-ViT's {0.999, 0.9999, 0.99999} for percentile_mse); minmax reads
+    none and records null."""
+    import quant.ptq.percentile as percentile
+    from configs import Config
+    from engine.eval_results import as_stored, settings_change
+    from engine.quant_settings import quant_settings
+    from engine.result_table import nondefault_settings
+    from quant.ranges import RangeSearch
+    from quant_models import images, tiny_vit
+
+    repq, fixed = [0.999, 0.9999, 0.99999], [0.9999]
+    cfg = load_config(None, ["quant.percentile.weight_range=percentile"])
+    settings = as_stored(quant_settings(cfg, "percentile"))  # as the result file holds it
+    assert (settings["options"]["act_percentiles"], settings["options"]["weight_percentiles"]) == (repq, fixed)
+    minmax = as_stored(quant_settings(load_config(None, ["quant.percentile.act_range=minmax"]), "percentile"))["options"]
+    assert minmax["act_percentiles"] is None and minmax["weight_percentiles"] == repq
+    _, report = PIPELINES["percentile"](tiny_vit(depth=1), images(2), "w4a4", {"weight_range": "percentile"})
+    assert (list(report["options"]["act_percentiles"]), list(report["options"]["weight_percentiles"])) == (repq, fixed)
+
+    older = {"settings": {**settings, "options": {**settings["options"], "act_percentiles": None,
+                                                  "weight_percentiles": None}}}
+    assert settings_change(older, settings, "percentile") is None  # null meant the levels used now
+    assert nondefault_settings("percentile", older["settings"]) == ["quant.percentile.weight_range=percentile"]
+    assert nondefault_settings("percentile", quant_settings(Config(), "percentile")) == []
+    assert nondefault_settings("percentile", {"options": minmax}) == ["quant.percentile.act_range=minmax"]
+    given = quant_settings(load_config(None, ["quant.percentile.act_percentiles=[0.99]"]), "percentile")
+    assert nondefault_settings("percentile", given) == ["quant.percentile.act_percentiles=[0.99]"]
+
+    # a later default: a result recorded now, and an older null, read as computed with other levels
+    monkeypatch.setattr(percentile, "range_search",
+                        lambda method, levels: RangeSearch(method, tuple(levels or (0.99,))))
+    later = quant_settings(cfg, "percentile")
+    assert later["options"]["act_percentiles"] == (0.99,)
+    for entry in ({"settings": settings}, older):
+        assert "act_percentiles" in settings_change(entry, later, "percentile")

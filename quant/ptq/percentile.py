@@ -20,6 +20,7 @@ We therefore implement (not confirmed by the paper; every item is an option):
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from torch import nn
@@ -60,6 +61,17 @@ class PercentilePipeline(Pipeline):
                                  f"gives {len(levels)}; give one (e.g. {operand}_percentiles=[{levels[-1]}]), or "
                                  f"{operand}_range=percentile_mse to choose among them by calibration MSE")
 
+    def recorded_options(self, options: PercentileOptions) -> PercentileOptions:
+        """`options` with the levels each operand's range rule runs with in place of null (`range_search`'s default
+        for that rule); minmax reads none and keeps null. Result files compare these (engine/eval_results.py reads an
+        older entry's null as the default of then)."""
+        levels = {}
+        for operand in ("act", "weight"):
+            method = getattr(options, f"{operand}_range")
+            if getattr(options, f"{operand}_percentiles") is None and method != "minmax":
+                levels[f"{operand}_percentiles"] = range_search(method, None).percentiles
+        return dataclasses.replace(options, **levels)
+
     def layout(self, bits: Bits, options: PercentileOptions) -> QuantSpec:
         act_search = range_search(options.act_range, options.act_percentiles)
         act = QuantizerSpec(bits.a, search=act_search)
@@ -76,7 +88,7 @@ class PercentilePipeline(Pipeline):
         timer = StageTimer()
         model, n_images = convert_and_calibrate(fp_model, self.layout(bits, options), calib_images, timer,
                                                 next(fp_model.parameters()).device)
-        report = pipeline_report(self.name, model, bits, options, calibration_images=n_images,
+        report = pipeline_report(self.name, model, bits, self.recorded_options(options), calibration_images=n_images,
                                  seconds=timer.seconds)
         return PTQResult(model, report)
 
