@@ -5,7 +5,8 @@ block, the maximum |activation| of the block output (solid) and of any module in
 method's files with their min-max range shaded; writes the PNG and a CSV, and prints a markdown table. Each CSV is
 read with the result file evaluate.py wrote beside it (`<stem>.json` for `<stem>_act_max.csv`), which says how its
 maxima were measured (a CSV whose size and SHA-256 are not those that result file records, edited or replaced since,
-is refused; --overwrite never replaces a maxima file evaluate.py wrote for a result file): the runs of a method must
+is refused; --overwrite replaces only this script's own outputs, a PNG it marked and a CSV of its columns, never a
+maxima file evaluate.py wrote for a result file): the runs of a method must
 be distinct runs evaluated alike (engine.result_table.check_seed_group: data, raw or EMA weights, the kind of
 checkpoint (best.pt, checkpoint.pt), the update of snapshots, autocast, quant.act_max_extra_modules, model.kwargs,
 and the method and recipe the result files record) whose runs ended alike (engine/eval_results.refuse_unfinished: a
@@ -123,6 +124,55 @@ def result_beside(path: str) -> dict:
     return result
 
 
+# the CSV's columns (its header line), and the PNG's text entry (a tEXt chunk) that marks this script's figure: by
+# them --overwrite knows the files at --out as this script's, and replaces no other file (a figure or table another
+# script or a person made)
+CSV_FIELDS = ["method", "block", "runs", "block_mean", "block_min", "block_max", "module_mean", "module_min",
+              "module_max"]
+PNG_SOURCE = ("Source", "scripts/compare_act_max.py")
+
+
+def png_text(path: str) -> dict[str, str]:
+    """The tEXt entries of the PNG file at `path` (keyword -> text, those before its image data), {} for a file that
+    is no PNG."""
+    entries = {}
+    with open(path, "rb") as f:
+        if f.read(8) != b"\x89PNG\r\n\x1a\n":
+            return {}
+        while len(head := f.read(8)) == 8:
+            size, kind = int.from_bytes(head[:4], "big"), head[4:]
+            if kind in (b"IDAT", b"IEND"):
+                break
+            data = f.read(size)
+            f.read(4)  # the chunk's CRC
+            if kind == b"tEXt" and b"\0" in data:
+                keyword, _, text = data.partition(b"\0")
+                entries[keyword.decode("latin-1")] = text.decode("latin-1")
+    return entries
+
+
+def written_here(path: str) -> bool:
+    """Whether the file at `path` is an output of this script: a CSV whose header line is CSV_FIELDS', a PNG that
+    holds PNG_SOURCE."""
+    try:
+        if path.endswith(".png"):
+            return png_text(path).get(PNG_SOURCE[0]) == PNG_SOURCE[1]
+        with open(path, "rb") as f:
+            return f.readline().rstrip(b"\r\n") == ",".join(CSV_FIELDS).encode()
+    except OSError:
+        return False
+
+
+def refuse_others_files(outputs: list[str]) -> None:
+    """SystemExit naming the first file of `outputs` there that this script did not write (`written_here`):
+    --overwrite replaces only its own outputs ("Nothing lost")."""
+    for path in outputs:
+        if os.path.exists(path) and not written_here(path):
+            mark = f"its PNG text {PNG_SOURCE[0]}" if path.endswith(".png") else "the header of its columns"
+            sys.exit(f"error: {path} is not a file compare_act_max.py wrote ({mark} is not there), and --overwrite "
+                     "replaces only those: choose another --out, or move the file aside")
+
+
 # evaluate.py's per-layer maxima files of a result file <stem>.json (engine.act_max_ownership.act_max_paths and the
 # <stem>_act_max.replaced<N> names keep_act_max_files moves them aside as)
 EVALUATE_FILE = re.compile(r"^(?P<stem>.*)_act_max(\.replaced\d+)?\.(csv|png)$")
@@ -219,7 +269,7 @@ def plot(rows: list[dict], path: str, marked: set = frozenset(), overwrite: bool
     ax.set_ylabel("max |activation| (mean over runs)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, path, overwrite)
+    save_figure(fig, path, overwrite, metadata=dict([PNG_SOURCE]))  # refuse_others_files knows it by this
 
 
 def unrecorded_seeds(groups: dict[str, list[str]]) -> list[str]:
@@ -292,6 +342,8 @@ def main(argv=None) -> list[dict]:
         refuse_existing_outputs(outputs, args.overwrite, inputs=inputs)
     except RunDirError as e:
         sys.exit(f"error: {e}")
+    if args.overwrite:
+        refuse_others_files(outputs)
     try:
         rows = summarize(groups)  # everything that can fail, before an output is opened
         notes = evaluated_alike(groups)
@@ -305,9 +357,11 @@ def main(argv=None) -> list[dict]:
     notes = {marked.get(method, method): n for method, n in notes.items()}
     for method, how in stopped.items():
         print(f"note: {stopped_note(method, [how])}", file=sys.stderr)
+    if args.overwrite:  # nor over one another command put there meanwhile
+        refuse_others_files(outputs)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     try:  # never over a file another command wrote since this one started
-        write_csv(args.out + ".csv", rows, list(rows[0]), args.overwrite)  # a method name may carry any letter
+        write_csv(args.out + ".csv", rows, CSV_FIELDS, args.overwrite)  # a method name may carry any letter
         plot(rows, args.out + ".png", {m for m, n in notes.items() if n}, args.overwrite)
     except RunDirError as e:
         sys.exit(f"error: {e}")

@@ -396,3 +396,27 @@ def test_overwrite_never_replaces_a_maxima_file_evaluate_py_wrote(tmp_path, stem
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     compare.main([f"a={tmp_path}/a_act_max.csv", "--out", str(tmp_path / "cmp")])
     assert compare.main([f"a={tmp_path}/a_act_max.csv", "--out", str(tmp_path / "cmp"), "--overwrite"])
+
+
+@pytest.mark.parametrize("foreign", [".png", ".csv"])
+def test_overwrite_replaces_only_files_this_script_wrote(tmp_path, foreign):
+    """--out X --overwrite replaced any X.png and X.csv but evaluate.py's maxima files: a paper's figure or another
+    script's CSV at that name was lost. This script marks its outputs (the PNG's text entry Source, the CSV's header
+    of its columns) and --overwrite replaces only files so marked, refusing any other with one error line and
+    leaving every file as it was; the reference is the files' bytes before."""
+    compare = load()
+    write(tmp_path / "a_act_max.csv", run_rows([1.0], [2.0], [3.0]))
+    out = tmp_path / "figure"
+    compare.main([f"a={tmp_path}/a_act_max.csv", "--out", str(out)])
+    mine = (tmp_path / f"figure{foreign}").read_bytes()
+    compare.main([f"a={tmp_path}/a_act_max.csv", "--out", str(out), "--overwrite"])  # its own: replaced
+    other = b"\x89PNG\r\n\x1a\nsomeone's figure" if foreign == ".png" else b"name,value\nlr,0.1\n"
+    (tmp_path / f"figure{foreign}").write_bytes(other)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(SystemExit) as refused:
+        compare.main([f"a={tmp_path}/a_act_max.csv", "--out", str(out), "--overwrite"])
+    message = str(refused.value.code)
+    assert message.startswith(f"error: {out}{foreign} is not a file compare_act_max.py wrote") and "\n" not in message
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    (tmp_path / f"figure{foreign}").write_bytes(mine)  # this script's file again: replaced
+    compare.main([f"a={tmp_path}/a_act_max.csv", "--out", str(out), "--overwrite"])
