@@ -181,3 +181,25 @@ def test_the_rescaled_gradient_does_not_depend_on_tau_or_eps():
         return g
 
     torch.testing.assert_close(grad(3.0, 1e-6), grad(5.0, 1e-2), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("checkpointed, block", [("backbone.stages.1", "backbone.stages.1.0"),
+                                                 ("backbone", "backbone.stages.0.0")])
+def test_the_checkpointing_refusal_reads_the_names_through_mmengines_separate_ddp(tmp_path, checkpointed, block):
+    """MMSeparateDistributedDataParallel wraps each child of the model in a DDP of its own, after MMEngine applied
+    activation_checkpointing by the unwrapped model's names: the refusal looked those names up through the child's
+    wrapper, so backbone.stages.1 (which holds a penalized block) resolved to nothing and passed, and the backbone
+    itself was refused naming a block backbone.module.stages.0.0 that no config can name."""
+    import torch.distributed as dist
+    from mmengine.model import MMSeparateDistributedDataParallel
+
+    from cd.integrations.mmengine import TweoHook
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = MMSeparateDistributedDataParallel(StagedNet())
+        refusal = TweoHook(lam=0.5, rescale=False).checkpointing_refusal(model, [checkpointed])
+    finally:
+        dist.destroy_process_group()
+    assert refusal is not None and refusal.startswith(f"activation_checkpointing names {checkpointed}, which "
+                                                      f"contains the block {block} "), refusal

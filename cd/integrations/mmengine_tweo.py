@@ -48,7 +48,6 @@ from __future__ import annotations
 import inspect
 import math
 import weakref
-from operator import attrgetter
 from typing import Any, Optional, Sequence
 
 import torch
@@ -85,9 +84,11 @@ def checkpointing_refusal(model: torch.nn.Module, names: Any, blocks: Sequence[t
     model = unwrap_model(model)
     penalized = {id(block) for block in blocks}
     for name in names:
-        try:
-            part = attrgetter(name)(model)
-        except (AttributeError, TypeError):
+        if not isinstance(name, str) or not name:
+            continue
+        try:  # through the wrappers of its parts too (MMSeparateDistributedDataParallel wraps each child, after
+            part = select_module(model, name)  # MMEngine applied activation_checkpointing to the unwrapped model)
+        except ValueError:
             continue
         if not isinstance(part, torch.nn.Module) or isinstance(part, (torch.nn.ModuleList, torch.nn.ModuleDict)):
             continue  # a container list has no forward of its own: checkpointing it wraps nothing that runs
