@@ -13,10 +13,10 @@ Training reads no quant.* setting: given here, they are checked before training 
 (config.yaml and its checkpoints) as the defaults of `evaluate.py --checkpoint OUT_DIR/best.pt`.
 Outputs in out_dir: config.yaml, metrics.jsonl, tb/, train.log, checkpoint.pt (latest), best.pt,
 snapshots/ (train.keep_every_epochs); a resume from an earlier point or with changed settings keeps the
-earlier config.yaml / metrics.jsonl / best.pt (a roll-back also the checkpoint.pt it leaves) as
-*.until_step<N>.*. Re-running the same command with the same out_dir resumes from checkpoint.pt
-(train.resume=PATH: from another checkpoint file); SIGTERM / SIGINT save and exit with code 75
-(docs/operations.md).
+earlier config.yaml / metrics.jsonl / best.pt (a roll-back also the checkpoint.pt it leaves; a finished run
+extended by a longer schedule its checkpoint.pt and best.pt) as *.until_step<N>.*. Re-running the same command
+with the same out_dir resumes from checkpoint.pt (train.resume=PATH: from another checkpoint file); SIGTERM /
+SIGINT save and exit with code 75 (docs/operations.md).
 """
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, ignor
 from engine.resume import (check_schedule_holds, continue_sample_order, epoch_layout, epoch_position,
                            optimizer_param_names, restore_optimizer, resume_position, same_val_windows)
 from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, check_same_weights_on_every_rank,
-                              keep_abandoned_checkpoint, keep_missing_snapshot, keep_snapshot, resume_source,
-                              started_at_step)
+                              keep_abandoned_checkpoint, keep_finished_run, keep_missing_snapshot, keep_snapshot,
+                              resume_source, started_at_step)
 from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside, recorded_setting,
                             resumes_in, save_config_history, start_only_changes, training_changes, validation_changes)
 from engine.running_stats import average_running_stats
@@ -222,6 +222,10 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
             if kept := keep_missing_snapshot(run.ckpt_path, payload, state.epoch, dist.is_main, dist.device):
                 log.warning("epoch %d kept as %s: the run that wrote checkpoint.pt at its end stopped before it "
                             "kept it", state.epoch, kept)
+        # the finished run's checkpoint.pt and best.pt, which a longer schedule goes on from: kept below, once best.pt
+        # is the resumed state's (match_file)
+        extends = not run.resumed_elsewhere and more_to_train(run, state) and finished_before(payload,
+                                                                                             run.updates_per_epoch)
         del payload
         # a best score measured on another validation set compares with no new score: best.pt starts afresh
         run.validation_changed = bool(other_validation)
@@ -232,6 +236,10 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
                         f", best.pt kept as {best.kept}" if best.kept else "")
         elif best.kept or best.restored:
             log.warning("%s", best_match_line(best, run.state.step, cfg.out_dir))
+        # before record_quant_in_checkpoints rewrites them: kept as the finished run left them
+        if extends and (kept := keep_finished_run(cfg.out_dir, state.step, dist.is_main, dist.device)):
+            log.warning("extending the run finished at update %d: its checkpoint.pt / best.pt kept as %s, which the "
+                        "longer schedule's writes do not replace", state.step, " and ".join(kept))
         if recorded := record_quant_in_checkpoints(run):
             log.info("quant.* settings changed: recorded in %s, the defaults of evaluate.py --checkpoint",
                      " and ".join(recorded))
@@ -1091,6 +1099,19 @@ def validation_follows(run: Run, step: Optional[int], epoch_done: Optional[int])
                                     or step >= run.total_steps)
     return at_step or (epoch_done is not None and (epoch_done % cfg.train.eval_every_epochs == 0
                                                    or epoch_done == run.epochs))
+
+
+def finished_before(payload: dict, updates_per_epoch: int) -> bool:
+    """Whether the training checkpoint `payload` is at the end of the schedule of the run that wrote it (its config's
+    sched.*, counted in `updates_per_epoch`, which a resume keeps: engine/resume.py resume_position): the last state
+    of a finished run, which a resume with a longer schedule extends. A sched section of an older schema that no
+    longer reads counts as finished: its files are kept rather than replaced."""
+    try:
+        sched = config_from_dict({"sched": payload["config"]["sched"]}).sched
+    except ConfigError:
+        return True
+    epochs, total_steps, _ = schedule_length(sched, updates_per_epoch)
+    return payload["state"]["step"] >= total_steps or payload["state"]["epoch"] >= epochs
 
 
 def more_to_train(run: Run, state: TrainState) -> bool:

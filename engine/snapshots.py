@@ -6,6 +6,9 @@
   descends from PATH (every checkpoint records the file its run started from, `resumed_from`).
   Otherwise PATH wins: resuming from an earlier snapshot of the same folder rolls the run back to it.
   The checkpoint.pt it leaves is kept as checkpoint.until_step<N>.pt (`keep_abandoned_checkpoint`).
+* Extending a finished run (the same out_dir, a longer sched.epochs / sched.steps): its checkpoint.pt and best.pt,
+  the finished run's results, are kept as checkpoint.until_step<N>.pt and best.until_step<N>.pt before the longer
+  run replaces them (`keep_finished_run`).
 * Snapshots: with `train.keep_every_epochs=N`, checkpoint.pt of every N-th epoch end is kept as
   `out_dir/snapshots/epoch<E>.pt`, a hard link to the file just written (no copy, no extra disk time;
   a copy where the file system has no hard links). The run never deletes or replaces one. A run killed between
@@ -211,14 +214,40 @@ def keep_abandoned_checkpoint(out_dir: str, resume_path: str, step: int, is_main
     resume point until then), unless it is already kept under another name (a snapshot's hard link). Returns
     the kept path (main rank) or None."""
     own = os.path.join(out_dir, "checkpoint.pt")
+    leaves = is_main and os.path.isfile(own) and not os.path.samefile(own, resume_path)
+    return _keep_linked(own if leaves else None, step, "the progress of the branch this run leaves", device)
+
+
+def keep_finished_run(out_dir: str, step: int, is_main: bool, device: torch.device) -> list[str]:
+    """A finished run extended (train.py: resumed from out_dir's own checkpoint.pt at the end of its schedule, with a
+    longer sched.epochs / sched.steps) would replace checkpoint.pt, the finished run's final state, at its first
+    write, and best.pt, the finished run's best validation, at its first better one: keep both as
+    checkpoint.until_step<step>.pt and best.until_step<step>.pt first (hard links, so that both stay in place until
+    then), each unless already kept under another name (a snapshot's hard link; a best.pt linked back from a kept
+    best.until_step<N>.pt). Returns the kept paths (main rank), [] on the other ranks."""
+    kept = []
+    for name, what in (("checkpoint.pt", "the finished run's last state"), ("best.pt", "the finished run's best")):
+        path = os.path.join(out_dir, name)
+        if path := _keep_linked(path if is_main and os.path.isfile(path) else None, step, what, device):
+            kept.append(path)
+    return kept
+
+
+def _keep_linked(path: Optional[str], step: int, what: str, device: torch.device) -> Optional[str]:
+    """Keep `path` (main rank; None elsewhere and where there is nothing to keep) as <stem>.until_step<step><ext>, a
+    hard link (a copy where the file system has none), unless another name links it already (st_nlink > 1); every
+    rank takes part, so that an error stops them all. `what` says what the file is in that error. The kept path or
+    None."""
     kept, error = None, None
-    if is_main and os.path.isfile(own) and not os.path.samefile(own, resume_path) and os.stat(own).st_nlink == 1:
+    if path is not None and os.stat(path).st_nlink == 1:
+        stem, ext = os.path.splitext(os.path.basename(path))
         try:
-            kept = keep_as_until_step(own, step, keep=link_or_copy)
+            kept = keep_as_until_step(path, step, keep=link_or_copy)
         except OSError as e:
-            error = CheckpointError(f"could not keep {own} (the progress of the branch this run leaves) as "
-                                    f"checkpoint.until_step{step}.pt: {e}; nothing was changed")
-    raise_on_every_rank(error, device, lambda: CheckpointError(f"rank 0 could not keep {own} (its error says why)"))
+            error = CheckpointError(f"could not keep {path} ({what}) as {stem}.until_step{step}{ext}: {e}; nothing "
+                                    f"was changed")
+    raise_on_every_rank(error, device, lambda: CheckpointError(f"rank 0 could not keep {what} (its error says "
+                                                               f"why)"))
     return kept
 
 

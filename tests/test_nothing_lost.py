@@ -316,6 +316,30 @@ def test_a_finished_run_resumed_into_a_new_folder_writes_its_best_there(debug_co
     assert train.main(debug_config(f"train.resume={finished}", name="b")).state.best_step == 8
 
 
+@pytest.mark.parametrize("longer", [["sched.epochs=3"], ["sched.steps=12"]])
+def test_a_finished_run_extended_keeps_its_checkpoint_and_best(debug_config, caplog, longer):
+    """A finished run resumed in its out_dir with a longer schedule replaced checkpoint.pt, the finished run's last
+    state, at its first write (and best.pt at its first better validation): both are kept as
+    <name>.until_step<N>.pt first. A run stopped at train.max_steps and continued keeps nothing: its checkpoint.pt
+    is no finished run's."""
+    train.main(debug_config("train.max_steps=4", name="e"))
+    out = train.main(debug_config(name="e")).state  # on to the schedule's end
+    assert out.step == 8
+    folder = debug_config(name="e").out_dir
+    finished = {name: read_bytes(os.path.join(folder, name)) for name in ("checkpoint.pt", "best.pt")}
+    assert not [n for n in os.listdir(folder) if n.endswith(".pt") and ".until_step" in n]  # the premise: none yet
+    caplog.clear()
+    assert train.main(debug_config(*longer, "train.allow_changed_config=true", name="e")).state.step == 12
+    assert read_bytes(os.path.join(folder, "checkpoint.until_step8.pt")) == finished["checkpoint.pt"]
+    assert read_bytes(os.path.join(folder, "best.until_step8.pt")) == finished["best.pt"]
+    assert torch.load(os.path.join(folder, "checkpoint.pt"), weights_only=True)["state"]["step"] == 12
+    assert "extending the run finished at update 8" in caplog.text
+    # the extended run re-run: finished under its own schedule, nothing left to train, nothing more kept
+    train.main(debug_config(*longer, "train.allow_changed_config=true", name="e"))
+    assert sorted(n for n in os.listdir(folder) if ".until_step" in n and n.endswith(".pt")) == [
+        "best.until_step8.pt", "checkpoint.until_step8.pt"]
+
+
 def test_best_pt_is_read_without_mmap_on_a_file_system_that_has_none(debug_config, monkeypatch):
     """Resume compares best.pt's update with the checkpoint's best: unread, best.pt would be moved aside at
     every resume."""
