@@ -89,7 +89,8 @@ def refuse_unowned_out(path: str) -> None:
     if not os.path.exists(path):
         return
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") as f:  # its end only: --out may name a large file (a checkpoint), no table
+            f.seek(max(0, os.fstat(f.fileno()).st_size - len(OWN_MARK) - 8))
             lines = f.read().decode("utf-8", errors="replace").rstrip("\n").split("\n")
     except OSError as e:
         sys.exit(f"error: --out {path} cannot be read ({e.strerror}) to tell whether this script wrote it: "
