@@ -343,7 +343,7 @@ def types_outside_blocks(model: nn.Module, names: Sequence[str]) -> Dict[str, st
     types = {}
     for name in names:
         parent, parts = model, []
-        for part in name.split("."):
+        for part in name.split(".") if name else []:  # "" is the model itself ('**' names it too)
             children = dict(parent.named_children())
             repeated = part.isdigit() and len({type(child) for child in children.values()}) == 1
             parts.append("N" if repeated else part)

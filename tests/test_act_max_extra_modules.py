@@ -182,3 +182,6 @@ def test_modules_outside_the_blocks_are_grouped_by_their_stage_index_only():
             **{f"backbone.stages.{i}.downsample.norm": "backbone.stages.N.downsample.norm" for i in range(2)},
             "stem.0.b": "stem.0.b", "stem.1.b": "stem.1.b", "pre.0": "pre.0", "pre.1": "pre.1"}
     assert types == want
+    with ActivationProbe(model, extra_modules=["**"]) as probe:  # it names the model itself too: its name is ""
+        pass
+    assert {name: typ for name, _, block, typ, _ in probe.targets if block == -1}[""] == ""
