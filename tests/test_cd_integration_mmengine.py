@@ -213,6 +213,44 @@ def test_a_step_that_a_later_hook_makes_gets_cd(tmp_path):
             torch.testing.assert_close(got, want[name] - lr * grads[name], rtol=0, atol=1e-12, msg=name)
 
 
+class LateWrapper(Hook):
+    """Sets runner.optim_wrapper to a new SGD wrapper at iteration 1, in a before_train_iter that runs after
+    ColinearityDecayHook's (priority LOW): the train_step then steps an optimizer CD has not bound."""
+
+    priority = "LOW"
+
+    def before_train_iter(self, runner, batch_idx, data_batch=None):
+        if runner.iter == 1:
+            runner.optim_wrapper = OptimWrapper(torch.optim.SGD(runner.model.parameters(), lr=0.1))
+
+
+def test_a_step_of_an_optimizer_cd_has_not_bound_is_refused_before_it_changes_the_weights(tmp_path):
+    """The wrapper set after the hook bound the iteration's optimizers stepped the decayed matrices without CD and
+    without a word (bound only at the next iteration's start); its step is refused before it changes them."""
+    from mmengine.runner import Runner
+
+    from cd.integrations.mmengine import ColinearityDecayHook
+
+    record = RecordWeights()
+    runner = Runner(model=Classifier(), work_dir=str(tmp_path), log_level="ERROR",
+                    train_dataloader=dict(dataset=RandomImages(6), batch_size=2, num_workers=0,
+                                          sampler=dict(type="DefaultSampler", shuffle=False),
+                                          collate_fn=dict(type="default_collate")),
+                    train_cfg=dict(by_epoch=False, max_iters=3),
+                    optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)),
+                    default_hooks=dict(checkpoint=None, logger=None),
+                    custom_hooks=[ColinearityDecayHook(lam=LAM), LateWrapper(), record])
+    with pytest.raises(RuntimeError, match=r"^ColinearityDecayHook: a SGD that is not runner.optim_wrapper's "
+                                           r"optimizer at the iteration's start steps blocks\.0\.attn\.qkv\.weight "):
+        runner.train()
+    assert runner.iter == 1 and len(record.after) == 1
+    assert all(torch.equal(p, record.after[0][n]) for n, p in runner.model.named_parameters())  # not stepped
+    hook = hook_of(runner, "ColinearityDecayHook")
+    assert hook.decay.num_updates == 1
+    hook.after_train(runner)  # MMEngine calls none after a raise: the run's hooks come off the optimizers
+    torch.optim.SGD(runner.model.parameters(), lr=0.1).step()  # another optimizer's step is its own again
+
+
 @pytest.mark.parametrize("module, decayed, shape", [(None, BLOCKS, None), ("backbone", BLOCKS, None),
                                                     ("backbone.blocks.1", ["blocks.1"], (1, 17, DIM))])
 def test_cd_through_mmengines_separate_ddp_wrapper_decays_the_part_named(tmp_path, module, decayed, shape):

@@ -22,7 +22,9 @@ of one iteration make one update (`cd.integrations.SharedUpdate`): every pair re
 iteration's steps, also a pair whose two matrices are in different optimizers, and `cd/updates` counts it once.
 The optimizers are bound at `before_train`, and bound again at an iteration's start when `runner.optim_wrapper` no
 longer holds the ones bound: a wrapper replaced during training (a hook that sets `runner.optim_wrapper` to a second
-stage's optimizer at `before_train_epoch`) gets CD as the first did, with the same counter.
+stage's optimizer at `before_train_epoch`) gets CD as the first did, with the same counter. A step of another
+optimizer that changes decayed matrices (a wrapper set after the iteration's start, by a hook of lower priority at
+`before_train_iter`; an optimizer of one's own) would have no CD, and is refused before it changes them.
 
 The model: `runner.model` without its (MM)DistributedDataParallel wrapper, and of it the `backbone` when it has
 one (a detector's, as the paper decays the backbone; `module=` names another part, `module=""` the whole
@@ -39,19 +41,32 @@ from __future__ import annotations
 import inspect
 import math
 import re
+import sys
 from typing import Any, Optional, Sequence
 
 import torch
 from mmengine.hooks import Hook
 from mmengine.registry import HOOKS
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..decay import ColinearityDecay, budget_weight_decay
 from ..verify import UnsupportedModelError, example_input
-from ..wrappers import unwrap_model
+from ..wrappers import _HOOKED_STEP_CODE, unwrap_model
 from . import (bind_optimizers, check_cd_arguments, check_module_name, name_the_part, select_module,
                torch_optimizer, warn_unrestored)
 
 CHECKPOINT_KEY = "colinearity_decay"
+
+
+def _inside_step_of(optimizers: dict) -> bool:
+    """Whether a step of one of `optimizers` (by id) is under way in this thread (read from the calls under way, as
+    cd.wrappers.in_outer_step reads them: a step that raised leaves nothing behind)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _HOOKED_STEP_CODE and id(frame.f_locals.get("self")) in optimizers:
+            return True
+        frame = frame.f_back
+    return False
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)  # an image batch, for a part that cannot say its input size
 
 
@@ -104,6 +119,7 @@ class ColinearityDecayHook(Hook):
         # this class's keys in the checkpoint loaded, if any, each with the module= that writes it
         self._checkpoint_keys: Optional[dict[str, Optional[str]]] = None
         self._bindings: dict = {}
+        self._foreign = None  # the handle of the global step pre-hook that refuses steps of unbound optimizers
 
     def target(self, model: torch.nn.Module) -> torch.nn.Module:
         """The part of `model` that CD decays (see `module`)."""
@@ -187,11 +203,31 @@ class ColinearityDecayHook(Hook):
         self._unbind()
         self._bindings = bind_optimizers(self.decay, _optimizers(runner.optim_wrapper))
         self._new_round()  # armed until after_train: every step of these optimizers is an update with CD
+        self._foreign = register_optimizer_step_pre_hook(self._refuse_foreign_step)
 
     def _unbind(self) -> None:
         for binding in self._bindings.values():
             binding.remove()
         self._bindings = {}
+        if self._foreign is not None:
+            self._foreign.remove()
+            self._foreign = None
+
+    def _refuse_foreign_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """A step (torch's global pre-hook, before the weights change) of an optimizer that is not bound and changes
+        matrices CD decays would have no CD: a wrapper set as runner.optim_wrapper after this iteration's start (a
+        hook of lower priority at before_train_iter), or an optimizer of one's own. Refused rather than run
+        without it. Steps inside a bound optimizer's step (Lookahead's inner optimizer) are a part of that one."""
+        if id(optimizer) in self._bindings or _inside_step_of(self._bindings):
+            return
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        named = next((name for name, t in self.decay._decayed_named() if id(t) in held and t.grad is not None), None)
+        if named is not None:
+            raise RuntimeError(f"ColinearityDecayHook: a {type(optimizer).__name__} that is not runner.optim_wrapper's "
+                               f"optimizer at the iteration's start steps {named} and other matrices CD decays, so "
+                               "that step would have no CD: set runner.optim_wrapper before the iteration (at "
+                               "before_train_epoch, or in a before_train_iter hook of higher priority than "
+                               "ColinearityDecayHook's), or step those matrices through runner.optim_wrapper")
 
     @property
     def checkpoint_key(self) -> str:
