@@ -202,14 +202,30 @@ def unread_at_bits(pipeline: str, bits: Optional[str]) -> set[str]:
     return set(unread_at(parsed))
 
 
+# settings added after quantized entries were first written, compared only where both hold them: a folder data set's
+# train-split files (engine/quant_settings.py train_folder_fingerprint). An entry written before is taken as of the
+# files the split holds now, as the identity's val_names (LATER_FIELDS): refusing it would refuse every quantized
+# entry of a folder (an ImageNet) data set written until then
+LATER_SETTINGS = (("calibration", "train_files"), ("train_transform", "train_files"))
+
+
+def without_later_settings(x: dict, y: dict) -> tuple[dict, dict]:
+    """Comparable settings `x` and `y` without each LATER_SETTINGS key that only one of them holds."""
+    for part, key in LATER_SETTINGS:
+        a, b = x.get(part), y.get(part)
+        if isinstance(a, dict) and isinstance(b, dict) and (key in a) != (key in b):
+            x, y = ({**s, part: {k: v for k, v in s[part].items() if k != key}} for s in (x, y))
+    return x, y
+
+
 def settings_change(entry: dict, settings: dict, pipeline: str, detector: bool = False,
                     bits: Optional[str] = None) -> Optional[str]:
     """How the settings a quantized entry of `pipeline` in a result file was computed with differ from `settings`
     ('key old -> new; ...', its NEUTRAL_OPTIONS aside, and given the entry's `bits` the options unread at them), or
     None when alike: such an entry is no result of `settings`. `detector`: the file is evaluate_detection.py's
     (`detector_result`), compared by its rules."""
-    stored = comparable_settings(entry.get("settings"), pipeline, detector, bits)
-    asked = comparable_settings(settings, pipeline, detector, bits)
+    stored, asked = without_later_settings(comparable_settings(entry.get("settings"), pipeline, detector, bits),
+                                           comparable_settings(settings, pipeline, detector, bits))
     return None if stored == asked else settings_diff(stored, asked)
 
 
@@ -258,8 +274,8 @@ def evaluation_difference(a: dict, b: dict) -> Optional[Difference]:
     quant_a, quant_b = a.get("quant") or {}, b.get("quant") or {}
     for pipeline in sorted(set(quant_a) & set(quant_b)):
         for bits in sorted(set(quant_a[pipeline]) & set(quant_b[pipeline])):
-            x, y = (comparable_settings(r["quant"][pipeline][bits].get("settings"), pipeline, detector_result(r),
-                                        bits) for r in (a, b))
+            x, y = without_later_settings(*(comparable_settings(r["quant"][pipeline][bits].get("settings"), pipeline,
+                                                                detector_result(r), bits) for r in (a, b)))
             if x != y:
                 return Difference(f"{pipeline} {bits} settings", settings_diff(x, y), True)
     return None

@@ -8,14 +8,19 @@ The options are those the pipeline reads: one that the config's rules (configs/l
 unread under the others (quant.aphq.recon_images at iters=0) is left out (engine/eval_results.py `read_options`),
 as the result does not depend on it. A scheme that changed while its options stayed is recorded beside them
 (the pipeline's `scheme_settings`, quant/pipeline_base.py), so that an entry of the older scheme reads as computed
-with other settings.
+with other settings. The training split a folder data set's calibration batch (or APHQ's and GPLQ's own images) is
+drawn from is named by its files too (`train_folder_fingerprint`), as a token data set's by its file's content: the
+split exported again under the same name is another batch.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 
 from configs import Config
-from data.text import token_file_fingerprint
+from data.folder import find_split, read_extensions
+from data.text import FINGERPRINT_HEAD_BYTES, token_file_fingerprint
 from data.transforms import train_transform_settings
 from quant import PIPELINES, run_settings
 from quant.plan import pipeline_options, reads_calibration_batch
@@ -24,10 +29,12 @@ from .eval_results import read_options
 from .tasks import task_for
 
 
-def quant_settings(cfg: Config, pipeline: str) -> dict:
+def quant_settings(cfg: Config, pipeline: str, files: bool = True) -> dict:
     """Everything a quantized result depends on besides the float model and the val set: the options, the
     calibration batch where the pipeline reads it (RTN reads no data; APHQ and GPLQ draw their own images on
-    a classifier), and the training transform where it sees training-transform images."""
+    a classifier), and the training transform where it sees training-transform images. `files` False leaves out
+    what is read from the data's files (a folder's train split, a token train file): a default config's settings
+    (result_table.nondefault_settings), which name no files."""
     options = pipeline_options(cfg, pipeline)
     # the values used where a null option means a default (percentile's levels): a later default is another setting
     recorded = PIPELINES[pipeline].recorded_options(options) if options is not None else None
@@ -37,10 +44,14 @@ def quant_settings(cfg: Config, pipeline: str) -> dict:
     if reads_batch:
         settings["calibration"] = {"images": cfg.quant.calib_images, "seed": cfg.quant.calib_seed,
                                    **train_split(cfg), "transform": cfg.quant.calib_transform}
-        if cfg.data.dataset == "tokens":  # the windows are read from the train file: its content, as the val file's
+        if cfg.data.dataset == "tokens" and files:  # the windows are read from the train file: its content
             settings["calibration"]["train_file"] = token_file_fingerprint(cfg.data, "train")
     if sees_training_transform(cfg, pipeline):
         settings["train_transform"] = training_data(cfg)
+    if cfg.data.dataset == "folder" and files:  # the images drawn from the train split: its files
+        for part in ("calibration", "train_transform"):
+            if part in settings:
+                settings[part]["train_files"] = train_folder_fingerprint(cfg.data.root, cfg.data.train_split)
     if PIPELINES[pipeline].trains_model:  # dropout and stochastic depth act in its training
         settings["model_training"] = train_mode_settings(cfg)
     return {**settings, **run_settings(pipeline)}  # GPLQ: the number of ranks its stage 1 trained on
@@ -62,6 +73,40 @@ def train_mode_settings(cfg: Config) -> dict:
 def training_data(cfg: Config) -> dict:
     """The training split and its transform: what training-transform images depend on besides their seed."""
     return {**train_split(cfg), **train_transform_settings(cfg.data)}
+
+
+# (split path, what tells a change of its listing) -> train_folder_fingerprint's value: evaluate.py asks for it at
+# each planned and each written result, and walking ImageNet's training split takes a while
+_FOLDER_PRINTS: dict = {}
+
+
+def train_folder_fingerprint(root: str, split: str) -> dict:
+    """What tells a folder data set's training split from one exported again under its name, read cheaply (file
+    names and sizes, no pixels): the number of image files (timm's extensions) and the SHA-256 of their sorted paths
+    relative to the split, each with its size in bytes (hidden folders aside); a .tar split: its size and the SHA-256
+    of its first MiB, as a token file's (data/text.py). Remembered in this process while the split's folder and its
+    class folders keep their modification times (which adding, removing or renaming a file in them changes)."""
+    path = find_split(root, split)
+    if not os.path.isdir(path):
+        with open(path, "rb") as f:
+            head = f.read(FINGERPRINT_HEAD_BYTES)
+        return {"bytes": os.path.getsize(path), "head_sha256": hashlib.sha256(head).hexdigest()}
+    with os.scandir(path) as entries:
+        listing = (path, os.stat(path).st_mtime_ns,
+                   tuple(sorted((e.name, e.stat().st_mtime_ns) for e in entries if e.is_dir())))
+    if listing in _FOLDER_PRINTS:
+        return dict(_FOLDER_PRINTS[listing])
+    extensions, prefix, rows = read_extensions(), os.path.join(path, ""), []
+    for folder, dirs, names in os.walk(path, followlinks=True):  # as timm's folder reader walks it
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            if name.lower().endswith(extensions):
+                full = os.path.join(folder, name)
+                rows.append(f"{full[len(prefix):]}\t{os.path.getsize(full)}")  # sliced: relpath is slow
+    # surrogateescape: a name the locale cannot decode is hashed as its bytes on disk, under any locale
+    text = "\n".join(sorted(rows)).encode("utf-8", "surrogateescape")
+    _FOLDER_PRINTS[listing] = {"images": len(rows), "files_sha256": hashlib.sha256(text).hexdigest()}
+    return dict(_FOLDER_PRINTS[listing])
 
 
 def train_split(cfg: Config) -> dict:

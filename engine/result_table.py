@@ -281,7 +281,7 @@ def nondefault_settings(pipeline: str, settings: Optional[dict], bits: Optional[
     "recipe"), so are the training images and training mode it drew on (`training_changed`)."""
     if not settings or pipeline not in PIPELINES:
         return []
-    settings, defaults = as_stored(settings), as_stored(quant_settings(Config(), pipeline))
+    settings, defaults = as_stored(settings), as_stored(quant_settings(Config(), pipeline, files=False))
     # every default option, also those the defaults leave unread (the MLP reconstruction's, read where it is on)
     base = pipeline_options(Config(), pipeline)
     options = read_options(pipeline, settings.get("options") or {})

@@ -1,0 +1,65 @@
+"""A folder data set's calibration batch (and APHQ's and GPLQ's own images) is drawn from its training split, which
+the settings of a quantized result named by data.train_split only: the split exported again under that name (other
+images, or the same names re-encoded) drew another batch, yet an entry of the old folder was reused. The settings now
+name the split's files (engine/quant_settings.py train_folder_fingerprint: image paths and sizes), so such an entry
+is refused (--recompute replaces it); an entry written before they were recorded is taken as of the files there now,
+as a result file's val_names (refusing it would refuse every quantized entry of a folder data set written until
+then). The reference: the files the test wrote and changed."""
+import os
+
+import pytest
+
+from configs import load_config
+from engine import quant_settings as qs
+from engine.eval_results import EvalResults, ResultsError, evaluation_difference
+from tests.conftest import DEBUG_CONFIG, make_folder
+
+
+def folder_cfg(root):
+    return load_config([DEBUG_CONFIG], ["data.dataset=folder", f"data.root={root}", "model.num_classes=2"])
+
+
+def stored(tmp_path, pipeline: str, settings: dict) -> EvalResults:
+    results = EvalResults.open(str(tmp_path / "r.json"), {"model": "vit_nano"})
+    results.add(pipeline, "w4a4", {"top1": 50.0}, settings)
+    results.save()
+    return EvalResults.open(str(tmp_path / "r.json"), {"model": "vit_nano"})
+
+
+@pytest.mark.parametrize("pipeline, part", [("percentile", "calibration"), ("aphq", "train_transform")])
+def test_a_training_split_exported_again_under_its_name_is_no_longer_the_recorded_one(tmp_path, pipeline, part):
+    root = tmp_path / "data"
+    make_folder(root, {"train": {"a": 3, "b": 3}, "val": {"a": 1, "b": 1}})
+    cfg = folder_cfg(root)
+    settings = qs.quant_settings(cfg, pipeline)
+    assert settings[part]["train_files"]["images"] == 6
+    results = stored(tmp_path, pipeline, settings)
+    assert results.plan(pipeline, "w4a4", qs.quant_settings(cfg, pipeline), recompute=False) is False
+
+    # one image exported again under its name (another encoding, another size), in a new evaluate.py process
+    image = root / "train" / "a" / "0.png"
+    from PIL import Image
+    Image.open(image).convert("L").save(image)
+    qs._FOLDER_PRINTS.clear()
+    with pytest.raises(ResultsError, match=rf"computed with other settings \({part}\.train_files"):
+        results.plan(pipeline, "w4a4", qs.quant_settings(cfg, pipeline), recompute=False)
+    # an image more: another count, noticed by the same process too (the class folder's listing changed)
+    before = qs.quant_settings(cfg, pipeline)[part]["train_files"]
+    make_folder(tmp_path / "more", {"train": {"a": 1}})
+    os.replace(tmp_path / "more" / "train" / "a" / "0.png", root / "train" / "b" / "extra.png")
+    os.utime(root / "train" / "b", ns=(0, 1))  # a listing time of its own, whatever the clock's resolution
+    after = qs.quant_settings(cfg, pipeline)[part]["train_files"]
+    assert (before["images"], after["images"]) == (6, 7) and before["files_sha256"] != after["files_sha256"]
+
+
+def test_an_entry_written_before_the_files_were_recorded_is_taken_as_of_the_files_there_now(tmp_path):
+    root = tmp_path / "data"
+    make_folder(root, {"train": {"a": 2, "b": 2}, "val": {"a": 1, "b": 1}})
+    settings = qs.quant_settings(folder_cfg(root), "percentile")
+    older = {**settings, "calibration": {k: v for k, v in settings["calibration"].items() if k != "train_files"}}
+    results = stored(tmp_path, "percentile", older)
+    assert results.plan("percentile", "w4a4", settings, recompute=False) is False
+    a, b = ({"quant": {"percentile": {"w4a4": {"settings": s}}}} for s in (older, settings))
+    assert evaluation_difference(a, b) is None
+    other = {**settings, "calibration": {**settings["calibration"], "train_files": {"images": 1}}}
+    assert evaluation_difference(b, {"quant": {"percentile": {"w4a4": {"settings": other}}}}) is not None
