@@ -42,6 +42,7 @@ import inspect
 import math
 import re
 import sys
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -203,7 +204,11 @@ class ColinearityDecayHook(Hook):
         self._unbind()
         self._bindings = bind_optimizers(self.decay, _optimizers(runner.optim_wrapper))
         self._new_round()  # armed until after_train: every step of these optimizers is an update with CD
-        self._foreign = register_optimizer_step_pre_hook(self._refuse_foreign_step)
+        # through a weak reference: torch's global hooks live as long as the process, and a run that raised (no
+        # after_train) would otherwise keep this hook, its decay and the model alive (GPU memory) after the runner
+        hook = weakref.ref(self)
+        self._foreign = register_optimizer_step_pre_hook(
+            lambda optimizer, args, kwargs: None if hook() is None else hook()._refuse_foreign_step(optimizer))
 
     def _unbind(self) -> None:
         for binding in self._bindings.values():
@@ -213,7 +218,7 @@ class ColinearityDecayHook(Hook):
             self._foreign.remove()
             self._foreign = None
 
-    def _refuse_foreign_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    def _refuse_foreign_step(self, optimizer: torch.optim.Optimizer) -> None:
         """A step (torch's global pre-hook, before the weights change) of an optimizer that is not bound and changes
         matrices CD decays would have no CD: a wrapper set as runner.optim_wrapper after this iteration's start (a
         hook of lower priority at before_train_iter), or an optimizer of one's own. Refused rather than run
