@@ -94,6 +94,9 @@ def test_results_record_the_levels_used_and_read_an_older_null_as_the_default_of
     assert nondefault_settings("percentile", older["settings"]) == ["quant.percentile.weight_range=percentile"]
     assert nondefault_settings("percentile", quant_settings(Config(), "percentile")) == []
     assert nondefault_settings("percentile", {"options": minmax}) == ["quant.percentile.act_range=minmax"]
+    # a hand-edited rule no RangeSearch knows is named, not a traceback of the table
+    edited = {"options": {"act_range": "bogus", "act_percentiles": None}}
+    assert nondefault_settings("percentile", edited) == ["quant.percentile.act_range=bogus"]
     given = quant_settings(load_config(None, ["quant.percentile.act_percentiles=[0.99]"]), "percentile")
     assert nondefault_settings("percentile", given) == ["quant.percentile.act_percentiles=[0.99]"]
 

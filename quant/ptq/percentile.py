@@ -63,12 +63,13 @@ class PercentilePipeline(Pipeline):
 
     def recorded_options(self, options: PercentileOptions) -> PercentileOptions:
         """`options` with the levels each operand's range rule runs with in place of null (`range_search`'s default
-        for that rule); minmax reads none and keeps null. Result files compare these (engine/eval_results.py reads an
+        for that rule); minmax reads none and keeps null (as does a rule no RangeSearch knows: a hand-edited result's,
+        read by result_table.nondefault_settings). Result files compare these (engine/eval_results.py reads an
         older entry's null as the default of then)."""
         levels = {}
         for operand in ("act", "weight"):
             method = getattr(options, f"{operand}_range")
-            if getattr(options, f"{operand}_percentiles") is None and method != "minmax":
+            if getattr(options, f"{operand}_percentiles") is None and method in ("percentile", "percentile_mse"):
                 levels[f"{operand}_percentiles"] = range_search(method, None).percentiles
         return dataclasses.replace(options, **levels)
 
