@@ -80,10 +80,11 @@ def test_results_record_the_levels_used_and_read_an_older_null_as_the_default_of
     from quant_models import images, tiny_vit
 
     repq, fixed = [0.999, 0.9999, 0.99999], [0.9999]
-    cfg = load_config(None, ["quant.percentile.weight_range=percentile"])
+    cfg = load_config(None, ["quant.percentile.weight_range=percentile", "data.dataset=digits"])
     settings = as_stored(quant_settings(cfg, "percentile"))  # as the result file holds it
     assert (settings["options"]["act_percentiles"], settings["options"]["weight_percentiles"]) == (repq, fixed)
-    minmax = as_stored(quant_settings(load_config(None, ["quant.percentile.act_range=minmax"]), "percentile"))["options"]
+    minmax = as_stored(quant_settings(load_config(None, ["quant.percentile.act_range=minmax", "data.dataset=digits"]),
+                                      "percentile"))["options"]
     assert minmax["act_percentiles"] is None and minmax["weight_percentiles"] == repq
     _, report = PIPELINES["percentile"](tiny_vit(depth=1), images(2), "w4a4", {"weight_range": "percentile"})
     assert (list(report["options"]["act_percentiles"]), list(report["options"]["weight_percentiles"])) == (repq, fixed)
@@ -92,12 +93,12 @@ def test_results_record_the_levels_used_and_read_an_older_null_as_the_default_of
                                                   "weight_percentiles": None}}}
     assert settings_change(older, settings, "percentile") is None  # null meant the levels used now
     assert nondefault_settings("percentile", older["settings"]) == ["quant.percentile.weight_range=percentile"]
-    assert nondefault_settings("percentile", quant_settings(Config(), "percentile")) == []
+    assert nondefault_settings("percentile", quant_settings(Config(), "percentile", files=False)) == []
     assert nondefault_settings("percentile", {"options": minmax}) == ["quant.percentile.act_range=minmax"]
     # a hand-edited rule no RangeSearch knows is named, not a traceback of the table
     edited = {"options": {"act_range": "bogus", "act_percentiles": None}}
     assert nondefault_settings("percentile", edited) == ["quant.percentile.act_range=bogus"]
-    given = quant_settings(load_config(None, ["quant.percentile.act_percentiles=[0.99]"]), "percentile")
+    given = quant_settings(load_config(None, ["quant.percentile.act_percentiles=[0.99]"]), "percentile", files=False)
     assert nondefault_settings("percentile", given) == ["quant.percentile.act_percentiles=[0.99]"]
 
     # a later default: a result recorded now, and an older null, read as computed with other levels
