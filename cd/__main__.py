@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
-from cd.pairs import ROLES, Pair, find_pairs
+from cd.pairs import LEFT_OUT_LAYERS, ROLES, Pair, find_pairs
 from cd.verify import UnsupportedModelError
 
 
@@ -110,10 +110,12 @@ def check_small_copy(name: str, gated_mlp: bool = False) -> Optional[str]:
             except Exception:  # settings the model does not take (depth for a staged model): the next ones
                 continue
             try:
-                # the meta model's find_pairs has warned of the full-size model's half blocks, which this smaller
-                # copy of it would name again: one warning per command (cd/README.md); refusals are still raised
+                # the meta model's find_pairs has warned of the full-size model's half blocks and left-out layers,
+                # which this smaller copy of it would name again: one warning per command (cd/README.md); refusals
+                # are still raised
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="CD and TWEO leave out ")
+                    warnings.filterwarnings("ignore", message=LEFT_OUT_LAYERS)
                     find_pairs(model, example, gated_mlp=gated_mlp)
             except UnsupportedModelError as e:
                 if e.__cause__ is not None:  # its forward failed (a size it cannot take): not a refusal

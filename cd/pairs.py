@@ -930,6 +930,37 @@ def _warn_half_blocks(root: nn.Module, known: list[str]) -> None:
         warnings.warn(message, stacklevel=4)  # find_pairs' or find_blocks' caller
 
 
+# the layers outside a block's attention and MLP warned about, per model (root module), as `_HALF_BLOCKS_WARNED`
+_LEFT_OUT_WARNED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+LEFT_OUT_LAYERS = "CD leaves out "  # how the warning begins (`python -m cd` names the full-size model's only)
+
+
+def _warn_left_out_layers(root: nn.Module, pairs: Sequence[Pair], layouts: tuple[Layout, ...]) -> None:
+    """Warn, once per model and message, naming every matrix that a block found applies outside its attention and
+    MLP (the top-level children its layouts name) and that no pair reads: Hiera's stage-transition `proj`, which maps
+    norm1's output to the next stage's width on the residual path. The paper's pairs (Sec. 3.2) are a block's
+    attention and MLP, and Swin's patch merging; such a layer holds none of them, so CD leaves it out (a norm -> Linear
+    pair like Swin's reduction by Eq. (4), but no Layout names it), as it did before without a word."""
+    read = {id(w) for p in pairs for w in (p.upstream, p.downstream)}
+    left = []
+    for name, module in _matches(root, layouts, merging=False):
+        parts = {child for lay in layouts_of(module, layouts) for child in lay.children}
+        left += [(_join(name, path), w) for path, w in _matrices(module)
+                 if path.split(".")[0] not in parts and id(w) not in read]
+    if not left:
+        return
+    listed = ", ".join(f"{name} ({tuple(w.shape)[0]}x{tuple(w.shape)[1]})" for name, w in left[:6])
+    more = f" and {len(left) - 6} more" if len(left) > 6 else ""
+    message = (f"{LEFT_OUT_LAYERS}{len(left)} matri{'ces' if len(left) > 1 else 'x'} of {type(root).__name__} that "
+               f"its blocks apply outside their attention and MLP: {listed}{more}. No pair of the paper's (Sec. 3.2: "
+               "a block's qkv, proj, fc1 and fc2, Swin's patch-merging reduction) holds such a layer (e.g. Hiera's "
+               "stage-transition proj from norm1's output to the next stage's width), so CD does not decay it")
+    warned = _LEFT_OUT_WARNED.setdefault(root, set())
+    if message not in warned:
+        warned.add(message)
+        warnings.warn(message, stacklevel=3)  # find_pairs' caller
+
+
 def check_example_use(example_input: object, verify: bool, who: str) -> None:
     """Refuse an `example_input` given with verify=False: the example serves the pair checks only, which that
     skips, so one of the two settings would be silently ignored. Raises ValueError."""
@@ -991,7 +1022,8 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
             type.
 
     Warns (once per model): naming the half blocks beside the blocks found (a norm with only an attention or only
-    an MLP: `_warn_half_blocks`), which CD leaves out.
+    an MLP: `_warn_half_blocks`), which CD leaves out; and naming the matrices a block applies outside its attention
+    and MLP (Hiera's stage-transition proj: `_warn_left_out_layers`), which no pair holds.
     """
     check_switches("find_pairs:", verify=verify, gated_mlp=gated_mlp)
     layouts = check_layouts(layouts)
@@ -1023,4 +1055,5 @@ def find_pairs(model: nn.Module, example_input: Optional[Union[torch.Tensor, tup
     if verify:
         verify_pairs(root, pairs, types, example_input)
         check_channel_order(root, pairs, types, example_input)
+    _warn_left_out_layers(root, pairs, layouts)
     return pairs

@@ -590,3 +590,35 @@ def test_a_refused_block_names_only_the_layers_it_lacks(timm_names, without_v, m
     assert "None" not in message and f"found no {present}" not in message and "fused" not in message
     if not timm_names and not without_v:  # the Llama layout's MLP is gated: that form is named, not fc2(act(fc1(x)))
         assert "the layout's gated MLP fc2(act(W_gate x) * W_up x)" in message
+
+
+def test_hieras_stage_transition_projections_are_named_as_left_out_of_cd_once():
+    """timm's Hiera applies, in each block that starts a stage, `proj` to norm1's output on the residual path, outside
+    its attention and MLP; no pair holds it, and CD left it out without a word. The matrices expected are read off
+    the model's blocks (those whose `proj` is a layer), not off cd."""
+    import warnings
+
+    model = timm.create_model("hiera_tiny_224", img_size=64, embed_dim=16, num_heads=1, stages=(1, 2, 1, 1),
+                              num_classes=3)
+    expected = [f"blocks.{i}.proj" for i, block in enumerate(model.blocks) if block.proj is not None]
+    assert expected == ["blocks.1.proj", "blocks.3.proj", "blocks.4.proj"]  # three stage changes
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        pairs = find_pairs(model, torch.zeros(1, 3, 64, 64))
+        find_pairs(model, torch.zeros(1, 3, 64, 64))  # read again (CD, its metrics): not warned again
+    assert not {f"{name}.weight" for name in expected} & {p.name for p in pairs}
+    left_out = [str(w.message) for w in record if str(w.message).startswith("CD leaves out ")]
+    assert len(left_out) == 1
+    assert left_out[0].startswith("CD leaves out 3 matrices of Hiera that its blocks apply outside their attention "
+                                  "and MLP: blocks.1.proj (32x16), blocks.3.proj (64x32), blocks.4.proj (128x64). ")
+
+
+def test_vit_and_swin_are_not_warned_of_left_out_layers():
+    """The timm ViT and Swin blocks have no matrix outside their attention and MLP: no left-out warning."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        find_pairs(tiny_vit())
+        find_pairs(tiny_swin())
+    assert not [w for w in record if "leaves out" in str(w.message)]
