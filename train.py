@@ -71,9 +71,9 @@ from engine.exit_codes import EXIT_INTERRUPTED
 from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, ignore_sigterm_until_exit, preempted_line
 from engine.resume import (check_schedule_holds, continue_sample_order, epoch_layout, epoch_position,
                            optimizer_param_names, restore_optimizer, resume_position, same_val_windows)
-from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank, check_same_weights_on_every_rank,
-                              keep_abandoned_checkpoint, keep_finished_run, keep_missing_snapshot, keep_snapshot,
-                              resume_source, started_at_step)
+from engine.snapshots import (CONFIG_SECTIONS, STARTED_AT_STEP, check_same_start_on_every_rank,
+                              check_same_weights_on_every_rank, keep_abandoned_checkpoint, keep_finished_run,
+                              keep_missing_snapshot, keep_snapshot, planned_resume, resume_source, started_at_step)
 from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside, recorded_setting,
                             resumes_in, save_config_history, start_only_changes, training_changes, validation_changes)
 from engine.running_stats import average_running_stats
@@ -116,6 +116,7 @@ def main(cfg: Config) -> RunResult:
         # the main rank (RANK 0 or unset) writes train.log: a file of the user's there is refused before the claim
         # of out_dir changes anything in it and before the first log line
         check_train_log(cfg.out_dir, cfg.train.resume, whole_number(os.environ.get("RANK", "0")) == 0)
+        check_start_data(cfg, whole_number(os.environ.get("RANK", "0")) == 0)
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, cfg.train.device)
     with process_group(cfg.train.device) as dist:
@@ -170,6 +171,31 @@ def check_train_log(out_dir: str, resume: str, writes_log: bool) -> None:
     if why := foreign_log(path):
         raise RunDirError(f"out_dir '{out_dir}': the resume appends its log to {path}, which is not train.py's log "
                           f"({why}); move that file out of the folder and run the command again")
+
+
+def check_start_data(cfg: Config, is_main: bool) -> None:
+    """What the weights a run starts from refuse of its data, asked before out_dir is claimed, so that a refused
+    start leaves no file in a folder it would make (train.log) and moves none of an earlier run's (a claim archives
+    a failed start's logs, or with train.archive_existing=true a run's files): a fresh start's model.pretrained
+    checkpoint of this code base (check_pretrained_data: a val split that reads its training data, another kind of
+    text), and a resume into another folder than its run's, train.resume=PATH (check_resume, with the
+    model.pretrained of rank 0 on the other ranks: with_main_rank_paths), its checkpoint read memory-mapped
+    (engine/snapshots.py planned_resume). A resume of out_dir's own run is checked once the folder is held, as
+    before: a refusal leaves its files as they were (its train.log lines are held until the run goes on,
+    engine/held_log.py). Both are asked again once the folder is held, of the files as the run reads them then
+    (build_run, run_training); a checkpoint that resume_source would refuse is left to that refusal."""
+    resumes, path = planned_resume(cfg.out_dir, cfg.train.resume)
+    if not resumes:
+        check_pretrained_data(cfg)
+        return
+    if resumes_in(cfg.out_dir, cfg.train.resume):
+        return
+    payload = mapped_payload(path) if path is not None else None
+    config = payload.get("config") if isinstance(payload, dict) else None
+    if (not isinstance(config, dict) or not isinstance(payload.get("state"), dict)
+            or not all(isinstance(config.get(k), dict) for k in CONFIG_SECTIONS)):
+        return
+    check_resume(cfg if is_main else with_main_rank_paths(cfg, payload), path, payload, warn=False)
 
 
 def check_device_settings(cfg: Config, device: torch.device) -> None:

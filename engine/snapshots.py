@@ -206,6 +206,25 @@ def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[di
     return own, payload
 
 
+def planned_resume(out_dir: str, resume: str) -> tuple[bool, Optional[str]]:
+    """(whether a run into `out_dir` with train.resume=`resume` continues a checkpoint, the file `resume_source` would
+    continue from), told before out_dir is claimed from the files' records, memory-mapped and nothing logged: for
+    the refusals train.py makes before it claims the folder. The file is None where that takes resume_source's own
+    reading (a train.resume or checkpoint.pt that is missing, no file or unreadable), whose refusal then comes
+    after the claim; resume_source, once the folder is held, decides and reads the file for the run."""
+    own = os.path.join(out_dir, "checkpoint.pt")
+    if not resume:
+        return os.path.lexists(own), own if os.path.isfile(own) else None
+    if not os.path.isfile(resume):
+        return True, None
+    if os.path.isfile(own) and os.path.realpath(own) != os.path.realpath(resume):
+        own_payload = mapped_payload(own)
+        started_from = own_payload.get("resumed_from") if isinstance(own_payload, dict) else None
+        if isinstance(started_from, str) and os.path.realpath(started_from) == os.path.realpath(resume):
+            return True, own
+    return True, resume
+
+
 def keep_abandoned_checkpoint(out_dir: str, resume_path: str, step: int, is_main: bool,
                               device: torch.device) -> Optional[str]:
     """A run that goes on from another file than out_dir's checkpoint.pt (a roll-back to one of its snapshots;

@@ -10,7 +10,7 @@ import torch
 
 import evaluate
 import train
-from configs import config_to_dict, load_config
+from configs import ConfigError, config_to_dict, load_config
 from data import DataError, build_eval_loader, build_loaders
 from engine.checkpoint import CheckpointError, restore_training, save_atomic
 from engine.divergence import DivergenceError, DivergenceGuard
@@ -338,6 +338,29 @@ def test_a_finished_run_extended_keeps_its_checkpoint_and_best(debug_config, cap
     train.main(debug_config(*longer, "train.allow_changed_config=true", name="e"))
     assert sorted(n for n in os.listdir(folder) if ".until_step" in n and n.endswith(".pt")) == [
         "best.until_step8.pt", "checkpoint.until_step8.pt"]
+
+
+def test_a_refused_fine_tune_or_resume_leaves_no_folder_and_moves_no_file(debug_config, tmp_path):
+    """The refusal of a val split that reads the start's training data came once out_dir was claimed: a refused
+    fine-tune (model.pretrained=) or resume (train.resume= into a new out_dir) left a folder holding train.log, and
+    one into a folder of a failed start's logs archived them first. Both are refused before the claim now."""
+    digits = ("data.dataset=digits", "model.num_classes=10")
+    start = debug_config(*digits, "train.max_steps=1", name="a")
+    train.main(start)
+    overlapping = "data.digits_val_fraction=0.3"  # val images among those the start trained on (fraction 0.2)
+    with pytest.raises(ConfigError, match="among the digits model.pretrained="):
+        train.main(debug_config(*digits, f"model.pretrained={tmp_path / 'a' / 'best.pt'}", overlapping, name="b"))
+    assert not (tmp_path / "b").exists()
+    with pytest.raises(ConfigError, match="among the digits .*checkpoint.pt was trained on"):
+        train.main(debug_config(*digits, f"train.resume={tmp_path / 'a' / 'checkpoint.pt'}", overlapping,
+                                "train.allow_changed_config=true", name="c"))
+    assert not (tmp_path / "c").exists()
+    failed = tmp_path / "d"  # what a start that failed leaves, which a claim moves to d/archive/<time>/
+    failed.mkdir()
+    (failed / "train.log").write_text("09:00:00 train INFO commit ...\n")
+    with pytest.raises(ConfigError, match="among the digits model.pretrained="):
+        train.main(debug_config(*digits, f"model.pretrained={tmp_path / 'a' / 'best.pt'}", overlapping, name="d"))
+    assert os.listdir(failed) == ["train.log"]
 
 
 def test_best_pt_is_read_without_mmap_on_a_file_system_that_has_none(debug_config, monkeypatch):
