@@ -34,9 +34,11 @@ padded keys are the model's computation). The padding is known to the block's fo
 (`_window_validity`). An output in the attention that holds no tokens (SwinV2's position-bias MLP over the window
 offsets) is measured whole.
 
-Running maxima stay on the device (no host sync per batch); `result()` syncs once. For distributed
-evaluation pass `reduce_fn` (e.g. an all_reduce with MAX) or reduce `maxima()` and `seen()` yourself; nothing
-here touches torch.distributed. The model is never modified: hooks are removed when the context exits.
+Running maxima stay on the device (no host sync per batch); `result()` syncs once. A model split over devices
+(transformers' device_map="auto": block 0 on cuda:0, block 1 on cuda:1) has its outputs' statistics kept on each
+output's own device, with no copy per batch; `maxima()`, `seen()` and `moment_sums()` join them on one device.
+For distributed evaluation pass `reduce_fn` (e.g. an all_reduce with MAX) or reduce `maxima()` and `seen()` yourself;
+nothing here touches torch.distributed. The model is never modified: hooks are removed when the context exits.
 """
 from __future__ import annotations
 
@@ -136,9 +138,10 @@ class ActivationProbe:
         self._owner_of = {i: inside[id(t[4])] for i, t in enumerate(self.targets) if id(t[4]) in inside}
         self._valid: Dict[int, Optional[torch.Tensor]] = {}  # owner -> [windows * B, N] bool of the real tokens
         self._handles: list = []
-        self._max: Optional[torch.Tensor] = None
-        self._seen: Optional[torch.Tensor] = None  # [K]: 1.0 where the hook measured an output, else 0.0
-        self._sums: Optional[torch.Tensor] = None  # [K, 5]: count, sum x, x^2, x^3, x^4 (with `moments`)
+        # per device of the outputs (a split model's: module docstring), in the order the devices were first seen
+        self._max: Dict[torch.device, torch.Tensor] = {}  # [K]
+        self._seen: Dict[torch.device, torch.Tensor] = {}  # [K]: 1.0 where the hook measured an output, else 0.0
+        self._sums: Dict[torch.device, torch.Tensor] = {}  # [K, 5]: count, sum x, x^2, x^3, x^4 (with `moments`)
 
     # -- hooks ----------------------------------------------------------------------------------
     def _hook(self, index: int) -> Callable:
@@ -156,12 +159,12 @@ class ActivationProbe:
                 # a padded entry as 0: the largest |value| of a tensor that holds a real token is unchanged
                 value = (magnitude if mask is None else magnitude.masked_fill(~mask, 0)).amax().float()
                 value = value.masked_fill(value.isnan(), float("inf"))
-                if self._max is None:
-                    self._max = torch.zeros(len(self.targets), device=value.device)
-                    self._seen = torch.zeros(len(self.targets), device=value.device)
-                self._max[index].clamp_(min=value)  # in place on the device, no sync
+                if value.device not in self._max:
+                    self._max[value.device] = torch.zeros(len(self.targets), device=value.device)
+                    self._seen[value.device] = torch.zeros(len(self.targets), device=value.device)
+                self._max[value.device][index].clamp_(min=value)  # in place on the device, no sync
                 # a max of 0.0 may be measured (an all-zero output): only the flag tells it from "never ran"
-                self._seen[index].fill_(1.0)
+                self._seen[value.device][index].fill_(1.0)
                 if self.moments and index not in self._probabilities:
                     x = t.detach().double()
                     if mask is None:
@@ -171,10 +174,10 @@ class ActivationProbe:
                         count = mask.expand(x.shape).sum(dtype=torch.float64)
                         x = x.masked_fill(~mask, 0)
                     x = x.flatten()
-                    if self._sums is None:
-                        self._sums = torch.zeros(len(self.targets), 5, device=x.device, dtype=torch.float64)
+                    if x.device not in self._sums:
+                        self._sums[x.device] = torch.zeros(len(self.targets), 5, device=x.device, dtype=torch.float64)
                     powers = torch.stack([count, x.sum(), x.square().sum(), x.pow(3).sum(), x.square().square().sum()])
-                    self._sums[index] += powers
+                    self._sums[x.device][index] += powers
         return hook
 
     def __enter__(self) -> "ActivationProbe":
@@ -206,23 +209,25 @@ class ActivationProbe:
     # -- results --------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the maxima (and moments) seen so far (e.g. at the start of each validation)."""
-        self._max = self._seen = self._sums = None
+        self._max, self._seen, self._sums = {}, {}, {}
 
     def names(self) -> List[str]:
         return [t[0] for t in self.targets]
 
     def maxima(self, device: Optional[torch.device] = None) -> torch.Tensor:
-        """[K] float32 running maxima in `names()` order (zeros if nothing was seen), for all_reduce(MAX)."""
-        if self._max is None:
-            return torch.zeros(len(self.targets), device=device)
-        return self._max if device is None else self._max.to(device)
+        """[K] float32 running maxima in `names()` order (zeros if nothing was seen), for all_reduce(MAX); on
+        `device`, else on the device of the first output seen."""
+        return _joined(self._max, torch.amax, (len(self.targets),), torch.float32, device)
 
     def seen(self, device: Optional[torch.device] = None) -> torch.Tensor:
         """[K] float32 flags in `names()` order, 1.0 for a target whose output was measured and 0.0 for one whose
         forward never ran (zeros if nothing was seen), for all_reduce(MAX) beside `maxima()`."""
-        if self._seen is None:
-            return torch.zeros(len(self.targets), device=device)
-        return self._seen if device is None else self._seen.to(device)
+        return _joined(self._seen, torch.amax, (len(self.targets),), torch.float32, device)
+
+    def moment_sums(self, device: Optional[torch.device] = None) -> torch.Tensor:
+        """[K, 5] float64 sums of count, x, x^2, x^3, x^4 in `names()` order (zeros if nothing was seen; with
+        `moments`), for all_reduce(SUM)."""
+        return _joined(self._sums, torch.sum, (len(self.targets), 5), torch.float64, device)
 
     def result(self, reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                device: Optional[torch.device] = None,
@@ -244,8 +249,7 @@ class ActivationProbe:
         records = [{"name": name, "kind": kind, "block": block, "type": typ, "max": v}
                    for (name, kind, block, typ, _), v in zip(self.targets, values)]
         if self.moments:
-            sums = (self._sums if self._sums is not None
-                    else torch.zeros(len(self.targets), 5, device=device, dtype=torch.float64))
+            sums = self.moment_sums(device)
             if sum_fn is not None:
                 sums = sum_fn(sums.clone())
             # a softmax's has no moments summed: NaN, no value (as an output too near a constant), left out of the
@@ -256,6 +260,19 @@ class ActivationProbe:
         module = max((r["max"] for r in records if r["kind"] == "module"), default=0.0)
         block = max((r["max"] for r in records if r["kind"] == "block"), default=0.0)
         return ActMaxResult(module=module, block=block, per_layer=records)
+
+
+def _joined(per_device: Dict[torch.device, torch.Tensor], join: Callable, shape: Tuple[int, ...],
+            dtype: torch.dtype, device: Optional[torch.device]) -> torch.Tensor:
+    """One tensor of the per-device statistics (`join`: torch.amax for maxima and flags, torch.sum for moment sums)
+    on `device`, else on the first device seen; zeros on `device` if nothing was seen."""
+    if not per_device:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    parts = list(per_device.values())
+    target = parts[0].device if device is None else device
+    if len(parts) == 1:
+        return parts[0] if device is None else parts[0].to(device)
+    return join(torch.stack([p.to(target) for p in parts]), dim=0)
 
 
 def _window_validity(batch: int, height: int, width: int, window: Tuple[int, int], roll: Tuple[int, int],

@@ -250,6 +250,27 @@ def test_a_probes_maxima_are_placed_on_the_device_asked():
         model(images(2))
     assert probe.maxima(torch.device("meta")).device.type == "meta" and probe.maxima().device.type == "cpu"
 
+
+def test_a_probe_measures_a_model_split_over_two_gpus():
+    """Block 0 on cuda:0, block 1 on cuda:1 (transformers' device_map="auto", whose hooks move each block's input to
+    its device; FakeTensors check devices as CUDA does): the running statistics lived on the device of the first
+    output seen, and block 1's outputs were clamped into them across the devices, which torch refuses. Each device's
+    outputs are kept on their device; maxima(), seen() and moment_sums() are joined on one device."""
+    from cd_models import tiny_vit as two_block_vit
+    from test_cd_update import _split_over_two_gpus
+
+    model = two_block_vit().eval()
+    mode = _split_over_two_gpus(model)
+    model.blocks[1].register_forward_pre_hook(lambda m, args: tuple(a.to("cuda:1") for a in args))
+    model.norm.register_forward_pre_hook(lambda m, args: tuple(a.to("cuda:0") for a in args))
+    probe = ActivationProbe(model, moments=True)
+    with mode, torch.no_grad(), probe:
+        model(torch.randn(2, 3, 32, 32, device="cuda:0"))
+        maxima, seen, sums = probe.maxima(), probe.seen(), probe.moment_sums()
+        on_one = probe.maxima(torch.device("cuda:1"))
+    assert {str(t.device) for t in (maxima, seen, sums)} == {"cuda:0"} and on_one.device == torch.device("cuda:1")
+    assert maxima.shape == seen.shape == (len(probe.targets),) and sums.shape == (len(probe.targets), 5)
+
 def test_removing_directions_indexes_on_the_weights_device():
     """scripts/mechanism.py remove_directions (the `remove` command, on --device cuda) indexes the SVD factors
     with an index on their device. The old index was made on the default device: under this test's meta
