@@ -68,8 +68,9 @@ NaN or inf in a pair's matrix or norm scale is refused before any forward (a pla
 as it would make every such input NaN.
 
 Not checked: an attention whose own parameter of V's width scales its output (a gate) passes whatever its layout,
-since that parameter's entries are zeroed too. Skipped: a model with a parameter on the `meta` device (no values to
-compute with), and wherever `find_pairs` runs no check (verify=False; FSDP2, which needs verify=False).
+since that parameter's entries are zeroed too. Skipped: the forwards of a model with a parameter on the `meta` device
+(no values to compute with; the NaN or inf check of its materialised pairs' matrices runs all the same), and wherever
+`find_pairs` runs no check (verify=False; FSDP2, which needs verify=False).
 """
 from __future__ import annotations
 
@@ -377,6 +378,8 @@ def refuse_non_finite(pairs: Sequence) -> None:
 
     Why: the checks below run the model on real numbers, and one NaN weight makes every W2's input NaN, which they
     would report as an example or masks without a finite value; CD's update would spread it to the whole matrix.
+    A tensor on the `meta` device has no values and is passed over; the materialised ones of a model partly on meta
+    are checked.
 
     Raises:
         ValueError: naming the parameter, how many of its entries are not finite, the first one's index, and the fix.
@@ -386,6 +389,8 @@ def refuse_non_finite(pairs: Sequence) -> None:
         params.setdefault(id(p.upstream), (p.upstream_name, p.upstream))
         params.setdefault(id(p.downstream), (p.name, p.downstream))
     for name, t in params.values():
+        if t.is_meta:
+            continue
         bad = ~torch.isfinite(t.detach())
         if bool(bad.any()):
             first = [int(i) for i in bad.nonzero()[0]]
@@ -413,9 +418,13 @@ def check_channel_order(root: nn.Module, pairs: Sequence, block_types: dict[str,
     checked = list(range(len(pairs)))
     fused = [k for k, p in enumerate(pairs) if p.role == "proj" and p.upstream_rows is not None]
     tensors = [*root.parameters(), *root.buffers()]
-    if not checked or not tensors or any(t.device.type == "meta" for t in tensors):
+    if not checked or not tensors:
         return
-    refuse_non_finite(pairs)  # before the forwards: a NaN weight would read as an example without finite values
+    # before the forwards: a NaN weight would read as an example without finite values; and on the materialised
+    # pairs of a model partly on meta, whose forward cannot run (a pair materialised with NaNs is named all the same)
+    refuse_non_finite(pairs)
+    if any(t.device.type == "meta" for t in tensors):
+        return
     # first V whole (for a fused qkv only: separate v is V whole by the meta check), then one order forward per bit
     # of the widest pair's channel index, each pair with its own pattern of that bit while it has one (every pair in
     # the first, so that a weight the forward does not use in a way the check follows is refused even at width 1)

@@ -70,3 +70,21 @@ def test_finite_weights_still_pass_and_a_nan_outside_the_pairs_is_not_named():
     with torch.no_grad():
         model.head.weight[0, 0] = NAN  # after the blocks: no pair reads it, the checks see finite values
     assert len(find_pairs(model)) == 8
+
+
+@pytest.mark.parametrize("meta", ["head", "blocks.1.mlp.fc2"])
+def test_a_non_finite_weight_of_a_partly_materialised_model_is_refused_naming_it(meta):
+    """A model with one layer still on the meta device (outside the pairs: the head; or a pair's matrix) cannot run the
+    value checks' forwards, and every check was skipped for it, the NaN of a materialised pair's weight too; the
+    materialised matrices are checked, the meta one passed over."""
+    model = tiny_vit()
+    part = model.get_submodule(meta)
+    part.weight = torch.nn.Parameter(torch.empty_like(part.weight, device="meta"))
+    with torch.no_grad():
+        model.blocks[0].attn.proj.weight[2, 3] = NAN
+    with pytest.raises(ValueError, match=re.escape("the model's parameter blocks.0.attn.proj.weight holds 1 NaN or "
+                                                   "inf value(s) (of 1024; the first at [2, 3])")):
+        find_pairs(model)
+    with torch.no_grad():
+        model.blocks[0].attn.proj.weight[2, 3] = 0.0
+    assert len(find_pairs(model)) == 8  # finite: the meta weight is passed over, not refused
