@@ -77,7 +77,7 @@ from engine.snapshots import (CONFIG_SECTIONS, STARTED_AT_STEP, check_same_start
 from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside, recorded_setting,
                             resumes_in, save_config_history, start_only_changes, training_changes, validation_changes)
 from engine.running_stats import average_running_stats
-from engine.start_weights import START_WEIGHTS, classifier_keys, start_record
+from engine.start_weights import START_WEIGHTS, ancestors_data, classifier_keys, start_lineage, start_record
 from engine.runinfo import SAME_ON_EVERY_RANK, exit_with_error, foreign_log, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from engine.training_checks import check_poly_power, check_schedule_on_resume, check_training_settings
@@ -576,8 +576,10 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
                                          else "model.pretrained", device, dist.rank)
     if recorded is not None:
         note_attention_change(cfg.model, recorded)
-    if not resumed:  # before any update: what model.pretrained (a path, left out of the recipe) gave the model
-        start_weights = start_record(cfg.model.pretrained, model)
+    if not resumed:  # before any update: what model.pretrained (a path, left out of the recipe) gave the model, and
+        # the data a run checkpoint's weights learned (its own run's and its starts'), which later fine-tunes check
+        start_weights = start_record(cfg.model.pretrained, model, trained_on=start_lineage(
+            mapped_payload(cfg.model.pretrained)) if recorded is not None else None)
     check_model_fits_run(cfg, model)
     log.info("model %s: %s", model_label(cfg.model), describe(model))
     if not resumed and (line := hub_data_mismatch(cfg)):  # hub weights fed other inputs: said once
@@ -776,7 +778,18 @@ def check_pretrained_data(cfg: Config) -> None:
                           f"run's text is {kinds[data.dataset]}, so its embedding of id i would be read as another "
                           f"symbol; fine-tune it on data.dataset={trained.dataset}, or train from scratch (without "
                           f"model.pretrained)")
-    check_held_out_from(trained, mapped_payload(path).get("data_fingerprint"), data, weights)
+    payload = mapped_payload(path)
+    check_held_out_from(trained, payload.get("data_fingerprint"), data, weights)
+    check_held_out_from_ancestors(payload, data, weights)
+
+
+def check_held_out_from_ancestors(payload: dict, data, weights: str) -> None:
+    """`check_held_out_from` for the data of every start the run checkpoint `payload` (named `weights`) descends
+    from (engine/start_weights.py ancestors_data: a fine-tune of a fine-tune), where it records them."""
+    for entry in ancestors_data(payload):
+        if (trained := recorded_data({"data": entry["data"]})) is not None:
+            check_held_out_from(trained, entry.get("data_fingerprint"), data,
+                                f"{weights}'s start (weights it was fine-tuned from)")
 
 
 def check_recorded_characters(cfg: Config) -> None:
@@ -1293,6 +1306,7 @@ def check_resume(cfg: Config, resume_path: Optional[str], payload: Optional[dict
         # a val split changed on resume (train.allow_changed_config=true) must not read what the run trained on
         if (trained := recorded_data(payload["config"])) is not None:
             check_held_out_from(trained, payload.get("data_fingerprint"), cfg.data, resume_path)
+        check_held_out_from_ancestors(payload, cfg.data, resume_path)
     check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)
     if resume_path is not None:
         check_max_steps_reach(cfg, payload, resume_path)

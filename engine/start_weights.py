@@ -6,7 +6,14 @@ there, or on whether it loaded any. train.py records them in checkpoint.pt and b
 
     {"pretrained": "file" | "hub" | None,     # a model.pretrained file, timm's hub weights, or a random init
      "fingerprint": "<16 hex digits>" | None, # `start_fingerprint` of the model as loaded; None for a random init
-     "classifier": "<16 hex digits>" | None}  # a file's only: `classifier_fingerprint`, None for a new classifier
+     "classifier": "<16 hex digits>" | None,  # a file's only: `classifier_fingerprint`, None for a new classifier
+     "trained_on": [{"data": {...}, "data_fingerprint": {...} | None}, ...]}  # a run checkpoint's only (TRAINED_ON)
+
+`trained_on`, where the file is a checkpoint of this code base, is the data the start's weights learned: the data.*
+settings and `data_fingerprint` of the file's own run, then those of the weights that run started from, and so on
+(`start_lineage`, nearest first). train.py refuses a val split that reads any of them (train.py
+check_pretrained_data and check_resume): a fine-tune of a fine-tune (C from B from A) must not validate on A's
+training data either, which B's own record alone does not name.
 
 A resumed run carries its start's record over (it loads no pretrained weights itself). evaluate.py adds the record
 to the recipe it writes (`recipe_entries`: `start.pretrained`, `start.fingerprint`, `start.classifier`), which the
@@ -30,6 +37,7 @@ from models.pretrained import classifier_prefixes
 from .checkpoint import weights_fingerprint
 
 START_WEIGHTS = "start_weights"  # the entry of checkpoint.pt and best.pt
+TRAINED_ON = "trained_on"  # the record's list of the data its start's weights learned, nearest first
 
 
 def classifier_keys(model: nn.Module) -> set[str]:
@@ -60,16 +68,39 @@ def classifier_fingerprint(model: nn.Module) -> Optional[str]:
     return weights_fingerprint({k: v for k, v in model.state_dict().items() if k in kept}) if kept else None
 
 
-def start_record(pretrained: str, model: nn.Module) -> dict:
+def start_record(pretrained: str, model: nn.Module, trained_on: Optional[list] = None) -> dict:
     """The `START_WEIGHTS` record of a fresh run whose model was built with model.pretrained=`pretrained` ('' for
     a random init, 'hub', or a file) and holds those weights now, before its first update; a file's classifier
-    where the model records which of its classifier tensors were drawn anew (models/pretrained.py)."""
+    where the model records which of its classifier tensors were drawn anew (models/pretrained.py); `trained_on`,
+    where given (`start_lineage` of a run checkpoint), the data its weights learned."""
     if not pretrained:
         return {"pretrained": None, "fingerprint": None}
     record = {"pretrained": "hub" if pretrained == "hub" else "file", "fingerprint": start_fingerprint(model)}
     if pretrained != "hub" and hasattr(model, "pretrained_new_classifier"):
         record["classifier"] = classifier_fingerprint(model)
+    if trained_on:
+        record[TRAINED_ON] = trained_on
     return record
+
+
+def ancestors_data(payload: Optional[dict]) -> list[dict]:
+    """The `TRAINED_ON` entries of a checkpoint's record (`payload`: a checkpoint.pt or best.pt of this code base):
+    the data the weights its run started from learned, nearest first; [] for a run of other weights (a random init,
+    hub weights, a weights file) or a checkpoint written before the list was recorded."""
+    record = (payload or {}).get(START_WEIGHTS)
+    entries = record.get(TRAINED_ON) if isinstance(record, dict) else None
+    return [e for e in entries if isinstance(e, dict) and isinstance(e.get("data"), dict)] if isinstance(
+        entries, list) else []
+
+
+def start_lineage(payload: Optional[dict]) -> list[dict]:
+    """The data the weights of a run checkpoint `payload` (model.pretrained of this code base, read memory-mapped)
+    learned, nearest first: its own run's data.* settings and `data_fingerprint`, then its `ancestors_data`; [] for
+    a file that records no run config (timm's, DeiT's, nanoGPT's, a state dict)."""
+    config = (payload or {}).get("config") if isinstance(payload, dict) else None
+    if not isinstance(config, dict) or not isinstance(config.get("data"), dict):
+        return []
+    return [{"data": config["data"], "data_fingerprint": payload.get("data_fingerprint")}, *ancestors_data(payload)]
 
 
 def recipe_entries(payload: Optional[dict]) -> dict:

@@ -6,7 +6,7 @@ import torch
 
 import evaluate
 import train
-from configs import load_config
+from configs import ConfigError, load_config
 from configs.schema import ModelConfig
 from engine.checkpoint import weights_fingerprint
 from engine.eval_results import recipe_difference
@@ -138,3 +138,27 @@ def test_files_that_differ_in_a_classifier_the_run_keeps_are_other_starts_and_a_
     refused = check_start_file({START_WEIGHTS: kept[0]}, "run/best.pt", str(paths[1]), model)
     assert refused is not None and "another classifier" in refused and heads[0] in refused, refused
     assert check_start_file({START_WEIGHTS: kept[1]}, "run/best.pt", str(paths[1]), model) is None
+
+
+def test_a_fine_tune_of_a_fine_tune_is_checked_against_the_data_of_every_start(tmp_path):
+    """C fine-tuned from B fine-tuned from A was checked against B's training data only: the record of a start that
+    is a run checkpoint names the data its weights learned (its run's and its own starts', nearest first), and a val
+    split that reads A's training data is refused for C too."""
+    common = ["model.num_classes=10", "train.max_steps=1", "log.tensorboard=false"]
+    digits = ["data.dataset=digits", *common]
+
+    def run(name, *extra):
+        return train.main(load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / name}", *extra]))
+
+    run("a", *digits)  # the digits outside a val fraction of 0.2
+    run("b", *common, f"model.pretrained={tmp_path / 'a' / 'best.pt'}")  # synthetic images: no digit seen here
+    a = torch.load(tmp_path / "a" / "best.pt", weights_only=False)
+    b = torch.load(tmp_path / "b" / "best.pt", weights_only=False)
+    assert b[START_WEIGHTS]["trained_on"] == [{"data": a["config"]["data"], "data_fingerprint": a["data_fingerprint"]}]
+    with pytest.raises(ConfigError, match=r"185 of its val images are among the digits model.pretrained=.*b/best.pt's "
+                                          r"start \(weights it was fine-tuned from\) was trained on"):
+        run("c", *digits, "data.digits_val_fraction=0.3", f"model.pretrained={tmp_path / 'b' / 'best.pt'}")
+    assert not (tmp_path / "c").exists()
+    run("c", *digits, f"model.pretrained={tmp_path / 'b' / 'best.pt'}")  # A's val split, held out from A and B
+    c = torch.load(tmp_path / "c" / "checkpoint.pt", weights_only=False)
+    assert [entry["data"]["dataset"] for entry in c[START_WEIGHTS]["trained_on"]] == ["synthetic", "digits"]
