@@ -48,7 +48,9 @@ def quant_settings(cfg: Config, pipeline: str, files: bool = True) -> dict:
             settings["calibration"]["train_file"] = token_file_fingerprint(cfg.data, "train")
     if sees_training_transform(cfg, pipeline):
         settings["train_transform"] = training_data(cfg)
-    if cfg.data.dataset == "folder" and files:  # the images drawn from the train split: its files
+    # the images drawn from the train split: its files (a config without a data.root names none: nothing can read it,
+    # evaluate.py refuses it, and a default Config()'s settings are compared by the tables)
+    if cfg.data.dataset == "folder" and files and cfg.data.root:
         for part in ("calibration", "train_transform"):
             if part in settings:
                 settings[part]["train_files"] = train_folder_fingerprint(cfg.data.root, cfg.data.train_split)
