@@ -248,10 +248,10 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
             if kept := keep_missing_snapshot(run.ckpt_path, payload, state.epoch, dist.is_main, dist.device):
                 log.warning("epoch %d kept as %s: the run that wrote checkpoint.pt at its end stopped before it "
                             "kept it", state.epoch, kept)
-        # the finished run's checkpoint.pt and best.pt, which a longer schedule goes on from: kept below, once best.pt
-        # is the resumed state's (match_file)
-        extends = not run.resumed_elsewhere and more_to_train(run, state) and finished_before(payload,
-                                                                                             run.updates_per_epoch)
+        # the finished run's checkpoint.pt and best.pt, which a longer schedule goes on from (from out_dir's own
+        # checkpoint.pt, or one of its snapshots): kept below, once best.pt is the resumed state's (match_file)
+        extends = (is_inside(resume_path, cfg.out_dir) and more_to_train(run, state)
+                   and finished_before(payload, run.updates_per_epoch))
         del payload
         # a best score measured on another validation set compares with no new score: best.pt starts afresh
         run.validation_changed = bool(other_validation)
@@ -264,7 +264,7 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
             log.warning("%s", best_match_line(best, run.state.step, cfg.out_dir))
         # before record_quant_in_checkpoints rewrites them: kept as the finished run left them
         if extends and (kept := keep_finished_run(cfg.out_dir, state.step, dist.is_main, dist.device)):
-            log.warning("extending the run finished at update %d: its checkpoint.pt / best.pt kept as %s, which the "
+            log.warning("extending the run finished at update %d: the finished run's files kept as %s, which the "
                         "longer schedule's writes do not replace", state.step, " and ".join(kept))
         if recorded := record_quant_in_checkpoints(run):
             log.info("quant.* settings changed: recorded in %s, the defaults of evaluate.py --checkpoint",

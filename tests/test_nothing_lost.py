@@ -340,6 +340,19 @@ def test_a_finished_run_extended_keeps_its_checkpoint_and_best(debug_config, cap
         "best.until_step8.pt", "checkpoint.until_step8.pt"]
 
 
+def test_a_finished_run_extended_from_its_last_snapshot_keeps_its_best(debug_config):
+    """Extended from the snapshot of its last epoch (train.resume=, a roll-back to the finished state), the run kept
+    checkpoint.pt in that snapshot but let its first better validation replace best.pt: kept too."""
+    cfg = debug_config("train.keep_every_epochs=1", name="s")
+    train.main(cfg)
+    best = read_bytes(os.path.join(cfg.out_dir, "best.pt"))
+    snapshot = os.path.join(cfg.out_dir, "snapshots", "epoch0002.pt")
+    train.main(debug_config("train.keep_every_epochs=1", f"train.resume={snapshot}", "sched.epochs=3",
+                            "train.allow_changed_config=true", name="s"))
+    assert read_bytes(os.path.join(cfg.out_dir, "best.until_step8.pt")) == best
+    assert torch.load(snapshot, weights_only=True)["state"]["step"] == 8  # the finished state, in its snapshot
+
+
 def test_a_refused_fine_tune_or_resume_leaves_no_folder_and_moves_no_file(debug_config, tmp_path):
     """The refusal of a val split that reads the start's training data came once out_dir was claimed: a refused
     fine-tune (model.pretrained=) or resume (train.resume= into a new out_dir) left a folder holding train.log, and
