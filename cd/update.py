@@ -362,12 +362,14 @@ def colinearity_decay_(
         are moved there, `onto`).
 
     Raises:
-        ValueError: step_sizes has another length than pairs, a matrix is an FSDP2 shard (a DTensor: see
+        ValueError: step_sizes (or upstream_step_sizes) has another length than pairs, a matrix is an FSDP2 shard (a DTensor: see
             `cd.sharded`), or one is on the meta device (`refuse_meta`: no values to update).
     """
     n_pairs = len(pairs)
     if len(step_sizes) != n_pairs:
         raise ValueError(f"step_sizes has {len(step_sizes)} entries for {n_pairs} pairs")
+    if upstream_step_sizes is not None and len(upstream_step_sizes) != n_pairs:  # extra ones were ignored unread
+        raise ValueError(f"upstream_step_sizes has {len(upstream_step_sizes)} entries for {n_pairs} pairs")
     # DTensor math on FSDP2 shards runs without an error but loses target C's update of the qkv V rows (a row slice
     # of a sharded matrix is a copy): cd.sharded gathers each block's matrices whole and calls this on them
     sharded = next((p for p in pairs if is_sharded(p.downstream) or is_sharded(p.upstream)), None)

@@ -12,7 +12,7 @@ import torch
 
 from cd import ColinearityDecay, find_pairs
 from cd.update import align_to_task_loss, colinearity_decay_, pair_energy, pair_penalty
-from cd_models import VIT_DEPTH, normalized, ref_block_update, snapshot, tiny_vit
+from cd_models import VIT_DEPTH, changed, normalized, ref_block_update, snapshot, tiny_vit
 
 
 def test_an_update_and_energies_from_inside_cpu_autocast_stay_fp32():
@@ -121,6 +121,19 @@ def test_a_step_list_of_another_length_than_the_pairs_is_refused():
     pairs = find_pairs(tiny_vit())
     with pytest.raises(ValueError, match=f"step_sizes has 1 entries for {len(pairs)} pairs"):
         colinearity_decay_(pairs, [0.05])
+
+
+@pytest.mark.parametrize("extra", [-3, 4])
+def test_an_upstream_step_list_of_another_length_than_the_pairs_is_refused(extra):
+    """Target C's per-pair upstream steps: a shorter list failed with an IndexError mid-update, a longer one had its
+    extra steps ignored unread; either is refused before any write, as step_sizes is."""
+    model = tiny_vit()
+    pairs = find_pairs(model)
+    before = snapshot(model)
+    n = len(pairs) + extra
+    with pytest.raises(ValueError, match=f"^upstream_step_sizes has {n} entries for {len(pairs)} pairs$"):
+        colinearity_decay_(pairs, [0.05] * len(pairs), [0.05] * n)
+    assert not changed(model, before)
 
 
 def test_target_c_moves_the_upstream_matrix_of_a_pair_whose_downstream_step_is_zero():
