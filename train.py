@@ -1403,7 +1403,8 @@ PRINT_CONFIG_HELP = ("print the resolved config (YAML) and exit without running,
                      "makes before it starts (every key and value; quant.*, CD's settings, optim.name, log.wandb's "
                      "package, a val split that is the train split; out_dir's files as the run claims the folder: "
                      "an earlier run's files without checkpoint.pt, a folder at checkpoint.pt, a train.log a "
-                     "resume would append to that is no log, with nothing moved; "
+                     "resume would append to that is no log, with nothing moved; a fine-tune's val split that reads "
+                     "the training data of its model.pretrained checkpoint; "
                      "where out_dir holds checkpoint.pt or train.resume is given, the settings, schedule and "
                      "train.max_steps that checkpoint can continue with); what needs the model, the data or the "
                      "run's length built (model.name, model.kwargs the model rejects, data.root's files, "
@@ -1433,7 +1434,10 @@ def parse_args(argv: list[str]) -> Config:
         # in the run's order: its claim of out_dir (nothing moved here), then the checkpoint it would continue
         check_claim(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing)
         check_train_log(cfg.out_dir, cfg.train.resume, writes_log=True)
-        check_resume(cfg, *resume_source(cfg.out_dir, cfg.train.resume), warn=False)  # (None, None): a fresh start
+        resume_path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # (None, None): a fresh start
+        check_resume(cfg, resume_path, payload, warn=False)
+        if resume_path is None:  # a fine-tune's val split against its start's training data (check_start_data)
+            check_pretrained_data(cfg)
         print_config(cfg)
         sys.exit(0)
     return cfg

@@ -353,7 +353,7 @@ def test_a_finished_run_extended_from_its_last_snapshot_keeps_its_best(debug_con
     assert torch.load(snapshot, weights_only=True)["state"]["step"] == 8  # the finished state, in its snapshot
 
 
-def test_a_refused_fine_tune_or_resume_leaves_no_folder_and_moves_no_file(debug_config, tmp_path):
+def test_a_refused_fine_tune_or_resume_leaves_no_folder_and_moves_no_file(debug_config, tmp_path, capsys):
     """The refusal of a val split that reads the start's training data came once out_dir was claimed: a refused
     fine-tune (model.pretrained=) or resume (train.resume= into a new out_dir) left a folder holding train.log, and
     one into a folder of a failed start's logs archived them first. Both are refused before the claim now."""
@@ -364,6 +364,11 @@ def test_a_refused_fine_tune_or_resume_leaves_no_folder_and_moves_no_file(debug_
     with pytest.raises(ConfigError, match="among the digits model.pretrained="):
         train.main(debug_config(*digits, f"model.pretrained={tmp_path / 'a' / 'best.pt'}", overlapping, name="b"))
     assert not (tmp_path / "b").exists()
+    # --print-config, which prints a config once it passes the checks a run makes before it starts, refuses it too
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={tmp_path / 'b'}", *digits,
+                                          f"model.pretrained={tmp_path / 'a' / 'best.pt'}", overlapping,
+                                          "--print-config"], capsys)
+    assert code == 1 and err.startswith("error: data.digits_val_fraction=0.3: 185 of its val images"), err
     with pytest.raises(ConfigError, match="among the digits .*checkpoint.pt was trained on"):
         train.main(debug_config(*digits, f"train.resume={tmp_path / 'a' / 'checkpoint.pt'}", overlapping,
                                 "train.allow_changed_config=true", name="c"))
