@@ -559,8 +559,11 @@ def pair_penalty(
         0-dim fp32 tensor on the first pair's W2's device (`onto`; zero without a graph if every weight is 0).
 
     Raises:
-        ValueError: a matrix is on the meta device (`refuse_meta`: no values to differentiate).
+        ValueError: weights has another length than pairs; a matrix is on the meta device (`refuse_meta`: no values
+            to differentiate).
     """
+    if len(weights) != len(pairs):  # a shorter list failed mid-sum, a longer one's extra weights went unread
+        raise ValueError(f"weights has {len(weights)} entries for {len(pairs)} pairs")
     plan = plan or build_plan(pairs)
     total: Optional[Tensor] = None
     device = pairs[0].w2().device

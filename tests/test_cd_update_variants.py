@@ -124,6 +124,16 @@ def test_a_step_list_of_another_length_than_the_pairs_is_refused():
 
 
 @pytest.mark.parametrize("extra", [-3, 4])
+def test_a_penalty_weight_list_of_another_length_than_the_pairs_is_refused(extra):
+    """pair_penalty's per-pair weights: a shorter list failed with an IndexError, a longer one's extra weights were
+    ignored unread."""
+    pairs = find_pairs(tiny_vit())
+    n = len(pairs) + extra
+    with pytest.raises(ValueError, match=f"^weights has {n} entries for {len(pairs)} pairs$"):
+        pair_penalty(pairs, [1.0] * n)
+
+
+@pytest.mark.parametrize("extra", [-3, 4])
 def test_an_upstream_step_list_of_another_length_than_the_pairs_is_refused(extra):
     """Target C's per-pair upstream steps: a shorter list failed with an IndexError mid-update, a longer one had its
     extra steps ignored unread; either is refused before any write, as step_sizes is."""
