@@ -305,6 +305,28 @@ def test_an_optimizer_without_any_decayed_matrix_is_an_error_not_a_silent_no_op(
         ColinearityDecayCallback(lam=LAM).on_train_begin(None, TrainerState(), None, model=model, optimizer=head_only)
 
 
+def test_deepspeed_is_refused_before_cd_is_built_not_missed_after_its_engine_stepped():
+    """Under DeepSpeed the Trainer's optimizer is accelerate's DeepSpeedOptimizerWrapper, whose step() does nothing:
+    the engine stepped inside the backward, before on_pre_optimizer_step armed CD. The callback bound it without a
+    word, the update ran without CD, and on_optimizer_step then blamed a Lookahead step saved before the binding.
+    ZeRO-3's partitioned parameters (ds_id) are refused too. One RuntimeError at on_train_begin, naming the fix."""
+    from accelerate import Accelerator
+    from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper
+    from transformers import TrainerState
+    model = tiny_gpt2()
+    Accelerator(cpu=True)  # the state accelerate's optimizer wrapper reads, as the Trainer makes it
+    wrapped = DeepSpeedOptimizerWrapper(torch.optim.SGD(model.parameters(), lr=0.1))  # ZeRO stage 0, fp32
+    callback = ColinearityDecayCallback(lam=LAM)
+    with pytest.raises(RuntimeError, match=r"CD does not support DeepSpeed \(found DeepSpeedOptimizerWrapper\).*"
+                                           r"train without DeepSpeed"):
+        callback.on_train_begin(None, TrainerState(), None, model=model, optimizer=wrapped)
+    assert callback.decay is None and callback._binding is None
+    model.transformer.h[0].attn.c_attn.weight.ds_id = 0
+    with pytest.raises(RuntimeError, match=r"found ZeRO-3 partitioned parameters"):
+        callback.on_train_begin(None, TrainerState(), None, model=model,
+                                optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def test_a_trainer_event_without_model_or_optimizer_is_refused_and_the_decay_has_the_given_settings():
     """on_train_begin without the model or the optimizer is one RuntimeError naming what is missing (not a failure
     inside ColinearityDecay); with them, the decay gets the callback's arguments: norms_every 50 unless given."""

@@ -647,3 +647,21 @@ def test_a_resume_whose_checkpoint_holds_no_state_under_the_callbacks_key_warns_
         callback = ColinearityDecayCallback(lam=LAM)
         fit(Module(tiny_vit().double(), steps=3), 3, n_batches=1, ckpt_path=tmp_path / "whole.ckpt", callback=callback)
     assert callback.decay.num_updates == 3 and not [w for w in caught if "no CD state" in str(w.message)]
+
+
+def test_a_deepspeed_strategy_is_refused_at_the_train_start_before_cd_is_built():
+    """Lightning's DeepSpeedStrategy (the real class; DeepSpeed need not be installed) steps the engine's optimizer in
+    the engine, on flattened partitions of the weights under ZeRO: the callback bound an optimizer that holds the
+    matrices without a word (ZeRO stage 0), or refused one of partitions with "no optimizer holds the matrices CD
+    decays ... build the optimizer on the parameters", a fix that does not apply. One RuntimeError naming DeepSpeed."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+    module = Module(tiny_vit().double(), steps=1)
+    trainer = SimpleNamespace(strategy=DeepSpeedStrategy.__new__(DeepSpeedStrategy), precision_plugin=Precision(),
+                              optimizers=[torch.optim.SGD(module.parameters(), lr=0.1)])
+    callback = ColinearityDecayCallback(lam=LAM)
+    with pytest.raises(RuntimeError, match=r"CD does not support DeepSpeed \(found DeepSpeedStrategy\).*"
+                                           r"strategy='ddp'"):
+        callback.on_train_start(trainer, module)
+    assert callback.decay is None and not callback._bindings

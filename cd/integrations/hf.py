@@ -51,7 +51,8 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from ..decay import _HOOKED, ColinearityDecay, make_step_hooks_run
-from . import OptimizerBinding, bind_optimizers, check_cd_arguments, torch_optimizer, warn_unrestored
+from . import (OptimizerBinding, bind_optimizers, check_cd_arguments, refuse_deepspeed, torch_optimizer,
+               warn_unrestored)
 
 # the entry of TrainerState.stateful_callbacks that holds the counter and the config:
 # {"num_updates": n, "global_step": step, "config": ColinearityDecay.state_dict()["config"]} (JSON values)
@@ -98,6 +99,9 @@ class ColinearityDecayCallback(TrainerCallback):
         if model is None or optimizer is None:
             raise RuntimeError("ColinearityDecayCallback: the Trainer passed no model or optimizer to "
                                "on_train_begin")
+        refuse_deepspeed(type(self).__name__, "train without DeepSpeed (drop TrainingArguments(deepspeed=...) "
+                         "and accelerate's DeepSpeed config): DDP, or FSDP2 (fsdp_version 2) with verify=False",
+                         (optimizer,), model)
         self._unbind()
         for owner in list(_HOOKED.get(torch_optimizer(optimizer), ())):  # a failed train()'s (module doc)
             if getattr(owner, "trainer_state", state) is not state:

@@ -45,7 +45,7 @@ from lightning.pytorch.callbacks import Callback
 
 from ..decay import ColinearityDecay
 from ..verify import UnsupportedModelError
-from . import (bind_optimizers, check_cd_arguments, check_module_name, name_the_part, select_module,
+from . import (bind_optimizers, check_cd_arguments, check_module_name, name_the_part, refuse_deepspeed, select_module,
                torch_optimizer, warn_unrestored)
 
 
@@ -82,6 +82,9 @@ class ColinearityDecayCallback(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._unbind()
+        refuse_deepspeed(type(self).__name__, "use strategy='ddp', or FSDP2 (ModelParallelStrategy with fully_shard "
+                         "in configure_model) with verify=False", tuple(trainer.optimizers), pl_module,
+                         getattr(trainer, "strategy", None))  # (a stand-in Trainer of a test may have none)
         kwargs = dict(self.cd_kwargs)
         part = select_module(pl_module, self.module)
         example = getattr(pl_module, "example_input_array", None)
