@@ -190,9 +190,12 @@ def _ran_on_device(live: list, gate: Optional[Tensor]) -> Optional[Tensor]:
     update runs (its deltas are zero when skipped) and `_count_gated` takes it out of cd/updates lazily."""
     if not all(isinstance(lr, Tensor) for lr in live):
         return gate
-    # on one device: a split model's param groups may hold their lrs on their own blocks' devices (`onto`)
+    # on one device: a split model's param groups may hold their lrs on their own blocks' devices (`onto`); an
+    # accelerator's where there is one: a CPU flag stays where it is and enters the op as a scalar, whereas an
+    # accelerator's flag moved to the CPU would wait for the device
     flags = [lr != 0 for lr in {id(lr): lr for lr in live}.values()]
-    moves = functools.reduce(torch.logical_or, [onto(f, flags[0].device) for f in flags])
+    device = next((f.device for f in flags if f.device.type != "cpu"), flags[0].device)
+    moves = functools.reduce(torch.logical_or, [onto(f, device) for f in flags])
     return moves if gate is None else gate & onto(moves, gate.device)
 
 

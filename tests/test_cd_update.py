@@ -536,3 +536,15 @@ def test_colinearity_decay_steps_a_model_split_over_two_gpus():
             opt.found_inf = torch.zeros((), device=device)
             assert decay.apply_for(opt)
     assert {str(v.device) for v in decay._last_update_norms.values()} == {"cuda:0"}
+
+
+def test_the_verdict_of_lrs_on_the_cpu_and_a_gpu_stays_on_the_gpu():
+    """A param group's lr on the CPU beside another's on a GPU: their verdict (whether the update moves anything) is
+    made on the GPU, with the CPU flag as a scalar; made on the CPU, it would copy the GPU's flag there, a wait for
+    the device at every step."""
+    from cd.decay import _ran_on_device
+
+    with FakeTensorMode():
+        for lrs in ([torch.tensor(0.1), torch.tensor(0.2, device="cuda:0")],
+                    [torch.tensor(0.2, device="cuda:0"), torch.tensor(0.1)]):
+            assert _ran_on_device(lrs, None).device == torch.device("cuda:0")
