@@ -14,8 +14,9 @@ class does.
 
 A module replaced by its quantized layer (an attention, a Linear/Conv2d a rule matches) that has forward or backward
 hooks registered on it (a user's hook, cd.noise's WeightNoise, torch's old weight_norm / spectral_norm / pruning,
-which compute the weight in a forward pre-hook) is refused naming its path and hooks: the quantized layer is a new
-module, which would run without them (a hook may also hold the float module itself, as WeightNoise does by id).
+which compute the weight in a forward pre-hook), or a forward set on the instance (accelerate's hooks), is refused
+naming its path and hooks: the quantized layer is a new module, which would run without them (a hook may also hold
+the float module itself, as WeightNoise does by id).
 """
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def _refuse_hooks(fqn: str, module: nn.Module) -> None:
         for hook in getattr(module, attr, {}).values():
             target = getattr(hook, "func", hook)  # functools.partial: the function it calls
             hooks.append(f"{kind} {getattr(target, '__qualname__', type(target).__qualname__)}")
+    if "forward" in vars(module):  # set on the instance (layer.forward = ..., accelerate's add_hook_to_module)
+        hooks.append("a forward of the instance's own (module.forward = ...)")
     if hooks:
         raise ValueError(f"{fqn or type(module).__name__} ({type(module).__name__}) has {', '.join(hooks)} registered "
                          "on it, which the quantized layer replacing it would not run: remove them (their handles' "

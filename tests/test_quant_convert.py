@@ -786,6 +786,11 @@ def test_a_layer_with_hooks_is_refused_by_path_not_replaced_by_a_layer_without_t
     with pytest.raises(ValueError, match=r"^0 \(Linear\) has forward pre-hook WeightNorm registered"):
         convert_in_place(normed, spec)  # (a deep copy of it fails in torch: its weight is no leaf)
 
+    patched = nn.Sequential(nn.Linear(4, 4))
+    patched[0].forward = lambda x: 2 * nn.Linear.forward(patched[0], x)  # as accelerate's add_hook_to_module does
+    with pytest.raises(ValueError, match=r"^0 \(Linear\) has a forward of the instance's own"):
+        quantize_model(patched, spec)
+
     vit = tiny_vit()
     vit.blocks[0].attn.register_forward_pre_hook(lambda m, args: None)
     with pytest.raises(ValueError, match=r"^blocks\.0\.attn \(Attention\) has forward pre-hook"):
