@@ -94,7 +94,7 @@ def train_folder_fingerprint(root: str, split: str) -> dict:
             head = f.read(FINGERPRINT_HEAD_BYTES)
         return {"bytes": os.path.getsize(path), "head_sha256": hashlib.sha256(head).hexdigest()}
     with os.scandir(path) as entries:
-        listing = (path, os.stat(path).st_mtime_ns,
+        listing = (os.path.realpath(path), os.stat(path).st_mtime_ns,  # a relative root read from another folder
                    tuple(sorted((e.name, e.stat().st_mtime_ns) for e in entries if e.is_dir())))
     if listing in _FOLDER_PRINTS:
         return dict(_FOLDER_PRINTS[listing])
