@@ -171,6 +171,14 @@ def onto(t: Tensor, device: torch.device) -> Tensor:
     return t.to(device)
 
 
+def sum_device(pairs: Sequence[Pair]) -> torch.device:
+    """Where the sums over blocks are made (`onto`): the first accelerator among the pairs' W2s, else the first
+    pair's (the CPU for none). Not the CPU beside a GPU (a split model's first block offloaded): each GPU block's
+    0-dim sum copied to the CPU would wait for the device, where a CPU one enters a GPU op as a scalar."""
+    devices = [p.w2().device for p in pairs]
+    return next((d for d in devices if d.type != "cpu"), devices[0] if devices else torch.device("cpu"))
+
+
 def compute_dtype(t: Tensor) -> torch.dtype:
     """fp32 for fp16/bf16/fp32 parameters (float64 stays float64)."""
     return torch.promote_types(t.dtype, torch.float32)
@@ -358,7 +366,7 @@ def colinearity_decay_(
     Returns:
         with `norms`, dict role -> 0-dim fp32 tensor: Frobenius norm of the role's whole update (root of
         the summed squared per-block norms), plus '<role>_upstream' for target set C; roles that were
-        skipped are absent. Without `norms`, {}. On the first pair's W2's device (a split model's blocks' norms
+        skipped are absent. Without `norms`, {}. On `sum_device(pairs)` (a split model's blocks' norms
         are moved there, `onto`).
 
     Raises:
@@ -382,7 +390,7 @@ def colinearity_decay_(
         plan = build_plan(pairs, [not known_zero(s) for s in up_steps])
 
     sq_norms: dict[str, Tensor] = {}
-    out = pairs[0].w2().device if n_pairs else torch.device("cpu")  # where the norms are summed (`onto`)
+    out = sum_device(pairs)  # where the norms are summed (`onto`)
     pending: list[tuple[Tensor, Tensor]] = []  # (target, delta) of deferred groups, added at the end
 
     def record(key: str, delta: Tensor) -> None:
@@ -487,14 +495,14 @@ def pair_energy(pairs: Sequence[Pair], plan: Optional[Plan] = None) -> dict[str,
 
     Returns:
         dict role -> 0-dim fp32 tensor: the MEAN over the role's blocks of the block's ||W2 W1n||_F^2, summed over
-        the pairs of one upstream matrix. On the first pair's W2's device (`onto`).
+        the pairs of one upstream matrix. On `sum_device(pairs)` (`onto`).
 
     Raises:
         ValueError: a matrix is on the meta device (`refuse_meta`: no values to measure).
     """
     plan = plan or build_plan(pairs)
     sums: dict[str, Tensor] = {}
-    out = pairs[0].w2().device if pairs else torch.device("cpu")  # one device for the sums over blocks (`onto`)
+    out = sum_device(pairs)  # one device for the sums over blocks (`onto`)
     for group in plan.groups:
         e = onto(_group_energy([pairs[i] for i in group], grad=False, upstream_grad=False).sum(), out)
         role = pairs[group[0]].role
@@ -556,7 +564,7 @@ def pair_penalty(
         plan: optional cached `build_plan(pairs)`.
 
     Returns:
-        0-dim fp32 tensor on the first pair's W2's device (`onto`; zero without a graph if every weight is 0).
+        0-dim fp32 tensor on `sum_device(pairs)` (`onto`; zero without a graph if every weight is 0).
 
     Raises:
         ValueError: weights has another length than pairs; a matrix is on the meta device (`refuse_meta`: no values
@@ -566,7 +574,7 @@ def pair_penalty(
         raise ValueError(f"weights has {len(weights)} entries for {len(pairs)} pairs")
     plan = plan or build_plan(pairs)
     total: Optional[Tensor] = None
-    device = pairs[0].w2().device
+    device = sum_device(pairs)
     for group in plan.groups:
         idx = [i for i in group if weights[i] != 0]
         if not idx:

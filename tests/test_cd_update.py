@@ -485,8 +485,8 @@ def test_a_tiny_but_nonzero_upstream_matrix_is_normalized_like_any_other():
                                rtol=1e-10, atol=1e-12)
 
 
-def _split_over_two_gpus(model):
-    """`model` with block 1 on cuda:1 and every other parameter on cuda:0 (pipeline stages, transformers'
+def _split_over_two_gpus(model, first="cuda:0"):
+    """`model` with block 1 on cuda:1 and every other parameter on `first` (pipeline stages, transformers'
     device_map="auto"), as torch's FakeTensors: tensors of shape and device only, which refuse an op on tensors of
     two CUDA devices as CUDA does ("found at least two devices"), on a machine without a GPU. Returns the mode."""
     mode = FakeTensorMode()
@@ -494,7 +494,7 @@ def _split_over_two_gpus(model):
     with mode:
         for name, value in values.items():
             module, _, attr = name.rpartition(".")
-            device = "cuda:1" if name.startswith("blocks.1.") else "cuda:0"
+            device = "cuda:1" if name.startswith("blocks.1.") else first
             setattr(model.get_submodule(module), attr, nn.Parameter(mode.from_tensor(value).to(device)))
     return mode
 
@@ -548,3 +548,21 @@ def test_the_verdict_of_lrs_on_the_cpu_and_a_gpu_stays_on_the_gpu():
         for lrs in ([torch.tensor(0.1), torch.tensor(0.2, device="cuda:0")],
                     [torch.tensor(0.2, device="cuda:0"), torch.tensor(0.1)]):
             assert _ran_on_device(lrs, None).device == torch.device("cuda:0")
+
+
+def test_the_sums_over_blocks_of_a_model_whose_first_block_is_on_the_cpu_are_made_on_the_gpu():
+    """Block 0 offloaded to the CPU, block 1 on a GPU: the sums are made on the GPU (a CPU block's 0-dim term enters
+    as a scalar); made on the first pair's CPU, each GPU term copied there would wait for the device, at every step of
+    the loss form."""
+    model = tiny_vit()
+    pairs = find_pairs(model)
+    mode = _split_over_two_gpus(model, first="cpu")
+    params = dict(model.named_parameters())
+    pairs = [dataclasses.replace(p, upstream=params[p.upstream_name.split("[")[0]], downstream=params[p.name])
+             for p in pairs]
+    with mode:
+        assert pairs[0].w2().device == torch.device("cpu")
+        norms = colinearity_decay_(pairs, [0.1] * len(pairs), norms=True)
+        energy = pair_energy(pairs)
+        penalty = pair_penalty(pairs, [1.0] * len(pairs))
+    assert {str(v.device) for v in (*norms.values(), *energy.values(), penalty)} == {"cuda:1"}
