@@ -63,3 +63,18 @@ def test_an_entry_written_before_the_files_were_recorded_is_taken_as_of_the_file
     assert evaluation_difference(a, b) is None
     other = {**settings, "calibration": {**settings["calibration"], "train_files": {"images": 1}}}
     assert evaluation_difference(b, {"quant": {"percentile": {"w4a4": {"settings": other}}}}) is not None
+
+
+def test_a_relative_root_read_from_another_folder_is_that_folders_split(tmp_path, monkeypatch):
+    """The fingerprint is remembered per split listing: keyed by the path as given, `data` read from two working
+    folders (scripts/sweep.py reads each command's paths in its root) took the first folder's value wherever the
+    listings' times agreed. Reference: the two folders' own image counts."""
+    for where, count in (("one", 2), ("two", 3)):
+        make_folder(tmp_path / where / "data", {"train": {"a": count}})
+        for folder in ("data/train/a", "data/train"):
+            os.utime(tmp_path / where / folder, ns=(1, 1))  # the same listing times in both
+    counts = []
+    for where in ("one", "two"):
+        monkeypatch.chdir(tmp_path / where)
+        counts.append(qs.train_folder_fingerprint("data", "train")["images"])
+    assert counts == [2, 3]
