@@ -133,15 +133,19 @@ def refuse_meta(pairs: Sequence[Pair], who: str, then: Optional[str] = None) -> 
 
 
 def _autocast_off(fn):
-    """Run `fn(pairs, ...)` with autocast disabled on the pairs' device: the CD math stays fp32 (or float64)
+    """Run `fn(pairs, ...)` with autocast disabled on the pairs' devices: the CD math stays fp32 (or float64)
     even when called from inside an autocast region (e.g. `ColinearityDecay.apply` in a bf16 loop). Pairs on the
     `meta` device are refused first (`refuse_meta`), naming `fn`: an autocast on `meta` fails with torch's
     "unsupported scalarType", which names neither the cause nor the fix."""
     @functools.wraps(fn)
     def wrapper(pairs, *args, **kwargs):
         refuse_meta(pairs, fn.__name__, _FIND_PAIRS_AGAIN)
-        device_type = pairs[0].w2().device.type if len(pairs) else "cpu"
-        with torch.autocast(device_type=device_type, enabled=False):
+        # every device type the pairs lie on: a model split between the CPU and a GPU (an offloaded block) ran one
+        # device's products under the caller's autocast
+        types = dict.fromkeys(p.w2().device.type for p in pairs) or {"cpu": None}
+        with contextlib.ExitStack() as stack:
+            for device_type in types:
+                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
             return fn(pairs, *args, **kwargs)
     return wrapper
 

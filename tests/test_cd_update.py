@@ -566,3 +566,27 @@ def test_the_sums_over_blocks_of_a_model_whose_first_block_is_on_the_cpu_are_mad
         energy = pair_energy(pairs)
         penalty = pair_penalty(pairs, [1.0] * len(pairs))
     assert {str(v.device) for v in (*norms.values(), *energy.values(), penalty)} == {"cuda:1"}
+
+
+def test_a_model_split_between_a_gpu_and_the_cpu_runs_no_product_under_the_callers_autocast():
+    """Autocast was disabled on the first pair's device type alone: a model split between a GPU and the CPU (an
+    offloaded block) ran the other device's products under the caller's autocast, in bf16. Only the CPU block moves
+    here, so its update norms are those products' (fp32 when autocast is off)."""
+    model = tiny_vit()
+    pairs = find_pairs(model)
+    mode = FakeTensorMode()
+    values = {name: p.detach() for name, p in model.named_parameters()}
+    with mode:
+        for name, value in values.items():
+            module, _, attr = name.rpartition(".")
+            device = "cpu" if name.startswith("blocks.1.") else "cuda:0"
+            setattr(model.get_submodule(module), attr, nn.Parameter(mode.from_tensor(value).to(device)))
+    params = dict(model.named_parameters())
+    pairs = [dataclasses.replace(p, upstream=params[p.upstream_name.split("[")[0]], downstream=params[p.name])
+             for p in pairs]
+    steps = [0.1 if p.block == "blocks.1" else 0.0 for p in pairs]
+    with mode, torch.autocast("cpu", dtype=torch.bfloat16):
+        assert pairs[0].w2().device.type == "cuda" and pairs[-1].w2().device.type == "cpu"
+        norms = colinearity_decay_(pairs, steps, norms=True, precision="fp32")
+        energy = pair_energy(pairs)
+    assert {v.dtype for v in (*norms.values(), *energy.values())} == {torch.float32}
