@@ -188,7 +188,8 @@ def example_input(model: nn.Module) -> Union[Tensor, dict]:
     one (a language model's token ids), else, for a transformers model, token ids or an image batch from its
     `main_input_name` and config, else an image batch (1, C, H, W) from timm's `patch_embed.img_size` and
     input channels (its first convolution's: a hybrid's CNN stem), or torchvision ViT's `image_size` and
-    `conv_proj`, else from `pretrained_cfg['input_size']`.
+    `conv_proj`, or timm Hiera's `tokens_spatial_shape` times its `patch_stride`, else from
+    `pretrained_cfg['input_size']`.
     Raises UnsupportedModelError if none exists."""
     own = getattr(model, "example_input", None)
     if callable(own):
@@ -219,6 +220,12 @@ def example_input(model: nn.Module) -> Union[Tensor, dict]:
     conv = next((m for m in conv.modules() if isinstance(m, nn.Conv2d)), None) if isinstance(conv, nn.Module) else None
     if isinstance(size, int) and conv is not None:
         return torch.empty(1, conv.in_channels, size, size, dtype=dtype, device="meta")
+    # timm's Hiera keeps no img_size: its token grid times its patch stride is the image it was built for (its
+    # pretrained_cfg's 224 px below would fail a Hiera built for another size, refused with a fix train.py lacks)
+    grid, stride = getattr(model, "tokens_spatial_shape", None), getattr(model, "patch_stride", None)
+    if isinstance(grid, (list, tuple)) and isinstance(stride, (list, tuple)) and len(grid) == len(stride) == 2 \
+            and chans is not None:
+        return torch.empty(1, chans, *(g * s for g, s in zip(grid, stride)), dtype=dtype, device="meta")
     cfg = getattr(model, "pretrained_cfg", None) or {}
     if "input_size" in cfg:
         return torch.empty(1, *cfg["input_size"], dtype=dtype, device="meta")

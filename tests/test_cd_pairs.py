@@ -242,6 +242,23 @@ def test_a_non_square_image_size_is_the_example_inputs_height_and_width():
     assert [p.role for p in find_pairs(model)] == ["qkv", "proj", "fc1", "fc2"]
 
 
+def test_a_hiera_built_for_another_image_size_is_checked_on_that_size():
+    """timm's Hiera keeps no img_size; the example was its pretrained_cfg's 224 px, whose forward fails on a Hiera
+    built for 64 px (its position embedding is sized for the grid), so find_pairs refused it with a fix (example_input=
+    or verify=False) that train.py's cd settings do not have. Its token grid times its patch stride is the image."""
+    import warnings
+
+    from cd.verify import example_input
+
+    model = timm.create_model("hiera_tiny_224", img_size=(64, 96), embed_dim=16, num_heads=1, stages=(1, 1, 1, 1),
+                              num_classes=3)
+    assert tuple(example_input(model).shape) == (1, 3, 64, 96)
+    model(torch.zeros(1, 3, 64, 96))  # the size it takes
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="CD leaves out ")  # its stage-transition proj (test above)
+        assert [p.role for p in find_pairs(model)] == ["qkv", "proj", "fc1", "fc2"] * 4
+
+
 def test_a_hybrid_vits_example_input_has_the_images_channels_not_those_its_proj_sees():
     """timm's hybrid ViTs (vit_*_r*): HybridEmbed's `proj` convolves the CNN backbone's feature maps (64 channels
     here), so the meta batch takes its channel count from the image's first convolution, the stem's 3; the pairs
