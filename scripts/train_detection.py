@@ -171,7 +171,10 @@ def foreign_files(work_dir: str, dump: str) -> list:
     return [name for name in earlier_run_files(work_dir)
             if name not in ours and not name.endswith(".pth")
             and not (dumps and name.endswith(".py") and os.path.isfile(os.path.join(work_dir, name)))
-            and not re.fullmatch(rf"{re.escape(SETTINGS_FILE)}\.\d+\.tmp", name)  # record_settings' temporary
+            # record_settings' temporary (write_whole's partial_path; an earlier version's <name>.<pid>.tmp), left by
+            # a start that a signal ended mid-write
+            and not re.fullmatch(rf"{re.escape(SETTINGS_FILE)}(\.\d+\.tmp|\.partial-[0-9a-f]{{8}}-\d+-[0-9a-f]{{8}})",
+                                 name)
             and not (LOG_FOLDER.fullmatch(name) and os.path.isdir(os.path.join(work_dir, name)))]
 
 
@@ -235,18 +238,23 @@ def record_settings(work_dir: str, settings: dict) -> None:
     same folder; a SIGTERM leaves it), never over an existing file: one with the
     same settings (the same run started again before its first checkpoint, or another rank of it) is kept,
     another is refused."""
+    from engine.run_dir import RunDirError, write_whole
     path = os.path.join(work_dir, SETTINGS_FILE)
     os.makedirs(work_dir, exist_ok=True)
     if not os.path.exists(path):
-        temporary = f"{path}.{os.getpid()}.tmp"
-        with open(temporary, "w") as f:
-            json.dump(settings, f, indent=1, sort_keys=True)
+
+        def write(temporary: str) -> None:
+            with open(temporary, "w") as f:
+                json.dump(settings, f, indent=1, sort_keys=True)
+
+        # a temporary file, fsync and a hard link (atomic, and refused where another rank was first): a start that
+        # fails or is cut off mid-write leaves no half file under the settings file's name, which check_settings
+        # and --resume would read as the run's
         try:
-            os.link(temporary, path)  # atomic, and fails where another rank was first
-        except FileExistsError:
-            pass
-        finally:
-            os.remove(temporary)
+            write_whole(path, write, overwrite=False)
+        except RunDirError:
+            if not os.path.exists(path):  # not another rank's file: a path write_whole cannot write
+                raise
     check_settings(work_dir, settings)
 
 

@@ -250,6 +250,50 @@ def test_a_gplq_stage1_folder_that_is_a_file_or_holds_a_broken_identity_is_one_e
     assert (folder / STAGE1_IDENTITY).read_text() == '{"bits": "w4'
 
 
+def _dump_half_and_raise(data, f, **kwargs):
+    """json.dump cut off mid-write (a full disk, an interrupt): half the text written, then the error."""
+    import json
+    text = json.dumps(data, **kwargs)
+    f.write(text[:len(text) // 2])
+    f.flush()
+    raise OSError(28, "No space left on device")
+
+
+def test_a_settings_or_identity_write_cut_off_midway_leaves_no_half_file_and_no_temporary(tmp_path, monkeypatch):
+    """train_detection.py's settings file and GPLQ stage 1's identity are written through a temporary file, fsync
+    and a hard link or rename (engine.run_dir.write_whole): a write that fails midway left the identity half written
+    under its own name (read back as unreadable) and the settings' temporary beside it; now the folder holds
+    neither, and a whole write is synced before it appears."""
+    import json
+    import os
+    from engine import run_dir
+    from engine.detection import qat
+    from tests.conftest import load_script
+    script = load_script("train_detection")
+    synced = []
+    real_sync = run_dir.sync_file
+    monkeypatch.setattr(run_dir, "sync_file", lambda path: (synced.append(path), real_sync(path)))
+    work, folder = tmp_path / "work", tmp_path / "eval_gplq_w4a4_stage1"
+    monkeypatch.setattr(json, "dump", _dump_half_and_raise)
+    with pytest.raises(OSError, match="No space left"):
+        script.record_settings(str(work), {"model.type": "'MaskRCNN'"})
+    assert list(work.iterdir()) == []
+    with pytest.raises(OSError, match="No space left"):
+        qat._claim_stage1_folder(str(folder), {"bits": "w4a4"})
+    assert list(folder.iterdir()) == []
+    assert synced == []
+    monkeypatch.undo()
+    monkeypatch.setattr(run_dir, "sync_file", lambda path: (synced.append(path), real_sync(path)))
+    script.record_settings(str(work), {"model.type": "'MaskRCNN'"})
+    assert [p.name for p in work.iterdir()] == [script.SETTINGS_FILE]
+    assert json.loads((work / script.SETTINGS_FILE).read_text()) == {"model.type": "'MaskRCNN'"}
+    assert qat._claim_stage1_folder(str(folder), {"bits": "w4a4"})[0] is None
+    assert [p.name for p in folder.iterdir()] == [qat.STAGE1_IDENTITY]
+    assert json.loads((folder / qat.STAGE1_IDENTITY).read_text()) == {"bits": "w4a4"}
+    assert [os.path.basename(path).split(".partial-")[0] for path in synced] == [script.SETTINGS_FILE,
+                                                                                 qat.STAGE1_IDENTITY]
+
+
 def test_mmdetection_s_cfg_options_flag_gives_overrides_to_both_entry_points():
     """MMDetection's tools take `--cfg-options k=v ...`, which its users type from habit: it was refused as an
     unrecognized argument; the words after it are overrides, as if given bare."""

@@ -18,6 +18,7 @@ from engine.detection.data_checks import annotation_paths, reading_annotations
 from engine.detection.errors import DetectionError
 from engine.detection.rng_state import RngStateHook
 from engine.distributed import run_on_main
+from engine.run_dir import write_whole
 
 STAGE1_IDENTITY = "gplq_stage1.json"
 
@@ -184,6 +185,15 @@ def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
     stored, checkpoint = check_stage1_folder(work_dir, identity)
     if stored is None:
         os.makedirs(work_dir, exist_ok=True)
-        with open(os.path.join(work_dir, STAGE1_IDENTITY), "w") as f:
-            json.dump(identity, f, indent=1)
+        path = os.path.join(work_dir, STAGE1_IDENTITY)
+
+        def write(temporary: str) -> None:
+            with open(temporary, "w") as f:
+                json.dump(identity, f, indent=1)
+
+        # a temporary file, fsync and a rename: a claim cut off mid-write leaves no half identity under the name
+        # (which check_stage1_folder refuses as unreadable); over an identity only where the folder holds one of
+        # another run without a checkpoint (taken over, check_stage1_folder), else only where no file has appeared
+        # since the check (a hard link: RunDirError where one has)
+        write_whole(path, write, overwrite=os.path.isfile(path))
     return checkpoint, f"gplq_stage1_{time.time_ns() % 10 ** 9}"
