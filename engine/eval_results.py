@@ -133,22 +133,42 @@ def detector_result(result: dict) -> bool:
 # (quant.ranges.range_search, unchanged until they were recorded), which is compared as these values, not as whatever
 # the default is when they are read; minmax reads no level (null)
 NULL_PERCENTILES = {"percentile": [0.9999], "percentile_mse": [0.999, 0.9999, 0.99999]}
+# the same for APHQ's hessian_eps (quant/aphq/pipeline.py hessian_eps: by the classifier's probe; a detector's
+# quant/aphq/detector.py DETECTION_EPS) and GPLQ's lr (quant/gplq/pipeline.py default_lr: by the global batch, the
+# entry's batch_size_per_gpu x its recorded world_size) and scale_lr (null: the lr), recorded as the values used since
+NULL_HESSIAN_EPS = {"ones": 1e-6, "rademacher": 1e-4}
+NULL_DETECTION_EPS = 1e-3
 
 
-def _null_meant(pipeline: str, options: dict) -> dict:
-    """`options` with each percentile level recorded as null replaced by the levels it meant (NULL_PERCENTILES, by its
-    operand's range rule as recorded, else the default rule of then, percentile_mse)."""
-    if pipeline != "percentile":
-        return options
+def _null_gplq_lr(global_batch: int) -> float:
+    """GPLQ's lr that null meant at `global_batch` images per update (default_lr of then)."""
+    return 5e-6 if global_batch >= 128 else 2.5e-6 if global_batch >= 64 else 1e-6
+
+
+def _null_meant(pipeline: str, options: dict, detector: bool = False, ranks: Optional[int] = None) -> dict:
+    """`options` with each option recorded as null whose value results now record replaced by what it meant: a
+    percentile level the levels of NULL_PERCENTILES (by its operand's range rule as recorded, else the default rule of
+    then, percentile_mse), APHQ's hessian_eps NULL_HESSIAN_EPS (a `detector`'s NULL_DETECTION_EPS), GPLQ's lr the lr
+    of the entry's global batch on its `ranks` processes (unknown without them: kept null) and scale_lr its lr."""
     meant = {}
-    for operand in ("act", "weight"):
-        key, method = f"{operand}_percentiles", options.get(f"{operand}_range", "percentile_mse")
-        if key in options and options[key] is None and method in NULL_PERCENTILES:
-            meant[key] = NULL_PERCENTILES[method]
+    if pipeline == "percentile":
+        for operand in ("act", "weight"):
+            key, method = f"{operand}_percentiles", options.get(f"{operand}_range", "percentile_mse")
+            if key in options and options[key] is None and method in NULL_PERCENTILES:
+                meant[key] = NULL_PERCENTILES[method]
+    elif pipeline == "aphq" and "hessian_eps" in options and options["hessian_eps"] is None:
+        probe = options.get("hessian_probe", "ones")
+        meant["hessian_eps"] = NULL_DETECTION_EPS if detector else NULL_HESSIAN_EPS.get(probe)
+    elif pipeline == "gplq":
+        lr = options.get("lr")
+        if "lr" in options and lr is None and ranks is not None and isinstance(options.get("batch_size_per_gpu"), int):
+            lr = meant["lr"] = _null_gplq_lr(options["batch_size_per_gpu"] * ranks)
+        if "scale_lr" in options and options["scale_lr"] is None and lr is not None:
+            meant["scale_lr"] = lr
     return {**options, **meant}
 
 
-def read_options(pipeline: str, options: dict, detector: bool = False) -> dict:
+def read_options(pipeline: str, options: dict, detector: bool = False, ranks: Optional[int] = None) -> dict:
     """`options` ({name: value} of `pipeline`'s quant.<pipeline> section) without those that the config's rules
     say are unread under the others (configs/loader.py unread_options: quant.aphq.recon_images at iters=0): the
     result is the same whatever they hold, and no command sets them (an override of an unread key is refused).
@@ -156,9 +176,11 @@ def read_options(pipeline: str, options: dict, detector: bool = False) -> dict:
     --quant-options obey (configs/loader.py DETECTOR_RULES: without the classifier's own, CLASSIFIER_ONLY, as a
     detector's neck reads quant.aphq.act_lr at drop_prob=0; with its own, DETECTOR_ONLY, as an entry written before
     they refused quant.gplq.batch_size_per_gpu at steps=0 holds it). A null that an older entry holds for what results
-    now record the value of reads as the value it meant then (`_null_meant`)."""
+    now record the value of reads as the value it meant then (`_null_meant`; GPLQ's lr by the entry's `ranks`, its
+    recorded world_size)."""
     unread = unread_options(f"quant.{pipeline}", options, classifier=not detector, detector=detector)
-    return {name: value for name, value in _null_meant(pipeline, options).items() if name not in unread}
+    return {name: value for name, value in _null_meant(pipeline, options, detector, ranks).items()
+            if name not in unread}
 
 
 def _detector_defaults(pipeline: str, options: dict) -> dict:
@@ -180,7 +202,7 @@ def comparable_settings(settings: Optional[dict], pipeline: str, detector: bool 
     plain = as_stored(settings or {})
     if isinstance(plain.get("options"), dict):
         skipped = {*NEUTRAL_OPTIONS.get(pipeline, ()), *unread_at_bits(pipeline, bits)}
-        options = read_options(pipeline, plain["options"], detector)
+        options = read_options(pipeline, plain["options"], detector, plain.get("world_size"))
         plain["options"] = {k: v for k, v in (_detector_defaults(pipeline, options) if detector else options).items()
                             if k not in skipped}
     return plain

@@ -284,15 +284,17 @@ def nondefault_settings(pipeline: str, settings: Optional[dict], bits: Optional[
     settings, defaults = as_stored(settings), as_stored(quant_settings(Config(), pipeline, files=False))
     # every default option, also those the defaults leave unread (the MLP reconstruction's, read where it is on)
     base = pipeline_options(Config(), pipeline)
-    options = read_options(pipeline, settings.get("options") or {})
-    # an option whose null means a default is recorded as the value used (quant_settings: percentile's levels), which
-    # depends on the entry's other options (weight_range=percentile's one level): compared with the value the
-    # default's null takes beside the entry's own other options, so that only a value given differs
-    own = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(base)}
-           and getattr(base, k) is not None}
-    resolved = dataclasses.asdict(PIPELINES[pipeline].recorded_options(dataclasses.replace(base, **own)))
-    defaults["options"] = as_stored({**dataclasses.asdict(base),
-                                     **{k: v for k, v in resolved.items() if getattr(base, k) is None}})
+    ranks = settings.get("world_size")  # GPLQ's: its default lr is that of its global batch
+    options = read_options(pipeline, settings.get("options") or {}, ranks=ranks)
+    # an option whose null means a default is recorded as the value used (quant_settings: percentile's levels, GPLQ's
+    # lr), which depends on the entry's other options (weight_range=percentile's one level, GPLQ's batch and, for
+    # scale_lr, its lr): compared with the value its default's null takes beside the entry's own other options, so
+    # that only a value given differs
+    own = {k: v for k, v in options.items() if k in {f.name for f in dataclasses.fields(base)}}
+    resolved = {k: getattr(PIPELINES[pipeline].recorded_options(
+        dataclasses.replace(base, **{**own, k: None}), ranks if ranks is not None else 1), k)
+        for k, v in dataclasses.asdict(base).items() if v is None and own.get(k) is not None}  # a null: as the base
+    defaults["options"] = as_stored({**dataclasses.asdict(base), **resolved})
     names = {"images": "quant.calib_images", "seed": "quant.calib_seed", "transform": "quant.calib_transform"}
     found, unread = [], unread_at_bits(pipeline, bits)
     # the options read under the entry's own (an older entry holds unread ones, at whatever value it was given)

@@ -239,11 +239,12 @@ class Pipeline:
         as chosen even where it equals the default."""
         return {}
 
-    def recorded_options(self, options: Any) -> Any:
+    def recorded_options(self, options: Any, ranks: Optional[int] = None) -> Any:
         """`options` as a result records them (engine/quant_settings.py, the report): an option whose null means a
-        default the pipeline resolves (percentile's clipping levels) holds the value used instead, so that a later
-        change of that default cannot make an older result read as computed with the new one. The default: as
-        given."""
+        default the pipeline resolves (percentile's clipping levels, APHQ's hessian_eps, GPLQ's lr and scale_lr)
+        holds the value used instead, so that a later change of that default cannot make an older result read as
+        computed with the new one. `ranks`: the number of processes a data-parallel pipeline's default depends on
+        (GPLQ's lr, by the global batch; None: this run's). The default: as given."""
         return options
 
     def scheme_settings(self, options: Any) -> Dict[str, Any]:

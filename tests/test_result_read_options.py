@@ -124,3 +124,64 @@ def test_act_lr_is_still_compared_where_a_classifier_reads_it():
     read = old_style("aphq", ["quant.aphq.drop_prob=0.25"])
     assert evaluation_difference(result("aphq", read), result("aphq", old_style(
         "aphq", ["quant.aphq.drop_prob=0.25"], act_lr=1e-4))) is not None
+
+
+
+@pytest.mark.parametrize("pipeline, overrides, recorded, marked", [
+    ("aphq", [], {"hessian_eps": 1e-6}, []),  # the official all-ones probe's +-1e-6
+    ("aphq", ["quant.aphq.hessian_probe=rademacher"], {"hessian_eps": 1e-4}, ["quant.aphq.hessian_probe=rademacher"]),
+    ("gplq", [], {"lr": 1e-6, "scale_lr": 1e-6}, []),  # the paper's lr of a global batch of 16 (one process)
+    ("gplq", ["quant.gplq.lr=3e-6"], {"scale_lr": 3e-6}, ["quant.gplq.lr=3e-06"]),  # scale_lr null: the lr
+])
+def test_results_record_the_value_a_null_default_meant_and_read_an_older_null_as_then(pipeline, overrides, recorded,
+                                                                                      marked, monkeypatch):
+    """APHQ's hessian_eps and GPLQ's lr and scale_lr mean a default where null (the paper's and the official code's
+    constants, written out here): a result records the values used, so a later default cannot make it read as computed
+    with the new one, and an entry written with null compares as what null meant then: equal to the same settings
+    now, marked by no table, and another result once the default changes."""
+    import quant.aphq.pipeline as aphq
+    import quant.gplq.pipeline as gplq
+    from engine.eval_results import settings_change
+
+    settings = plain(quant_settings(apply_overrides(Config(), overrides), pipeline))
+    assert {k: settings["options"][k] for k in recorded} == recorded
+    older = {**settings, "options": {**settings["options"], **{k: None for k in recorded}}}
+    assert settings_change({"settings": older}, settings, pipeline) is None
+    assert nondefault_settings(pipeline, older) == nondefault_settings(pipeline, settings) == marked
+    # a later default: the result recorded now, and the older null, read as computed with other settings
+    monkeypatch.setattr(aphq, "hessian_eps", lambda options: options.hessian_eps or 1e-5)
+    monkeypatch.setattr(gplq, "default_lr", lambda batch: 7e-6)
+    later = quant_settings(apply_overrides(Config(), [o for o in overrides if "lr=" not in o]), pipeline)
+    for entry in (settings, older):
+        assert settings_change({"settings": entry}, later, pipeline) is not None
+
+
+def test_a_gplq_entry_records_and_reads_the_lr_of_its_global_batch(monkeypatch):
+    """GPLQ's null lr is the paper's lr of the global batch (batch_size_per_gpu x ranks: 5e-6 from 128): an entry
+    trained on 8 processes records 5e-6, an older one of 8 processes holding null reads as 5e-6 (its recorded
+    world_size), and a table compares it with the default of 8 processes, not of the one that reads the file."""
+    import quant.gplq.pipeline as gplq
+    import quant.registry as registry
+    from engine.eval_results import settings_change
+
+    monkeypatch.setattr(gplq, "world_size", lambda: 8)
+    monkeypatch.setattr(registry, "world_size", lambda: 8)
+    settings = plain(quant_settings(Config(), "gplq"))
+    assert (settings["world_size"], settings["options"]["lr"], settings["options"]["scale_lr"]) == (8, 5e-6, 5e-6)
+    older = {**settings, "options": {**settings["options"], "lr": None, "scale_lr": None}}
+    assert settings_change({"settings": older}, settings, "gplq") is None
+    monkeypatch.undo()  # the table is read in one process
+    assert nondefault_settings("gplq", older) == nondefault_settings("gplq", settings) == []
+
+
+def test_an_aphq_report_records_the_perturbation_used():
+    """The report of a run (evaluate.py's result file keeps it) holds the hessian_eps the APH used, not null."""
+    from configs.quant import APHQOptions
+    from device_utils import cpu_pipeline_data
+    from quant import PIPELINES
+    from quant_models import images, tiny_vit
+
+    small = dict(iters=1, recon_images=8, calib_images=8, batch_size=4, eq_n=32, matmul_steps=5, search_rounds=0)
+    _, report = PIPELINES["aphq"](tiny_vit(depth=1), images(2), "w4a4", APHQOptions(**small, hessian_probe="rademacher"),
+                                  data=cpu_pipeline_data(num_images=16))
+    assert report["options"]["hessian_eps"] == 1e-4

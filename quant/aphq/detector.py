@@ -61,6 +61,11 @@ class DetectorSamples(SampleFeed, Protocol):
     def rpn_outputs(self, model: nn.Module, index: int) -> RPNOutputs: ...
 
 
+def detection_eps(options: APHQOptions) -> float:
+    """A detector's APH perturbation: hessian_eps, or where it is None the official DETECTION_EPS."""
+    return options.hessian_eps if options.hessian_eps is not None else DETECTION_EPS
+
+
 def check_detector_options(options: APHQOptions) -> None:
     """Refuse the APHQ options that have no detector form here (before any work)."""
     if options.mlp_reconstruct:
@@ -134,7 +139,7 @@ def _quantize(layout: QuantSpec, fp_model: nn.Module, calib: SampleFeed, samples
         set_quant_state(model.get_submodule(head.name), weights=True, activations=True)
     model.eval()
     report = pipeline_report(
-        "aphq", model, bits, options,
+        "aphq", model, bits, dataclasses.replace(options, hessian_eps=detection_eps(options)),
         data={"calibration_images": getattr(calib, "count", None),
               # iters=0 draws no reconstruction images: their seed went unread
               "reconstruction_images": 0 if samples is None else len(samples),
@@ -152,7 +157,7 @@ def _reconstruct(model: nn.Module, frozen: nn.Module, units: List[Unit], samples
         for i in range(len(samples)):
             cls, box = samples.rpn_outputs(frozen, i)
             refs.append(([torch.sigmoid(c).to(cache) for c in cls], [b.to(cache) for b in box]))
-    eps = options.hessian_eps if options.hessian_eps is not None else DETECTION_EPS
+    eps = detection_eps(options)
     settings = ReconSettings(
         iters=options.iters, batch_size=1, weight_lr=options.weight_lr, act_lr=options.act_lr,
         drop_prob=options.drop_prob, input_mix_prob=options.input_mix_prob,

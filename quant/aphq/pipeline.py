@@ -32,6 +32,7 @@ Under torchrun the whole pipeline runs once, on rank 0; the other ranks receive 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
@@ -75,12 +76,26 @@ def mlp_iterations(options: APHQOptions) -> int:
     return options.mlp_iters if options.mlp_iters is not None else options.iters
 
 
+def hessian_eps(options: APHQOptions) -> float:
+    """The APH perturbation of a classifier: hessian_eps, or where it is None the probe's default (1e-6 for the
+    official all-ones probe, 1e-4 for Rademacher's; a detector's is detector.DETECTION_EPS)."""
+    if options.hessian_eps is not None:
+        return options.hessian_eps
+    return 1e-6 if options.hessian_probe == "ones" else 1e-4
+
+
 class APHQPipeline(Pipeline):
     name = "aphq"
     Options = APHQOptions
     tasks = ("classification", "detection")  # detection: detector.py (data.detector_samples)
     draws_training_images = True
     float32_weights = True  # AdaRound's rounding variables and the activation scales train in float32
+
+    def recorded_options(self, options: APHQOptions, ranks: Optional[int] = None) -> APHQOptions:
+        """`options` with the perturbation a classifier's APH runs with in place of a null hessian_eps
+        (`hessian_eps`); a detector's report records its own (detector.py). Result files compare these
+        (engine/eval_results.py reads an older entry's null as the default of then)."""
+        return dataclasses.replace(options, hessian_eps=hessian_eps(options))
 
     def layout(self, bits: Bits, options: APHQOptions) -> QuantSpec:
         """APHQ's converted layout before the fold (post-LN inputs still per channel).
@@ -243,8 +258,7 @@ class APHQPipeline(Pipeline):
         if options.mlp_reconstruct or (options.iters > 0 and options.loss == "aph"):
             with timer("fp_logits", device):
                 fp_logits = model_logits(frozen, images, bs)
-        eps = options.hessian_eps if options.hessian_eps is not None else (
-            1e-6 if options.hessian_probe == "ones" else 1e-4)
+        eps = hessian_eps(options)
         hessians: Dict[str, torch.Tensor] = {}
         hessian_seconds = StageTimer()
         # Rademacher probes (model device)
@@ -292,7 +306,7 @@ class APHQPipeline(Pipeline):
                                            hessian, hessian_seconds)
         model.eval()
         report = pipeline_report(
-            self.name, model, bits, options,
+            self.name, model, bits, self.recorded_options(options),
             data={"calibration_images": int(calib.shape[0]),
                   # 0 where nothing was drawn for a reconstruction (calibration only), as on a detector
                   "reconstruction_images": int(images.shape[0]) if draws_reconstruction_set(options) else 0,

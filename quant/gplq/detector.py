@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Optional
 
 import torch
@@ -147,7 +147,8 @@ def _stage2(model: nn.Module, teacher: Optional[nn.Module], bits: Bits, options:
         model, teacher, options,
         lambda unit, reference: fit_block_compensation_streamed(model, unit, samples, reference, options.qwt_ridge),
         timer, device)
-    report = pipeline_report("gplq", model, bits, options, stage1={**stage1, "lr": lr, "scale_lr": scale_lr},
+    report = pipeline_report("gplq", model, bits, replace(options, lr=lr, scale_lr=scale_lr),
+                             stage1={**stage1, "lr": lr, "scale_lr": scale_lr},
                              **stage2)
     report["seconds"] = timer.seconds
     return PTQResult(model, report)

@@ -48,7 +48,7 @@ import copy
 import json
 import logging
 import os
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Collection, Mapping, Optional
 
 import torch
@@ -125,6 +125,14 @@ class GPLQPipeline(Pipeline):
     float32_weights = True  # the LSQ step sizes and the weights train in float32 (amp autocasts)
     trains_model = True  # stage 1: QAT of the student in training mode
     data_parallel = True  # stage 1 trains on every rank; run_on_main hands stage 2 to rank 0
+
+    def recorded_options(self, options: GPLQOptions, ranks: Optional[int] = None) -> GPLQOptions:
+        """`options` with the stage-1 learning rates used in place of null: lr by the paper's rule for the global
+        batch (`default_lr`: batch_size_per_gpu x `ranks`, None: this run's world size), scale_lr as lr. Result
+        files compare these (engine/eval_results.py reads an older entry's null as the default of then)."""
+        lr = options.lr if options.lr is not None else default_lr(
+            options.batch_size_per_gpu * (ranks if ranks is not None else world_size()))
+        return replace(options, lr=lr, scale_lr=options.scale_lr if options.scale_lr is not None else lr)
 
     def layout(self, bits: Bits, options: GPLQOptions) -> QuantSpec:
         """LSQ symmetric activations (per channel / per head for matmuls) and stage-2 weight quantizers."""
@@ -219,9 +227,9 @@ class GPLQPipeline(Pipeline):
             raise_on_every_rank(error, device, lambda: OtherRankError(
                 "another rank failed preparing GPLQ stage 1 (its initialisation images, QwT images or training "
                 "loader); its output says why"))
-        lr = options.lr if options.lr is not None else default_lr(bs * world)
-        settings = Stage1Settings(steps=options.steps, batch_size_per_gpu=bs, lr=lr,
-                                  scale_lr=options.scale_lr if options.scale_lr is not None else lr,
+        used = self.recorded_options(options, world)  # the lr and scale_lr of a null (the report records them)
+        lr = used.lr
+        settings = Stage1Settings(steps=options.steps, batch_size_per_gpu=bs, lr=lr, scale_lr=used.scale_lr,
                                   weight_decay=options.weight_decay, pca_weight=options.pca_weight,
                                   amp=options.amp, log_every=options.log_every,
                                   ckpt_every=options.ckpt_every, seed=options.seed)
@@ -254,7 +262,7 @@ class GPLQPipeline(Pipeline):
         before stage 1; None without QwT); (model, report with the seconds of every stage)."""
         fit_block = fit_on_images(model, stage2_images, options.batch_size_per_gpu, options.qwt_ridge)
         stage2 = quantize_weights_and_compensate(model, teacher, options, fit_block, timer, device)
-        report = pipeline_report(self.name, model, bits, options, stage1=stage1, **stage2)
+        report = pipeline_report(self.name, model, bits, self.recorded_options(options), stage1=stage1, **stage2)
         report["seconds"] = timer.seconds
         return model, report
 

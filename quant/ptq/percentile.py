@@ -61,7 +61,7 @@ class PercentilePipeline(Pipeline):
                                  f"gives {len(levels)}; give one (e.g. {operand}_percentiles=[{levels[-1]}]), or "
                                  f"{operand}_range=percentile_mse to choose among them by calibration MSE")
 
-    def recorded_options(self, options: PercentileOptions) -> PercentileOptions:
+    def recorded_options(self, options: PercentileOptions, ranks: Optional[int] = None) -> PercentileOptions:
         """`options` with the levels each operand's range rule runs with in place of null (`range_search`'s default
         for that rule); minmax reads none and keeps null (as does a rule no RangeSearch knows: a hand-edited result's,
         read by result_table.nondefault_settings). Result files compare these (engine/eval_results.py reads an
