@@ -791,6 +791,29 @@ def test_a_cosine_tweo_resumed_with_another_accumulation_count_is_refused(tmp_pa
     assert run(config(tmp_path / "same", [hook], iters=6, accum=2, resume=checkpoint)).iter == 6
 
 
+def test_a_cosine_tweo_resumed_into_a_longer_run_keeps_the_first_starts_length(tmp_path, monkeypatch):
+    """The default length, ceil(max_iters / accumulation), was taken again at each start: a run of 4 updates resumed
+    at update 2 with max_iters=8 (an extended run) went on with lam(t) of a cosine over 8, a jump from the first
+    schedule at the resume. The first start's length is kept (lam 0 after it), with a warning; a total_steps given
+    is the length asked."""
+    lam = 0.5
+    hook = dict(type="TweoHook", lam=lam, schedule="cosine")
+    run(config(tmp_path / "first", [hook], iters=4))
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # MMEngine's own message hub (numpy) in it
+    checkpoint = str(tmp_path / "first" / "iter_2.pth")
+    with pytest.warns(UserWarning, match="keeps the run's first length of 4 updates .* not 8"):
+        runner = run(config(tmp_path / "longer", [hook], iters=8, resume=checkpoint))
+    lams = runner.message_hub.get_scalar("train/tweo_lam").data[0][-6:]  # updates 2 to 7, the resumed ones
+    want = [lam * 0.5 * (1 + math.cos(math.pi * min(t, 4) / 4)) for t in range(2, 8)]
+    assert lams.tolist() == pytest.approx(want, rel=1e-12, abs=1e-15)
+    given = dict(hook, total_steps=8)
+    run(config(tmp_path / "given", [given], iters=4))
+    runner = run(config(tmp_path / "given_longer", [given], iters=8, resume=str(tmp_path / "given" / "iter_2.pth")))
+    lams = runner.message_hub.get_scalar("train/tweo_lam").data[0][-6:]
+    assert lams.tolist() == pytest.approx([lam * 0.5 * (1 + math.cos(math.pi * t / 8)) for t in range(2, 8)],
+                                          rel=1e-12, abs=1e-15)
+
+
 @MODELS.register_module(force=True)
 class NoParseLosses(BaselineNet):
     """A train_step of its own that steps on the loss without the model's parse_losses."""

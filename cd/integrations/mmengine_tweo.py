@@ -23,7 +23,13 @@ accumulative_counts, the index of the optimizer update the micro-batch belongs t
 runner.iter). That index holds for one accumulation count over the whole run: where the cosine schedule reads it,
 a count that changes during training (a hook that sets the wrapper's, a wrapper replaced by one of another count)
 or differs from the one that the resumed checkpoint's run trained with (saved in it under
-"tweo_accumulative_counts") is refused, as t would no longer count the updates.
+"tweo_accumulative_counts") is refused, as t would no longer count the updates. The cosine's length where
+`total_steps` is not given, ceil(max_iters / accumulative_counts), is that of the run's first start: saved in its
+checkpoints ("tweo_total_steps") and kept by a resume that extends the run (a larger max_iters or max_epochs, which
+scripts/train_detection.py allows), as MMEngine's param schedulers keep their configured ends; a length taken
+again from the longer run would make lam(t) jump up at the resume (from 0 where the first length had ended) and
+differ from the start's schedule at every update after it. lam(t) is then 0 past the first length (a warning
+says so at the resume); give `total_steps` to the first start for a schedule over a longer run.
 It is logged as `loss_tweo` (and the raw L_TWEO as `tweo_penalty`, lam(t) as `tweo_lam`) in the
 step's log variables, which MMEngine puts in the message hub as `train/loss_tweo`; `loss` is the total.
 A model whose `train_step` never calls `parse_losses` would train without TWEO: the hook then raises after the
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -62,6 +69,7 @@ from . import check_module_name, select_module
 
 
 ACCUM_KEY = "tweo_accumulative_counts"  # the run's accumulation count in its checkpoints (module doc)
+LENGTH_KEY = "tweo_total_steps"  # the cosine's length the run's first start took from max_iters (module doc)
 
 
 def accumulative_counts(optim_wrapper: Any) -> int:
@@ -111,7 +119,8 @@ class TweoHook(Hook):
             or a dotted submodule name.
         lam: lambda_TWEO (default 1e-4, in the paper's detection range).
         rescale: the rescaled variant, term * detach(L_task / L_TWEO) (default True, the paper's detection form).
-        total_steps: optimizer updates of the run, for `schedule="cosine"`; default: max_iters / accumulation.
+        total_steps: optimizer updates of the run, for `schedule="cosine"`; default: ceil(max_iters / accumulation)
+            at the run's first start, kept by a resume (module doc).
         **tweo_kwargs: TWEO's other arguments (`p`, `tau`, `eps`, `schedule`, `form`, `layouts`); `tau` and `eps`
             only with rescale=False (the rescaled form's gradient does not depend on them: refused).
 
@@ -160,6 +169,8 @@ class TweoHook(Hook):
         self._added = False  # whether this iteration's parse_losses added the term
         self._accum: Optional[int] = None
         self._loaded_accum: Optional[int] = None  # the count that the loaded checkpoint's run trained with, if saved
+        self._length: Optional[int] = None  # the cosine's length taken from max_iters, where total_steps is not given
+        self._loaded_length: Optional[int] = None  # that of the loaded checkpoint's run, if saved
 
     def before_train(self, runner) -> None:
         self._unwrap_parse_losses()
@@ -173,6 +184,14 @@ class TweoHook(Hook):
                              "schedule's update index t = iteration // accumulative_counts would no longer count the "
                              f"run's updates; resume with accumulative_counts={self._loaded_accum}")
         self._accum = accum
+        self._length = None if self.total_steps or not self._reads_step() else total
+        if runner.iter > 0 and self._length is not None and self._loaded_length is not None:  # a resumed run
+            if self._loaded_length != total:  # max_iters changed (an extended run): the first start's length stays
+                warnings.warn(f"TweoHook: resuming at iteration {runner.iter} with max_iters={runner.max_iters}, the "
+                              f"cosine schedule keeps the run's first length of {self._loaded_length} updates (lam(t) "
+                              f"is 0 after it), not {total}; give total_steps to a new run for a schedule over "
+                              "another length", stacklevel=2)
+            total = self._length = self._loaded_length
         model = unwrap_model(runner.model)
         if "parse_losses" in vars(model):
             owner = getattr(vars(model)["parse_losses"], "tweo_run", None)  # (runner, TWEO) of the hook that set it
@@ -251,9 +270,12 @@ class TweoHook(Hook):
     def before_save_checkpoint(self, runner, checkpoint: dict) -> None:
         if self._accum is not None:
             checkpoint[ACCUM_KEY] = self._accum  # a plain int: loads with weights_only
+        if self._length is not None:
+            checkpoint[LENGTH_KEY] = self._length
 
     def after_load_checkpoint(self, runner, checkpoint: dict) -> None:
         self._loaded_accum = checkpoint.get(ACCUM_KEY)  # compared in before_train, for a resumed run only
+        self._loaded_length = checkpoint.get(LENGTH_KEY)  # kept in before_train, for a resumed run only
 
     def after_train(self, runner) -> None:
         self._unwrap_parse_losses()
