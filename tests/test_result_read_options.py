@@ -182,6 +182,6 @@ def test_an_aphq_report_records_the_perturbation_used():
     from quant_models import images, tiny_vit
 
     small = dict(iters=1, recon_images=8, calib_images=8, batch_size=4, eq_n=32, matmul_steps=5, search_rounds=0)
-    _, report = PIPELINES["aphq"](tiny_vit(depth=1), images(2), "w4a4", APHQOptions(**small, hessian_probe="rademacher"),
-                                  data=cpu_pipeline_data(num_images=16))
+    options = APHQOptions(**small, hessian_probe="rademacher")
+    _, report = PIPELINES["aphq"](tiny_vit(depth=1), images(2), "w4a4", options, data=cpu_pipeline_data(num_images=16))
     assert report["options"]["hessian_eps"] == 1e-4
