@@ -905,9 +905,17 @@ def refuse_unknown_blocks(root: nn.Module, layouts: tuple[Layout, ...]) -> None:
                   f"{_names_advice(layouts, 'it') + '. ' if helps else ''}{_WITHOUT_CD}")
 
 
-# the half blocks warned about, per model (root module): `_warn_half_blocks` runs at each find_pairs / find_blocks,
-# and a run calls those for CD, its metrics and TWEO alike
-_HALF_BLOCKS_WARNED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+# the warnings given, per model (root module): `_warn_half_blocks` and `_warn_left_out_layers` run at each
+# find_pairs / find_blocks, and a run calls those for CD, its metrics and TWEO alike
+_WARNED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _warn_once(root: nn.Module, message: str, stacklevel: int) -> None:
+    """warnings.warn `message` unless it was given for `root` already (`stacklevel` counted from the caller)."""
+    warned = _WARNED.setdefault(root, set())
+    if message not in warned:
+        warned.add(message)
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def _warn_half_blocks(root: nn.Module, known: list[str]) -> None:
@@ -924,14 +932,9 @@ def _warn_half_blocks(root: nn.Module, known: list[str]) -> None:
                f"{listed}. Each is a norm with only an attention or only an MLP beside the blocks CD pairs: a "
                "residual half block or a head (its structure does not tell which); CD and TWEO leave it out, as a "
                "cd.Layout cannot describe half a block (a Layout names a block's attention and its MLP together)")
-    warned = _HALF_BLOCKS_WARNED.setdefault(root, set())
-    if message not in warned:
-        warned.add(message)
-        warnings.warn(message, stacklevel=4)  # find_pairs' or find_blocks' caller
+    _warn_once(root, message, stacklevel=4)  # find_pairs' or find_blocks' caller
 
 
-# the layers outside a block's attention and MLP warned about, per model (root module), as `_HALF_BLOCKS_WARNED`
-_LEFT_OUT_WARNED: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
 LEFT_OUT_LAYERS = "CD leaves out "  # how the warning begins (`python -m cd` names the full-size model's only)
 
 
@@ -955,10 +958,7 @@ def _warn_left_out_layers(root: nn.Module, pairs: Sequence[Pair], layouts: tuple
                f"its blocks apply outside their attention and MLP: {listed}{more}. No pair of the paper's (Sec. 3.2: "
                "a block's qkv, proj, fc1 and fc2, Swin's patch-merging reduction) holds such a layer (e.g. Hiera's "
                "stage-transition proj from norm1's output to the next stage's width), so CD does not decay it")
-    warned = _LEFT_OUT_WARNED.setdefault(root, set())
-    if message not in warned:
-        warned.add(message)
-        warnings.warn(message, stacklevel=3)  # find_pairs' caller
+    _warn_once(root, message, stacklevel=3)  # find_pairs' caller
 
 
 def check_example_use(example_input: object, verify: bool, who: str) -> None:
