@@ -29,8 +29,8 @@ from .sharded import any_sharded, block_plans, register_shards, sharded_colinear
 from .update import (PRECISIONS, align_to_task_loss, build_plan, check_tf32_device, colinearity_decay_, is_sharded,
                      known_zero, onto, pair_energy, pair_penalty, refuse_meta, resolve_precision)
 from .verify import UnsupportedModelError
-from .wrappers import (check_model, closure_then, in_outer_step, steps_without_hooks, torch_optimizer,
-                       unhooked_step_text, unwrap_model)
+from .wrappers import (check_model, closure_then, in_outer_step, refuse_deepspeed, steps_without_hooks,
+                       torch_optimizer, unhooked_step_text, unwrap_model)
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
@@ -667,7 +667,9 @@ class ColinearityDecay:
 
         Raises:
             TypeError: `optimizer` is not (and does not wrap) a torch.optim.Optimizer.
-            RuntimeError: this object is attached already, or another CD update in `optimizer`'s step
+            RuntimeError: `optimizer` is DeepSpeed's (accelerate's DeepSpeedOptimizerWrapper or DummyOptim, a
+                ZeRO optimizer) or the model's parameters are ZeRO-3's (`cd.wrappers.refuse_deepspeed`), this object
+                is attached already, or another CD update in `optimizer`'s step
                 decays one of these matrices (the update would run twice per step), or `optimizer` (or its wrapper)
                 keeps a `step` of the torch optimizer that calls no step hooks (`cd.wrappers.steps_without_hooks`).
             ValueError: no decayed matrix is in `optimizer` and some are trainable (CD would never act), naming
@@ -675,6 +677,10 @@ class ColinearityDecay:
                 model's parameters were replaced after this object found its pairs, or a param group holding a
                 decayed matrix has no lr to follow (None; Adafactor's relative_step=True).
         """
+        # before the torch optimizer is looked for: accelerate's DummyOptim holds none, and under ZeRO the one it
+        # finds holds flat partitions of the weights ("not in the optimizer", a misleading fix)
+        refuse_deepspeed("ColinearityDecay.attach", "train without DeepSpeed (drop accelerate's DeepSpeed plugin or "
+                         "config): DDP, or FSDP2 (fully_shard) with verify=False", (optimizer,), self._model())
         given, optimizer = optimizer, torch_optimizer(optimizer)
         unhooked = steps_without_hooks(given)
         if unhooked:  # its steps would silently run without CD

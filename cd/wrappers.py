@@ -101,6 +101,40 @@ def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+# DeepSpeed's optimizers as the frameworks hold them, by class name (DeepSpeed need not be installed): accelerate's
+# wrapper of the engine's optimizer (whose step() does nothing) and its placeholder for a DeepSpeed config's own
+# optimizer (`DummyOptim`, no torch optimizer at all), MMEngine's wrapper (whose step() is the engine's)
+_DEEPSPEED_OPTIMIZERS = {"DeepSpeedOptimizerWrapper", "DummyOptim", "DeepSpeedOptimWrapper"}
+
+
+def refuse_deepspeed(who: str, fix: str, optimizers: tuple = (), model: Optional[nn.Module] = None,
+                     strategy: Any = None) -> None:
+    """Refuse a run under DeepSpeed (DeepSpeed need not be installed: known by the names of its classes), before CD is
+    built or bound: its engine takes the optimizer step inside the backward (accelerate's `DeepSpeedOptimizerWrapper.
+    step` is a no-op), before the framework's event that arms CD, and ZeRO (and its fp16 / bf16 optimizers) step
+    flattened copies of the weights, partitioned under ZeRO (ZeRO-3 empties the model's own), which hold no matrix
+    to pair. Bound anyway, CD missed the update or never acted, and the errors or warnings that followed named other
+    causes. `optimizers`: the framework's (wrappers looked through); `model`: its parameters as ZeRO-3 leaves them
+    (`ds_id`); `strategy`: Lightning's or MMEngine's (`DeepSpeedStrategy`). Shared by `ColinearityDecay.attach` and
+    the integrations.
+
+    Raises:
+        RuntimeError: naming what was found and `fix`.
+    """
+    found = [type(obj).__name__ for opt in optimizers for obj in wrapper_chain(opt)
+             if type(obj).__module__.split(".")[0] == "deepspeed"
+             or any(c.__name__ in _DEEPSPEED_OPTIMIZERS for c in type(obj).__mro__)]
+    if strategy is not None and any(c.__name__ == "DeepSpeedStrategy" for c in type(strategy).__mro__):
+        found.append(type(strategy).__name__)
+    if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
+        found.append("ZeRO-3 partitioned parameters")
+    if found:
+        raise RuntimeError(f"{who}: CD does not support DeepSpeed (found {', '.join(dict.fromkeys(found))}): its "
+                           "engine steps the optimizer inside the backward, not in the step that CD runs in, and "
+                           "ZeRO and its fp16/bf16 optimizers step flattened, partitioned copies of the weights "
+                           f"that hold no matrix to pair; {fix}")
+
+
 def steps_without_hooks(optimizer: Any) -> list[str]:
     """Where `optimizer` (or a wrapper around it, `wrapper_chain`) keeps a `step` of the torch optimizer that calls
     no step hooks: one taken before torch wrapped the optimizer class's `step` to call them, which an optimizer that

@@ -225,3 +225,34 @@ def test_the_readme_example_runs_as_written(tmp_path, monkeypatch, capsys):
     exec(compile(code, "cd/README.md", "exec"), {"__name__": "__main__"})
     out = capsys.readouterr().out
     assert "cd/pair_energy/fc2" in out and "'cd/updates': 4.0" in out, out
+
+
+def test_deepspeeds_optimizers_are_refused_at_attach_by_name_not_as_matrices_missing_from_the_optimizer():
+    """In a custom loop under accelerate's DeepSpeed plugin, `prepare` returns DeepSpeedOptimizerWrapper (whose step()
+    does nothing: the engine steps inside accelerator.backward) around the engine's optimizer, which under ZeRO steps
+    the user's optimizer on one flat partition of the weights. attach looked through to that optimizer and refused it
+    as one that holds none of the decayed matrices ("give the optimizer the model's parameters", which it was given),
+    or warned that CD leaves the missing ones alone where it held some; accelerate's DummyOptim (a DeepSpeed config's
+    own optimizer) was "not a torch.optim.Optimizer"; ZeRO-3's parameters (ds_id) went unnoticed. Each is one
+    RuntimeError naming DeepSpeed and the fix, and nothing is attached. DeepSpeed is not installed: a ZeRO optimizer
+    stand-in of its module and name."""
+    from accelerate.utils.deepspeed import DeepSpeedOptimizerWrapper, DummyOptim
+
+    net = tiny_vit()
+    decay = ColinearityDecay(net, lam=LAM)
+    Accelerator(cpu=True)  # the state accelerate's optimizer wrapper reads
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).requires_grad_()  # ZeRO-1/2's partition
+    inner = torch.optim.AdamW([flat], lr=1e-2)
+    zero = type("DeepSpeedZeroOptimizer", (), {"__module__": "deepspeed.runtime.zero.stage_1_and_2"})()
+    zero.optimizer = inner
+    for given, found in ((DeepSpeedOptimizerWrapper(zero), "DeepSpeedOptimizerWrapper, DeepSpeedZeroOptimizer"),
+                         (zero, "DeepSpeedZeroOptimizer"), (DummyOptim(net.parameters()), "DummyOptim")):
+        with pytest.raises(RuntimeError, match=rf"^ColinearityDecay\.attach: CD does not support DeepSpeed \(found "
+                                               rf"{found}\).*; train without DeepSpeed \(drop accelerate's DeepSpeed"):
+            decay.attach(given)
+        assert decay._attached() is None and not inner._optimizer_step_pre_hooks
+    net.blocks[0].attn.qkv.weight.ds_id = 0  # ZeRO-3 (zero.Init) marks each parameter it partitions
+    plain = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError, match=r"CD does not support DeepSpeed \(found ZeRO-3 partitioned parameters\)"):
+        decay.attach(plain)
+    assert decay._attached() is None and not plain._optimizer_step_pre_hooks

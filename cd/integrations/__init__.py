@@ -25,7 +25,7 @@ from ..pairs import check_example_use
 from ..update import check_tf32_device
 from ..verify import UNUSED
 from ..wrappers import (closure_then, in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text,
-                        unwrap_model, wrapper_chain)
+                        unwrap_model)
 
 # ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
 _LOSS_ONLY = ("mode", "loss_coef")
@@ -128,32 +128,6 @@ def warn_unrestored(who: str, key: str, others: dict[str, Optional[str]], step: 
     warnings.warn(f"{who}: resuming at step {step} with no CD state under {key!r} in the checkpoint; {held}. The "
                   f"update counter (cd/updates) {counter} and the saved CD config, if any, is not compared with "
                   "this one", stacklevel=2)
-
-
-def refuse_deepspeed(who: str, fix: str, optimizers: tuple = (), model: Optional[torch.nn.Module] = None,
-                     strategy: Any = None) -> None:
-    """Refuse a run under DeepSpeed (DeepSpeed need not be installed: known by the names of its classes), before CD is
-    built: its engine takes the optimizer step inside the backward (accelerate's `DeepSpeedOptimizerWrapper.step` is
-    a no-op), before the framework's event that arms CD, and ZeRO steps flattened, partitioned copies of the weights
-    (ZeRO-3 empties the model's own), which hold no matrix to pair. Bound anyway, CD missed the update or never acted,
-    and the errors that followed named other causes. `optimizers`: the framework's (wrappers looked through);
-    `model`: its parameters as ZeRO-3 leaves them (`ds_id`); `strategy`: Lightning's (`DeepSpeedStrategy`).
-
-    Raises:
-        RuntimeError: naming what was found and `fix`.
-    """
-    found = [type(obj).__name__ for opt in optimizers for obj in wrapper_chain(opt)
-             if type(obj).__module__.split(".")[0] == "deepspeed"
-             or any(c.__name__ == "DeepSpeedOptimizerWrapper" for c in type(obj).__mro__)]
-    if strategy is not None and any(c.__name__ == "DeepSpeedStrategy" for c in type(strategy).__mro__):
-        found.append(type(strategy).__name__)
-    if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
-        found.append("ZeRO-3 partitioned parameters")
-    if found:
-        raise RuntimeError(f"{who}: CD does not support DeepSpeed (found {', '.join(dict.fromkeys(found))}): its "
-                           "engine steps the optimizer inside the backward, before the step event that CD runs "
-                           "in, and ZeRO steps flattened, partitioned copies of the weights that hold no matrix to "
-                           f"pair; {fix}")
 
 
 def holds_pairs(decay: ColinearityDecay, optimizer: torch.optim.Optimizer) -> bool:

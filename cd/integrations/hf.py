@@ -51,8 +51,8 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from ..decay import _HOOKED, ColinearityDecay, make_step_hooks_run
-from . import (OptimizerBinding, bind_optimizers, check_cd_arguments, refuse_deepspeed, torch_optimizer,
-               warn_unrestored)
+from ..wrappers import refuse_deepspeed
+from . import OptimizerBinding, bind_optimizers, check_cd_arguments, torch_optimizer, warn_unrestored
 
 # the entry of TrainerState.stateful_callbacks that holds the counter and the config:
 # {"num_updates": n, "global_step": step, "config": ColinearityDecay.state_dict()["config"]} (JSON values)

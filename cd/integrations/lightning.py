@@ -45,8 +45,9 @@ from lightning.pytorch.callbacks import Callback
 
 from ..decay import ColinearityDecay
 from ..verify import UnsupportedModelError
-from . import (bind_optimizers, check_cd_arguments, check_module_name, name_the_part, refuse_deepspeed, select_module,
-               torch_optimizer, warn_unrestored)
+from ..wrappers import refuse_deepspeed
+from . import (bind_optimizers, check_cd_arguments, check_module_name, name_the_part, select_module, torch_optimizer,
+               warn_unrestored)
 
 
 class ColinearityDecayCallback(Callback):
