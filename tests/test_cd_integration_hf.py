@@ -327,6 +327,34 @@ def test_deepspeed_is_refused_before_cd_is_built_not_missed_after_its_engine_ste
                                 optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def test_deepspeeds_dummy_optim_and_the_layerwise_optimizer_are_refused_by_name_with_their_fix(tmp_path):
+    """accelerate's DummyOptim (a DeepSpeed config's own optimizer) given in Trainer(optimizers=...) was refused at
+    on_init_end as "CD needs a torch.optim.Optimizer, got DummyOptim", without a word of DeepSpeed; transformers'
+    LayerWiseDummyOptimizer (optim="galore_adamw_layerwise"), whose step() does nothing while an optimizer per
+    parameter steps it in a gradient hook inside the backward, passed on_init_end and was refused at on_train_begin
+    as "no optimizer holds the matrices CD decays". Each is one RuntimeError naming what it is and the fix."""
+    from accelerate.utils.deepspeed import DummyOptim
+    from transformers import TrainerState
+    from transformers.trainer_pt_utils import LayerWiseDummyOptimizer
+    model = tiny_gpt2()
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(RuntimeError, match=r"^ColinearityDecayCallback: CD does not support DeepSpeed \(found "
+                                           r"DummyOptim\).*not accelerate's DummyOptim"):
+        Trainer(model=model, args=args, train_dataset=data(4), optimizers=(DummyOptim(model.parameters()), None),
+                callbacks=[ColinearityDecayCallback(lam=LAM)])
+    layerwise = LayerWiseDummyOptimizer(optimizer_dict={p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()},
+                                        lr=0.1)
+    refusal = (r"^ColinearityDecayCallback: CD cannot run in transformers' layer-wise optimizer "
+               r"\(LayerWiseDummyOptimizer, .*use the optim without '_layerwise'")
+    with pytest.raises(RuntimeError, match=refusal):
+        Trainer(model=model, args=args, train_dataset=data(4), optimizers=(layerwise, None),
+                callbacks=[ColinearityDecayCallback(lam=LAM)])
+    callback = ColinearityDecayCallback(lam=LAM)  # the Trainer builds it in train(): on_train_begin sees it first
+    with pytest.raises(RuntimeError, match=refusal):
+        callback.on_train_begin(None, TrainerState(), None, model=model, optimizer=layerwise)
+    assert callback.decay is None and callback._binding is None
+
+
 def test_a_trainer_event_without_model_or_optimizer_is_refused_and_the_decay_has_the_given_settings():
     """on_train_begin without the model or the optimizer is one RuntimeError naming what is missing (not a failure
     inside ColinearityDecay); with them, the decay gets the callback's arguments: norms_every 50 unless given."""

@@ -51,7 +51,7 @@ from typing import Any, Optional
 from transformers import TrainerCallback
 
 from ..decay import _HOOKED, ColinearityDecay, make_step_hooks_run
-from ..wrappers import refuse_deepspeed
+from ..wrappers import refuse_deepspeed, wrapper_chain
 from . import OptimizerBinding, bind_optimizers, check_cd_arguments, torch_optimizer, warn_unrestored
 
 # the entry of TrainerState.stateful_callbacks that holds the counter and the config:
@@ -99,9 +99,7 @@ class ColinearityDecayCallback(TrainerCallback):
         if model is None or optimizer is None:
             raise RuntimeError("ColinearityDecayCallback: the Trainer passed no model or optimizer to "
                                "on_train_begin")
-        refuse_deepspeed(type(self).__name__, "train without DeepSpeed (drop TrainingArguments(deepspeed=...) "
-                         "and accelerate's DeepSpeed config): DDP, or FSDP2 (fsdp_version 2) with verify=False",
-                         (optimizer,), model)
+        self._refuse_unbindable(optimizer, model)
         self._unbind()
         for owner in list(_HOOKED.get(torch_optimizer(optimizer), ())):  # a failed train()'s (module doc)
             if getattr(owner, "trainer_state", state) is not state:
@@ -116,7 +114,26 @@ class ColinearityDecayCallback(TrainerCallback):
         # once torch has wrapped its class's step; with fp16, accelerate keeps the bound `step` it finds at
         # `prepare`, before on_train_begin, so the wrapping must come first (on_optimizer_step checks it did)
         if optimizer is not None:
+            self._refuse_unbindable(optimizer)
             make_step_hooks_run(torch_optimizer(optimizer))
+
+    def _refuse_unbindable(self, optimizer: Any, model: Any = None) -> None:
+        """Refuse the Trainer's optimizers that take no step CD can run in, each naming what it is and the fix:
+        DeepSpeed's (`refuse_deepspeed`; accelerate's DummyOptim, given in Trainer(optimizers=...), was "not a
+        torch.optim.Optimizer"), and transformers' layer-wise one (optim="galore_adamw_layerwise" and the other
+        "_layerwise" optims), whose step() does nothing: an optimizer per parameter steps it in a gradient hook
+        inside the backward, and its own param group holds one dummy tensor ("no optimizer holds the matrices")."""
+        refuse_deepspeed(type(self).__name__, "train without DeepSpeed (drop TrainingArguments(deepspeed=...) and "
+                         "accelerate's DeepSpeed config, and pass a torch optimizer, not accelerate's DummyOptim): "
+                         "DDP, or FSDP2 (fsdp_version 2) with verify=False", (optimizer,), model)
+        layerwise = next((type(o).__name__ for o in wrapper_chain(optimizer)
+                          if any(c.__name__ == "LayerWiseDummyOptimizer" for c in type(o).__mro__)), None)
+        if layerwise is not None:
+            raise RuntimeError(f"{type(self).__name__}: CD cannot run in transformers' layer-wise optimizer "
+                               f"({layerwise}, from TrainingArguments(optim='..._layerwise')): its step() does "
+                               "nothing, and an optimizer of each parameter steps it in a gradient hook inside the "
+                               "backward, where no step holds all of a pair's matrices; use the optim without "
+                               "'_layerwise' (e.g. optim='galore_adamw')")
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self._binding.arm()
