@@ -65,3 +65,99 @@ def test_an_optimizer_not_known_here_is_taken_as_given(kind):
     cfg = config(**({"type": kind} if kind else {}))
     apply_weight_decay_budget(cfg)
     assert cfg["optim_wrapper"]["optimizer"]["weight_decay"] == 0.045
+
+
+
+
+def budget_net():
+    """Register a float64 MMEngine model (patch tokens, one timm pre-norm block as `backbone.blocks.0`, a linear
+    head) and its data, as BudgetNet and BudgetData."""
+    import torch.nn.functional as F
+    from mmengine.model import BaseModel
+    from mmengine.registry import DATASETS, MODELS
+    from timm.models.vision_transformer import Block
+
+    from cd_integration_refs import RandomImages
+
+    class Backbone(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.patch = torch.nn.Conv2d(3, 16, 8, stride=8)
+            self.blocks = torch.nn.Sequential(Block(16, 2))
+
+        def forward(self, x):
+            return self.blocks(self.patch(x).flatten(2).transpose(1, 2))
+
+    @MODELS.register_module(name="BudgetNet", force=True)
+    class Net(BaseModel):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.backbone, self.head = Backbone(), torch.nn.Linear(16, 10)
+            self.double()
+
+        def forward(self, inputs, labels=None, mode="tensor"):
+            logits = self.head(self.backbone(inputs).mean(dim=1))
+            return {"loss": F.cross_entropy(logits, labels)} if mode == "loss" else logits
+
+    DATASETS.register_module(name="BudgetData", force=True, module=RandomImages)
+
+
+def runner_config(tmp_path, weight_decay, custom_keys):
+    """A one-iteration Runner config with cd_budget and a ColinearityDecayHook of lam 0.005 (the budget applied)."""
+    from cd.integrations.mmengine import apply_weight_decay_budget
+    budget_net()
+    cfg = dict(
+        model=dict(type="BudgetNet"), work_dir=str(tmp_path), experiment_name=f"budget_{tmp_path.name}",
+        train_dataloader=dict(dataset=dict(type="BudgetData"), batch_size=2, num_workers=0,
+                              sampler=dict(type="InfiniteSampler", shuffle=False),
+                              collate_fn=dict(type="default_collate")),
+        train_cfg=dict(by_epoch=False, max_iters=1),
+        optim_wrapper=dict(type="OptimWrapper", optimizer=dict(type="AdamW", lr=1e-3, weight_decay=weight_decay),
+                           paramwise_cfg=dict(custom_keys=custom_keys)),
+        custom_imports=dict(imports=["cd.integrations.mmengine"], allow_failed_imports=False),
+        custom_hooks=[dict(type="ColinearityDecayHook", lam=0.005, input_shape=(1, 3, 32, 32))],
+        cd_budget=True, default_hooks=dict(checkpoint=None, logger=None), randomness=dict(seed=0),
+        log_level="WARNING")
+    apply_weight_decay_budget(cfg)
+    return cfg
+
+
+SWIN_KEYS = {"absolute_pos_embed": dict(decay_mult=0.), "relative_position_bias_table": dict(decay_mult=0.),
+             "norm": dict(decay_mult=0.)}  # MMDetection's Swin configs' paramwise_cfg
+
+
+def test_the_budget_with_the_swin_configs_decay_mults_gives_each_group_its_closed_form(tmp_path):
+    """decay_mult 0 on norms (not matrices CD decays) keeps working: every matrix at 0.05 - 0.005, the norms at
+    0 * 0.05 (no decay, and no CD on them either)."""
+    pytest.importorskip("timm")
+    from mmengine_runs import run
+    runner = run(runner_config(tmp_path, 0.05, SWIN_KEYS))
+    names = {id(p): n for n, p in runner.model.named_parameters()}
+    got = {names[id(p)]: g["weight_decay"] for g in runner.optim_wrapper.optimizer.param_groups for p in g["params"]}
+    want = {n: 0.0 if "norm" in n else 0.045 for n in names.values()}
+    assert got == pytest.approx(want, rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("weight_decay, keys, named", [
+    (0.05, {"fc2": dict(decay_mult=0.5)}, r"backbone\.blocks\.0\.mlp\.fc2\.weight, a matrix ColinearityDecayHook "
+                                          r"decays, at weight decay 0\.0225 \(paramwise_cfg decay_mult=0\.5, whose "
+                                          r"budget is 0\.5 \* 0\.05 - lam 0\.005, not 0\.5 \* \(0\.05 - lam\)"),
+    (0.05, {"attn.qkv": dict(decay_mult=0.)}, r"backbone\.blocks\.0\.attn\.qkv\.weight, .* decay_mult=0\.0"),
+    (0.005, {"fc1": dict(decay_mult=2.)},
+     r"backbone\.blocks\.0\.mlp\.fc1\.weight, .* at weight decay 0\.0 \(paramwise_cfg decay_mult=2"),
+    (0.05, {"proj": dict(weight_decay=0.1)},
+     r"backbone\.blocks\.0\.attn\.proj\.weight, .* at weight decay 0\.1 \(not the lowered 0\.045")],
+    ids=["half", "zero", "lowered_to_0", "own_weight_decay"])
+def test_the_budget_refuses_a_decay_mult_or_own_weight_decay_on_a_matrix_cd_decays(tmp_path, weight_decay, keys,
+                                                                                    named):
+    """The budget of a matrix whose baseline weight decay is m * wd is m * wd - lam (App. A.2: lam_wd + lam_cd =
+    the baseline's); the rule's one lowered weight decay times m gave m * (wd - lam) (0.5 * 0.045 = 0.0225, not
+    0.02), silently, and -lam for m = 0 cannot be given at all: refused before any update, also where the lowered
+    weight decay is 0 (wd = lam: every multiple of it reads 0) and for a group's own weight decay."""
+    pytest.importorskip("timm")
+    from mmengine_runs import run
+    cfg = runner_config(tmp_path, weight_decay, {**SWIN_KEYS, **keys})
+    with pytest.raises(ValueError, match=rf"^cd_budget \(applied: .*\) with {named}") as e:
+        run(cfg)
+    assert "\n" not in str(e.value) and str(e.value).endswith("or set cd_budget=False and every weight decay yourself")

@@ -174,6 +174,10 @@ class ColinearityDecayHook(Hook):
                 self.decay.load_state_dict(self._restored)
             else:
                 warn_unrestored(type(self).__name__, self.checkpoint_key, self._checkpoint_keys, runner.iter)
+        refusal = budget_refusal(getattr(runner, "cfg", None), runner.model, self.decay,
+                                 _optimizers(runner.optim_wrapper))
+        if refusal is not None:  # before any update
+            raise ValueError(refusal)
         self._bind(runner)
 
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
@@ -273,7 +277,10 @@ def apply_weight_decay_budget(cfg: Any) -> None:
     the new base as in the files (`weight_decay=0.1`: 0.1 - lam; a value equal to the recorded result, 0.045,
     reads as no override). `cd_budget = False` (or none) leaves the weight decay as given. The rule assumes
     decoupled weight decay (AdamW's, the form of CD's step; see budget_weight_decay): a torch optimizer whose decay
-    is L2 in the gradient (SGD, Adam) is refused, one this function does not know is taken as given. Raises
+    is L2 in the gradient (SGD, Adam) is refused, one this function does not know is taken as given. The rule lowers
+    the one weight decay of the optimizer: a paramwise_cfg decay_mult m on a matrix CD decays (whose budget would be
+    m * wd - lam, not m * (wd - lam)) is refused by the hook once the optimizer is built (`budget_refusal`); on the
+    norms, position tables and biases of the shipped configs, which CD does not decay, it stays as given. Raises
     ValueError where the rule cannot apply, or `cd_budget` is a record this function did not write."""
     budget = cfg.get("cd_budget")
     if budget is None or budget is False:
@@ -317,6 +324,42 @@ def apply_weight_decay_budget(cfg: Any) -> None:
         raise ValueError(f"cd_budget=True: optim_wrapper.optimizer.weight_decay {weight_decay} - {CD_HOOK} lam "
                          f"{lam} < 0; lower the hook's lam, or set cd_budget=False") from None
     cfg["cd_budget"] = f"{BUDGET_APPLIED}{weight_decay} - lam {lam} = {optimizer['weight_decay']}"
+
+
+def budget_refusal(cfg: Any, model: torch.nn.Module, decay: ColinearityDecay, optimizers: Sequence) -> Optional[str]:
+    """The refusal of a weight decay that the budget rule (`apply_weight_decay_budget`, recorded in `cfg`'s
+    cd_budget) does not hold for on a matrix `decay` decays, or None. The rule keeps each matrix's decay budget:
+    the baseline's weight decay of the matrix, less the lam CD now adds to it (App. A.2, lam_wd + lam_cd = the
+    baseline's). For a matrix whose param group scales the weight decay by paramwise_cfg's decay_mult m (or sets a
+    weight decay of its own) that budget is m * wd - lam, which the rule's one lowered weight decay times m,
+    m * (wd - lam), is not; nor can one weight decay times m give it, and for m < lam / wd it is < 0. So a param
+    group of a decayed matrix (in `optimizers`, the torch ones of runner.optim_wrapper) must hold the lowered weight
+    decay itself: the shipped configs scale only norms, position tables and biases, which CD does not decay."""
+    budget = cfg.get("cd_budget") if cfg is not None else None
+    if not (isinstance(budget, str) and budget.startswith(BUDGET_APPLIED)):
+        return None
+    base, lowered = _recorded_budget(budget)
+    names = {id(p): name for name, p in unwrap_model(model).named_parameters()}  # as paramwise_cfg's keys read them
+    decayed = {id(t) for t in decay._decayed()}
+    for optimizer in optimizers:
+        for group in torch_optimizer(optimizer).param_groups:
+            held = next((p for p in group["params"] if id(p) in decayed), None)
+            if held is None:
+                continue
+            mult, weight_decay = group.get("decay_mult", 1.0), group.get("weight_decay")
+            # decay_mult is read from the group too (MMEngine's constructor copies the custom key's settings into
+            # it): with a lowered weight decay of 0 (wd = lam) every multiple of it is 0
+            if mult == 1 and isinstance(weight_decay, (int, float)) and math.isclose(weight_decay, lowered,
+                                                                                      rel_tol=1e-9, abs_tol=1e-15):
+                continue
+            name = names.get(id(held), "a matrix")
+            why = (f"paramwise_cfg decay_mult={mult}, whose budget is {mult} * {base} - lam {decay.lam}, not "
+                   f"{mult} * ({base} - lam), and no weight decay times decay_mult gives it" if mult != 1 else
+                   f"not the lowered {lowered}: its param group's own, which the rule has not lowered")
+            return (f"cd_budget ({budget}) with {name}, a matrix {CD_HOOK} decays, at weight decay {weight_decay} "
+                    f"({why}); drop the decay_mult or weight decay of the matrices {CD_HOOK} decays from "
+                    "optim_wrapper.paramwise_cfg, or set cd_budget=False and every weight decay yourself")
+    return None
 
 
 def type_name(kind: Any) -> Optional[str]:
