@@ -15,11 +15,12 @@ Afterwards the consumer's weight quantizer must be re-fitted on W' (see calibrat
 
 Sites are (parent pattern, norm name, linear name) triples over FQNs, folded only in the module types they are
 written for (pre-norm blocks, patch merging) and into an affine LayerNorm: the pipelines refuse any other before
-any work (`check_fold_sites`; a post-norm block's norm1 does not feed attn.qkv, an RMSNorm has no bias). Swin
-pads the norm1 output with zeros when a stage's grid is not a multiple of its window (not the case for the shipped
-geometries); padded positions are not exactly folded, because 0 in y' stands for y = r * b in y. The pipelines refuse
-such a timm Swin before any work (fold_windows.py); a detector's Swin pads at each image's own grid and is
-folded as the official detection code folds it (quant/README.md).
+any work (`check_fold_sites`; a post-norm block's norm1 does not feed attn.qkv, an RMSNorm has no bias, a module
+at a block's place may lack the site's layers). Swin pads the norm1 output with zeros when a stage's grid is not a
+multiple of its window (not the case for the shipped geometries); padded positions are not exactly folded, because
+0 in y' stands for y = r * b in y. The pipelines refuse such a timm Swin before any work (fold_windows.py); a
+detector's Swin pads at each image's own grid and is folded as the official detection code folds it
+(quant/README.md).
 """
 from __future__ import annotations
 
@@ -85,12 +86,21 @@ def _type_name(module: nn.Module) -> str:
     return f"{type(module).__module__}.{type(module).__qualname__}"
 
 
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def check_fold_sites(model: nn.Module, sites: Sequence[FoldSite], pipeline: str, bias: bool = True,
                      other_fix: Optional[str] = None) -> None:
     """Refuse a model whose fold sites the fold cannot take without changing its float function, before any work:
-    a site in a module that is not of a type the sites are written for (FOLD_PARENT_TYPES), or whose norm is not an
-    nn.LayerNorm with a weight (and, with `bias`, a bias: the RepQ-ViT fold's shift lives there; SmoothQuant's
-    migration scales the weight alone where there is none).
+    a module at a site's place without the site's norm or Linear (a user's convolution block at blocks.*: refused
+    here, as SmoothQuant smooths before any conversion), a site in a module that is not of a type the sites are
+    written for (FOLD_PARENT_TYPES), or whose norm is not an nn.LayerNorm with a weight (and, with `bias`, a bias: the
+    RepQ-ViT fold's shift lives there; SmoothQuant's migration scales the weight alone where there is none).
 
     Args:
         model: the float model, before conversion (or a converted one: the blocks stay as they are).
@@ -107,14 +117,19 @@ def check_fold_sites(model: nn.Module, sites: Sequence[FoldSite], pipeline: str,
         for site in sites:
             if not fqn_matches(name, (site.parent,)) or isinstance(module, nn.Identity):
                 continue
+            where = f"{pipeline} folds {name}.{site.norm} into {name}.{site.linear}"
+            known = ", ".join([f"{t.__module__}.{t.__qualname__}" for t in FOLD_PARENT_TYPES]
+                              + list(FOLD_PARENT_TYPE_NAMES))
             try:
                 norm, _ = module.get_submodule(site.norm), module.get_submodule(site.linear)
-            except AttributeError:  # not a site of this model: the conversion refuses layers it cannot cover
-                continue
-            where = f"{pipeline} folds {name}.{site.norm} into {name}.{site.linear}"
+            except AttributeError:
+                # a module at a block's place that is no such block (a user's convolution block): the fold would
+                # fail on it (find_fold_sites) after the copy and, for SmoothQuant, before any conversion refused it
+                lacks = " and ".join(path for path in (site.norm, site.linear) if not _has_submodule(module, path))
+                raise ValueError(f"{where}, as in every {site.parent} of the modules it is written for ({known}); "
+                                 f"{name} is a {_type_name(module)} without {lacks}: give the model such blocks at "
+                                 f"{site.parent}{fix}") from None
             if type(module) not in FOLD_PARENT_TYPES and _type_name(module) not in FOLD_PARENT_TYPE_NAMES:
-                known = ", ".join([f"{t.__module__}.{t.__qualname__}" for t in FOLD_PARENT_TYPES]
-                                  + list(FOLD_PARENT_TYPE_NAMES))
                 raise ValueError(f"{where}, which keeps the float function only where the norm's output feeds that "
                                  f"Linear alone, as in the modules it is written for ({known}); {name} is a "
                                  f"{_type_name(module)}, whose {site.norm} may feed other layers (timm's post-norm "

@@ -115,6 +115,32 @@ def test_the_folding_pipelines_refuse_a_post_norm_vit_before_any_work(pipeline, 
         PIPELINES[pipeline](vit_post_norm(), images(4), bits)
 
 
+class ConvBlock(torch.nn.Module):
+    """A user's block at a transformer block's place: a convolution and a Linear, no norm1 -> attn.qkv."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.conv, self.fc = torch.nn.Conv2d(dim, dim, 1), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+@pytest.mark.parametrize("pipeline", FOLDING)
+def test_the_folding_pipelines_refuse_a_block_without_the_fold_layers_before_any_work(pipeline, monkeypatch):
+    """A module at blocks.* without norm1 / attn.qkv: one ValueError naming the block, its type and what it lacks,
+    before any work, not an AttributeError of the fold (SmoothQuant smooths before it converts, so no conversion
+    refused it first)."""
+    monkeypatch.setattr(type(PIPELINES[pipeline]), "run", lambda *a, **k: pytest.fail("run reached"))
+    model = tiny_vit(depth=2)
+    model.blocks[1] = ConvBlock(model.blocks[0].norm1.normalized_shape[0])
+    bits = "w8a8" if pipeline == "smoothquant" else "w4a4"
+    with pytest.raises(ValueError, match=rf"^{pipeline} folds blocks.1.norm1 into blocks.1.attn.qkv, .*; blocks.1 is a "
+                                         r"\S*ConvBlock without norm1 and attn.qkv: give the model "
+                                         r"such blocks at blocks.\*"):
+        PIPELINES[pipeline](model, images(4), bits)
+
+
 def rms_vit():
     return tiny_vit(norm_layer="rmsnorm")
 

@@ -147,13 +147,19 @@ def test_evaluate_refuses_a_padded_geometry_naming_model_name_before_its_float_p
 
 
 def test_the_window_check_leaves_a_model_without_fold_layers_to_the_conversions_refusal():
-    """A ViT with SwiGLU MLPs (no fc1 for the norm2 site): RepQ-ViT refuses it for its uncovered layers, as the
-    percentile pipeline does, not with an AttributeError of the window check (which looks at Swin blocks only)."""
+    """A ViT with SwiGLU MLPs (no fc1 for the norm2 site): the percentile pipeline refuses it for its uncovered
+    layers, RepQ-ViT (and SmoothQuant, which smooths before it converts) for the site its fold lacks
+    (reparam.check_fold_sites), not with an AttributeError of the window check (which looks at Swin blocks only) or of
+    the fold; reparam=false leaves it to the conversion's refusal."""
     from timm.layers import SwiGLU
 
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, embed_dim=32, num_heads=2,
                               num_classes=3, mlp_layer=SwiGLU).eval()
-    for name in ("percentile", "repq"):
-        with pytest.raises(ValueError, match=r"4 Linear/Conv2d layers match no quantization rule: "
-                                             r"\['blocks.0.mlp.fc1_g'"):
-            PIPELINES[name](model, torch.randn(4, 3, 32, 32), "w4a4")
+    uncovered = r"4 Linear/Conv2d layers match no quantization rule: \['blocks.0.mlp.fc1_g'"
+    for name, options in (("percentile", None), ("repq", {"reparam": False})):
+        with pytest.raises(ValueError, match=uncovered):
+            PIPELINES[name](model, torch.randn(4, 3, 32, 32), "w4a4", options)
+    for name in ("repq", "smoothquant"):
+        with pytest.raises(ValueError, match=r"^" + name + r" folds blocks.0.norm2 into blocks.0.mlp.fc1, .* blocks.0 "
+                                             r"is a timm.models.vision_transformer.Block without mlp.fc1: "):
+            PIPELINES[name](model, torch.randn(4, 3, 32, 32), "w4a4" if name == "repq" else "w8a8")
