@@ -876,3 +876,32 @@ def test_the_readme_examples_model_keeps_its_backbones_weights_through_runner_tr
     assert runner.iter == 2  # trained (at lr 0)
     after = model.backbone.state_dict()
     assert [k for k in before if not torch.equal(before[k], after[k])] == []
+
+
+def test_mmengines_deepspeed_strategy_is_refused_at_before_train_naming_deepspeed():
+    """FlexibleRunner with MMEngine's DeepSpeedStrategy hands the hook an MMDeepSpeedEngineWrapper (no nn.Module)
+    as runner.model and a DeepSpeedOptimWrapper, whose step is the engine's (on flat partitions under ZeRO): the hook
+    refused it as "CD needs the model as a torch.nn.Module ... pass the model itself, not its state_dict()", a fix
+    that does not apply to a config. One RuntimeError naming DeepSpeed and the runner to use, before CD is built.
+    DeepSpeed is not installed: MMEngine's own classes, around a stand-in of the engine named as DeepSpeed's."""
+    from types import SimpleNamespace
+
+    from mmengine._strategy.deepspeed import DeepSpeedOptimWrapper, DeepSpeedStrategy, MMDeepSpeedEngineWrapper
+
+    from cd.integrations.mmengine import ColinearityDecayHook
+
+    class DeepSpeedEngine(torch.nn.Module):  # holds the model as `.module`, as DeepSpeed's does
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    net = tiny_vit()
+    wrapper = DeepSpeedOptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1))  # ZeRO stage 0, fp32
+    runner = SimpleNamespace(model=MMDeepSpeedEngineWrapper(model=DeepSpeedEngine(net)), optim_wrapper=wrapper,
+                             strategy=DeepSpeedStrategy.__new__(DeepSpeedStrategy), iter=0)
+    hook = ColinearityDecayHook(lam=LAM, verify=False)
+    with pytest.raises(RuntimeError, match=r"^ColinearityDecayHook: CD does not support DeepSpeed \(found "
+                                           r"DeepSpeedOptimWrapper, DeepSpeedStrategy\).*FlexibleRunner with "
+                                           r"strategy=dict\(type='DDPStrategy'\)"):
+        hook.before_train(runner)
+    assert hook.decay is None and not hook._bindings and not wrapper.optimizer._optimizer_step_pre_hooks

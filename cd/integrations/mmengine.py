@@ -52,7 +52,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..decay import ColinearityDecay, budget_weight_decay
 from ..verify import UnsupportedModelError, example_input
-from ..wrappers import _HOOKED_STEP_CODE, unwrap_model
+from ..wrappers import _HOOKED_STEP_CODE, refuse_deepspeed, unwrap_model
 from . import (bind_optimizers, check_cd_arguments, check_module_name, name_the_part, select_module,
                torch_optimizer, warn_unrestored)
 
@@ -128,6 +128,11 @@ class ColinearityDecayHook(Hook):
 
     def before_train(self, runner) -> None:
         self._unbind()  # a train() that raised left its bindings (MMEngine calls no after_train then)
+        # FlexibleRunner's DeepSpeedStrategy: its model wrapper is no nn.Module ("CD needs the model as a
+        # torch.nn.Module", a wrong fix) and its optimizer wrapper steps the engine
+        refuse_deepspeed(type(self).__name__, "train with MMEngine's Runner, or FlexibleRunner with "
+                         "strategy=dict(type='DDPStrategy'), and an OptimWrapper (not DeepSpeedOptimWrapper)",
+                         (runner.optim_wrapper,), strategy=getattr(runner, "strategy", None))
         target = self.target(runner.model)
         kwargs = dict(self.cd_kwargs)
         shape = None  # the input batch this hook gives the pair check, if it gives one
