@@ -103,8 +103,9 @@ def budget_net():
     DATASETS.register_module(name="BudgetData", force=True, module=RandomImages)
 
 
-def runner_config(tmp_path, weight_decay, custom_keys):
-    """A one-iteration Runner config with cd_budget and a ColinearityDecayHook of lam 0.005 (the budget applied)."""
+def runner_config(tmp_path, weight_decay, custom_keys, apply=True):
+    """A one-iteration Runner config with cd_budget and a ColinearityDecayHook of lam 0.005 (the budget applied
+    unless `apply` is False)."""
     from cd.integrations.mmengine import apply_weight_decay_budget
     budget_net()
     cfg = dict(
@@ -119,7 +120,8 @@ def runner_config(tmp_path, weight_decay, custom_keys):
         custom_hooks=[dict(type="ColinearityDecayHook", lam=0.005, input_shape=(1, 3, 32, 32))],
         cd_budget=True, default_hooks=dict(checkpoint=None, logger=None), randomness=dict(seed=0),
         log_level="WARNING")
-    apply_weight_decay_budget(cfg)
+    if apply:
+        apply_weight_decay_budget(cfg)
     return cfg
 
 
@@ -161,3 +163,17 @@ def test_the_budget_refuses_a_decay_mult_or_own_weight_decay_on_a_matrix_cd_deca
     with pytest.raises(ValueError, match=rf"^cd_budget \(applied: .*\) with {named}") as e:
         run(cfg)
     assert "\n" not in str(e.value) and str(e.value).endswith("or set cd_budget=False and every weight decay yourself")
+
+
+def test_a_cd_budget_that_nothing_applied_is_refused_before_any_update(tmp_path):
+    """A Runner built from a config with cd_budget=True as it is (MMEngine's tools/train.py, which reads it as an
+    unused variable) trained at the unlowered weight decay with CD on top, silently; the hook refuses it, naming
+    apply_weight_decay_budget and cd_budget=False. False trains at the weight decay given."""
+    pytest.importorskip("timm")
+    from mmengine_runs import run
+    with pytest.raises(ValueError, match=r"^cd_budget=True, but the optimizer's weight decay was not lowered .*"
+                                         r"apply_weight_decay_budget\(cfg\) before the Runner is built"):
+        run(runner_config(tmp_path / "unapplied", 0.05, SWIN_KEYS, apply=False))
+    cfg = dict(runner_config(tmp_path / "off", 0.05, SWIN_KEYS, apply=False), cd_budget=False)
+    groups = run(cfg).optim_wrapper.optimizer.param_groups
+    assert {g["weight_decay"] for g in groups} == {0.0, 0.05}

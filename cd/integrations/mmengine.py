@@ -285,7 +285,8 @@ def apply_weight_decay_budget(cfg: Any) -> None:
     is L2 in the gradient (SGD, Adam) is refused, one this function does not know is taken as given. The rule lowers
     the one weight decay of the optimizer: a paramwise_cfg decay_mult m on a matrix CD decays (whose budget would be
     m * wd - lam, not m * (wd - lam)) is refused by the hook once the optimizer is built (`budget_refusal`); on the
-    norms, position tables and biases of the shipped configs, which CD does not decay, it stays as given. Raises
+    norms, position tables and biases of the shipped configs, which CD does not decay, it stays as given. The hook
+    refuses a cd_budget=True left unapplied, too. Raises
     ValueError where the rule cannot apply, or `cd_budget` is a record this function did not write."""
     budget = cfg.get("cd_budget")
     if budget is None or budget is False:
@@ -339,8 +340,14 @@ def budget_refusal(cfg: Any, model: torch.nn.Module, decay: ColinearityDecay, op
     weight decay of its own) that budget is m * wd - lam, which the rule's one lowered weight decay times m,
     m * (wd - lam), is not; nor can one weight decay times m give it, and for m < lam / wd it is < 0. So a param
     group of a decayed matrix (in `optimizers`, the torch ones of runner.optim_wrapper) must hold the lowered weight
-    decay itself: the shipped configs scale only norms, position tables and biases, which CD does not decay."""
+    decay itself: the shipped configs scale only norms, position tables and biases, which CD does not decay. A
+    cd_budget=True that nothing applied (a Runner built from the config as it is) is refused too."""
     budget = cfg.get("cd_budget") if cfg is not None else None
+    if budget is True:  # MMEngine alone (its tools/train.py) reads it as an unused variable: the budget silently off
+        return ("cd_budget=True, but the optimizer's weight decay was not lowered by the hook's lam: nothing applied "
+                "the rule to this config (MMEngine reads cd_budget as an unused variable); call cd.integrations."
+                "mmengine.apply_weight_decay_budget(cfg) before the Runner is built (scripts/train_detection.py "
+                "does), or set cd_budget=False to train at the weight decay as given")
     if not (isinstance(budget, str) and budget.startswith(BUDGET_APPLIED)):
         return None
     base, lowered = _recorded_budget(budget)
