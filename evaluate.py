@@ -18,9 +18,10 @@ on another machine, quant.calib_images=128, quant.repq.round_zero_point=true; tr
 not read, are refused, data.mixup / cutmix / label_smoothing / repeated_aug among them: --amp is the evaluation's
 autocast; so is out_dir: --out names the result). A checkpoint is scored on held-out data only: a data.val_split
 that reads its training split (the folder or token file it recorded, or the split of that name under another
-data.root) is refused, as is a data.train_split that reads the val split where a pipeline draws from it. Quantization
-always works on a copy of the model, calibrated on `quant.calib_images` seeded train images (eval
-transform, or `quant.calib_transform=train`) or, for a language model, as many seeded train token windows;
+data.root), or the data of the weights it was fine-tuned from (their record's trained_on), is refused, as is a
+data.train_split that reads the val split where a pipeline draws from it. Quantization always works on a copy of
+the model, calibrated on `quant.calib_images` seeded train images (eval transform, or
+`quant.calib_transform=train`) or, for a language model, as many seeded train token windows;
 APHQ and GPLQ on a classifier draw their own seeded training images and loader (`build_pipeline_data`),
 e.g. `--quant aphq gplq quant.aphq.iters=2000 quant.gplq.steps=500` for a quick run (an override of the
 options of a pipeline that does not run, quant.aphq.* beside `--quant repq`, is refused, as is quant.calib_*
@@ -65,6 +66,7 @@ from configs.schema import (TRAIN_MODE_MODEL_KEYS, TRAIN_TRANSFORM_ONLY_OVERRIDE
 from data import (DataError, build_dataset, build_eval_loader, build_token_eval_loader, build_train_loader,
                   calibration_images, calibration_windows, check_same_data_on_every_rank, dataset_classes,
                   val_fingerprint)
+from data.digits import split_indices as digits_split
 from data.folder import ClassCountError, check_same_classes, folder_fingerprint
 from data.loader import same_split_data, split_location, split_reading
 from data.text import FINGERPRINT_HEAD_BYTES, ShortTextError, VocabularyError, token_file_fingerprint, token_stream
@@ -75,7 +77,7 @@ from engine.eval_results import (BEST_FIELD, STEP_FIELD, EvalResults, ResultsErr
 from engine.snapshots import check_same_weights_on_every_rank
 from engine.train_seeds import SEED_FIELD
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
-from engine.start_weights import recipe_entries
+from engine.start_weights import ancestors_data, recipe_entries
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, check_main_rank_wait_read,
                                 fail_on_every_rank_at_start, failure_on_every_rank, process_group,
                                 raise_on_every_rank, run_on_main, whole_number)
@@ -747,7 +749,8 @@ def resolve_config(args: argparse.Namespace, recorded_quant: Optional[dict] = No
         # --config: e.g. a data preset for another machine
         saved = checkpoint_config(payload, args.checkpoint)  # parsed once: cfg is built on a copy
         cfg = layer_config(copy.deepcopy(saved), args.config or (), args.overrides)
-        check_checkpoint_settings(payload["config"], cfg, args.checkpoint, payload.get("data_fingerprint"))
+        check_checkpoint_settings(payload["config"], cfg, args.checkpoint, payload.get("data_fingerprint"),
+                                  ancestors_data(payload))
         # what --config files and overrides changed ('key: old -> new'): its method is the checkpoint's own
         changed = [change.split(": ", 1)[0] for change in config_changes(config_to_dict(saved), config_to_dict(cfg))]
     else:
@@ -978,11 +981,13 @@ def _setting_value(cfg: Config, key: str) -> Optional[str]:
         return None
 
 
-def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str, fingerprint: Optional[dict] = None) -> None:
+def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str, fingerprint: Optional[dict] = None,
+                              starts: Collection[dict] = ()) -> None:
     """Settings that --config / overrides may not change for a checkpoint: the weights are the checkpoint's
     (another model.pretrained would be ignored), and the val split must be held out from its training: not the
     folder or token file of its training split, nor a copy of that file (`check_not_trained_on`; `fingerprint`: the
-    checkpoint's data_fingerprint), and for the embedded data sets not
+    checkpoint's data_fingerprint), nor data that the weights it was fine-tuned from learned (`starts`: its record's
+    engine/start_weights.py ancestors_data, `check_held_out_from_starts`), and for the embedded data sets not
     another data.kjv_val_fraction (a larger one would score on text it was trained on, a smaller one on part of the
     held-out text only) or data.digits_val_fraction (images it was trained on: the digits split is a seeded
     stratified split of one set)."""
@@ -990,6 +995,8 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str, fingerp
         raise ConfigError(f"model.pretrained={cfg.model.pretrained}: --checkpoint {checkpoint} gives the weights; "
                           f"evaluate other weights with model.pretrained and --config, without --checkpoint")
     check_not_trained_on(config_from_dict(saved).data, cfg.data, checkpoint, fingerprint)
+    # and the data its starts learned (a fine-tune of a fine-tune), as train.py refuses it for a fine-tune of it
+    check_held_out_from_starts(starts, cfg.data, f"--checkpoint {checkpoint}", "the evaluation")
     trained = saved.get("data", {})
     if (cfg.data.dataset == "kjv" and trained.get("dataset") == "kjv"
             and trained.get("kjv_val_fraction", cfg.data.kjv_val_fraction) != cfg.data.kjv_val_fraction):
@@ -1007,6 +1014,46 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str, fingerp
         raise ConfigError(f"data.digits_val_fraction={cfg.data.digits_val_fraction}: {checkpoint} was trained on "
                           f"the digits outside a val fraction of {trained['digits_val_fraction']}, so another "
                           f"split would score it on images it was trained on; drop the override")
+
+
+def check_held_out_from_starts(starts: Collection[dict], data: DataConfig, weights: str, scored: str) -> None:
+    """`check_held_out_from` for the data of every start a run checkpoint descends from (`starts`: its record's
+    engine/start_weights.py ancestors_data, nearest first: a fine-tune of a fine-tune), each named by how far back it
+    lies from `weights`; an entry of an older schema's data settings is passed over (nothing to compare with)."""
+    for back, entry in enumerate(starts, start=1):
+        try:
+            trained = config_from_dict({"data": entry["data"]}).data
+        except ConfigError:
+            continue
+        start = ("'s start (weights it was fine-tuned from)" if back == 1
+                 else "'s start" * back + f" (weights {back} fine-tunes back)")
+        check_held_out_from(trained, entry.get("data_fingerprint"), data, f"{weights}{start}", scored)
+
+
+def check_held_out_from(trained: DataConfig, fingerprint: Optional[dict], data: DataConfig, weights: str,
+                        scored: str = "validation (and best.pt)") -> None:
+    """Refuse a val split of `data` that reads data the weights `weights` (a run checkpoint, as the error names it)
+    were trained on, which `scored` (what the error says the split is read by) would score: `trained`, the data
+    settings it recorded (`fingerprint`: its data_fingerprint), its training folder or token file by any name, link
+    or copy (`check_not_trained_on`); for kjv a larger data.kjv_val_fraction (that tail reaches into the text it
+    trained on; a smaller one lies inside its held-out tail); for digits another data.digits_val_fraction whose val
+    images include some of its training images (the split is a seeded stratified draw of one set, another for each
+    fraction, which data.digits.split_indices gives). train.py's check of a fine-tune's or resume's val split."""
+    if data.dataset == trained.dataset == "kjv" and data.kjv_val_fraction > trained.kjv_val_fraction:
+        raise ConfigError(f"data.kjv_val_fraction={data.kjv_val_fraction}: {weights} was trained on the text before "
+                          f"its last {trained.kjv_val_fraction}, so {scored} on the last {data.kjv_val_fraction} "
+                          f"would score text it was trained on; give data.kjv_val_fraction="
+                          f"{trained.kjv_val_fraction} or less")
+    if data.dataset == trained.dataset == "digits" and data.digits_val_fraction != trained.digits_val_fraction:
+        # another fraction's split is another seeded draw: its val images may or may not lie in the start's val split
+        seen = (set(digits_split(trained.digits_val_fraction)[0].tolist())
+                & set(digits_split(data.digits_val_fraction)[1].tolist()))
+        if len(seen):
+            raise ConfigError(f"data.digits_val_fraction={data.digits_val_fraction}: {len(seen)} of its val images "
+                              f"are among the digits {weights} was trained on (outside a val fraction of "
+                              f"{trained.digits_val_fraction}), so {scored} would score images it was trained on; "
+                              f"give data.digits_val_fraction={trained.digits_val_fraction}")
+    check_not_trained_on(trained, data, weights, fingerprint)
 
 
 def check_not_trained_on(trained: DataConfig, data: DataConfig, checkpoint: str,

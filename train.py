@@ -50,7 +50,6 @@ from configs.cli import OneLineParser, add_config_arguments, parse_known, print_
 from configs.loader import IgnoredOverrideError, device_of_overrides, get_key
 from data import (DataError, build_loaders, build_token_loaders, calibration_window_count,
                   check_same_data_on_every_rank)
-from data.digits import split_indices as digits_split
 from data.loader import same_split_data, split_location, split_reading
 from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks
 from engine.best_checkpoint import BestCheckpoint, BestMatch
@@ -785,11 +784,10 @@ def check_pretrained_data(cfg: Config) -> None:
 
 def check_held_out_from_ancestors(payload: dict, data, weights: str) -> None:
     """`check_held_out_from` for the data of every start the run checkpoint `payload` (named `weights`) descends
-    from (engine/start_weights.py ancestors_data: a fine-tune of a fine-tune), where it records them."""
-    for entry in ancestors_data(payload):
-        if (trained := recorded_data({"data": entry["data"]})) is not None:
-            check_held_out_from(trained, entry.get("data_fingerprint"), data,
-                                f"{weights}'s start (weights it was fine-tuned from)")
+    from (engine/start_weights.py ancestors_data: a fine-tune of a fine-tune), where it records them; the check
+    evaluate.py --checkpoint makes of the val split it scores (evaluate.check_held_out_from_starts)."""
+    import evaluate  # the evaluation stack: here only
+    evaluate.check_held_out_from_starts(ancestors_data(payload), data, weights, "validation (and best.pt)")
 
 
 def check_recorded_characters(cfg: Config) -> None:
@@ -823,28 +821,11 @@ def recorded_data(config: Optional[dict]):
 
 def check_held_out_from(trained, fingerprint: Optional[dict], data, weights: str) -> None:
     """Refuse a val split of `data` that reads data the weights `weights` (a run checkpoint, as the error names it)
-    were trained on, as evaluate.py --checkpoint refuses to score it (evaluate.check_not_trained_on): `trained`, the
-    data settings it recorded (`fingerprint`: its data_fingerprint), its training folder or token file by any name,
-    link or copy; for kjv a larger data.kjv_val_fraction (that tail reaches into the text it trained on; a smaller
-    one lies inside its held-out tail); for digits another data.digits_val_fraction whose val images include some
-    of its training images (the split is a seeded stratified draw of one set, another for each fraction, which
-    data.digits.split_indices gives). Validation, and best.pt chosen by it, would score data the weights learned."""
-    if data.dataset == trained.dataset == "kjv" and data.kjv_val_fraction > trained.kjv_val_fraction:
-        raise ConfigError(f"data.kjv_val_fraction={data.kjv_val_fraction}: {weights} was trained on the text before "
-                          f"its last {trained.kjv_val_fraction}, so validation on the last {data.kjv_val_fraction} "
-                          f"(and best.pt) would score text it was trained on; give data.kjv_val_fraction="
-                          f"{trained.kjv_val_fraction} or less")
-    if data.dataset == trained.dataset == "digits" and data.digits_val_fraction != trained.digits_val_fraction:
-        # another fraction's split is another seeded draw: its val images may or may not lie in the start's val split
-        seen = (set(digits_split(trained.digits_val_fraction)[0].tolist())
-                & set(digits_split(data.digits_val_fraction)[1].tolist()))
-        if len(seen):
-            raise ConfigError(f"data.digits_val_fraction={data.digits_val_fraction}: {len(seen)} of its val images "
-                              f"are among the digits {weights} was trained on (outside a val fraction of "
-                              f"{trained.digits_val_fraction}), so validation (and best.pt) would score images it was "
-                              f"trained on; give data.digits_val_fraction={trained.digits_val_fraction}")
+    were trained on (`trained`, the data settings it recorded; `fingerprint`, its data_fingerprint): by name, link or
+    copy, a kjv tail or a digits split reaching into its training, as evaluate.py --checkpoint refuses to score it
+    (evaluate.check_held_out_from). Validation, and best.pt chosen by it, would score data the weights learned."""
     import evaluate  # its check of a val split against a checkpoint's training split (the evaluation stack: here only)
-    evaluate.check_not_trained_on(trained, data, weights, fingerprint)
+    evaluate.check_held_out_from(trained, fingerprint, data, weights)
 
 
 def note_attention_change(model_cfg, config: dict) -> None:

@@ -12,8 +12,9 @@ there, or on whether it loaded any. train.py records them in checkpoint.pt and b
 `trained_on`, where the file is a checkpoint of this code base, is the data the start's weights learned: the data.*
 settings and `data_fingerprint` of the file's own run, then those of the weights that run started from, and so on
 (`start_lineage`, nearest first). train.py refuses a val split that reads any of them (train.py
-check_pretrained_data and check_resume): a fine-tune of a fine-tune (C from B from A) must not validate on A's
-training data either, which B's own record alone does not name.
+check_pretrained_data and check_resume), as evaluate.py --checkpoint refuses to score one
+(evaluate.check_held_out_from_starts, the one check of both): a fine-tune of a fine-tune (C from B from A) must not
+validate on, nor be scored on, A's training data either, which B's own record alone does not name.
 
 A resumed run carries its start's record over (it loads no pretrained weights itself). evaluate.py adds the record
 to the recipe it writes (`recipe_entries`: `start.pretrained`, `start.fingerprint`, `start.classifier`), which the

@@ -162,3 +162,31 @@ def test_a_fine_tune_of_a_fine_tune_is_checked_against_the_data_of_every_start(t
     run("c", *digits, f"model.pretrained={tmp_path / 'b' / 'best.pt'}")  # A's val split, held out from A and B
     c = torch.load(tmp_path / "c" / "checkpoint.pt", weights_only=False)
     assert [entry["data"]["dataset"] for entry in c[START_WEIGHTS]["trained_on"]] == ["synthetic", "digits"]
+
+
+def test_evaluate_refuses_a_val_split_that_a_start_of_the_checkpoint_was_trained_on(tmp_path):
+    """evaluate.py --checkpoint checked the val split against the checkpoint's own training data only: C fine-tuned
+    from B fine-tuned from A, both on synthetic images, was scored on A's digits at another val fraction, 185 of whose
+    val images A was trained on (the seeded split's own draw, data.digits.split_indices). It is refused naming the
+    start that learned them, as train.py refuses that split for a fine-tune of C; A's own split is scored."""
+    from data.digits import split_indices
+    common = ["model.num_classes=10", "train.max_steps=1", "log.tensorboard=false"]
+
+    def run(name, *extra):
+        train.main(load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / name}", *common, *extra]))
+        return str(tmp_path / name / "best.pt")
+
+    a = run("a", "data.dataset=digits")  # the digits outside a val fraction of 0.2
+    c = run("c", f"model.pretrained={run('b', f'model.pretrained={a}')}")  # synthetic images: no digit seen there
+    seen = len(set(split_indices(0.2)[0].tolist()) & set(split_indices(0.3)[1].tolist()))  # the reference count
+    assert seen == 185
+    b = str(tmp_path / "b" / "best.pt")
+    for checkpoint, start in ((c, r"c/best.pt's start's start \(weights 2 fine-tunes back\)"),
+                              (b, r"b/best.pt's start \(weights it was fine-tuned from\)")):
+        with pytest.raises(ConfigError, match=rf"^data.digits_val_fraction=0.3: {seen} of its val images are among "
+                                              rf"the digits --checkpoint .*{start} was trained on \(outside a val "
+                                              rf"fraction of 0.2\), so .*give data.digits_val_fraction=0.2$"):
+            evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, "--quant", "data.dataset=digits",
+                                                         "data.digits_val_fraction=0.3"]))
+    cfg, _ = evaluate.resolve_config(evaluate.parse_args(["--checkpoint", c, "--quant", "data.dataset=digits"]))
+    assert cfg.data.digits_val_fraction == 0.2  # A's held-out split: scored
