@@ -671,7 +671,9 @@ class ColinearityDecay:
                 ZeRO optimizer) or the model's parameters are ZeRO-3's (`cd.wrappers.refuse_deepspeed`), this object
                 is attached already, or another CD update in `optimizer`'s step
                 decays one of these matrices (the update would run twice per step), or `optimizer` (or its wrapper)
-                keeps a `step` of the torch optimizer that calls no step hooks (`cd.wrappers.steps_without_hooks`).
+                keeps a `step` of the torch optimizer that calls no step hooks (`cd.wrappers.steps_without_hooks`);
+                at a step, when the optimizer no longer holds any of the decayed matrices it held here (DeepSpeed
+                replaced them by flat copies at `prepare`).
             ValueError: no decayed matrix is in `optimizer` and some are trainable (CD would never act), naming
                 the matrices (all of them frozen is a warning: a stage added with add_param_group once unfrozen), the
                 model's parameters were replaced after this object found its pairs, or a param group holding a
@@ -709,17 +711,37 @@ class ColinearityDecay:
                           f"(e.g. {outside[:3]}); the optimizer never changes them, so CD leaves them alone too",
                           stacklevel=2)
 
+        held_some = len(outside) < len(decayed)
+
+        def update(opt: torch.optim.Optimizer, kwargs: dict) -> None:
+            if not self._pre_step(opt, kwargs) and held_some:  # (the index is cached: nothing more per step)
+                self._refuse_all_taken_out(opt)
+
         def hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
             if in_outer_step(opt):  # the outer step's hook has made (or will make, in its closure) the update
                 return None
-            replaced = closure_then(args, kwargs, lambda: self._pre_step(opt, kwargs))
+            replaced = closure_then(args, kwargs, lambda: update(opt, kwargs))
             if replaced is None:  # no closure: the gradient exists now
-                self._pre_step(opt, kwargs)
+                update(opt, kwargs)
             return replaced
 
         self._handle = optimizer.register_step_pre_hook(hook)
         self._handle_optimizer = weakref.ref(optimizer)
         return self._handle
+
+    def _refuse_all_taken_out(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse a step of the attached `optimizer` whose param groups no longer hold any of the decayed matrices
+        that some of them held at attach: their parameters were replaced since, as DeepSpeed does at
+        `accelerator.prepare` / `deepspeed.initialize` of an optimizer attached before it (ZeRO and its fp16 / bf16
+        optimizers step flat copies of the weights), where every step went on without CD and without a word."""
+        index = self._group_index(optimizer)
+        if self._active and not any(id(t) in index for t in self._decayed()):
+            raise RuntimeError(f"ColinearityDecay.attach: the attached {type(optimizer).__name__} no longer holds "
+                               "any of the decayed matrices it held at attach (its param groups' parameters were "
+                               "replaced, as DeepSpeed's ZeRO and fp16/bf16 optimizers replace them by flat copies at "
+                               "accelerator.prepare or deepspeed.initialize; CD does not support DeepSpeed), so its "
+                               "steps would run without CD; train without DeepSpeed, or call remove() on attach's "
+                               "handle if the matrices left the optimizer on purpose")
 
     def _hooked_decay(self, optimizer: torch.optim.Optimizer) -> Optional["ColinearityDecay"]:
         """This object, while its update runs in `optimizer`'s step (`register_step_update`)."""

@@ -256,3 +256,29 @@ def test_deepspeeds_optimizers_are_refused_at_attach_by_name_not_as_matrices_mis
     with pytest.raises(RuntimeError, match=r"CD does not support DeepSpeed \(found ZeRO-3 partitioned parameters\)"):
         decay.attach(plain)
     assert decay._attached() is None and not plain._optimizer_step_pre_hooks
+
+
+def test_an_attached_optimizer_whose_matrices_deepspeed_replaced_by_flat_copies_is_refused_at_its_step():
+    """attach's own advice is to attach before accelerator.prepare; under DeepSpeed, `prepare` (deepspeed.initialize)
+    then replaces the attached optimizer's parameters in place by flat fp32 copies (partitions under ZeRO) and the
+    engine steps it on them: the hook found no decayed matrix in the optimizer and returned, so every update ran
+    without CD and without a word. A step of an attached optimizer that holds none of the decayed matrices it held at
+    attach is refused before the optimizer changes anything; one that still holds them gets CD (closed form below)."""
+    net = tiny_vit().double()
+    decay = ColinearityDecay(net, lam=LAM)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    decay.attach(opt)
+    w2 = net.blocks[0].mlp.fc2.weight
+    w2.grad = torch.zeros_like(w2)
+    want = ref_w2(w2.detach(), net.blocks[0].mlp.fc1.weight.detach(), LAM * 0.1)  # eq. 12 at lr 0.1
+    opt.step()  # plain SGD on a zero gradient: the weight is CD's update alone
+    assert decay.num_updates == 1 and torch.allclose(w2.detach(), want, rtol=0, atol=1e-12)
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).requires_grad_()  # DeepSpeed's copy
+    flat.grad = torch.ones_like(flat)
+    for group in opt.param_groups:  # as DeepSpeed's ZeRO optimizer rewrites the optimizer it is given
+        group["params"] = [flat] if group is opt.param_groups[0] else []
+    before = flat.detach().clone()
+    with pytest.raises(RuntimeError, match=r"^ColinearityDecay\.attach: the attached SGD no longer holds any of the "
+                                           r"decayed matrices it held at attach .*CD does not support DeepSpeed"):
+        opt.step()
+    assert torch.equal(flat.detach(), before) and decay.num_updates == 1
