@@ -214,6 +214,17 @@ def convert_in_place(model: nn.Module, spec: QuantSpec) -> Dict[str, List[str]]:
     return done
 
 
+def refuse_hooked_layers(model: nn.Module, spec: QuantSpec) -> None:
+    """Raise convert_in_place's ValueError for the first module `spec` replaces (an attention, a Linear/Conv2d a rule
+    matches) that has hooks, on `model` itself: before a copy, which torch's old hook-based weight_norm makes raise
+    its own RuntimeError (its weight is no graph leaf), so that the refusal names the layer's path and hooks."""
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        if _first_rule(fqn, spec.attentions) is not None or (
+                isinstance(module, (nn.Linear, nn.Conv2d)) and not isinstance(module, (QuantLinear, QuantConv2d))
+                and _first_rule(fqn, spec.linears) is not None):
+            _refuse_hooks(fqn, module)
+
+
 def quantize_model(model: nn.Module, spec: QuantSpec) -> nn.Module:
     """A quantized deep copy of `model`; the original model is left untouched.
 
@@ -225,7 +236,11 @@ def quantize_model(model: nn.Module, spec: QuantSpec) -> nn.Module:
 
     Returns:
         The converted copy, in the original's train/eval mode and on its device.
+
+    Raises:
+        ValueError: as convert_in_place; a layer with hooks before the copy (`refuse_hooked_layers`).
     """
+    refuse_hooked_layers(model, spec)  # before the copy (a weight_norm layer cannot be copied)
     new = copy.deepcopy(model)
     convert_in_place(new, spec)
     return new

@@ -28,7 +28,7 @@ from engine.distributed import run_on_main
 from models import is_language_model
 
 from .calibrate import Images, ModelFeed, calibrate, stack_images
-from .convert import quantize_model
+from .convert import quantize_model, refuse_hooked_layers
 from .modes import describe, summarize
 from .pipeline_data import PipelineData
 from .spec import FLOAT_BITS, Bits, QuantSpec, parse_bits
@@ -115,6 +115,9 @@ class Pipeline:
         self.check_task(fp_model, detection)
         calib_images = self.calibration_inputs(fp_model, calib_images, detection)
         self.check_model(fp_model)
+        # a layer the layout replaces that has hooks: refused by path before any copy (convert.refuse_hooked_layers;
+        # SmoothQuant, APHQ and GPLQ copy the model before they convert it, and a weight_norm layer cannot be copied)
+        refuse_hooked_layers(fp_model, self.layout(bits, options))
         self.check_folds(fp_model, bits, options)
         self.check_input_size(fp_model, bits, options)
         self.check_model_options(fp_model, bits, options)

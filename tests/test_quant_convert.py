@@ -795,3 +795,26 @@ def test_a_layer_with_hooks_is_refused_by_path_not_replaced_by_a_layer_without_t
     vit.blocks[0].attn.register_forward_pre_hook(lambda m, args: None)
     with pytest.raises(ValueError, match=r"^blocks\.0\.attn \(Attention\) has forward pre-hook"):
         PIPELINES["percentile"](vit, images(2), "w4a4")
+
+
+@pytest.mark.parametrize("pipeline", sorted(PIPELINES))
+def test_a_weight_norm_layer_is_refused_by_path_before_any_copy(pipeline, monkeypatch):
+    """torch's old hook-based weight_norm makes a model that copy.deepcopy refuses with torch's own RuntimeError
+    (its weight is computed, no graph leaf): quantize_model, and every pipeline (SmoothQuant, APHQ and GPLQ copy the
+    model before they convert it), refuse the layer's hook by its path before they copy anything."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the hook-based weight_norm
+        normed = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 4)))
+        vit = tiny_vit(depth=1)
+        torch.nn.utils.weight_norm(vit.blocks[0].mlp.fc1)
+    with pytest.raises(RuntimeError):  # the premise: no copy of it
+        copy.deepcopy(normed)
+    with pytest.raises(ValueError, match=r"^0 \(Linear\) has forward pre-hook WeightNorm registered"):
+        quantize_model(normed, QuantSpec(linears=(LinearRule(("**",), QuantizerSpec(4), None),)))
+    monkeypatch.setattr(copy, "deepcopy", lambda *a, **k: pytest.fail("copied"))
+    p = PIPELINES[pipeline]
+    bits = p.default_bits if getattr(p, "default_bits", None) else "w4a16" if p.weight_only else "w4a4"
+    with pytest.raises(ValueError, match=r"^blocks\.0\.mlp\.fc1 \(Linear\) has forward pre-hook WeightNorm registered"):
+        p(vit, images(2), bits)
