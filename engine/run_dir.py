@@ -21,8 +21,8 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
   (`checkpoint_path_problem`), as is a `snapshots` that is no folder when train.keep_every_epochs > 0.
   No checkpoint but files of an earlier run (best.pt, metrics.jsonl, ...): the run is refused, unless
   `train.archive_existing=true` moves them to `out_dir/archive/<time>/` first. `train.resume=` one of the
-  folder's own snapshots continues its run (a roll-back), with or without checkpoint.pt. One case is archived
-  without asking, with a warning: the folder holds only the logs of a run of the SAME config that
+  folder's own snapshots or kept checkpoint.until_step<N>.pt continues its run (a roll-back), with or without
+  checkpoint.pt. One case is archived without asking, with a warning: the folder holds only the logs of a run of the SAME config that
   stopped before its first checkpoint (no best.pt, or the best.pt of its first validation where a partial write
   of checkpoint.pt shows that it was killed writing its first checkpoint), i.e. the same command restarting; and a
   folder that holds only what a start that failed before its first logged update leaves (train.log, config.yaml,
@@ -681,16 +681,29 @@ def check_claim(out_dir: str, config: dict, archive_existing: bool = False) -> N
 def resumes_in(out_dir: str, resume: str) -> bool:
     """Whether a run into `out_dir` with train.resume `resume` continues that folder's run (its files are the run's,
     nothing is archived, its train.log is appended to): out_dir/checkpoint.pt a file, or `resume` one of out_dir's
-    snapshots (isfile, as resume_source asks, engine/snapshots.py)."""
-    own_snapshot = bool(resume) and os.path.isfile(resume) and is_inside(resume, os.path.join(out_dir, SNAPSHOTS))
-    return own_snapshot or os.path.isfile(os.path.join(out_dir, "checkpoint.pt"))
+    own checkpoints (isfile, as resume_source asks, engine/snapshots.py): a snapshot, or a checkpoint.pt the run kept
+    as checkpoint.until_step<N>[.<k>].pt (a finished run extended, a roll-back's abandoned branch). Not a file of
+    out_dir's archive: an earlier run's, moved aside."""
+    own = bool(resume) and os.path.isfile(resume) and own_checkpoint(out_dir, resume)
+    return own or os.path.isfile(os.path.join(out_dir, "checkpoint.pt"))
+
+
+def own_checkpoint(out_dir: str, path: str) -> bool:
+    """Whether `path` (links resolved) is one of the checkpoints a run in `out_dir` keeps besides checkpoint.pt: a
+    snapshot, or out_dir/checkpoint.until_step<N>[.<k>].pt (keep_as_until_step's names)."""
+    if is_inside(path, os.path.join(out_dir, SNAPSHOTS)):
+        return True
+    path = os.path.realpath(path)
+    return (os.path.dirname(path) == os.path.realpath(out_dir)
+            and re.fullmatch(r"checkpoint\.until_step\d+(?:\.\d+)?\.pt", os.path.basename(path)) is not None)
 
 
 def _check_files(out_dir: str, config: dict, archive_existing: bool, removed: list[str], move: bool = True) -> None:
     """claim_run_dir's look at the files of the locked `out_dir` once the partial writes `removed` are gone;
     `move` False: `check_claim`'s, the same refusals with nothing moved."""
-    # train.resume=out_dir/snapshots/epoch<E>.pt continues this folder's run (a roll-back, also with its
-    # checkpoint.pt moved away): its files are that run's, and archiving them would move the snapshot too
+    # train.resume=out_dir/snapshots/epoch<E>.pt or out_dir/checkpoint.until_step<N>.pt continues this folder's run
+    # (a roll-back, also with its checkpoint.pt moved away): its files are that run's, and archiving them would move
+    # the file to resume from too
     resume = str((config.get("train") or {}).get("resume") or "")
     problem = checkpoint_path_problem(out_dir, resume)
     if problem:  # before anything moves: a folder at checkpoint.pt would make this a fresh start over its files

@@ -340,6 +340,34 @@ def test_a_finished_run_extended_keeps_its_checkpoint_and_best(debug_config, cap
         "best.until_step8.pt", "checkpoint.until_step8.pt"]
 
 
+@pytest.mark.parametrize("archive_existing", [False, True])
+def test_a_resume_from_a_kept_checkpoint_of_its_own_folder_without_checkpoint_pt_is_a_resume(debug_config, tmp_path,
+                                                                                           caplog, archive_existing):
+    """checkpoint.pt moved away, then train.resume=out_dir/checkpoint.until_step<N>.pt (the finished run's state that
+    an extension kept, or a roll-back's abandoned branch): the claim took only a snapshot for the folder's own, so
+    the folder was refused as holding an earlier run's files, the file to resume from among them, with or without
+    train.archive_existing=true (which a resume refuses as a start's setting). It is a roll-back, as from a
+    snapshot."""
+    extended = ("sched.steps=12", "train.allow_changed_config=true")
+    train.main(debug_config(name="e"))  # finished at update 8
+    train.main(debug_config(*extended, name="e"))  # extended to 12: the finished state kept
+    folder = debug_config(name="e").out_dir
+    kept = os.path.join(folder, "checkpoint.until_step8.pt")
+    finished = read_bytes(kept)
+    os.rename(os.path.join(folder, "checkpoint.pt"), tmp_path / "moved.pt")
+    caplog.clear()
+    if archive_existing:  # a start's setting, which a resume refuses: nothing moved before the refusal
+        with pytest.raises(CheckpointError, match=r"continues a run, and only a run's start reads "
+                                                  r"train.archive_existing: False -> True"):
+            train.main(debug_config(*extended, f"train.resume={kept}", "train.archive_existing=true", name="e"))
+        assert read_bytes(kept) == finished and not os.path.exists(os.path.join(folder, "archive"))
+    out = train.main(debug_config(*extended, f"train.resume={kept}", name="e"))
+    assert f"resumed from {kept} at epoch 2, update 8" in caplog.text
+    assert out.state.step == 12
+    assert read_bytes(kept) == finished  # the kept file in place, as it was
+    assert not os.path.exists(os.path.join(folder, "archive"))  # nothing of the run's own moved aside
+
+
 def test_a_finished_run_extended_from_its_last_snapshot_keeps_its_best(debug_config):
     """Extended from the snapshot of its last epoch (train.resume=, a roll-back to the finished state), the run kept
     checkpoint.pt in that snapshot but let its first better validation replace best.pt: kept too."""
