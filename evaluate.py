@@ -995,8 +995,6 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str, fingerp
         raise ConfigError(f"model.pretrained={cfg.model.pretrained}: --checkpoint {checkpoint} gives the weights; "
                           f"evaluate other weights with model.pretrained and --config, without --checkpoint")
     check_not_trained_on(config_from_dict(saved).data, cfg.data, checkpoint, fingerprint)
-    # and the data its starts learned (a fine-tune of a fine-tune), as train.py refuses it for a fine-tune of it
-    check_held_out_from_starts(starts, cfg.data, f"--checkpoint {checkpoint}", "the evaluation")
     trained = saved.get("data", {})
     if (cfg.data.dataset == "kjv" and trained.get("dataset") == "kjv"
             and trained.get("kjv_val_fraction", cfg.data.kjv_val_fraction) != cfg.data.kjv_val_fraction):
@@ -1014,6 +1012,9 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str, fingerp
         raise ConfigError(f"data.digits_val_fraction={cfg.data.digits_val_fraction}: {checkpoint} was trained on "
                           f"the digits outside a val fraction of {trained['digits_val_fraction']}, so another "
                           f"split would score it on images it was trained on; drop the override")
+    # and the data its starts learned (a fine-tune of a fine-tune), as train.py refuses it for a fine-tune of it;
+    # after the checkpoint's own data, whose refusal names the checkpoint itself
+    check_held_out_from_starts(starts, cfg.data, f"--checkpoint {checkpoint}", "the evaluation")
 
 
 def check_held_out_from_starts(starts: Collection[dict], data: DataConfig, weights: str, scored: str) -> None:
