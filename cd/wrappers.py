@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -198,18 +198,21 @@ def class_steps_without_hooks(optimizer: Any) -> list:
 _HOOKED_STEP_CODE = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
 
 
+def steps_under_way() -> Iterator[object]:
+    """The optimizers whose (hook-calling) step is under way in this thread, innermost first. Read from the calls
+    under way, so that a step that raised leaves nothing behind."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _HOOKED_STEP_CODE:
+            yield frame.f_locals.get("self")
+        frame = frame.f_back
+
+
 def in_outer_step(optimizer: torch.optim.Optimizer) -> bool:
     """A step hook of `optimizer` runs inside another step of it: a subclass's `step` calling super().step(), where
     torch has wrapped both classes' steps to call the hooks (the parent's at any instance's Optimizer.__init__),
-    runs them twice per step. Read from the calls under way, so that a step that raised leaves nothing behind."""
-    frame, found = sys._getframe(1), 0
-    while frame is not None:
-        if frame.f_code is _HOOKED_STEP_CODE and frame.f_locals.get("self") is optimizer:
-            found += 1
-            if found > 1:
-                return True
-        frame = frame.f_back
-    return False
+    runs them twice per step."""
+    return sum(under_way is optimizer for under_way in steps_under_way()) > 1
 
 
 def closure_then(args: tuple, kwargs: dict, after_first_call: Callable[[], None]) -> Optional[tuple[tuple, dict]]:

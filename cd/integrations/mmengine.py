@@ -41,7 +41,6 @@ from __future__ import annotations
 import inspect
 import math
 import re
-import sys
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -52,22 +51,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..decay import ColinearityDecay, budget_weight_decay
 from ..verify import UnsupportedModelError, example_input
-from ..wrappers import _HOOKED_STEP_CODE, refuse_deepspeed, unwrap_model
+from ..wrappers import refuse_deepspeed, steps_under_way, unwrap_model
 from . import (bind_optimizers, check_cd_arguments, check_module_name, name_the_part, select_module,
                torch_optimizer, warn_unrestored)
 
 CHECKPOINT_KEY = "colinearity_decay"
-
-
-def _inside_step_of(optimizers: dict) -> bool:
-    """Whether a step of one of `optimizers` (by id) is under way in this thread (read from the calls under way, as
-    cd.wrappers.in_outer_step reads them: a step that raised leaves nothing behind)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _HOOKED_STEP_CODE and id(frame.f_locals.get("self")) in optimizers:
-            return True
-        frame = frame.f_back
-    return False
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)  # an image batch, for a part that cannot say its input size
 
 
@@ -232,7 +220,7 @@ class ColinearityDecayHook(Hook):
         matrices CD decays would have no CD: a wrapper set as runner.optim_wrapper after this iteration's start (a
         hook of lower priority at before_train_iter), or an optimizer of one's own. Refused rather than run
         without it. Steps inside a bound optimizer's step (Lookahead's inner optimizer) are a part of that one."""
-        if id(optimizer) in self._bindings or _inside_step_of(self._bindings):
+        if id(optimizer) in self._bindings or any(id(o) in self._bindings for o in steps_under_way()):
             return
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         named = next((name for name, t in self.decay._decayed_named() if id(t) in held and t.grad is not None), None)
