@@ -374,8 +374,9 @@ def colinearity_decay_(
         are moved there, `onto`).
 
     Raises:
-        ValueError: step_sizes (or upstream_step_sizes) has another length than pairs, a matrix is an FSDP2 shard (a DTensor: see
-            `cd.sharded`), or one is on the meta device (`refuse_meta`: no values to update).
+        ValueError: step_sizes (or upstream_step_sizes) has another length than pairs, a matrix is an FSDP2
+            shard (a DTensor: see `cd.sharded`), or one is on the meta device (`refuse_meta`: no values to
+            update).
     """
     n_pairs = len(pairs)
     if len(step_sizes) != n_pairs:

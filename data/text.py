@@ -348,8 +348,9 @@ def check_vocabulary(stream: TokenStream, vocab_size: int, ids: Optional[np.ndar
     token file (every id of it, read in chunks on the file's first check, then its record: `file_largest_id`), or
     of `ids` alone when only those are used (calibration windows). A token file whose ids do not fit and whose
     bytes are text (`is_plain_text`, judged on a file of TEXT_JUDGE_BYTES bytes or more, however short beyond that)
-    is refused as text: the advice of a larger model.num_classes would train on pairs of bytes. Shorter files get that advice. A token file whose ids would
-    all fit as big-endian uint16 or as uint8 ids is refused as a file of that layout (`other_layout_error`)."""
+    is refused as text: the advice of a larger model.num_classes would train on pairs of bytes. Shorter files get
+    that advice. A token file whose ids would all fit as big-endian uint16 or as uint8 ids is refused as a file of
+    that layout (`other_layout_error`)."""
     if stream.vocab is not None:
         size = len(stream.vocab)
     elif ids is None and stream.path is not None:  # a whole token file: read once, then its record (`file_largest_id`)

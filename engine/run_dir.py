@@ -22,11 +22,12 @@ What claiming checks, before any training (so a bad folder costs seconds, not an
   No checkpoint but files of an earlier run (best.pt, metrics.jsonl, ...): the run is refused, unless
   `train.archive_existing=true` moves them to `out_dir/archive/<time>/` first. `train.resume=` one of the
   folder's own snapshots or kept checkpoint.until_step<N>.pt continues its run (a roll-back), with or without
-  checkpoint.pt. One case is archived without asking, with a warning: the folder holds only the logs of a run of the SAME config that
-  stopped before its first checkpoint (no best.pt, or the best.pt of its first validation where a partial write
-  of checkpoint.pt shows that it was killed writing its first checkpoint), i.e. the same command restarting; and a
-  folder that holds only what a start that failed before its first logged update leaves (train.log, config.yaml,
-  tb/, no metrics: a typo in the model name, the data path or a value), whatever the config. Both include
+  checkpoint.pt. One case is archived without asking, with a warning: the folder holds only the logs of a run of
+  the SAME config that stopped before its first checkpoint (no best.pt, or the best.pt of its first validation
+  where a partial write of checkpoint.pt shows that it was killed writing its first checkpoint), i.e. the same
+  command restarting; and a folder that holds only what a start that failed before its first logged update leaves
+  (train.log, config.yaml, tb/, no metrics: a typo in the model name, the data path or a value), whatever the
+  config. Both include
   the wandb/ folder a run makes when its config.yaml enables wandb. A config.yaml that is not a run's whole
   config (other top-level keys than the schema's sections: a recipe of the user's) is no run's, and the folder
   is refused naming it, unless `train.archive_existing=true` asks for everything to be moved. Nothing is moved

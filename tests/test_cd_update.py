@@ -527,8 +527,9 @@ def test_colinearity_decay_steps_a_model_split_over_two_gpus():
     mode = _split_over_two_gpus(model)
     with mode:
         decay = ColinearityDecay(model, verify=False, matmul_precision="fp32")
-        opt = torch.optim.SGD([{"params": list(model.blocks[0].parameters()), "lr": torch.tensor(0.1, device="cuda:0")},
-                               {"params": list(model.blocks[1].parameters()), "lr": torch.tensor(0.1, device="cuda:1")}])
+        opt = torch.optim.SGD([
+            {"params": list(model.blocks[0].parameters()), "lr": torch.tensor(0.1, device="cuda:0")},
+            {"params": list(model.blocks[1].parameters()), "lr": torch.tensor(0.1, device="cuda:1")}])
         decay.attach(opt)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
