@@ -521,7 +521,8 @@ class ColinearityDecay:
         Raises:
             RuntimeError: the object is attached to an optimizer (`attach`, a `cd.integrations` binding), whose
                 steps apply the update already.
-            ValueError: lr is negative, NaN or inf (a number, or a tensor on the CPU), or a bool, or the model's
+            ValueError: lr is negative, NaN or inf (a number, or a tensor on the CPU), or a bool, or a tensor on
+                the meta device (no value), or the model's
                 parameters were replaced after this object found its pairs (the update would write tensors the
                 model no longer uses), or matmul_precision='tf32' was given and a decayed matrix is not on CUDA at
                 the first update.
@@ -530,6 +531,9 @@ class ColinearityDecay:
             if lr.dim() != 0 or not lr.is_floating_point():
                 raise ValueError(f"ColinearityDecay.apply: a tensor lr must be a 0-dim float tensor, got "
                                  f"shape {tuple(lr.shape)} {lr.dtype}")
+            if lr.is_meta:  # no value: torch's bare NotImplementedError from inside the update otherwise
+                raise ValueError("ColinearityDecay.apply: lr is a tensor on the meta device, which has no value to "
+                                 "step by; pass the lr as a number or a tensor on the CPU or the model's device")
             # a CPU tensor's value is on the host already: a negative one would grow the energy and a NaN one would
             # make every decayed weight NaN, as a number's would; an accelerator's is left unread (a host sync)
             if lr.device.type == "cpu" and not _finite_nonnegative(lr.item()):

@@ -572,9 +572,13 @@ def pair_penalty(
         0-dim fp32 tensor on `sum_device(pairs)` (`onto`; zero without a graph if every weight is 0).
 
     Raises:
-        ValueError: weights has another length than pairs; a matrix is on the meta device (`refuse_meta`: no values
-            to differentiate).
+        ValueError: no pairs (a penalty of none has no device or dtype, and a loss form without one trains
+            without CD); weights has another length than pairs; a matrix is on the meta device (`refuse_meta`: no
+            values to differentiate).
     """
+    if not pairs:  # the zero's device and dtype are the first pair's: an IndexError from its end
+        raise ValueError("pair_penalty: no pairs, so there is no penalty to add (a loss form of none trains without "
+                         "CD); pass find_pairs(model)'s pairs, or a selection of them that keeps at least one")
     if len(weights) != len(pairs):  # a shorter list failed mid-sum, a longer one's extra weights went unread
         raise ValueError(f"weights has {len(weights)} entries for {len(pairs)} pairs")
     plan = plan or build_plan(pairs)

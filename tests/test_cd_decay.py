@@ -567,3 +567,14 @@ def test_weight_decay_budget_refuses_any_shortfall():
     with pytest.raises(ValueError, match="< 0"):
         budget_weight_decay(0.0045, 0.005)
     assert budget_weight_decay(0.3, 0.1 + 0.2) == 0.0  # float rounding (-5.6e-17) of an exact budget is none
+
+
+def test_apply_refuses_a_meta_lr_before_it_changes_anything():
+    """A 0-dim lr on the meta device has no value: the update failed inside torch with a bare NotImplementedError
+    ("Cannot copy out of meta tensor"), naming neither the lr nor the fix; it is refused, the weights untouched."""
+    model = tiny_vit()
+    decay = ColinearityDecay(model, lam=0.005)
+    P = snapshot(model)
+    with pytest.raises(ValueError, match=r"^ColinearityDecay\.apply: lr is a tensor on the meta device"):
+        decay.apply(torch.tensor(0.1, device="meta"))
+    assert changed(model, P) == [] and decay.num_updates == 0

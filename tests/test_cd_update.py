@@ -591,3 +591,10 @@ def test_a_model_split_between_a_gpu_and_the_cpu_runs_no_product_under_the_calle
         norms = colinearity_decay_(pairs, steps, norms=True, precision="fp32")
         energy = pair_energy(pairs)
     assert {v.dtype for v in (*norms.values(), *energy.values())} == {torch.float32}
+
+
+def test_pair_penalty_of_no_pairs_is_refused_by_name():
+    """No pairs (a selection that kept none) failed with an IndexError from the zero's device and dtype, which are
+    the first pair's; a penalty of none would train the loss form without CD, so it is refused, naming the fix."""
+    with pytest.raises(ValueError, match=r"^pair_penalty: no pairs, .*pass find_pairs\(model\)'s pairs"):
+        pair_penalty([], [])
