@@ -98,7 +98,7 @@ def test_compare_act_max_marks_a_method_its_max_steps_stopped(tmp_path, capsys, 
         write_run(tmp_path / f"cd_s{seed}", method="CD", seed=seed, reached=3, max_steps=3)
     legends = []
     monkeypatch.setattr(compare, "save_figure",
-                        lambda fig, path, overwrite: legends.append(fig.axes[0].get_legend_handles_labels()[1]))
+                        lambda fig, path, overwrite, **kwargs: legends.append(fig.axes[0].get_legend_handles_labels()[1]))
     out = tmp_path / "cmp" / "x"
     capsys.readouterr()
     compare.main([f"base={tmp_path}/base_s*/eval_best_act_max.csv", f"cd={tmp_path}/cd_s*/eval_best_act_max.csv",
