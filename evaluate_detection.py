@@ -223,10 +223,12 @@ def main(argv=None) -> dict:
     user_options = pipeline_options(args.quant_options, pipelines)
     options = {name: {**detection_defaults(name, args, user_options.get(name, {})), **user_options.get(name, {})}
                for name in pipelines}
+    parsed_options = {}  # {pipeline: its options parsed}, whose resolved defaults results record (`settings`)
     for name in pipelines:
         if name == "aphq":  # before parse_options, whose refusal of an unread recon_images names no flag of ours
             check_reconstruction_data(user_options.get(name, {}))
         parsed = parse_options(PIPELINES[name].Options, options[name])
+        parsed_options[name] = parsed
         if name == "aphq":
             check_aphq_options(parsed)
         if name == "gplq":
@@ -292,8 +294,9 @@ def main(argv=None) -> dict:
             results.check_recompute_read(args.recompute, bool(pipelines), "fp" in results.data,
                                          "full-precision score to replace (one is scored without --recompute "
                                          "where the file has none)")
+            asked = {p: settings(args, p, user_options.get(p), test_batch, parsed_options[p]) for p in pipelines}
             return results, [(p, b) for p in pipelines for b in bits
-                             if results.plan(p, b, settings(args, p, user_options.get(p), test_batch), args.recompute)]
+                             if results.plan(p, b, asked[p], args.recompute)]
 
         # read once, on rank 0, so that every rank plans the same work
         results, todo = run_on_main(open_results, f"reading {out}", dist.device)
@@ -362,7 +365,7 @@ def main(argv=None) -> dict:
             for key in ("units", "stage1", "qwt"):  # APHQ's reconstruction, GPLQ's training and compensation
                 if key in report:
                     entry[key] = report[key]
-            results.add(name, b, entry, settings(args, name, user_options.get(name), test_batch))
+            results.add(name, b, entry, settings(args, name, user_options.get(name), test_batch, parsed_options[name]))
             run_on_main(results.save, f"writing {out}", dist.device)
             say(f"{name} {b}: {score(entry)} ({entry['seconds']:.0f} s)", flush=True)
         say(markdown_row(results.data))
@@ -541,15 +544,37 @@ def detection_defaults(name: str, args, given: Optional[dict] = None) -> dict:
     return {}
 
 
-def settings(args, pipeline: str, options=None, test_batch: int = 1) -> dict:
+def recorded_options(name: str, parsed, given: dict, ranks: int) -> dict:
+    """The options of pipeline `name` that its results record (`settings`): those `given` (--quant-options), and
+    the value used of each option whose null means a default the pipeline resolves (the pipeline's recorded_options:
+    GPLQ's lr by the global batch on `ranks` processes and its scale_lr, percentile's levels; APHQ's hessian_eps a
+    detector's DETECTION_EPS, not the classifier's probe default), where the detector rules read it. Left out, a
+    later change of such a default would make an older entry read as computed with the new one;
+    engine/eval_results.py reads an entry written before without them as the defaults of then."""
+    import dataclasses
+    from configs.loader import unread_options
+    from quant import PIPELINES
+    from quant.aphq.detector import detection_eps
+    used = dataclasses.replace(parsed, hessian_eps=detection_eps(parsed)) if name == "aphq" else parsed
+    used = dataclasses.asdict(PIPELINES[name].recorded_options(used, ranks))
+    unread = unread_options(f"quant.{name}", dataclasses.asdict(parsed), detector=True)
+    resolved = {key: value for key, value in used.items()
+                if getattr(parsed, key) is None and value is not None and key not in unread and key not in given}
+    return {**given, **resolved}
+
+
+def settings(args, pipeline: str, options=None, test_batch: int = 1, parsed=None) -> dict:
     """What a quantized result depends on besides the weights and data (a different value is another result):
-    the calibration batch, the user's options, for GPLQ the number of ranks its stage 1 trained on, and under
+    the calibration batch, the user's `options` and, given them `parsed` (as run), the values of the defaults they
+    resolve (`recorded_options`), for GPLQ the number of ranks its stage 1 trained on, and under
     torchrun at a test batch of more than one image the number of ranks too: each rank batches the images of
     its shard, other batches than one process's, whose outputs round about 1e-7 apart, enough to flip 4-bit codes
     (docs/reproduce.md); at batch 1 (the paper configs') the scores are the one-process ones."""
     from engine.distributed import world_size
     from quant import run_settings
     ranks = world_size()
+    if parsed is not None:
+        options = recorded_options(pipeline, parsed, options or {}, ranks)
     return {"calib_images": args.calib_images, "calib_seed": args.calib_seed,
             **({"options": options} if options else {}),
             **({"world_size": ranks} if ranks > 1 and test_batch > 1 else {}), **run_settings(pipeline)}

@@ -138,6 +138,13 @@ NULL_PERCENTILES = {"percentile": [0.9999], "percentile_mse": [0.999, 0.9999, 0.
 # entry's batch_size_per_gpu x its recorded world_size) and scale_lr (null: the lr), recorded as the values used since
 NULL_HESSIAN_EPS = {"ones": 1e-6, "rademacher": 1e-4}
 NULL_DETECTION_EPS = 1e-3
+# the options whose null means a default that evaluate_detection.py records the value of (its recorded_options): a
+# detector entry records only the options given besides these, so one written before holds none of them where none was
+# given, and ran at what null meant then (`_null_meant`; GPLQ's lr by the detection recipe's batch_size_per_gpu of then
+# where the entry holds none)
+DETECTOR_RESOLVED = {"aphq": ("hessian_eps",), "gplq": ("lr", "scale_lr"),
+                     "percentile": ("act_percentiles", "weight_percentiles")}
+NULL_DETECTION_GPLQ_BATCH = 1
 
 
 def _null_gplq_lr(global_batch: int) -> float:
@@ -161,8 +168,9 @@ def _null_meant(pipeline: str, options: dict, detector: bool = False, ranks: Opt
         meant["hessian_eps"] = NULL_DETECTION_EPS if detector else NULL_HESSIAN_EPS.get(probe)
     elif pipeline == "gplq":
         lr = options.get("lr")
-        if "lr" in options and lr is None and ranks is not None and isinstance(options.get("batch_size_per_gpu"), int):
-            lr = meant["lr"] = _null_gplq_lr(options["batch_size_per_gpu"] * ranks)
+        batch = options.get("batch_size_per_gpu", NULL_DETECTION_GPLQ_BATCH if detector else None)
+        if "lr" in options and lr is None and ranks is not None and isinstance(batch, int):
+            lr = meant["lr"] = _null_gplq_lr(batch * ranks)
         if "scale_lr" in options and options["scale_lr"] is None and lr is not None:
             meant["scale_lr"] = lr
     return {**options, **meant}
@@ -200,6 +208,9 @@ def comparable_settings(settings: Optional[dict], pipeline: str, detector: bool 
     the default a command now records), and, given the entry's `bits` (its key, e.g. "w4a8"), without the options
     the pipeline does not read at those bits (`unread_at_bits`: APHQ's round_zero_point at a_bits != w_bits)."""
     plain = as_stored(settings or {})
+    if detector and pipeline in DETECTOR_RESOLVED and isinstance(plain.get("options", {}), dict):
+        # an entry written before evaluate_detection.py recorded the values of these defaults: null, read as then
+        plain["options"] = {**{key: None for key in DETECTOR_RESOLVED[pipeline]}, **plain.get("options", {})}
     if isinstance(plain.get("options"), dict):
         skipped = {*NEUTRAL_OPTIONS.get(pipeline, ()), *unread_at_bits(pipeline, bits)}
         options = read_options(pipeline, plain["options"], detector, plain.get("world_size"))

@@ -276,7 +276,7 @@ def test_aphq_reconstructs_the_backbone_and_neck_and_switches_on_the_calibrated_
     entry = result["quant"]["aphq"]["w4a4"]
     assert 0.0 <= entry["bbox_mAP"] <= 1.0 and len(entry["units"]) == len(units)
     assert json.loads(out.read_text())["quant"]["aphq"]["w4a4"]["settings"]["options"] == {
-        "iters": 2, "recon_images": 2}
+        "iters": 2, "recon_images": 2, "hessian_eps": 1e-3}  # the options given and the perturbation used
 
 
 def test_aphq_weights_backbone_units_by_the_sigmoid_rpn_outputs_and_keeps_qdrop_off_the_neck(sample, monkeypatch):

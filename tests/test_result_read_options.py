@@ -185,3 +185,51 @@ def test_an_aphq_report_records_the_perturbation_used():
     options = APHQOptions(**small, hessian_probe="rademacher")
     _, report = PIPELINES["aphq"](tiny_vit(depth=1), images(2), "w4a4", options, data=cpu_pipeline_data(num_images=16))
     assert report["options"]["hessian_eps"] == 1e-4
+
+
+@pytest.mark.parametrize("pipeline, items, recorded", [
+    ("aphq", [], {"hessian_eps": 1e-3}),  # the official detection perturbation (not the classifier's 1e-6)
+    ("gplq", [], {"lr": 1e-6, "scale_lr": 1e-6}),  # the paper's lr of a global batch of 1 (one process)
+    ("gplq", ["gplq.lr=3e-6"], {"lr": 3e-6, "scale_lr": 3e-6}),  # scale_lr null: the lr given
+    ("percentile", [], {"act_percentiles": [0.999, 0.9999, 0.99999], "weight_percentiles": [0.999, 0.9999, 0.99999]}),
+])
+def test_a_detector_entry_records_the_value_a_null_default_meant_and_reads_an_older_entry_as_then(
+        pipeline, items, recorded, monkeypatch):
+    """evaluate_detection.py records the options typed and, since, the values of the defaults the pipelines resolve
+    (APHQ's hessian_eps, GPLQ's lr and scale_lr, percentile's levels; the constants of then written out here): an
+    entry written before without them compares as what they meant then, equal to the same command now, and both read
+    as computed with other settings once the default changes (they read as the new default while left out)."""
+    from types import SimpleNamespace
+    import quant.aphq.detector as aphq_detector
+    import quant.gplq.pipeline as gplq
+    import quant.ranges as ranges
+    from engine.eval_results import settings_change
+    from evaluate_detection import detection_defaults, pipeline_options as detector_options, settings
+    from quant import PIPELINES
+    from quant.pipeline_base import parse_options
+
+    args = SimpleNamespace(calib_images=1, calib_seed=0)
+
+    def asked() -> dict:
+        user = detector_options(items, [pipeline]).get(pipeline, {})
+        parsed = parse_options(PIPELINES[pipeline].Options, {**detection_defaults(pipeline, args, user), **user})
+        return plain(settings(args, pipeline, user, 1, parsed))
+
+    now = asked()
+    assert {key: now["options"][key] for key in recorded} == recorded
+    given = detector_options(items, [pipeline]).get(pipeline, {})
+    older = {**now, "options": plain(given)} if given else {k: v for k, v in now.items() if k != "options"}
+    assert settings_change({"settings": older}, now, pipeline, detector=True) is None
+    # a later default: the entry recorded now and the older one are both of other settings than the new default's
+    monkeypatch.setattr(aphq_detector, "DETECTION_EPS", 5e-3)
+    monkeypatch.setattr(gplq, "default_lr", lambda batch: 7e-6)
+    search = ranges.range_search
+    monkeypatch.setattr(ranges, "range_search", lambda method, levels: search(method, levels or [0.99]))
+    import quant.ptq.percentile as percentile
+    monkeypatch.setattr(percentile, "range_search", ranges.range_search)
+    later = asked()
+    if pipeline == "gplq" and items:  # the lr given: a later default changes nothing
+        assert settings_change({"settings": older}, later, pipeline, detector=True) is None
+        return
+    for entry in (now, older):
+        assert settings_change({"settings": entry}, later, pipeline, detector=True) is not None
