@@ -77,7 +77,7 @@ from engine.eval_results import (BEST_FIELD, STEP_FIELD, EvalResults, ResultsErr
 from engine.snapshots import check_same_weights_on_every_rank
 from engine.train_seeds import SEED_FIELD
 from engine.run_dir import RunDirError, config_changes, prepare_folder, recipe
-from engine.start_weights import ancestors_data, recipe_entries
+from engine.start_weights import EARLIER_TRAINING, ancestors_data, recipe_entries
 from engine.distributed import (MainRankWait, OtherRankError, all_reduce, check_main_rank_wait_read,
                                 fail_on_every_rank_at_start, failure_on_every_rank, process_group,
                                 raise_on_every_rank, run_on_main, whole_number)
@@ -1020,13 +1020,18 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str, fingerp
 def check_held_out_from_starts(starts: Collection[dict], data: DataConfig, weights: str, scored: str) -> None:
     """`check_held_out_from` for the data of every start a run checkpoint descends from (`starts`: its record's
     engine/start_weights.py ancestors_data, nearest first: a fine-tune of a fine-tune), each named by how far back it
-    lies from `weights`; an entry of an older schema's data settings is passed over (nothing to compare with)."""
-    for back, entry in enumerate(starts, start=1):
+    lies from `weights`, or as the run's own training before a resume changed its data (an entry marked
+    EARLIER_TRAINING: data learned by the run of the entry before it, `weights`' own at the front); an entry of an
+    older schema's data settings is passed over (nothing to compare with)."""
+    back = 0  # fine-tunes back from `weights`
+    for entry in starts:
+        back += not entry.get(EARLIER_TRAINING)
         try:
             trained = config_from_dict({"data": entry["data"]}).data
         except ConfigError:
             continue
-        start = ("'s start (weights it was fine-tuned from)" if back == 1
+        start = (" (its own run's training before a resume changed its training data)" if back == 0
+                 else "'s start (weights it was fine-tuned from)" if back == 1
                  else "'s start" * back + f" (weights {back} fine-tunes back)")
         check_held_out_from(trained, entry.get("data_fingerprint"), data, f"{weights}{start}", scored)
 

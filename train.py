@@ -76,7 +76,8 @@ from engine.snapshots import (CONFIG_SECTIONS, STARTED_AT_STEP, check_same_start
 from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside, recorded_setting,
                             resumes_in, save_config_history, start_only_changes, training_changes, validation_changes)
 from engine.running_stats import average_running_stats
-from engine.start_weights import START_WEIGHTS, ancestors_data, classifier_keys, start_lineage, start_record
+from engine.start_weights import (START_WEIGHTS, ancestors_data, classifier_keys, resumed_record, start_lineage,
+                                   start_record)
 from engine.runinfo import SAME_ON_EVERY_RANK, exit_with_error, foreign_log, log_environment, setup_logging
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from engine.training_checks import check_poly_power, check_schedule_on_resume, check_training_settings
@@ -228,9 +229,10 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
     with failure_on_every_rank(dist.device, "checking the settings the checkpoint is resumed with"):
         check_resume(cfg if dist.is_main else with_main_rank_paths(cfg, payload if resume_path else None),
                      resume_path, payload, warn=False)
-    # the weights the run started from: a resumed run's are its checkpoint's (None for one written before the record)
+    # the weights the run started from: a resumed run's are its checkpoint's (None for one written before the record),
+    # with the checkpoint's data first where the run goes on with other data (the weights learned both)
     run = build_run(cfg, dist, resumed=resume_path is not None,
-                    start_weights=payload.get(START_WEIGHTS) if resume_path is not None else None,
+                    start_weights=resumed_record(payload, cfg.data) if resume_path is not None else None,
                     checkpoint=(resume_path, payload) if resume_path is not None else None)
     if resume_path is not None:
         resume_run(run, resume_path, payload)

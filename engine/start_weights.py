@@ -16,7 +16,11 @@ check_pretrained_data and check_resume), as evaluate.py --checkpoint refuses to 
 (evaluate.check_held_out_from_starts, the one check of both): a fine-tune of a fine-tune (C from B from A) must not
 validate on, nor be scored on, A's training data either, which B's own record alone does not name.
 
-A resumed run carries its start's record over (it loads no pretrained weights itself). evaluate.py adds the record
+A resumed run carries its start's record over (it loads no pretrained weights itself); one that trains on other data
+than its checkpoint (train.allow_changed_config=true: another data.train_split, data.root or digits / kjv val
+fraction) puts the checkpoint's data first in `trained_on`, marked `EARLIER_TRAINING` (`resumed_record`): its
+config.yaml names the new data only, and its weights learned both. A marked entry is data learned by the same run as
+the entry before it (at the front: the checkpoint's own run), not by a start further back. evaluate.py adds the record
 to the recipe it writes (`recipe_entries`: `start.pretrained`, `start.fingerprint`, `start.classifier`), which the
 readers that average seeds compare (engine/eval_results.py recipe_difference): runs fine-tuned from other weights
 (another backbone, or another classifier kept from the file), or one trained from scratch beside fine-tuned ones, are
@@ -29,16 +33,24 @@ weights are no longer those the runs started from (`check_start_file`).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch.nn as nn
 
+from configs.schema import DataConfig
 from models.pretrained import classifier_prefixes
 
 from .checkpoint import weights_fingerprint
 
 START_WEIGHTS = "start_weights"  # the entry of checkpoint.pt and best.pt
 TRAINED_ON = "trained_on"  # the record's list of the data its start's weights learned, nearest first
+# a `TRAINED_ON` entry's mark (True): data its run learned before a resume changed the training data, learned by the
+# run of the entry before it (the checkpoint's own run where it is first), not by the start that run fine-tuned
+EARLIER_TRAINING = "before_resume"
+# the data.* settings that name what a run trains on, per data.dataset (a change of any on resume is other data)
+TRAINING_DATA_KEYS = {"folder": ("root", "train_split"), "tokens": ("root", "train_split"),
+                      "digits": ("digits_val_fraction",), "kjv": ("kjv_val_fraction",)}
 
 
 def classifier_keys(model: nn.Module) -> set[str]:
@@ -104,12 +116,43 @@ def start_lineage(payload: Optional[dict]) -> list[dict]:
     return [{"data": config["data"], "data_fingerprint": payload.get("data_fingerprint")}, *ancestors_data(payload)]
 
 
+def trains_on_other_data(saved: dict, data) -> bool:
+    """Whether a run of data settings `data` (a DataConfig) trains on other data than a checkpoint whose recorded
+    data.* settings are `saved`: another data set, or another of its `TRAINING_DATA_KEYS` (a key `saved` predates
+    holds its default); data.root compared as the paths they resolve to."""
+    if saved.get("dataset") != data.dataset:
+        return True
+    defaults = DataConfig()
+    for key in TRAINING_DATA_KEYS.get(data.dataset, ()):
+        then, now = saved.get(key, getattr(defaults, key)), getattr(data, key)
+        if (os.path.realpath(str(then)) != os.path.realpath(now)) if key == "root" else then != now:
+            return True
+    return False
+
+
+def resumed_record(payload: dict, data) -> Optional[dict]:
+    """The `START_WEIGHTS` record a run resumed from the checkpoint `payload` with data settings `data` (a DataConfig)
+    writes: the checkpoint's (None where it has none), and where the run trains on other data than the checkpoint
+    (`trains_on_other_data`: train.allow_changed_config=true), the checkpoint's data.* and data_fingerprint first in
+    its `TRAINED_ON`, marked `EARLIER_TRAINING`: the weights learned that data too, which the run's config.yaml no
+    longer names, and a later val split (a resume's, a fine-tune's, evaluate.py's) must be held out from it. A
+    checkpoint written before the record gets one of that list alone (nothing known of its start: `recipe_entries`
+    leaves it out)."""
+    record = payload.get(START_WEIGHTS)
+    config = payload.get("config")
+    saved = config.get("data") if isinstance(config, dict) else None
+    if not isinstance(saved, dict) or not trains_on_other_data(saved, data):
+        return record
+    entry = {"data": saved, "data_fingerprint": payload.get("data_fingerprint"), EARLIER_TRAINING: True}
+    return {**(record if isinstance(record, dict) else {}), TRAINED_ON: [entry, *ancestors_data(payload)]}
+
+
 def recipe_entries(payload: Optional[dict]) -> dict:
     """The recipe keys (`start.pretrained`, `start.fingerprint`, and `start.classifier` where the record has it) of
     a checkpoint's record; {} for a checkpoint written before it (nothing known: left out of the comparison, not
-    guessed) or for a weights file."""
+    guessed), or one whose record holds the data it learned alone (`resumed_record`), or for a weights file."""
     record = (payload or {}).get(START_WEIGHTS)
-    if not isinstance(record, dict):
+    if not isinstance(record, dict) or "pretrained" not in record:  # none, or the data alone (`resumed_record`)
         return {}
     return {"start.pretrained": record.get("pretrained"), "start.fingerprint": record.get("fingerprint"),
             **({"start.classifier": record["classifier"]} if "classifier" in record else {})}

@@ -190,3 +190,48 @@ def test_evaluate_refuses_a_val_split_that_a_start_of_the_checkpoint_was_trained
                                                          "data.digits_val_fraction=0.3"]))
     cfg, _ = evaluate.resolve_config(evaluate.parse_args(["--checkpoint", c, "--quant", "data.dataset=digits"]))
     assert cfg.data.digits_val_fraction == 0.2  # A's held-out split: scored
+
+
+def test_a_resume_on_other_training_data_keeps_the_data_the_run_learned_before(tmp_path):
+    """A resume with another data.train_split (train.allow_changed_config=true) recorded the new split only: the
+    images the run learned before the change were forgotten, so a later resume, evaluate.py --checkpoint and a
+    fine-tune of the run took them as a val split. The record keeps them, named as the run's own earlier training,
+    and as its start's data in a fine-tune of it; a resume on the same data adds nothing."""
+    from tests.conftest import make_folder
+    root = tmp_path / "data"
+    make_folder(root, {split: {"a": 8, "b": 8} for split in ("train", "trainB", "val")})
+    common = ["data.dataset=folder", f"data.root={root}", "model.num_classes=2", "sched.epochs=6",
+              "log.tensorboard=false"]
+
+    def config(name, *extra):
+        return load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / name}", *common, *extra])
+
+    def refused(checkpoint, weights):  # evaluate.py --checkpoint of the split the run learned first
+        with pytest.raises(ConfigError, match=rf"^data.val_split=train: .*train is the train split --checkpoint "
+                                              rf".*{weights} was trained on"):
+            evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, "--quant",
+                                                         "data.val_split=train"]))
+
+    train.main(config("run", "train.max_steps=1"))
+    train.main(config("run", "train.max_steps=2"))  # the same data: nothing to add
+    checkpoint = str(tmp_path / "run" / "checkpoint.pt")
+    first = torch.load(checkpoint, weights_only=False)
+    assert "trained_on" not in first[START_WEIGHTS]
+    train.main(config("run", "train.max_steps=4", "data.train_split=trainB", "train.allow_changed_config=true"))
+    payload = torch.load(checkpoint, weights_only=False)
+    assert payload["state"]["step"] == 4 and payload["config"]["data"]["train_split"] == "trainB"
+    assert payload[START_WEIGHTS]["trained_on"] == [{"data": first["config"]["data"], "before_resume": True,
+                                                     "data_fingerprint": first["data_fingerprint"]}]
+    own = r"pt \(its own run's training before a resume changed its training data\)"
+    with pytest.raises(ConfigError, match=rf"^data.val_split=train: .*train is the train split .*checkpoint.{own} "
+                                          r"was trained on"):
+        train.check_resume(config("run", "train.max_steps=6", "data.train_split=trainB", "data.val_split=train",
+                                  "train.allow_changed_config=true"), checkpoint, payload, warn=False)
+    refused(checkpoint, f"checkpoint.{own}")
+    with pytest.raises(ConfigError, match=rf"^data.val_split=train: .*train is the train split model.pretrained="
+                                          rf".*checkpoint.{own} was trained on"):
+        train.main(config("tune", "train.max_steps=1", "data.train_split=trainB", "data.val_split=train",
+                           f"model.pretrained={checkpoint}"))
+    assert not (tmp_path / "tune").exists()
+    train.main(config("tune", "train.max_steps=1", "data.train_split=trainB", f"model.pretrained={checkpoint}"))
+    refused(str(tmp_path / "tune" / "checkpoint.pt"), r"checkpoint.pt's start \(weights it was fine-tuned from\)")
