@@ -353,7 +353,7 @@ class ColinearityDecay:
             'A' the W2 of composable pairs (qkv, fc1, reduction); 'B' the W2 of functional pairs (proj, fc2);
             'C' both matrices of functional pairs (also qkv V rows and fc1, see `cd.update`); 'A+B' (default).
         mode: 'decoupled' (the paper's update, via `attach`/`apply`) or 'loss' (ablation: a penalty from
-            `aux_loss`; `attach`/`apply` then do nothing).
+            `aux_loss`; `apply` is refused then, and an attached optimizer's step checks that `aux_loss` was taken).
         loss_coef: loss mode only: coefficient of the penalty after aligning it to the task-loss magnitude.
         matmul_precision: of the update's products: 'fp32' (exact), 'tf32', 'bf16', or 'auto' (tf32 while
             the pairs are on CUDA, else fp32: resolved at each update, so a model moved by model.cuda() after CD is
@@ -474,6 +474,8 @@ class ColinearityDecay:
         # (a skipped fused step's, a tensor lr of 0's, and none ran before: 0), read by `metrics` (`_seen_flags`)
         self._norms_seen: dict[str, Tensor] = {}
         self._last_penalty: Optional[Tensor] = None
+        # loss mode: whether aux_loss was taken (with gradients on) since the attached optimizer's last step (`attach`)
+        self._aux_taken = False
         # id(optimizer) -> (param-group signature, id(param) -> group index): one entry per optimizer, since several
         # (cd.integrations' bindings) step the same object in turn
         self._gi_cache: dict[int, tuple] = {}
@@ -509,7 +511,7 @@ class ColinearityDecay:
     def apply(self, lr: Union[float, Tensor]) -> None:
         """One decoupled CD update of every target with step lr * lam (lam_per_role overrides per role).
 
-        Uses one lr for all pairs; `attach` instead reads each param group's lr. No-op in loss mode,
+        Uses one lr for all pairs; `attach` instead reads each param group's lr. No-op
         when every strength is 0 (bit-identical, no work) or when lr == 0: no work, not counted in cd/updates,
         and the update norms stay those of the last update. Frozen matrices (requires_grad=False) are left alone,
         as an optimizer leaves them. `lr` is a real number (numpy's too) or a 0-dim tensor. A CPU tensor's value
@@ -520,7 +522,7 @@ class ColinearityDecay:
 
         Raises:
             RuntimeError: the object is attached to an optimizer (`attach`, a `cd.integrations` binding), whose
-                steps apply the update already.
+                steps apply the update already; mode='loss', whose CD is the penalty `aux_loss` gives.
             ValueError: lr is negative, NaN or inf (a number, or a tensor on the CPU), or a bool, or a tensor on
                 the meta device (no value), or the model's
                 parameters were replaced after this object found its pairs (the update would write tensors the
@@ -540,7 +542,10 @@ class ColinearityDecay:
                 raise ValueError(f"ColinearityDecay.apply: lr must be a finite number >= 0, got {lr!r}")
         elif not _finite_nonnegative(lr):  # a bool too: apply(True) would be a step with lr 1.0
             raise ValueError(f"ColinearityDecay.apply: lr must be a finite number >= 0, got {lr!r}")
-        if self.mode != "decoupled" or not self._active:
+        if self.mode == "loss":  # a no-op here once trained the loss form without its penalty, and without a word
+            raise RuntimeError("ColinearityDecay.apply is for mode='decoupled'; mode='loss' acts through "
+                               "aux_loss(task_loss), the term to add to the loss before backward()")
+        if not self._active:
             return
         # its `attach`, or a cd.integrations binding (a callback's, a hook's), whose steps make the update
         if any(owner._hooked_decay(opt) is self for opt, owners in list(_HOOKED.items()) for owner in list(owners)):
@@ -669,6 +674,10 @@ class ColinearityDecay:
         0 (a warmup from 0), is not counted in `cd/updates` and leaves the update norms as they were (a tensor lr
         of 0 as `apply` says).
 
+        In mode='loss' CD is the penalty `aux_loss` gives, and the hook makes no update: it refuses a step of
+        `optimizer` (before the step changes anything) when no `aux_loss` was taken with gradients on since its last
+        step (or this attach), which would train without CD (unless every strength is 0).
+
         Raises:
             TypeError: `optimizer` is not (and does not wrap) a torch.optim.Optimizer.
             RuntimeError: `optimizer` is DeepSpeed's (accelerate's DeepSpeedOptimizerWrapper or DummyOptim, a
@@ -677,7 +686,8 @@ class ColinearityDecay:
                 decays one of these matrices (the update would run twice per step), or `optimizer` (or its wrapper)
                 keeps a `step` of the torch optimizer that calls no step hooks (`cd.wrappers.steps_without_hooks`);
                 at a step, when the optimizer no longer holds any of the decayed matrices it held here (DeepSpeed
-                replaced them by flat copies at `prepare`).
+                replaced them by flat copies at `prepare`), or in mode='loss' when no `aux_loss` was taken since
+                the last step.
             ValueError: no decayed matrix is in `optimizer` and some are trainable (CD would never act), naming
                 the matrices (all of them frozen is a warning: a stage added with add_param_group once unfrozen), the
                 model's parameters were replaced after this object found its pairs, or a param group holding a
@@ -716,9 +726,12 @@ class ColinearityDecay:
                           stacklevel=2)
 
         held_some = len(outside) < len(decayed)
+        self._aux_taken = False  # loss mode: a penalty taken before this attach is no step's of this optimizer
 
         def update(opt: torch.optim.Optimizer, kwargs: dict) -> None:
-            if not self._pre_step(opt, kwargs) and held_some:  # (the index is cached: nothing more per step)
+            if self.mode == "loss":
+                self._refuse_step_without_aux_loss(opt)
+            elif not self._pre_step(opt, kwargs) and held_some:  # (the index is cached: nothing more per step)
                 self._refuse_all_taken_out(opt)
 
         def hook(opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple]:
@@ -732,6 +745,18 @@ class ColinearityDecay:
         self._handle = optimizer.register_step_pre_hook(hook)
         self._handle_optimizer = weakref.ref(optimizer)
         return self._handle
+
+    def _refuse_step_without_aux_loss(self, optimizer: torch.optim.Optimizer) -> None:
+        """Loss mode: refuse a step of the attached `optimizer` when no `aux_loss` was taken with gradients on since
+        its last step (or attach): the hook makes no update in this mode, and such a step trained without CD and
+        without a word. A step that GradScaler skips (no step() call) keeps what was taken for the next."""
+        taken, self._aux_taken = self._aux_taken, False
+        if self._active and not taken:
+            raise RuntimeError(f"ColinearityDecay.attach: the attached {type(optimizer).__name__} steps, but no "
+                               "aux_loss(task_loss) was taken since its last step; in mode='loss' CD is that "
+                               "term, added to the loss before backward() (the hook makes no update), so this step "
+                               "would train without CD. Add decay.aux_loss(loss) to the loss of each step, or use "
+                               "mode='decoupled'")
 
     def _refuse_all_taken_out(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuse a step of the attached `optimizer` whose param groups no longer hold any of the decayed matrices
@@ -944,6 +969,8 @@ class ColinearityDecay:
         if self.mode != "loss":
             raise RuntimeError("ColinearityDecay.aux_loss is for mode='loss'; the decoupled mode acts "
                                "through attach()/apply()")
+        if torch.is_grad_enabled():  # a term taken without gradients (a no_grad evaluation) trains nothing
+            self._aux_taken = True  # what the attached optimizer's next step checks (`attach`)
         if not self._active:
             return torch.zeros((), dtype=torch.float32, device=task_loss.device)
         # Per-role strengths act as relative weights: the overall scale is fixed by loss_coef.

@@ -241,14 +241,6 @@ def test_loss_mode_is_aligned_to_the_task_loss_and_reaches_only_decayed_matrices
     model = tiny_vit().double()
     decay = ColinearityDecay(model, lam=0.005, mode="loss", loss_coef=0.01)
     P = snapshot(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    decay.attach(opt)
-    decay.apply(lr=1.0)  # both are no-ops in loss mode
-    _zero_grads(model)
-    opt.step()
-    assert changed(model, P) == []
-    opt.zero_grad(set_to_none=True)
-
     task = torch.tensor(2.5, dtype=torch.float64)
     aux = decay.aux_loss(task)
     assert math.isclose(float(aux.detach()), 0.01 * 2.5, rel_tol=1e-6)
@@ -578,3 +570,46 @@ def test_apply_refuses_a_meta_lr_before_it_changes_anything():
     with pytest.raises(ValueError, match=r"^ColinearityDecay\.apply: lr is a tensor on the meta device"):
         decay.apply(torch.tensor(0.1, device="meta"))
     assert changed(model, P) == [] and decay.num_updates == 0
+
+
+def test_loss_mode_refuses_apply_and_an_attached_step_without_aux_loss():
+    """Loss mode: apply() did nothing and an attached optimizer's hook never acted, silently, so a loop that attached
+    and forgot aux_loss trained without CD. apply is refused (as aux_loss is in decoupled mode); a step with no
+    aux_loss taken since the last one (or the attach; one taken under no_grad trains nothing) is refused before it
+    changes anything; a step after aux_loss(...).backward() is the loss form's alone: W2 -= lr * the closed-form
+    gradient 0.01 * ratio * 2 W2 W1n W1n^T of the aligned penalty (eq. 8; no decoupled eq. 12 update on top)."""
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.005, mode="loss", loss_coef=0.01)
+    P = snapshot(model)
+    with pytest.raises(RuntimeError, match=r"^ColinearityDecay\.apply is for mode='decoupled'; .*aux_loss"):
+        decay.apply(lr=1.0)
+    decay.aux_loss(torch.tensor(1.0, dtype=torch.float64)).backward()  # before attach: no step's
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    decay.attach(opt)
+    with torch.no_grad():
+        decay.aux_loss(torch.tensor(1.0, dtype=torch.float64))  # an evaluation's: no gradient
+    _zero_grads(model)
+    refused = r"^ColinearityDecay\.attach: the attached SGD steps, but no aux_loss\(task_loss\) was taken since its"
+    with pytest.raises(RuntimeError, match=refused):
+        opt.step()
+    assert changed(model, P) == []
+    _zero_grads(model)
+    decay.aux_loss(torch.tensor(2.5, dtype=torch.float64)).backward()
+    ratio = 2.5 / decay.metrics()["cd/penalty"]
+    opt.step()
+    w2, w1n = P["blocks.0.mlp.fc2.weight"], normalized(P["blocks.0.mlp.fc1.weight"])
+    torch.testing.assert_close(model.blocks[0].mlp.fc2.weight.detach(), w2 - 0.5 * 0.01 * ratio * 2 * w2 @ w1n @ w1n.T)
+    with pytest.raises(RuntimeError, match=refused):  # the next step needs a term of its own
+        opt.step()
+
+    def closure():  # a step whose backward runs inside it: the term is taken there, before the hook checks
+        opt.zero_grad()
+        loss = decay.aux_loss(torch.tensor(2.5, dtype=torch.float64))
+        loss.backward()
+        return loss
+    opt.step(closure)
+    other = tiny_vit()
+    off = ColinearityDecay(other, lam=0.0, mode="loss")  # every strength 0: no CD to miss
+    plain = torch.optim.SGD(other.parameters(), lr=0.1)
+    off.attach(plain)
+    plain.step()
