@@ -1022,18 +1022,36 @@ def check_held_out_from_starts(starts: Collection[dict], data: DataConfig, weigh
     engine/start_weights.py ancestors_data, nearest first: a fine-tune of a fine-tune), each named by how far back it
     lies from `weights`, or as the run's own training before a resume changed its data (an entry marked
     EARLIER_TRAINING: data learned by the run of the entry before it, `weights`' own at the front); an entry of an
-    older schema's data settings is passed over (nothing to compare with)."""
+    older schema's data settings is compared on the keys that name the data (`recorded_training_data`)."""
     back = 0  # fine-tunes back from `weights`
     for entry in starts:
         back += not entry.get(EARLIER_TRAINING)
-        try:
-            trained = config_from_dict({"data": entry["data"]}).data
-        except ConfigError:
-            continue
         start = (" (its own run's training before a resume changed its training data)" if back == 0
                  else "'s start (weights it was fine-tuned from)" if back == 1
                  else "'s start" * back + f" (weights {back} fine-tunes back)")
+        trained = recorded_training_data(entry["data"], f"{weights}{start}")
         check_held_out_from(trained, entry.get("data_fingerprint"), data, f"{weights}{start}", scored)
+
+
+# the data.* keys that name the data a checkpoint was trained on and held out (check_held_out_from reads no other)
+HELD_OUT_KEYS = ("dataset", "root", "train_split", "val_split", "kjv_val_fraction", "digits_val_fraction")
+
+
+def recorded_training_data(data: dict, weights: str) -> DataConfig:
+    """The data settings `data` (the data.* a checkpoint of `weights`, as errors name it, recorded) as a DataConfig for
+    check_held_out_from. Where other settings of an older schema no longer parse (an 0..255 data.mean, a key since
+    removed), the `HELD_OUT_KEYS` alone, which name its training data, are compared rather than the check passed
+    over; one of those that this version cannot read is refused, as nothing would tell its training data apart."""
+    try:
+        return config_from_dict({"data": data}).data
+    except ConfigError:
+        pass
+    try:
+        return config_from_dict({"data": {k: data[k] for k in HELD_OUT_KEYS if k in data}}).data
+    except ConfigError as e:
+        raise ConfigError(f"{weights} records data settings this version of the code cannot read ({e}), so the val "
+                          f"split cannot be checked against the data it was trained on; use the version of the code "
+                          f"that trained it") from None
 
 
 def check_held_out_from(trained: DataConfig, fingerprint: Optional[dict], data: DataConfig, weights: str,

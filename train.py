@@ -767,7 +767,7 @@ def check_pretrained_data(cfg: Config) -> None:
     refused on data.dataset=kjv, whose id i is the i-th of its own characters (a nanoGPT shakespeare_char file's 65
     ids are 65 other characters in another order), since no setting names the file's vocabulary."""
     config = pretrained_run_config(cfg.model)
-    trained = recorded_data(config)
+    trained = recorded_data(config, f"model.pretrained={cfg.model.pretrained}")
     if trained is None:
         check_recorded_characters(cfg)
         return
@@ -810,15 +810,13 @@ def check_recorded_characters(cfg: Config) -> None:
                       "model.pretrained)")
 
 
-def recorded_data(config: Optional[dict]):
-    """The data settings a checkpoint's recorded `config` holds; None where it holds none, or of an older schema
-    (nothing to compare with)."""
+def recorded_data(config: Optional[dict], weights: str):
+    """The data settings a checkpoint's recorded `config` holds (`weights`: the checkpoint, as errors name it); None
+    where it holds none. Of an older schema, the keys that name its data (evaluate.recorded_training_data)."""
     if not isinstance(config, dict) or not isinstance(config.get("data"), dict):
         return None
-    try:
-        return config_from_dict({"data": config["data"]}).data
-    except ConfigError:
-        return None
+    import evaluate  # the evaluation stack: here only
+    return evaluate.recorded_training_data(config["data"], weights)
 
 
 def check_held_out_from(trained, fingerprint: Optional[dict], data, weights: str) -> None:
@@ -1287,7 +1285,7 @@ def check_resume(cfg: Config, resume_path: Optional[str], payload: Optional[dict
     if resume_path is not None:
         check_resumable(payload["config"], cfg, resume_path, warn=warn)
         # a val split changed on resume (train.allow_changed_config=true) must not read what the run trained on
-        if (trained := recorded_data(payload["config"])) is not None:
+        if (trained := recorded_data(payload["config"], resume_path)) is not None:
             check_held_out_from(trained, payload.get("data_fingerprint"), cfg.data, resume_path)
         check_held_out_from_ancestors(payload, cfg.data, resume_path)
     check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)

@@ -235,3 +235,26 @@ def test_a_resume_on_other_training_data_keeps_the_data_the_run_learned_before(t
     assert not (tmp_path / "tune").exists()
     train.main(config("tune", "train.max_steps=1", "data.train_split=trainB", f"model.pretrained={checkpoint}"))
     refused(str(tmp_path / "tune" / "checkpoint.pt"), r"checkpoint.pt's start \(weights it was fine-tuned from\)")
+
+
+def test_data_settings_that_fail_today_s_schema_are_checked_on_the_keys_that_name_the_data(tmp_path):
+    """A start's trained_on entry, or a resumed checkpoint's own data.*, whose settings no longer parse (an old
+    0..255 data.mean, a key since removed) made the check of its data be skipped: A's digits at 0.2 were taken as a
+    val split at 0.3, 185 of whose images A learned. They are compared on the keys that name the data; a value of one
+    of those keys that this version cannot read is refused in one line."""
+    from configs import config_to_dict
+    old = {"dataset": "digits", "digits_val_fraction": 0.2, "mean": [124, 116, 104], "removed_key": 1}
+    cfg = load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / 'run'}", "data.dataset=digits", "model.num_classes=10",
+                                       "data.digits_val_fraction=0.3", "train.allow_changed_config=true"])
+    seen = r"^data.digits_val_fraction=0.3: 185 of its val images are among the digits "
+    with pytest.raises(ConfigError, match=seen + r"x's start \(weights it was fine-tuned from\) was trained on"):
+        evaluate.check_held_out_from_starts([{"data": old, "data_fingerprint": None}], cfg.data, "x", "the evaluation")
+    saved = config_to_dict(cfg)
+    saved["data"] = {**saved["data"], **old}
+    with pytest.raises(ConfigError, match=seen + r"ckpt.pt was trained on"):
+        train.check_resume(cfg, "ckpt.pt", {"config": saved, "state": {"step": 1}}, warn=False)
+    with pytest.raises(ConfigError, match=r"^x's start \(weights it was fine-tuned from\) records data settings this "
+                                          r"version of the code cannot read \(.*digits_val_fraction.*\), so the val "
+                                          r"split cannot be checked .*; use the version of the code that trained it$"):
+        evaluate.check_held_out_from_starts([{"data": {**old, "digits_val_fraction": 2}, "data_fingerprint": None}],
+                                            cfg.data, "x", "the evaluation")
