@@ -147,8 +147,9 @@ DETECTOR_RESOLVED = {"aphq": ("hessian_eps",), "gplq": ("lr", "scale_lr"),
 NULL_DETECTION_GPLQ_BATCH = 1
 
 
-def _null_gplq_lr(global_batch: int) -> float:
-    """GPLQ's lr that null meant at `global_batch` images per update (default_lr of then)."""
+def null_gplq_lr(global_batch: int) -> float:
+    """GPLQ's lr that null meant at `global_batch` images per update (default_lr of then; a stage-1 checkpoint's null
+    reads so too, quant/gplq/qat.py lr_meant_then)."""
     return 5e-6 if global_batch >= 128 else 2.5e-6 if global_batch >= 64 else 1e-6
 
 
@@ -170,7 +171,7 @@ def _null_meant(pipeline: str, options: dict, detector: bool = False, ranks: Opt
         lr = options.get("lr")
         batch = options.get("batch_size_per_gpu", NULL_DETECTION_GPLQ_BATCH if detector else None)
         if "lr" in options and lr is None and ranks is not None and isinstance(batch, int):
-            lr = meant["lr"] = _null_gplq_lr(batch * ranks)
+            lr = meant["lr"] = null_gplq_lr(batch * ranks)
         if "scale_lr" in options and options["scale_lr"] is None and lr is not None:
             meant["scale_lr"] = lr
     return {**options, **meant}

@@ -88,3 +88,40 @@ def test_a_stage1_folder_holding_a_checkpoint_of_another_run_is_refused_and_left
     with pytest.raises(DetectionError, match=rf"^{folder} holds GPLQ stage 1 of another run"):
         _claim_stage1_folder(str(folder), {"bits": "w4a4", "amp": "none"})
     assert sorted((p.name, p.read_bytes()) for p in folder.iterdir()) == before
+
+
+def test_a_detector_stage1_identity_holds_the_lr_used_and_a_folder_of_a_null_lr_resumes_under_that_lr(tmp_path,
+                                                                                                      monkeypatch):
+    """The identity of a detector's stage-1 folder holds the lr and scale_lr used (the paper's lr of a global batch of
+    one image, 1e-6, written out here), not null: the lr typed out resumes a folder written with null before (it was
+    refused as another run's), another lr is refused, and so is the null-lr folder once the default changes (it
+    resumed at the new lr)."""
+    import dataclasses
+    import quant.gplq.pipeline as gplq
+    from configs.quant import GPLQ_DETECTION, GPLQOptions
+    from engine.detection import DetectionError
+    from engine.detection.qat import STAGE1_IDENTITY, check_stage1_folder
+    from quant.gplq.detector import stage1_identity
+    from quant.spec import parse_bits
+    from quant_models import tiny_vit
+
+    model, bits = tiny_vit(depth=1), parse_bits("w4a4")
+
+    def identity(**given):
+        return stage1_identity(model, bits, dataclasses.replace(GPLQOptions(), **{**GPLQ_DETECTION, **given}), None)
+
+    now = identity()
+    assert (now["options"]["lr"], now["options"]["scale_lr"]) == (1e-6, 1e-6) and identity(lr=1e-6) == now
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    folder.mkdir()
+    older = {**now, "options": {**now["options"], "lr": None, "scale_lr": None}}  # the identity file until now
+    (folder / STAGE1_IDENTITY).write_text(json.dumps(older))
+    for name in ("iter_1.pth", "last_checkpoint"):
+        (folder / name).write_text(str(folder / "iter_1.pth") if name == "last_checkpoint" else "weights")
+    for asked in (now, identity(lr=1e-6), identity(lr=1e-6, scale_lr=1e-6)):
+        assert check_stage1_folder(str(folder), asked) == (older, str(folder / "iter_1.pth"))
+    with pytest.raises(DetectionError, match=rf"^{folder} holds GPLQ stage 1 of another run"):
+        check_stage1_folder(str(folder), identity(lr=2e-6))
+    monkeypatch.setattr(gplq, "default_lr", lambda batch: 7e-6)  # a later default
+    with pytest.raises(DetectionError, match=rf"^{folder} holds GPLQ stage 1 of another run"):
+        check_stage1_folder(str(folder), identity())

@@ -292,6 +292,31 @@ def test_stage1_identity_changes_with_stage1_options_only(monkeypatch):
     assert stage1_identity(model, bits, opts(), data) != base  # other ranks: another global batch and shards
 
 
+def test_stage1_identity_holds_the_lr_used_and_reads_a_checkpoints_null_lr_as_then(monkeypatch):
+    """The identity a stage-1 checkpoint must match holds the lr and scale_lr used, not null: the paper's lr of the
+    global batch (16 images on one process: 1e-6, written out here) typed explicitly resumes the checkpoint of its
+    null (it was refused), a checkpoint written with null before (its config) resumes under that lr and is refused
+    under another, and once the default changes a null-lr checkpoint is refused, not resumed at the new lr."""
+    from engine.checkpoint import CheckpointError
+    from quant.gplq.qat import refuse_other_run
+    model, data = tiny_vit(depth=1), cpu_pipeline_data()
+    opts, bits = PIPELINES["gplq"].Options, parse_bits("w4a4")
+    assert opts().batch_size_per_gpu == 16
+    now = stage1_identity(model, bits, opts(), data)
+    assert (now["stage1"]["lr"], now["stage1"]["scale_lr"]) == (1e-6, 1e-6)
+    typed = stage1_identity(model, bits, opts(lr=1e-6), data)
+    assert typed == now
+    older = {**now, "stage1": {**now["stage1"], "lr": None, "scale_lr": None}}  # a checkpoint's config until now
+    for config in (now, typed, stage1_identity(model, bits, opts(lr=1e-6, scale_lr=1e-6), data)):
+        refuse_other_run("stage1.pt", older, config)  # the same lr: resumed
+    with pytest.raises(CheckpointError, match=r"stage1\.lr: 1e-06 then, 2e-06 now"):
+        refuse_other_run("stage1.pt", older, stage1_identity(model, bits, opts(lr=2e-6), data))
+    monkeypatch.setattr(gplq_pipeline, "default_lr", lambda batch: 7e-6)  # a later default
+    for saved in (older, now):
+        with pytest.raises(CheckpointError, match=r"stage1\.lr: 1e-06 then, 7e-06 now"):
+            refuse_other_run("stage1.pt", saved, stage1_identity(model, bits, opts(), data))
+
+
 def test_pca_fit_uses_exactly_max_images_across_batches():
     model = tiny_vit(depth=1)
     x = images(12, seed=4)

@@ -155,7 +155,9 @@ def check_stage1_folder(work_dir: str, identity: Optional[Dict[str, Any]] = None
     except ValueError as e:  # json's message names no file
         raise DetectionError(f"{identity_path} cannot be read ({e}): move {work_dir} away to start stage 1 "
                              "anew") from None
-    if identity is not None and stored != identity:
+    from quant.gplq.qat import lr_meant_then  # here: the quantization package imports engine modules
+    # a null lr or scale_lr of an identity written before they were recorded as used: the lr null meant then
+    if identity is not None and lr_meant_then(stored, "options") != identity:
         if not _holds_checkpoint(work_dir):  # nothing trained to lose: taken over (docstring)
             return None, None
         raise DetectionError(f"{work_dir} holds GPLQ stage 1 of another run ({stored}); restore those "

@@ -85,7 +85,11 @@ def stage1_identity(fp_model: nn.Module, bits: Bits, options: GPLQOptions, calib
     """What a resumed stage 1 must share with the run that wrote its folder (plain JSON types, as the folder's
     identity file holds them): the bits, the float weights, the calibration images that set the LSQ start, the
     number of ranks (the global batch, each rank's shard) and the stage-1 options. evaluate_detection.py compares
-    it with a folder's before the full-precision score."""
+    it with a folder's before the full-precision score. The lr and scale_lr as used (GPLQPipeline.recorded_options:
+    null read as the default of the global batch), so that the lr typed out resumes a folder of its null and a later
+    default does not (a folder written with null compares as the lr null meant then: check_stage1_folder)."""
+    from .pipeline import GPLQPipeline  # imported here: pipeline.py imports this module
+    options = GPLQPipeline().recorded_options(options)
     return json.loads(json.dumps({
         "pipeline": "gplq", "bits": str(bits), "fp_model": weights_fingerprint(fp_model.state_dict()),
         "init_batch": getattr(calib, "indices", None),  # which images set the LSQ start

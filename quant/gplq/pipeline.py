@@ -93,12 +93,15 @@ def stage1_checkpoint(data: PipelineData, bits: Bits) -> Optional[str]:
 
 def stage1_identity(fp_model: nn.Module, bits: Bits, options: GPLQOptions, data: PipelineData) -> dict:
     """What a resumed stage 1 must share with the run that wrote its checkpoint: the bits, the training data,
-    the float weights, the number of ranks (the global batch, each rank's shard) and the stage-1 options; plain
-    JSON types, comparable with the copy a checkpoint holds."""
+    the float weights, the number of ranks (the global batch, each rank's shard) and the stage-1 options, the lr and
+    scale_lr as used (`GPLQPipeline.recorded_options`: null read as the default of the global batch), so that the lr
+    typed out resumes a checkpoint of its null and a later default does not; plain JSON types, comparable with the
+    copy a checkpoint holds (one written with null compares as the lr null meant then: qat.refuse_other_run)."""
+    used = GPLQPipeline().recorded_options(options)
     return json.loads(json.dumps({
         "pipeline": GPLQPipeline.name, "bits": str(bits), "data": data.identity,
         "fp_model": weights_fingerprint(fp_model.state_dict()), "world_size": world_size(),
-        "stage1": {f.name: getattr(options, f.name) for f in fields(options) if f.name not in _NOT_STAGE1}}))
+        "stage1": {f.name: getattr(used, f.name) for f in fields(used) if f.name not in _NOT_STAGE1}}))
 
 
 def check_stage1_checkpoint(fp_model: nn.Module, bits: Bits, options: GPLQOptions, data: PipelineData) -> None:

@@ -113,9 +113,30 @@ def _flat(entries: dict, prefix: str = "") -> dict:
 STAGE1_UNREADABLE = "move the file away to start stage 1 anew"
 
 
+def lr_meant_then(identity: dict, section: str) -> dict:
+    """A stage-1 `identity` (a checkpoint's config, a detector folder's identity file) with the learning rates of its
+    options (its `section`) that one written before identities recorded the values used holds as null read as what
+    null meant then: lr the paper's lr of its global batch (its batch_size_per_gpu x world_size: the rule of then,
+    engine/eval_results.null_gplq_lr, not today's default_lr), scale_lr the lr. A checkpoint of a null lr then resumes
+    under that lr typed out, and not under a later default."""
+    from engine.eval_results import null_gplq_lr
+    options = identity.get(section) if isinstance(identity, dict) else None
+    if not isinstance(options, dict):
+        return identity
+    meant, lr = {}, options.get("lr")
+    batch, ranks = options.get("batch_size_per_gpu"), identity.get("world_size")
+    if "lr" in options and lr is None and isinstance(batch, int) and isinstance(ranks, int):
+        lr = meant["lr"] = null_gplq_lr(batch * ranks)
+    if "scale_lr" in options and options["scale_lr"] is None and lr is not None:
+        meant["scale_lr"] = lr
+    return {**identity, section: {**options, **meant}} if meant else identity
+
+
 def refuse_other_run(checkpoint: str, saved: dict, config: dict) -> None:
     """A CheckpointError (the entry point's one `error:` line) when the stage-1 checkpoint at `checkpoint` was
-    written with another identity than `config`; the file is kept, it is another run's."""
+    written with another identity than `config` (a null lr or scale_lr it holds read as then, `lr_meant_then`); the
+    file is kept, it is another run's."""
+    saved = lr_meant_then(saved, "stage1")
     if saved != config:  # only what differs: the identities are long (every option, the data's fingerprints)
         then, now = _flat(saved), _flat(config)
         keys = [k for k in {**then, **now} if then.get(k, "(none)") != now.get(k, "(none)")]
