@@ -27,7 +27,7 @@ from .layouts import LAYOUTS, Layout, check_layouts
 from .pairs import ROLES, Pair, check_switches, find_pairs
 from .sharded import any_sharded, block_plans, register_shards, sharded_colinearity_decay_, sharded_pair_energy
 from .update import (PRECISIONS, align_to_task_loss, build_plan, check_tf32_device, colinearity_decay_, is_sharded,
-                     known_zero, onto, pair_energy, pair_penalty, refuse_meta, resolve_precision)
+                     known_zero, onto, pair_energy, pair_penalty, plan_key, refuse_meta, resolve_precision)
 from .verify import UnsupportedModelError
 from .wrappers import (check_model, closure_then, in_outer_step, refuse_deepspeed, steps_without_hooks,
                        torch_optimizer, unhooked_step_text, unwrap_model)
@@ -165,13 +165,17 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool =
         return dict
     refuse_meta(pairs, "pair_energy_source")
     plan, plans = (None, block_plans(pairs)) if any_sharded(pairs) else (build_plan(pairs), None)  # FSDP2: by block
+    key = plan_key(pairs)
     root = weakref.ref(unwrap_model(model))
     named = [(p.name, p.downstream) for p in pairs] + [(p.upstream_name, p.upstream) for p in pairs]
 
     def source() -> dict[str, float]:
+        nonlocal plan, key
         # a source made before fully_shard (or load_state_dict(assign=True)) would log the replaced tensors' energies:
         # constant curves that look like data
         check_parameters_current(root(), named, "pair_energy_source", reads_only=True)
+        if plans is None and plan_key(pairs) != key:  # some blocks moved to another device since (`plan_key`)
+            plan, key = build_plan(pairs), plan_key(pairs)
         return energy_metrics(pairs, plan, plans)
 
     return source
@@ -446,6 +450,7 @@ class ColinearityDecay:
         # CPU-built CD's fp32 products after model.cuda()
         self._precision_setting = matmul_precision
         self._all_plan = build_plan(self.all_pairs)
+        self._plan_key = plan_key(self.all_pairs)  # the devices and dtypes the plans were made for (`_current_plans`)
         # FSDP2 (fully_shard): the pairs' matrices are DTensor shards, updated block by block whole (`cd.sharded`)
         self._sharded = any_sharded(self.all_pairs)
         self._block_plans = block_plans(self.pairs, [u != 0 for u in self._up_lams]) if self._sharded else None
@@ -611,6 +616,7 @@ class ColinearityDecay:
                                          downstream=reads.get(id(p.downstream), p.downstream)) for p in pairs]
         norms = self._steps % self.norms_every == 0  # the optimizer's update number, lr-0 updates included
         precision = self.matmul_precision  # 'auto' from where the matrices are at this update
+        self._current_plans()
         if self._sharded:
             result = sharded_colinearity_decay_(pairs, steps, up_steps, self._block_plans, gate=gate,
                                                 precision=precision, norms=norms)
@@ -636,6 +642,19 @@ class ColinearityDecay:
         self._count_gated(ran, count)
         self._round_live = True
         return True
+
+    def _current_plans(self) -> None:
+        """Build the cached batching plans again when the pairs' matrices changed device or dtype since they were made
+        (`plan_key`): the plans group pairs by device, and blocks moved to another GPU after this object was built
+        (model.blocks[6:].to("cuda:1")) left a group over two devices, which failed inside torch.stack. A whole
+        model moved (model.cuda()) is grouped as before. FSDP2's block plans stay (its shards do not move)."""
+        if self._sharded:
+            return
+        key = plan_key(self.all_pairs)
+        if key != self._plan_key:
+            self._plan = build_plan(self.pairs, [u != 0 for u in self._up_lams])
+            self._all_plan = build_plan(self.all_pairs)
+            self._plan_key = key
 
     def _begin_update(self) -> None:
         """A new optimizer update (`apply`, a step of the attached optimizer, the first part of a `cd.integrations`
@@ -975,6 +994,7 @@ class ColinearityDecay:
             return torch.zeros((), dtype=torch.float32, device=task_loss.device)
         # Per-role strengths act as relative weights: the overall scale is fixed by loss_coef.
         weights = [lam / self.lam if self.lam > 0 else lam for lam in self._lams]
+        self._current_plans()
         penalty = pair_penalty(self.pairs, weights, upstream_grad=self._upstream, plan=self._plan)
         self._last_penalty = penalty.detach()
         return self.loss_coef * align_to_task_loss(penalty, task_loss)
@@ -1001,6 +1021,7 @@ class ColinearityDecay:
         On a model sharded by FSDP2 this is a collective (it gathers each block's matrices for the energies):
         call it on every rank at the same steps, and log the result from one.
         """
+        self._current_plans()
         out = energy_metrics(self.all_pairs, self._all_plan, self._all_block_plans)
         norms, seen = self._last_update_norms, self._norms_seen
         out.update({f"cd/update_norm/{key}": float(norms[key]) for key in sorted(norms, key=_role_order)

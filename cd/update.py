@@ -80,9 +80,17 @@ def _group_key(p: Pair) -> tuple:
     return (p.kind, p.role, tuple(w1.shape), tuple(w2.shape), w1.dtype, w2.dtype, w2.device)
 
 
+def plan_key(pairs: Sequence[Pair]) -> tuple:
+    """What of a cached `build_plan(pairs)`'s grouping can change in place: the devices and dtypes of the pairs'
+    matrices (`module.to` keeps the parameter objects). A caller that caches a plan compares this at each use and
+    builds the plan again when it changed: a group whose pairs moved to two devices (some blocks moved to another
+    GPU after the plan was made) failed inside torch.stack. One attribute read per matrix, no sync."""
+    return tuple((p.upstream.device, p.upstream.dtype, p.downstream.device, p.downstream.dtype) for p in pairs)
+
+
 def build_plan(pairs: Sequence[Pair], upstream: Optional[Sequence[bool]] = None) -> Plan:
     """Group `pairs` by (kind, role, shapes, dtypes, device) and order the groups so that reads
-    precede writes.
+    precede writes. The grouping holds while `plan_key(pairs)` does.
 
     Args:
         pairs: the pairs to update.

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cd import ColinearityDecay, UnsupportedModelError, find_pairs
+import cd.decay
+from cd import ColinearityDecay, UnsupportedModelError, find_pairs, pair_energy_source
 from cd.update import align_to_task_loss, colinearity_decay_, pair_energy, pair_penalty
 from cd_models import (SWIN_DEPTHS, VIT_DEPTH, changed, normalized, randomize_norms, ref_block_update, ref_w2,
                        snapshot, tiny_swin, tiny_vit)
@@ -598,3 +599,48 @@ def test_pair_penalty_of_no_pairs_is_refused_by_name():
     the first pair's; a penalty of none would train the loss form without CD, so it is refused, naming the fix."""
     with pytest.raises(ValueError, match=r"^pair_penalty: no pairs, .*pass find_pairs\(model\)'s pairs"):
         pair_penalty([], [])
+
+
+def _move_in_place(params, device):
+    """`params` (FakeTensor Parameters) onto `device`, the same Parameter objects, as module.to moves real ones
+    (`.data` swapped). module.to itself swaps a FakeTensor's whole tensor (torch.utils.swap_tensors), which its
+    Parameter refuses, and `.data =` keeps its fake device: the fake device is set directly."""
+    for p in params:
+        p.fake_device = torch.device(device)
+
+
+def test_colinearity_decay_follows_blocks_moved_to_another_gpu_after_it_was_built():
+    """The cached batching plans group pairs by the devices they were on when ColinearityDecay was built: block 1
+    moved to cuda:1 afterwards left a group over two GPUs, and apply / aux_loss failed inside torch.stack with torch's
+    "found at least two devices". The plans are built again when the devices change; the whole model moved after
+    that (model.cuda()) is stepped as before."""
+    model = tiny_vit()
+    mode = _split_over_two_gpus(model)
+    _move_in_place(model.blocks[1].parameters(), "cuda:0")  # built with the whole model on cuda:0
+    decay = ColinearityDecay(model, verify=False, matmul_precision="fp32")
+    loss_form = ColinearityDecay(model, verify=False, mode="loss")
+    with mode:
+        for blocks, device in (([model.blocks[1]], "cuda:1"), (list(model.children()), "cuda:1")):
+            for block in blocks:
+                _move_in_place(block.parameters(), device)
+            assert model.blocks[1].mlp.fc2.weight is decay.pairs[-1].downstream  # the same objects, moved
+            decay.apply(0.1)
+            norms = decay._last_update_norms
+            term = loss_form.aux_loss(torch.ones((), device="cuda:1"))
+            assert set(norms) == {"qkv", "proj", "fc1", "fc2"} and term.device == torch.device("cuda:1")
+            assert {str(v.device) for v in norms.values()} == {"cuda:0" if len(blocks) == 1 else "cuda:1"}
+
+
+def test_a_pair_energy_source_follows_blocks_moved_to_another_gpu_after_it_was_made(monkeypatch):
+    """A baseline's pair_energy_source cached its plan as ColinearityDecay did: block 1 moved to cuda:1 after it was
+    made failed inside torch.stack. (The energies' float() cannot read FakeTensors: the sums are taken unread.)"""
+    model = tiny_vit()
+    mode = _split_over_two_gpus(model)
+    _move_in_place(model.blocks[1].parameters(), "cuda:0")
+    source = pair_energy_source(model, verify=False)
+    sums = []
+    monkeypatch.setattr(cd.decay, "energy_metrics", lambda pairs, plan, plans: sums.append(pair_energy(pairs, plan)))
+    with mode:
+        _move_in_place(model.blocks[1].parameters(), "cuda:1")
+        source()
+    assert set(sums[0]) == {"qkv", "proj", "fc1", "fc2"}
