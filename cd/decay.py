@@ -984,10 +984,20 @@ class ColinearityDecay:
 
         Returns:
             0-dim fp32 tensor to add to `task_loss` (zero if every strength is 0).
+
+        Raises:
+            RuntimeError: mode='decoupled'.
+            TypeError: `task_loss` is no 0-dim tensor (a number has no device for the term; a per-sample loss gave
+                a term per sample, each aligned to its own sample's loss).
         """
         if self.mode != "loss":
             raise RuntimeError("ColinearityDecay.aux_loss is for mode='loss'; the decoupled mode acts "
                                "through attach()/apply()")
+        if not isinstance(task_loss, Tensor) or task_loss.dim() != 0:
+            got = f"shape {tuple(task_loss.shape)}" if isinstance(task_loss, Tensor) else type(task_loss).__name__
+            raise TypeError(f"ColinearityDecay.aux_loss: task_loss must be the 0-dim tensor of this batch's task loss "
+                            f"(reduced, e.g. its mean), got {got}; reduce the loss first, and pass it as the tensor "
+                            f"it is")
         if torch.is_grad_enabled():  # a term taken without gradients (a no_grad evaluation) trains nothing
             self._aux_taken = True  # what the attached optimizer's next step checks (`attach`)
         if not self._active:

@@ -613,3 +613,14 @@ def test_loss_mode_refuses_apply_and_an_attached_step_without_aux_loss():
     plain = torch.optim.SGD(other.parameters(), lr=0.1)
     off.attach(plain)
     plain.step()
+
+
+@pytest.mark.parametrize("task_loss, got", [(2.5, "float"), (torch.tensor([1.0, 4.0]), r"shape \(2,\)")],
+                         ids=["number", "per-sample"])
+def test_aux_loss_refuses_a_task_loss_other_than_a_0_dim_tensor(task_loss, got):
+    """A number failed with "'float' object has no attribute 'device'"; a per-sample loss gave a term per sample, each
+    aligned to its own sample's loss, where the term is loss_coef * |the batch's loss| (eq. 8, stabilized)."""
+    decay = ColinearityDecay(tiny_vit(), mode="loss")
+    with pytest.raises(TypeError, match=rf"^ColinearityDecay\.aux_loss: task_loss must be the 0-dim tensor .*got {got}"):
+        decay.aux_loss(task_loss)
+    assert decay._last_penalty is None
