@@ -621,6 +621,7 @@ def test_aux_loss_refuses_a_task_loss_other_than_a_0_dim_tensor(task_loss, got):
     """A number failed with "'float' object has no attribute 'device'"; a per-sample loss gave a term per sample, each
     aligned to its own sample's loss, where the term is loss_coef * |the batch's loss| (eq. 8, stabilized)."""
     decay = ColinearityDecay(tiny_vit(), mode="loss")
-    with pytest.raises(TypeError, match=rf"^ColinearityDecay\.aux_loss: task_loss must be the 0-dim tensor .*got {got}"):
+    refused = rf"^ColinearityDecay\.aux_loss: task_loss must be the 0-dim tensor .*got {got}"
+    with pytest.raises(TypeError, match=refused):
         decay.aux_loss(task_loss)
     assert decay._last_penalty is None
