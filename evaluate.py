@@ -158,7 +158,7 @@ def main(args: argparse.Namespace) -> dict:
         val_print = val_fingerprint(cfg.data, val_loader.dataset)
         check_same_data_on_every_rank(cfg.data, val_print, device, dist.rank)
 
-        def open_results() -> tuple[EvalResults, bool, list, dict]:
+        def open_results() -> tuple[EvalResults, bool, list, dict, dict]:
             results = EvalResults.open(out, identity(cfg, args, model, len(val_loader.dataset), val_print,
                                                      trained_input_size(payload, task.language)))
             # maxima over other quant.act_max_extra_modules than the file's are another measurement: refused, or
@@ -171,8 +171,11 @@ def main(args: argparse.Namespace) -> dict:
                 f"call measures again)")
             # the maxima files there that are the result file's own: the only ones the call replaces
             own = check_act_max_files(results.data, os.path.splitext(out)[0]) if cfg.quant.act_max_csv else {}
+            # computed once, now, and recorded with each result: computed again at its writing, a train folder
+            # changed during the run would name its new files beside a calibration batch drawn from the old ones
+            asked = {name: quant_settings(cfg, name) for name in dict.fromkeys(name for name, _ in planned(cfg))}
             return results, replaces, [(name, bits) for name, bits in planned(cfg)
-                                       if results.plan(name, bits, quant_settings(cfg, name), args.recompute)], own
+                                       if results.plan(name, bits, asked[name], args.recompute)], own, asked
 
         # rank 0's result path, the one file read and written (by rank 0): another node's --out, or its default
         # beside that node's own --checkpoint path, names a path of its own, and run_on_main's labels (which name
@@ -180,7 +183,7 @@ def main(args: argparse.Namespace) -> dict:
         main_out = run_on_main(lambda: out, "naming the result file", device)
         # read once, on rank 0: ranks that each read the file (while another process writes it, or from a
         # folder that is not shared) could plan different work and then wait for each other forever
-        results, replaces_max_act, todo, own_files = run_on_main(open_results, f"reading {main_out}", device)
+        results, replaces_max_act, todo, own_files, asked = run_on_main(open_results, f"reading {main_out}", device)
         for name, bits in planned(cfg):
             if (name, bits) not in todo:
                 log.info("%s %s is already in %s with these settings (--recompute runs it again)", name, bits, out)
@@ -300,7 +303,7 @@ def main(args: argparse.Namespace) -> dict:
                 name, model, calib, bits, options=pipeline_options(cfg, name), data=pipeline_data,
                 eval_fn=lambda m: task.evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
             entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
-            results.add(name, bits, entry, quant_settings(cfg, name))
+            results.add(name, bits, entry, asked[name])  # the settings planned (open_results)
             run_on_main(lambda: results.save(keep), f"writing {main_out}", device)
             log.info("%s %s %s  [quantize %.1fs, eval %.1fs = %.2fx FP eval]", name, bits, score_line(entry),
                      entry["quantize_seconds"], entry["eval_seconds"], entry["eval_vs_fp"])
@@ -995,6 +998,8 @@ def check_checkpoint_settings(saved: dict, cfg: Config, checkpoint: str, fingerp
         raise ConfigError(f"model.pretrained={cfg.model.pretrained}: --checkpoint {checkpoint} gives the weights; "
                           f"evaluate other weights with model.pretrained and --config, without --checkpoint")
     check_not_trained_on(config_from_dict(saved).data, cfg.data, checkpoint, fingerprint)
+    # digits it and its starts learned at other fractions: one line, not two checks' opposite fixes
+    check_digits_held_out_from_all(config_from_dict(saved).data, starts, cfg.data, f"--checkpoint {checkpoint}")
     trained = saved.get("data", {})
     if (cfg.data.dataset == "kjv" and trained.get("dataset") == "kjv"
             and trained.get("kjv_val_fraction", cfg.data.kjv_val_fraction) != cfg.data.kjv_val_fraction):
@@ -1023,14 +1028,53 @@ def check_held_out_from_starts(starts: Collection[dict], data: DataConfig, weigh
     lies from `weights`, or as the run's own training before a resume changed its data (an entry marked
     EARLIER_TRAINING: data learned by the run of the entry before it, `weights`' own at the front); an entry of an
     older schema's data settings is compared on the keys that name the data (`recorded_training_data`)."""
-    back = 0  # fine-tunes back from `weights`
+    for entry, learned_by in labelled_starts(starts, weights):
+        trained = recorded_training_data(entry["data"], learned_by)
+        check_held_out_from(trained, entry.get("data_fingerprint"), data, learned_by, scored)
+
+
+def labelled_starts(starts: Collection[dict], weights: str) -> list[tuple[dict, str]]:
+    """Each entry of `starts` (check_held_out_from_starts') with the weights that learned it as errors name them: a
+    start of `weights` by how far back it lies, or `weights`' own run before a resume changed its training data."""
+    labelled, back = [], 0  # fine-tunes back from `weights`
     for entry in starts:
         back += not entry.get(EARLIER_TRAINING)
         start = (" (its own run's training before a resume changed its training data)" if back == 0
                  else "'s start (weights it was fine-tuned from)" if back == 1
                  else "'s start" * back + f" (weights {back} fine-tunes back)")
-        trained = recorded_training_data(entry["data"], f"{weights}{start}")
-        check_held_out_from(trained, entry.get("data_fingerprint"), data, f"{weights}{start}", scored)
+        labelled.append((entry, f"{weights}{start}"))
+    return labelled
+
+
+def check_digits_held_out_from_all(own: DataConfig, starts: Collection[dict], data: DataConfig, weights: str) -> None:
+    """Refuse in one line a digits val split where no data.digits_val_fraction is held out from all the digits the
+    weights `weights` learned: its own run's (`own`) and its starts' (`starts`, as check_held_out_from_starts'),
+    learned at other fractions (C at 0.3 fine-tuned from A at 0.2, a lineage older code let through). The val
+    images of each fraction, another seeded draw (data.digits.split_indices), include some another one trained on,
+    so the checks of each (check_held_out_from, the checkpoint's own fraction check) would each refuse with the fix
+    the other refuses. A fraction none of them learned at is another draw still, whose val images meet their
+    training images too: only the learned fractions are tried."""
+    if data.dataset != "digits":
+        return
+    learned = [(own, weights)] + [(recorded_training_data(entry["data"], by), by)
+                                  for entry, by in labelled_starts(starts, weights)]
+    fractions = dict.fromkeys(trained.digits_val_fraction for trained, _ in learned if trained.dataset == "digits")
+    if len(fractions) < 2:
+        return
+    train_of = {f: set(digits_split(f)[0].tolist()) for f in fractions}
+
+    def held_out(fraction: float) -> bool:
+        val = set(digits_split(fraction)[1].tolist())
+        return not any(val & train_of[f] for f in fractions if f != fraction)
+
+    if held_out(data.digits_val_fraction) or any(held_out(f) for f in fractions):
+        return
+    named = [f"it was trained on those outside a val fraction of {own.digits_val_fraction}" if by == weights
+             else f"{by} on those outside {trained.digits_val_fraction}"
+             for trained, by in learned if trained.dataset == "digits"]
+    raise ConfigError(f"data.digits_val_fraction={data.digits_val_fraction}: no data.digits_val_fraction is held out "
+                      f"from all the digits {weights} learned: {', '.join(named)}, and the val images of each "
+                      f"include some another trained on; score it on other data")
 
 
 # the data.* keys that name the data a checkpoint was trained on and held out (check_held_out_from reads no other)

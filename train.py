@@ -780,6 +780,7 @@ def check_pretrained_data(cfg: Config) -> None:
                           f"symbol; fine-tune it on data.dataset={trained.dataset}, or train from scratch (without "
                           f"model.pretrained)")
     payload = mapped_payload(path)
+    check_digits_held_out(trained, payload, data, weights)
     check_held_out_from(trained, payload.get("data_fingerprint"), data, weights)
     check_held_out_from_ancestors(payload, data, weights)
 
@@ -790,6 +791,14 @@ def check_held_out_from_ancestors(payload: dict, data, weights: str) -> None:
     evaluate.py --checkpoint makes of the val split it scores (evaluate.check_held_out_from_starts)."""
     import evaluate  # the evaluation stack: here only
     evaluate.check_held_out_from_starts(ancestors_data(payload), data, weights, "validation (and best.pt)")
+
+
+def check_digits_held_out(trained, payload: dict, data, weights: str) -> None:
+    """evaluate.check_digits_held_out_from_all: digits the run checkpoint `payload` (named `weights`; `trained`, its
+    own data settings) and its starts learned at other val fractions are refused in one line, before the checks of
+    each, whose fixes contradict one another."""
+    import evaluate  # the evaluation stack: here only
+    evaluate.check_digits_held_out_from_all(trained, ancestors_data(payload), data, weights)
 
 
 def check_recorded_characters(cfg: Config) -> None:
@@ -1286,6 +1295,7 @@ def check_resume(cfg: Config, resume_path: Optional[str], payload: Optional[dict
         check_resumable(payload["config"], cfg, resume_path, warn=warn)
         # a val split changed on resume (train.allow_changed_config=true) must not read what the run trained on
         if (trained := recorded_data(payload["config"], resume_path)) is not None:
+            check_digits_held_out(trained, payload, cfg.data, resume_path)
             check_held_out_from(trained, payload.get("data_fingerprint"), cfg.data, resume_path)
         check_held_out_from_ancestors(payload, cfg.data, resume_path)
     check_schedule_on_resume(cfg, payload["config"] if resume_path is not None else None)

@@ -258,3 +258,41 @@ def test_data_settings_that_fail_today_s_schema_are_checked_on_the_keys_that_nam
                                           r"split cannot be checked .*; use the version of the code that trained it$"):
         evaluate.check_held_out_from_starts([{"data": {**old, "digits_val_fraction": 2}, "data_fingerprint": None}],
                                             cfg.data, "x", "the evaluation")
+
+
+def test_digits_learned_at_two_fractions_are_refused_in_one_line_naming_both(tmp_path):
+    """C trained on digits at a val fraction of 0.3 from A's weights at 0.2 (a lineage older code let through): the
+    check of C's own data demanded 0.3, that of A's 0.2, each error the fix the other refuses, while the val images
+    of each fraction include some the other trained on (the seeded draws, data.digits.split_indices). evaluate.py
+    --checkpoint, a resume and a fine-tune of C say in one line that no fraction is held out from both."""
+    from configs import config_to_dict
+    from data.digits import split_indices
+    for fraction, other in ((0.2, 0.3), (0.3, 0.2)):  # the reference: each val split meets the other's training
+        assert set(split_indices(fraction)[1].tolist()) & set(split_indices(other)[0].tolist())
+    common = [f"out_dir={tmp_path / 'c'}", "data.dataset=digits", "model.num_classes=10", "log.tensorboard=false",
+              "train.max_steps=1"]
+    c = load_config([DEBUG_CONFIG], [*common, "data.digits_val_fraction=0.3"])
+    payload = {"config": config_to_dict(c), "model": {}, "state": {"step": 1}, "data_fingerprint": None,
+               START_WEIGHTS: {"pretrained": "file", "fingerprint": "0" * 16,
+                               "trained_on": [{"data": config_to_dict(load_config([DEBUG_CONFIG], common))["data"],
+                                               "data_fingerprint": None}]}}  # A's: at the default 0.2
+    assert payload[START_WEIGHTS]["trained_on"][0]["data"]["digits_val_fraction"] == 0.2
+    path = tmp_path / "c" / "best.pt"
+    path.parent.mkdir()
+    torch.save(payload, path)
+    both = (r"no data.digits_val_fraction is held out from all the digits .*c/best.pt learned: it was trained on "
+            r"those outside a val fraction of 0.3, .*c/best.pt's start \(weights it was fine-tuned from\) on those "
+            r"outside 0.2, and the val images of each include some another trained on; score it on other data")
+    for fraction in ("0.2", "0.3"):
+        with pytest.raises(ConfigError, match=rf"^data.digits_val_fraction={fraction}: {both}$"):
+            evaluate.check_checkpoint_settings(payload["config"], load_config(
+                [DEBUG_CONFIG], [*common, f"data.digits_val_fraction={fraction}"]), str(path), None,
+                evaluate.ancestors_data(payload))
+        with pytest.raises(ConfigError, match=rf"^data.digits_val_fraction={fraction}: {both}$"):
+            train.check_resume(load_config([DEBUG_CONFIG], [*common, f"data.digits_val_fraction={fraction}",
+                                                            "train.allow_changed_config=true"]),
+                               str(path), payload, warn=False)
+        with pytest.raises(ConfigError, match=rf"^data.digits_val_fraction={fraction}: {both}$"):
+            train.check_pretrained_data(load_config([DEBUG_CONFIG], [
+                f"out_dir={tmp_path / 'd'}", *common[1:], f"data.digits_val_fraction={fraction}",
+                f"model.pretrained={path}"]))
