@@ -78,3 +78,38 @@ def test_a_relative_root_read_from_another_folder_is_that_folders_split(tmp_path
         monkeypatch.chdir(tmp_path / where)
         counts.append(qs.train_folder_fingerprint("data", "train")["images"])
     assert counts == [2, 3]
+
+
+def test_a_result_records_the_train_files_of_its_plan_not_those_there_when_it_is_written(tmp_path, monkeypatch):
+    """evaluate.py computed a result's settings again when it wrote it: a train folder changed during a long run
+    (an image added after the calibration batch was drawn) made the entries record the new files beside a batch of
+    the old ones. They record the settings planned. Reference: the files the test wrote, counted before the change."""
+    import json
+
+    import evaluate
+    import train
+    root = tmp_path / "data"
+    make_folder(root, {"train": {"a": 8, "b": 8}, "val": {"a": 2, "b": 2}})
+    train.main(load_config([DEBUG_CONFIG], [f"out_dir={tmp_path / 'run'}", "model.num_classes=2",
+                                            "data.dataset=folder", f"data.root={root}", "train.max_steps=1",
+                                            "sched.epochs=1", "sched.warmup_epochs=0", "log.tensorboard=false"]))
+    planned = qs.train_folder_fingerprint(str(root), "train")
+    assert planned["images"] == 16
+    quantize = evaluate.evaluate_quantized
+
+    def changing(*args, **kwargs):  # the folder exported again while the pipelines run: an image more
+        if not (root / "train" / "b" / "extra.png").exists():
+            make_folder(tmp_path / "more", {"train": {"a": 1}})
+            os.replace(tmp_path / "more" / "train" / "a" / "0.png", root / "train" / "b" / "extra.png")
+            os.utime(root / "train" / "b", ns=(0, 1))  # a listing time of its own, whatever the clock's resolution
+        return quantize(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "evaluate_quantized", changing)
+    out = tmp_path / "r.json"
+    evaluate.main(evaluate.parse_args(["--checkpoint", str(tmp_path / "run" / "checkpoint.pt"), "--quant",
+                                       "percentile", "--bits", "w4a4", "w8a8", "--out", str(out), "quant.calib_images=8"]))
+    assert qs.train_folder_fingerprint(str(root), "train")["images"] == 17  # the change happened during the run
+    entries = json.loads(out.read_text())["quant"]["percentile"]
+    assert sorted(entries) == ["w4a4", "w8a8"]
+    for entry in entries.values():
+        assert entry["settings"]["calibration"]["train_files"] == planned
