@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -581,7 +582,7 @@ def pair_penalty(
 
     Raises:
         ValueError: no pairs (a penalty of none has no device or dtype, and a loss form without one trains
-            without CD); weights has another length than pairs; a matrix is on the meta device (`refuse_meta`: no
+            without CD); weights has another length than pairs, or one that is negative or not finite; a matrix is on the meta device (`refuse_meta`: no
             values to differentiate).
     """
     if not pairs:  # the zero's device and dtype are the first pair's: an IndexError from its end
@@ -589,6 +590,12 @@ def pair_penalty(
                          "CD); pass find_pairs(model)'s pairs, or a selection of them that keeps at least one")
     if len(weights) != len(pairs):  # a shorter list failed mid-sum, a longer one's extra weights went unread
         raise ValueError(f"weights has {len(weights)} entries for {len(pairs)} pairs")
+    # a negative weight made the penalty one that grows the energy it penalises, and a negative total was aligned to
+    # the task loss through its floor (`align_to_task_loss`): a term ~1e38 times the loss; a NaN made it NaN
+    bad = next((k for k, w in enumerate(weights) if not (math.isfinite(float(w)) and float(w) >= 0)), None)
+    if bad is not None:
+        raise ValueError(f"pair_penalty: weights[{bad}] = {weights[bad]!r} (pair {pairs[bad].name}); every weight "
+                         f"must be a finite number >= 0 (0 leaves the pair out)")
     plan = plan or build_plan(pairs)
     total: Optional[Tensor] = None
     device = sum_device(pairs)

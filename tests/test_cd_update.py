@@ -644,3 +644,15 @@ def test_a_pair_energy_source_follows_blocks_moved_to_another_gpu_after_it_was_m
         _move_in_place(model.blocks[1].parameters(), "cuda:1")
         source()
     assert set(sums[0]) == {"qkv", "proj", "fc1", "fc2"}
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_pair_penalty_refuses_a_negative_or_non_finite_weight(bad):
+    """A negative weight made the penalty grow the energy it penalises (a negative total, aligned to the task loss
+    through the floor of its divisor, a term ~1e38 times the loss); NaN or inf made it NaN or inf. Refused, naming
+    the weight and its pair."""
+    pairs = find_pairs(tiny_vit())
+    weights = [1.0] * len(pairs)
+    weights[2] = bad
+    with pytest.raises(ValueError, match=rf"^pair_penalty: weights\[2\] = {bad!r} \(pair {pairs[2].name}\); every"):
+        pair_penalty(pairs, weights)
