@@ -582,8 +582,8 @@ def pair_penalty(
 
     Raises:
         ValueError: no pairs (a penalty of none has no device or dtype, and a loss form without one trains
-            without CD); weights has another length than pairs, or one that is negative or not finite; a matrix is on the meta device (`refuse_meta`: no
-            values to differentiate).
+            without CD); weights has another length than pairs, or one that is negative or not finite; a matrix is
+            on the meta device (`refuse_meta`: no values to differentiate).
     """
     if not pairs:  # the zero's device and dtype are the first pair's: an IndexError from its end
         raise ValueError("pair_penalty: no pairs, so there is no penalty to add (a loss form of none trains without "
