@@ -987,6 +987,8 @@ class ColinearityDecay:
 
         Raises:
             RuntimeError: mode='decoupled'.
+            ValueError: the model's parameters were replaced after this object found its pairs (the penalty's
+                gradient would reach tensors the model no longer uses).
             TypeError: `task_loss` is no 0-dim tensor (a number has no device for the term; a per-sample loss gave
                 a term per sample, each aligned to its own sample's loss).
         """
@@ -1004,6 +1006,9 @@ class ColinearityDecay:
             return torch.zeros((), dtype=torch.float32, device=task_loss.device)
         # Per-role strengths act as relative weights: the overall scale is fixed by loss_coef.
         weights = [lam / self.lam if self.lam > 0 else lam for lam in self._lams]
+        # as apply's: a penalty of replaced tensors (load_state_dict(assign=True)) sent its gradient to tensors the
+        # model no longer uses, and the model trained without CD
+        self._check_parameters_current()
         self._current_plans()
         penalty = pair_penalty(self.pairs, weights, upstream_grad=self._upstream, plan=self._plan)
         self._last_penalty = penalty.detach()
@@ -1030,7 +1035,14 @@ class ColinearityDecay:
 
         On a model sharded by FSDP2 this is a collective (it gathers each block's matrices for the energies):
         call it on every rank at the same steps, and log the result from one.
+
+        Raises:
+            ValueError: the model's parameters were replaced after this object found its pairs (their energies would
+                be those of tensors the model no longer uses: constant curves that look like data).
         """
+        named = [(p.name, p.downstream) for p in self.all_pairs] + [(p.upstream_name, p.upstream)
+                                                                    for p in self.all_pairs]
+        check_parameters_current(self._model(), named, "ColinearityDecay", reads_only=True)  # as pair_energy_source's
         self._current_plans()
         out = energy_metrics(self.all_pairs, self._all_plan, self._all_block_plans)
         norms, seen = self._last_update_norms, self._norms_seen

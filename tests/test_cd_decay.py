@@ -625,3 +625,19 @@ def test_aux_loss_refuses_a_task_loss_other_than_a_0_dim_tensor(task_loss, got):
     with pytest.raises(TypeError, match=refused):
         decay.aux_loss(task_loss)
     assert decay._last_penalty is None
+
+
+def test_aux_loss_and_metrics_refuse_parameters_replaced_after_the_pairs_were_found():
+    """After load_state_dict(assign=True) the pairs hold tensors the model no longer uses: apply refused them, but the
+    loss form's penalty sent its gradient there (the model's own fc2 got none: trained without CD), and metrics logged
+    the old tensors' energies (constant curves). Both are refused as apply is, naming the cause."""
+    model = tiny_vit()
+    loss_form, decoupled = ColinearityDecay(model, mode="loss"), ColinearityDecay(model)
+    model.load_state_dict({k: v.clone() for k, v in tiny_vit().state_dict().items()}, assign=True)
+    replaced = r"^ColinearityDecay: the model's parameter blocks\.0\..* is no longer the tensor its pairs were found on"
+    with pytest.raises(ValueError, match=replaced):
+        loss_form.aux_loss(torch.tensor(2.0))
+    assert model.blocks[0].mlp.fc2.weight.grad is None and loss_form._last_penalty is None
+    for decay in (loss_form, decoupled):
+        with pytest.raises(ValueError, match=replaced):
+            decay.metrics()
