@@ -975,7 +975,9 @@ def test_gplq_without_qwt_runs_on_a_detector(sample, tmp_path):
                    "gplq.steps=1", "--max-images", "1", "--device", "cpu"])
     entry = result["quant"]["gplq"]["w4a4"]
     assert entry["stage1"]["steps"] == 1 and entry["qwt"]["blocks"] == [] and entry["qwt"]["images"] == 0
-    assert entry["settings"]["options"] == {"qwt": False, "steps": 1}
+    # with the lr used recorded (07ef5a4b): the paper's 1e-6 below a global batch of 64 (the detection recipe's 1),
+    # scale_lr falling back to it
+    assert entry["settings"]["options"] == {"qwt": False, "steps": 1, "lr": 1e-6, "scale_lr": 1e-6}
 
 
 def test_a_checkpoint_saved_from_a_ddp_wrapped_detector_loads_as_the_detector(mmdet_ready, tmp_path):
