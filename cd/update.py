@@ -166,12 +166,15 @@ def align_to_task_loss(penalty: Tensor, task_loss: Tensor) -> Tensor:
     factor (used by CD's loss form and TWEO's rescaled variant, which then multiply it by a small coefficient).
     The magnitude, not the signed loss: the paper aligns the term to the task loss's scale, and a negative task loss
     (a Gaussian NLL, a negative ELBO or similarity) would otherwise flip the term into one that raises the penalty.
+    A penalty of 0 (every decayed W2 zero, e.g. output projections initialised to zero) has nothing to lower: its
+    term and gradient are 0.
     """
     penalty = onto(penalty, task_loss.device)  # a split model's penalty is on its first block's device (`onto`)
     # fp32 at least (an fp16 task loss), float64 for a float64 penalty (exact float64 references)
-    ratio = task_loss.detach().abs().to(compute_dtype(penalty)) / \
-        penalty.detach().clamp_min(torch.finfo(torch.float32).tiny)
-    return penalty * ratio
+    detached = penalty.detach()
+    ratio = task_loss.detach().abs().to(compute_dtype(penalty)) / detached.clamp_min(torch.finfo(torch.float32).tiny)
+    # a penalty of 0 took the floor's ratio, inf in fp32 for |loss| > 4: a NaN term (0 * inf) and NaN gradients
+    return penalty * torch.where(detached > 0, ratio, torch.zeros_like(ratio))
 
 
 def onto(t: Tensor, device: torch.device) -> Tensor:

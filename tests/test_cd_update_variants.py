@@ -184,3 +184,29 @@ def test_a_penalty_of_zero_weights_keeps_the_pairs_compute_dtype_under_another_d
     finally:
         torch.set_default_dtype(previous)
     assert zero.dtype == torch.float32 and float(zero) == 0.0
+
+
+@pytest.mark.parametrize("task_loss", [2.0, 6.9, 1e30])
+def test_a_zero_penalty_gives_a_zero_term_and_gradient_at_any_task_loss(task_loss):
+    """A penalty of 0 (every decayed W2 zero: output projections initialised to zero, as some GPT recipes do) was
+    aligned through its floor, |loss| / 1.2e-38, which overflows fp32 for |loss| > 4 (ImageNet's ln(1000) = 6.9 at
+    init): the term 0 * inf was NaN, and so was the gradient of every decayed matrix. There is no energy to lower:
+    the term and its gradient are 0, at any loss; a penalty above 0 keeps its alignment (value |loss|)."""
+    zero = torch.zeros((), requires_grad=True)
+    out = align_to_task_loss(zero, torch.tensor(task_loss))
+    out.backward()
+    assert float(out.detach()) == 0.0 and float(zero.grad) == 0.0
+    model = tiny_vit()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.proj.weight.zero_()
+            block.mlp.fc2.weight.zero_()
+    decay = ColinearityDecay(model, mode="loss", targets="B")
+    term = decay.aux_loss(torch.tensor(task_loss))
+    term.backward()
+    assert float(term.detach()) == 0.0
+    for block in model.blocks:
+        assert torch.equal(block.attn.proj.weight.grad, torch.zeros_like(block.attn.proj.weight))
+        assert torch.equal(block.mlp.fc2.weight.grad, torch.zeros_like(block.mlp.fc2.weight))
+    tiny = torch.tensor(1e-30, requires_grad=True)  # above 0: aligned to the loss as before
+    assert float(align_to_task_loss(tiny, torch.tensor(6.9))) == pytest.approx(6.9, rel=1e-6)
