@@ -977,7 +977,9 @@ class ColinearityDecay:
 
         penalty = sum_pairs lam_role/lam-weighted ||W2 W1n||_F^2 (fp32, gradients to the decayed matrices
         only); returned term = loss_coef * penalty * (task_loss / penalty).detach(), whose value is
-        loss_coef * task_loss: the penalty is aligned to the task-loss magnitude, then scaled down.
+        loss_coef * task_loss: the penalty is aligned to the task-loss magnitude, then scaled down. The sum is over
+        the pairs with a decayed matrix that trains (requires_grad, read at each call): a frozen pair is left out,
+        as `apply` leaves it alone.
 
         Args:
             task_loss: 0-dim task loss of this (micro-)batch.
@@ -1004,8 +1006,11 @@ class ColinearityDecay:
             self._aux_taken = True  # what the attached optimizer's next step checks (`attach`)
         if not self._active:
             return torch.zeros((), dtype=torch.float32, device=task_loss.device)
-        # Per-role strengths act as relative weights: the overall scale is fixed by loss_coef.
-        weights = [lam / self.lam if self.lam > 0 else lam for lam in self._lams]
+        # Per-role strengths act as relative weights: the overall scale is fixed by loss_coef. A pair none of whose
+        # decayed matrices trains is left out, as `apply` leaves it alone: a frozen stage's energies, constants to the
+        # optimizer, were aligned with the rest and weakened the trained pairs' term (and showed in cd/penalty)
+        weights = [(lam / self.lam if self.lam > 0 else lam) if self._trains(p) else 0.0
+                   for lam, p in zip(self._lams, self.pairs)]
         # as apply's: a penalty of replaced tensors (load_state_dict(assign=True)) sent its gradient to tensors the
         # model no longer uses, and the model trained without CD
         self._check_parameters_current()
@@ -1013,6 +1018,10 @@ class ColinearityDecay:
         penalty = pair_penalty(self.pairs, weights, upstream_grad=self._upstream, plan=self._plan)
         self._last_penalty = penalty.detach()
         return self.loss_coef * align_to_task_loss(penalty, task_loss)
+
+    def _trains(self, pair: Pair) -> bool:
+        """Whether a matrix this object decays in `pair` trains (requires_grad): its W2, or target C's W1."""
+        return pair.downstream.requires_grad or (self._upstream and pair.upstream.requires_grad)
 
     # ----------------------------------------------------------------------------------- logging, resume
     def metrics(self) -> dict[str, float]:

@@ -641,3 +641,32 @@ def test_aux_loss_and_metrics_refuse_parameters_replaced_after_the_pairs_were_fo
     for decay in (loss_form, decoupled):
         with pytest.raises(ValueError, match=replaced):
             decay.metrics()
+
+
+def test_loss_mode_leaves_pairs_whose_decayed_matrices_are_frozen_out_of_the_penalty():
+    """A frozen stage (block 0, requires_grad=False) in loss mode: its pairs' energies, constants to the optimizer,
+    were summed into the penalty that the term aligns to the task loss, so the trained block's gradient was scaled by
+    E(block 1) / E(all) (here about 1/2; 1/12 for a ViT-B with 11 blocks frozen) and cd/penalty logged the frozen
+    energies. A pair is in the penalty while a matrix it decays trains: target C's (fc1, fc2) with fc2 frozen is
+    (fc1 gets the gradient), and block 0, frozen whole, is not. Checked against the closed forms of the penalty of
+    block 1's two functional pairs (naive float64 energies)."""
+    model = tiny_vit().double()
+    decay = ColinearityDecay(model, lam=0.005, mode="loss", loss_coef=0.01, targets="C")
+    model.blocks[0].requires_grad_(False)
+    model.blocks[1].mlp.fc2.weight.requires_grad_(False)
+    P = snapshot(model)
+    dim = P["blocks.1.attn.proj.weight"].shape[0]
+    proj, v = P["blocks.1.attn.proj.weight"], P["blocks.1.attn.qkv.weight"][2 * dim:]
+    fc1, fc2 = P["blocks.1.mlp.fc1.weight"], P["blocks.1.mlp.fc2.weight"]
+    penalty = float((proj @ normalized(v)).square().sum() + (fc2 @ normalized(fc1)).square().sum())
+    decay.aux_loss(torch.tensor(2.5, dtype=torch.float64)).backward()
+    assert math.isclose(decay.metrics()["cd/penalty"], penalty, rel_tol=1e-12)
+    ratio = 0.01 * 2.5 / penalty
+    w1n = normalized(v)
+    torch.testing.assert_close(model.blocks[1].attn.proj.weight.grad, ratio * 2 * proj @ w1n @ w1n.T)
+    c2 = fc1.shape[0] / fc1.norm() ** 2
+    torch.testing.assert_close(model.blocks[1].mlp.fc1.weight.grad, ratio * 2 * c2 * fc2.T @ fc2 @ fc1)
+    assert all(p.grad is None for p in model.blocks[0].parameters())
+    model.requires_grad_(False)  # every decayed matrix frozen: a zero term, no gradient
+    term = decay.aux_loss(torch.tensor(2.5, dtype=torch.float64))
+    assert float(term) == 0.0 and not term.requires_grad and decay.metrics()["cd/penalty"] == 0.0
