@@ -587,8 +587,10 @@ class ColinearityDecay:
     def matmul_precision(self) -> str:
         """The precision of the update's products now: the setting as given, 'auto' resolved from the device of the
         decayed matrices as they are at this call (`resolve_precision`: tf32 on CUDA, fp32 elsewhere), so that a model
-        moved to a GPU after CD is built gets tf32 there."""
-        return resolve_precision(self._precision_setting, self.pairs[0].downstream.device)
+        moved to a GPU after CD is built gets tf32 there. A model split between the CPU and CUDA gets tf32 (the first
+        block offloaded to the CPU made it fp32 on the GPU): the switch is cuBLAS's, the CPU's products stay fp32."""
+        devices = [p.downstream.device for p in self.pairs]
+        return resolve_precision(self._precision_setting, next((d for d in devices if d.type == "cuda"), devices[0]))
 
     def _apply(self, lr2: list, lr1: list, gate: Optional[Tensor],
                reads: Optional[Mapping[int, Tensor]] = None) -> bool:

@@ -54,6 +54,20 @@ def test_auto_follows_the_matrices_to_cuda_after_cd_is_built(monkeypatch):
     assert decay.matmul_precision == "tf32"
 
 
+def test_auto_is_tf32_when_a_block_after_the_first_is_on_cuda(monkeypatch):
+    """A model whose first block stays on the CPU (offloaded) and whose others are on a GPU: 'auto' was resolved from
+    the first pair's device alone, so the GPU blocks' products ran in IEEE fp32 where 'auto' is tf32 on CUDA. The
+    TF32 switch is cuBLAS's, so the CPU block's products stay fp32 under it."""
+    model = tiny_vit()
+    decay = ColinearityDecay(model, lam=0.1)
+    seen = record_precisions(monkeypatch)
+    for p in model.blocks[1].parameters():
+        p.__class__ = ReportsCuda
+    assert decay.pairs[0].downstream.device.type == "cpu"
+    decay.apply(lr=0.5)
+    assert seen == ["tf32"] and decay.matmul_precision == "tf32"
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_an_explicit_precision_is_kept_wherever_the_matrices_move(monkeypatch, precision):
     model = tiny_vit()
