@@ -28,7 +28,7 @@ from .pairs import ROLES, Pair, check_switches, find_pairs
 from .sharded import any_sharded, block_plans, register_shards, sharded_colinearity_decay_, sharded_pair_energy
 from .update import (PRECISIONS, align_to_task_loss, build_plan, check_tf32_device, colinearity_decay_, is_sharded,
                      known_zero, onto, pair_energy, pair_penalty, plan_key, refuse_meta, resolve_precision)
-from .verify import UnsupportedModelError
+from .verify import UnsupportedModelError, refuse_split_devices
 from .wrappers import (check_model, closure_then, in_outer_step, refuse_deepspeed, steps_without_hooks,
                        torch_optimizer, unhooked_step_text, unwrap_model)
 
@@ -126,6 +126,12 @@ def _role_order(key: str) -> tuple[int, str]:
     return (ROLES.index(key.split("_")[0]), key)
 
 
+def block_types(root: nn.Module, pairs: Sequence[Pair]) -> dict[str, str]:
+    """Block name -> its class's name, for `refuse_split_devices`'s message about a pair split after construction."""
+    blocks = {p.block for p in pairs}
+    return {name: type(m).__name__ for name, m in root.named_modules() if name in blocks}
+
+
 def energy_metrics(pairs: list[Pair], plan=None, block_plans_=None) -> dict[str, float]:
     """cd/pair_energy/<role>: mean over the role's blocks of ||W2 W1n||_F^2 (`pair_energy`: separate q, k, v layers
     count as one stacked [W_Q; W_K; W_V]); a diagnostic for any run, with or without CD, that syncs with the
@@ -166,6 +172,7 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool =
     refuse_meta(pairs, "pair_energy_source")
     plan, plans = (None, block_plans(pairs)) if any_sharded(pairs) else (build_plan(pairs), None)  # FSDP2: by block
     key = plan_key(pairs)
+    types = block_types(unwrap_model(model), pairs)
     root = weakref.ref(unwrap_model(model))
     named = [(p.name, p.downstream) for p in pairs] + [(p.upstream_name, p.upstream) for p in pairs]
 
@@ -175,6 +182,7 @@ def pair_energy_source(model: nn.Module, gated_mlp: bool = False, verify: bool =
         # constant curves that look like data
         check_parameters_current(root(), named, "pair_energy_source", reads_only=True)
         if plans is None and plan_key(pairs) != key:  # some blocks moved to another device since (`plan_key`)
+            refuse_split_devices(pairs, types)  # a pair's two matrices moved apart failed inside torch.mm
             plan, key = build_plan(pairs), plan_key(pairs)
         return energy_metrics(pairs, plan, plans)
 
@@ -451,6 +459,7 @@ class ColinearityDecay:
         self._precision_setting = matmul_precision
         self._all_plan = build_plan(self.all_pairs)
         self._plan_key = plan_key(self.all_pairs)  # the devices and dtypes the plans were made for (`_current_plans`)
+        self._block_types = block_types(unwrap_model(model), self.all_pairs)  # a pair split later: `_current_plans`
         # FSDP2 (fully_shard): the pairs' matrices are DTensor shards, updated block by block whole (`cd.sharded`)
         self._sharded = any_sharded(self.all_pairs)
         self._block_plans = block_plans(self.pairs, [u != 0 for u in self._up_lams]) if self._sharded else None
@@ -649,11 +658,17 @@ class ColinearityDecay:
         """Build the cached batching plans again when the pairs' matrices changed device or dtype since they were made
         (`plan_key`): the plans group pairs by device, and blocks moved to another GPU after this object was built
         (model.blocks[6:].to("cuda:1")) left a group over two devices, which failed inside torch.stack. A whole
-        model moved (model.cuda()) is grouped as before. FSDP2's block plans stay (its shards do not move)."""
+        model moved (model.cuda()) is grouped as before. FSDP2's block plans stay (its shards do not move).
+
+        Raises:
+            UnsupportedModelError: a pair's two matrices are on different devices now (part of a block moved), as
+                construction refuses it (`refuse_split_devices`): torch.mm failed on them, naming neither.
+        """
         if self._sharded:
             return
         key = plan_key(self.all_pairs)
         if key != self._plan_key:
+            refuse_split_devices(self.all_pairs, self._block_types)
             self._plan = build_plan(self.pairs, [u != 0 for u in self._up_lams])
             self._all_plan = build_plan(self.all_pairs)
             self._plan_key = key

@@ -656,3 +656,25 @@ def test_pair_penalty_refuses_a_negative_or_non_finite_weight(bad):
     weights[2] = bad
     with pytest.raises(ValueError, match=rf"^pair_penalty: weights\[2\] = {bad!r} \(pair {pairs[2].name}\); every"):
         pair_penalty(pairs, weights)
+
+
+def test_a_pair_split_over_two_gpus_after_cd_was_built_is_refused_by_name():
+    """A model split by hand after CD was built (block 0's fc2 moved to cuda:1, its fc1 left on cuda:0): construction
+    refuses such a pair, but afterwards apply, aux_loss, metrics and a baseline's pair_energy_source failed inside
+    torch.mm with "found at least two devices", naming neither the pair nor the fix (apply after the groups before it
+    had been written). Each refuses it as construction does, before any product."""
+    model = tiny_vit()
+    mode = _split_over_two_gpus(model)
+    _move_in_place(model.blocks[1].parameters(), "cuda:0")  # built with the whole model on cuda:0
+    decay = ColinearityDecay(model, verify=False, matmul_precision="fp32")
+    loss_form = ColinearityDecay(model, verify=False, mode="loss")
+    source = pair_energy_source(model, verify=False)
+    split = (r"^block 'blocks\.0' \(Block\) is not supported by CD: its fc2 pair has blocks\.0\.mlp\.fc2\.weight on "
+             r"cuda:1 and blocks\.0\.mlp\.fc1\.weight on cuda:0; .*Keep each block on one device$")
+    with mode:
+        _move_in_place(model.blocks[0].mlp.fc2.parameters(), "cuda:1")
+        for call in (lambda: decay.apply(0.1), lambda: loss_form.aux_loss(torch.ones((), device="cuda:0")),
+                     decay.metrics, source):
+            with pytest.raises(UnsupportedModelError, match=split):
+                call()
+    assert decay.num_updates == 0 and loss_form._last_penalty is None
