@@ -62,6 +62,14 @@ def register_step_update(owner: Any, decay: "ColinearityDecay", optimizer: torch
     for other in list(_HOOKED.get(optimizer, ())):
         theirs = other._hooked_decay(optimizer) if other is not owner else None
         shared = [mine[id(t)] for t in theirs._decayed() if id(t) in mine] if theirs is not None else []
+        if shared and "loss" in (theirs.mode, decay.mode):  # the loss form makes no update in the step: its penalty
+            second = ("this object's aux_loss penalty (mode='loss')" if decay.mode == "loss"
+                      else "this object's update in the optimizer's step")
+            first = (f"another CD object (mode='loss') attached to an optimizer decays {shared[0]} by its aux_loss "
+                     f"penalty" if theirs.mode == "loss" else "another CD update runs in this optimizer's step "
+                     f"already (a ColinearityDecay.attach or a cd.integrations callback) and decays {shared[0]}")
+            raise RuntimeError(f"{who}: {first}; {second} would decay it a second time. Use one per model (remove "
+                               f"the other first)")
         if shared:
             raise RuntimeError(f"{who}: another CD update runs in this optimizer's step already (a "
                                f"ColinearityDecay.attach or a cd.integrations callback) and decays {shared[0]} too; "
@@ -586,6 +594,11 @@ class ColinearityDecay:
             # another optimizer updates, is this object's alone
             held = {id(t) for group in opt.param_groups for t in group["params"]}
             shared = [mine[id(t)] for t in other._decayed() if id(t) in mine and id(t) in held]
+            if shared and other.mode == "loss":  # its CD is its penalty, not an update in the step
+                raise RuntimeError(f"ColinearityDecay.apply: another CD object (mode='loss') attached to an optimizer "
+                                   f"decays {shared[0]} by its aux_loss penalty; apply() would decay it a second "
+                                   "time, by the decoupled update. Use one per model: the other's handle.remove() "
+                                   "frees them")
             if shared:
                 raise RuntimeError(f"ColinearityDecay.apply: another CD object decays {shared[0]} in an optimizer's "
                                    "step already (its attach() or a cd.integrations callback); apply() too would "

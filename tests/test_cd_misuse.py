@@ -947,3 +947,31 @@ def test_weights_cast_to_bf16_after_attach_are_warned_about_at_the_next_step():
         step_with_zero_grads(model, opt)
         step_with_zero_grads(model, opt)
     assert _low_precision_warnings(seen) == 1, [str(w.message) for w in seen]
+
+
+def test_a_loss_form_attached_beside_a_decoupled_update_is_refused_for_what_each_does():
+    """A loss-mode object attached to an optimizer makes no update in its steps (its CD is the aux_loss penalty), yet a
+    decoupled object's apply or attach beside it was refused with "decays it in an optimizer's step already", and the
+    loss-mode object's attach beside a decoupled update with "another CD update ... each step would decay it twice":
+    the matrices would get both forms of CD, which the refusals now say. Both orders, and apply, leave the weights
+    as they were."""
+    model = tiny_vit().double()
+    opt = sgd(model.parameters())
+    before = copy.deepcopy(model.state_dict())
+    handle = ColinearityDecay(model, mode="loss").attach(opt)
+    decoupled = ColinearityDecay(model, lam=0.1)
+    penalty = (r"another CD object \(mode='loss'\) attached to an optimizer decays blocks\.0\.attn\.qkv\.weight by "
+               r"its aux_loss penalty; ")
+    with pytest.raises(RuntimeError, match=r"^ColinearityDecay\.apply: " + penalty + r"apply\(\) would decay it a "
+                                           r"second time, by the decoupled update"):
+        decoupled.apply(lr=0.5)
+    with pytest.raises(RuntimeError, match=r"^ColinearityDecay\.attach: " + penalty + r"this object's update in the "
+                                           r"optimizer's step would decay it a second time"):
+        decoupled.attach(opt)
+    handle.remove()
+    decoupled.attach(opt)
+    with pytest.raises(RuntimeError, match=r"^ColinearityDecay\.attach: another CD update runs in this optimizer's "
+                                           r"step already .* decays blocks\.0\.attn\.qkv\.weight; this object's "
+                                           r"aux_loss penalty \(mode='loss'\) would decay it a second time"):
+        ColinearityDecay(model, mode="loss").attach(opt)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
