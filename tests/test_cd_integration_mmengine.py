@@ -509,6 +509,37 @@ def test_a_train_again_after_one_that_raised_gets_one_cd_update_per_step():
     hook.after_train(runner)
 
 
+def test_a_second_runner_after_one_that_raised_trains_the_same_model_with_its_own_cd_only():
+    """A sweep or a notebook: a runner's train() raises (MMEngine calls no after_train, so its hook keeps its
+    bindings and its refusal of other optimizers' steps), then a new runner with a new hook and optimizer trains
+    the same model. The stale hook refused every step of the new optimizer as one "that is not
+    runner.optim_wrapper's optimizer"; the new hook's before_train takes the other runner's hooks off, so the step
+    gets the new decay's update once: W2 - lr * lam * W2 W1n W1n^T from the weights of before the step."""
+    from types import SimpleNamespace
+
+    from cd.integrations.mmengine import ColinearityDecayHook
+    from cd_models import ref_w2
+
+    net = tiny_vit().double()
+    first = SimpleNamespace(model=net, optim_wrapper=OptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1)), iter=0)
+    failed = ColinearityDecayHook(lam=0.5, module="")
+    failed.before_train(first)
+    failed.before_train_iter(first, 0)  # the run raises here: no after_train_iter, no after_train
+    wrapper = OptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1))
+    second = SimpleNamespace(model=net, optim_wrapper=wrapper, iter=0)
+    hook = ColinearityDecayHook(lam=0.5, module="")
+    hook.before_train(second)
+    hook.before_train_iter(second, 0)
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)  # SGD then changes only what CD does
+    fc1, fc2 = (net.get_submodule(f"blocks.0.mlp.{n}").weight.detach().clone() for n in ("fc1", "fc2"))
+    wrapper.step()
+    hook.after_train_iter(second, 0)
+    assert (failed.decay.num_updates, hook.decay.num_updates) == (0, 1)
+    assert torch.allclose(net.blocks[0].mlp.fc2.weight, ref_w2(fc2, fc1, 0.1 * 0.5), rtol=0, atol=1e-12)
+    hook.after_train(second)
+
+
 def test_cd_runs_in_every_step_of_the_run_only():
     """The hook's events, called as the Runner calls them: a step inside an iteration gets CD, a step of the
     same optimizer after the iteration (another hook's) too (an update as any other), and after_train leaves no

@@ -24,7 +24,11 @@ The optimizers are bound at `before_train`, and bound again at an iteration's st
 longer holds the ones bound: a wrapper replaced during training (a hook that sets `runner.optim_wrapper` to a second
 stage's optimizer at `before_train_epoch`) gets CD as the first did, with the same counter. A step of another
 optimizer that changes decayed matrices (a wrapper set after the iteration's start, by a hook of lower priority at
-`before_train_iter`; an optimizer of one's own) would have no CD, and is refused before it changes them.
+`before_train_iter`; an optimizer of one's own) would have no CD, and is refused before it changes them. A
+train() that raises gets no `after_train` from MMEngine: its bindings stay until the next `before_train` of a CD
+hook, the same runner's or another's (a sweep, a notebook: the new runner's steps of the same model are its own),
+takes them off. A training loop of one's own on such a model would still have its steps refused as an unbound
+optimizer's: call the failed run's `hook.after_train(runner)` first, which takes them off.
 
 The model: `runner.model` without its (MM)DistributedDataParallel wrapper, and of it the `backbone` when it has
 one (a detector's, as the paper decays the backbone; `module=` names another part, `module=""` the whole
@@ -57,6 +61,9 @@ from . import (bind_optimizers, check_cd_arguments, check_module_name, name_the_
 
 CHECKPOINT_KEY = "colinearity_decay"
 DEFAULT_INPUT_SHAPE = (1, 3, 224, 224)  # an image batch, for a part that cannot say its input size
+# the hooks that hold bindings now, each with the runner it bound for (ColinearityDecayHook._runner): weak, so that a
+# run that raised does not keep its hook alive through this set
+_BOUND: "weakref.WeakSet[ColinearityDecayHook]" = weakref.WeakSet()
 
 
 def _optimizers(optim_wrapper: Any) -> list:
@@ -109,6 +116,7 @@ class ColinearityDecayHook(Hook):
         self._checkpoint_keys: Optional[dict[str, Optional[str]]] = None
         self._bindings: dict = {}
         self._foreign = None  # the handle of the global step pre-hook that refuses steps of unbound optimizers
+        self._runner = None  # the runner the bindings serve
 
     def target(self, model: torch.nn.Module) -> torch.nn.Module:
         """The part of `model` that CD decays (see `module`)."""
@@ -116,6 +124,12 @@ class ColinearityDecayHook(Hook):
 
     def before_train(self, runner) -> None:
         self._unbind()  # a train() that raised left its bindings (MMEngine calls no after_train then)
+        # so did another runner's hooks (a sweep, a notebook): one runner trains at a time, so theirs belong to a
+        # run that is over, and left on they would refuse this run's steps of the same model as steps of an
+        # optimizer they have not bound (hooks of this runner, on its other parts, stay)
+        for other in list(_BOUND):
+            if other._runner is not runner:
+                other._unbind()
         # FlexibleRunner's DeepSpeedStrategy: its model wrapper is no nn.Module ("CD needs the model as a
         # torch.nn.Module", a wrong fix) and its optimizer wrapper steps the engine
         refuse_deepspeed(type(self).__name__, "train with MMEngine's Runner, or FlexibleRunner with "
@@ -200,6 +214,8 @@ class ColinearityDecayHook(Hook):
         before); the decay, and so its counter, stays."""
         self._unbind()
         self._bindings = bind_optimizers(self.decay, _optimizers(runner.optim_wrapper))
+        self._runner = runner
+        _BOUND.add(self)
         self._new_round()  # armed until after_train: every step of these optimizers is an update with CD
         # through a weak reference: torch's global hooks live as long as the process, and a run that raised (no
         # after_train) would otherwise keep this hook, its decay and the model alive (GPU memory) after the runner
@@ -214,6 +230,8 @@ class ColinearityDecayHook(Hook):
         if self._foreign is not None:
             self._foreign.remove()
             self._foreign = None
+        self._runner = None
+        _BOUND.discard(self)
 
     def _refuse_foreign_step(self, optimizer: torch.optim.Optimizer) -> None:
         """A step (torch's global pre-hook, before the weights change) of an optimizer that is not bound and changes
