@@ -72,6 +72,27 @@ def test_a_stage1_folder_without_a_checkpoint_is_taken_over_by_a_run_of_other_se
     assert (folder / "20250101_000000" / "20250101_000000.log").read_text() == "log"
 
 
+def test_a_stage1_folder_holding_only_a_killed_claims_temporary_is_claimed_as_new(tmp_path):
+    """A claim killed while it wrote the identity (SIGKILL, a machine gone: no handler runs) leaves only the
+    identity's temporary in the folder. The rerun was refused as "not a GPLQ stage-1 folder (gplq_stage1.json is
+    missing): move it away", though nothing was trained there; the temporary is no file of a run, so the folder
+    counts as new: the check says so and leaves it, the claim writes the identity beside it (never deleting it:
+    it may be a claim under way)."""
+    from engine.detection.qat import STAGE1_IDENTITY, _claim_stage1_folder, check_stage1_folder
+    from engine.run_dir import partial_path
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    folder.mkdir()
+    temporary = partial_path(str(folder / STAGE1_IDENTITY))
+    with open(temporary, "w") as f:
+        f.write('{"bits": "w4')  # the killed claim's half identity
+    assert check_stage1_folder(str(folder), {"bits": "w4a4", "amp": "none"}) == (None, None)
+    assert check_stage1_folder(str(folder)) == (None, None)  # evaluate_detection.py's check before any scoring
+    assert _claim_stage1_folder(str(folder), {"bits": "w4a4", "amp": "none"})[0] is None
+    assert json.loads((folder / STAGE1_IDENTITY).read_text()) == {"bits": "w4a4", "amp": "none"}
+    with open(temporary) as f:
+        assert f.read() == '{"bits": "w4'
+
+
 @pytest.mark.parametrize("written", [["iter_1.pth", "last_checkpoint"], ["iter_1.pth"]],
                          ids=["checkpoint", "checkpoint-without-pointer"])
 def test_a_stage1_folder_holding_a_checkpoint_of_another_run_is_refused_and_left_as_it_is(tmp_path, written):

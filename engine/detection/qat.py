@@ -18,7 +18,7 @@ from engine.detection.data_checks import annotation_paths, reading_annotations
 from engine.detection.errors import DetectionError
 from engine.detection.rng_state import RngStateHook
 from engine.distributed import run_on_main
-from engine.run_dir import write_whole
+from engine.run_dir import partial_writes_of, write_whole
 
 STAGE1_IDENTITY = "gplq_stage1.json"
 
@@ -137,14 +137,18 @@ def check_stage1_folder(work_dir: str, identity: Optional[Dict[str, Any]] = None
     checkpoint, and a last_checkpoint pointing at a missing file. A folder of another run that holds no checkpoint
     (that run stopped before its first one: a refused AMP, a failed first iteration) counts as new, (None, None),
     so that the claim writes this run's identity over it: the identity file is the command's own, no training is
-    lost, and MMEngine's log folders of that start stay where they are. Without `identity` it needs nothing of the
-    run: evaluate_detection.py checks every stage-1 folder it will use so before any scoring, so a bad path costs
+    lost, and MMEngine's log folders of that start stay where they are. A folder that holds only temporaries of the
+    identity (a claim killed while it wrote) is new too. Without `identity` it needs nothing of the run:
+    evaluate_detection.py checks every stage-1 folder it will use so before any scoring, so a bad path costs
     seconds, not the full-precision evaluation."""
     identity_path = os.path.join(work_dir, STAGE1_IDENTITY)
     if os.path.exists(work_dir) and not os.path.isdir(work_dir):  # os.makedirs would be a FileExistsError traceback
         raise DetectionError(f"{work_dir} (GPLQ's stage-1 folder, named after --out) is a file: move it away, or "
                              "give another --out")
-    if not (os.path.isdir(work_dir) and os.listdir(work_dir)):
+    # a claim killed mid-write (no handler runs) leaves only the identity's temporary: no file of a run, so the
+    # folder is new (and the temporary stays: it may be a claim under way)
+    if not (os.path.isdir(work_dir) and set(os.listdir(work_dir)) - {os.path.basename(t) for t in
+                                                                      partial_writes_of(identity_path)}):
         return None, None
     if not os.path.isfile(identity_path):
         raise DetectionError(f"{work_dir} exists and is not a GPLQ stage-1 folder ({STAGE1_IDENTITY} is "
