@@ -93,6 +93,33 @@ def test_a_stage1_folder_holding_only_a_killed_claims_temporary_is_claimed_as_ne
         assert f.read() == '{"bits": "w4'
 
 
+def test_a_claim_that_another_command_made_first_is_refused_naming_the_folder_and_a_fix_that_exists(tmp_path,
+                                                                                                  monkeypatch):
+    """Two commands given the same --out both find the stage-1 folder new; the later claim was refused by
+    write_whole's message for a script's output, "choose another --out, or add --overwrite to replace it", and
+    evaluate_detection.py has no --overwrite. The refusal names the stage-1 folder, the other command's claim, and
+    fixes that exist; the other command's identity stays."""
+    from engine.detection import DetectionError
+    from engine.detection import qat
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    check = qat.check_stage1_folder
+
+    def checked_then_claimed_by_another(work_dir, identity=None):
+        found = check(work_dir, identity)
+        folder.mkdir(exist_ok=True)
+        (folder / qat.STAGE1_IDENTITY).write_text(json.dumps({"bits": "w4a4", "amp": "bf16"}))  # the other's claim
+        return found
+
+    monkeypatch.setattr(qat, "check_stage1_folder", checked_then_claimed_by_another)
+    with pytest.raises(DetectionError) as refusal:
+        qat._claim_stage1_folder(str(folder), {"bits": "w4a4", "amp": "none"})
+    message = str(refusal.value)
+    assert message.startswith(f"{folder} (GPLQ's stage-1 folder, named after --out) was claimed by another command")
+    assert "--overwrite" not in message and "give another --out" in message
+    assert json.loads((folder / qat.STAGE1_IDENTITY).read_text()) == {"bits": "w4a4", "amp": "bf16"}
+    assert [p.name for p in folder.iterdir()] == [qat.STAGE1_IDENTITY]  # no temporary left
+
+
 @pytest.mark.parametrize("written", [["iter_1.pth", "last_checkpoint"], ["iter_1.pth"]],
                          ids=["checkpoint", "checkpoint-without-pointer"])
 def test_a_stage1_folder_holding_a_checkpoint_of_another_run_is_refused_and_left_as_it_is(tmp_path, written):

@@ -18,7 +18,7 @@ from engine.detection.data_checks import annotation_paths, reading_annotations
 from engine.detection.errors import DetectionError
 from engine.detection.rng_state import RngStateHook
 from engine.distributed import run_on_main
-from engine.run_dir import partial_writes_of, write_whole
+from engine.run_dir import RunDirError, partial_writes_of, write_whole
 
 STAGE1_IDENTITY = "gplq_stage1.json"
 
@@ -187,11 +187,15 @@ def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
     """(checkpoint to resume from or None, run name): refuse a folder of another run, or one that is not a GPLQ
     stage-1 folder (check_stage1_folder); write the identity file into a new or empty one, or over the identity of
     another run that wrote no checkpoint. The name is unique, so
-    that MMEngine's logger and visualizer instances of two stage-1 runs in one process never meet."""
+    that MMEngine's logger and visualizer instances of two stage-1 runs in one process never meet. An identity
+    that another command wrote after the check (the same --out given twice) is refused and kept."""
+    path = os.path.join(work_dir, STAGE1_IDENTITY)
+    # looked at before the check: an identity there now is one the check judges (taken over where it writes); one
+    # that appears after it is another command's claim, which a second look would take for the one judged
+    judged = os.path.isfile(path)
     stored, checkpoint = check_stage1_folder(work_dir, identity)
     if stored is None:
         os.makedirs(work_dir, exist_ok=True)
-        path = os.path.join(work_dir, STAGE1_IDENTITY)
 
         def write(temporary: str) -> None:
             with open(temporary, "w") as f:
@@ -201,5 +205,14 @@ def _claim_stage1_folder(work_dir: str, identity: Dict[str, Any]) -> tuple:
         # (which check_stage1_folder refuses as unreadable); over an identity only where the folder holds one of
         # another run without a checkpoint (taken over, check_stage1_folder), else only where no file has appeared
         # since the check (a hard link: RunDirError where one has)
-        write_whole(path, write, overwrite=os.path.isfile(path))
+        try:
+            write_whole(path, write, overwrite=judged)
+        except RunDirError:
+            if judged or not os.path.isfile(path):  # not the claim's race (a link at the name that leads nowhere)
+                raise
+            # write_whole's message of the race names --overwrite, which evaluate_detection.py does not have
+            raise DetectionError(f"{work_dir} (GPLQ's stage-1 folder, named after --out) was claimed by another "
+                                 f"command after this one checked it (the same --out given twice?); that command's "
+                                 f"{STAGE1_IDENTITY} is kept and this one stops: let that command finish, or give "
+                                 f"another --out") from None
     return checkpoint, f"gplq_stage1_{time.time_ns() % 10 ** 9}"
