@@ -177,3 +177,24 @@ def test_a_cd_budget_that_nothing_applied_is_refused_before_any_update(tmp_path)
     cfg = dict(runner_config(tmp_path / "off", 0.05, SWIN_KEYS, apply=False), cd_budget=False)
     groups = run(cfg).optim_wrapper.optimizer.param_groups
     assert {g["weight_decay"] for g in groups} == {0.0, 0.05}
+
+
+def test_the_budget_lowers_the_heads_weight_decay_too_and_a_decay_mult_on_the_head_keeps_its_own(tmp_path):
+    """The rule lowers the optimizer's one weight decay, so the parts CD does not decay (a detector's neck and
+    heads; here the head) train at 0.05 - lam as well (cd/README.md); a decay_mult of wd / (wd - lam) on them in
+    paramwise_cfg.custom_keys gives them back 0.05, which the hook takes (it refuses a decay_mult only on the
+    matrices it decays), while the backbone's matrices keep 0.045."""
+    pytest.importorskip("timm")
+    from mmengine_runs import run
+
+    def weight_decays(runner):
+        names = {id(p): n for n, p in runner.model.named_parameters()}
+        return {names[id(p)]: g["weight_decay"] for g in runner.optim_wrapper.optimizer.param_groups
+                for p in g["params"]}
+
+    lowered = weight_decays(run(runner_config(tmp_path / "rule", 0.05, SWIN_KEYS)))
+    assert lowered["head.weight"] == lowered["head.bias"] == pytest.approx(0.045, rel=1e-12, abs=0)
+    kept = weight_decays(run(runner_config(tmp_path / "head", 0.05, {**SWIN_KEYS, "head": dict(
+        decay_mult=0.05 / 0.045)})))
+    want = {n: 0.05 if n.startswith("head.") else 0.0 if "norm" in n else 0.045 for n in kept}
+    assert kept == pytest.approx(want, rel=1e-12, abs=0)

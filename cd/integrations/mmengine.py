@@ -291,8 +291,13 @@ def apply_weight_decay_budget(cfg: Any) -> None:
     is L2 in the gradient (SGD, Adam) is refused, one this function does not know is taken as given. The rule lowers
     the one weight decay of the optimizer: a paramwise_cfg decay_mult m on a matrix CD decays (whose budget would be
     m * wd - lam, not m * (wd - lam)) is refused by the hook once the optimizer is built (`budget_refusal`); on the
-    norms, position tables and biases of the shipped configs, which CD does not decay, it stays as given. The hook
-    refuses a cd_budget=True left unapplied, too. Raises
+    norms, position tables and biases of the shipped configs, which CD does not decay, it stays as given. So the parts
+    the hook does not decay (a detector's neck and heads, beside its backbone) train at the lowered weight decay as
+    well, as train.py's cd.budget lowers the one weight decay of a whole network: App. A.2 states the rule for the
+    model CD regularizes, and which weight decay the rest of a detector keeps is our choice. To keep theirs, give
+    them decay_mult = wd / (wd - lam) in paramwise_cfg.custom_keys (0.05 / 0.045 for "neck", "rpn_head",
+    "roi_head"), which the hook takes (test_mmengine_budget_optimizer.py). The hook refuses a cd_budget=True left
+    unapplied, too. Raises
     ValueError where the rule cannot apply, or `cd_budget` is a record this function did not write."""
     budget = cfg.get("cd_budget")
     if budget is None or budget is False:
