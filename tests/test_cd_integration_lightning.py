@@ -3,7 +3,8 @@ its weights after every update compared with the float64 reference of (task step
 (tests/cd_integration_refs.py), which the wrong placements of CD miss by far. Lightning's automatic
 optimization steps with `optimizer.step(closure)` (forward and backward inside the closure), so every test
 here is a closure-based step; plus gradient accumulation, per-group lrs, clipping, a step the GradScaler
-skips, manual optimization and resume from a Lightning checkpoint."""
+skips (also under manual optimization), manual optimization, torch's ZeroRedundancyOptimizer and resume from a
+Lightning checkpoint."""
 from __future__ import annotations
 
 import contextlib
@@ -131,6 +132,50 @@ def test_manual_optimization_matches_the_reference():
     module = Module(net, steps=2, manual=True)
     fit(module, 2)
     check(initial, module, 2, 1, variants=("before_backward", "after_step", "first_group_lr"))
+
+
+def test_manual_optimization_under_a_grad_scaler_applies_no_cd_on_the_step_it_skips():
+    """Manual optimization under 16-mixed: `opt.step()` goes through the GradScaler, which skips the poisoned
+    update; CD acts once per step taken, none on the skipped one (its lr schedule steps in training_step)."""
+    net = tiny_vit().double()
+    initial = copy.deepcopy(net)
+    module = Module(net, steps=3, poison=1, manual=True)
+    trainer = fit(module, 3, plugins=[ScalerOnly()])
+    assert all(torch.equal(module.after[0][n], module.after[1][n]) for n in module.after[0])
+    check(initial, module, 3, 1, skipped=(1,), sched_on_skip=True, variants=("on_skipped_step", "after_step"))
+    assert cd_callback(trainer).decay.num_updates == 2
+
+
+class ZeroModule(Module):
+    """The optimizer above as torch's ZeroRedundancyOptimizer (each rank steps its shard of the parameters with
+    AdamW, then broadcasts it), its second param group added as ZeRO takes groups."""
+
+    def configure_optimizers(self):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        own = [p for n, p in self.net.named_parameters() if n.endswith(("qkv.weight", "fc1.weight"))]
+        rest = [p for p in self.net.parameters() if all(p is not q for q in own)]
+        opt = ZeroRedundancyOptimizer(rest, optimizer_class=torch.optim.AdamW, lr=2e-2, weight_decay=0.1)
+        opt.add_param_group({"params": own, "lr": 5e-3})
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * self.steps))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_zero_redundancy_optimizer_under_ddp_matches_the_reference():
+    """torch's ZeroRedundancyOptimizer in Lightning's DDP (gloo, one process): CD runs in its step (the one
+    Lightning steps; the inner AdamW's is a part of it), with each group's lr, as for the plain AdamW."""
+    net = tiny_vit().double()
+    initial = copy.deepcopy(net)
+    module = ZeroModule(net, steps=3)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, strategy="ddp", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        precision="64-true", callbacks=[ColinearityDecayCallback(lam=LAM)])
+    try:
+        trainer.fit(module, image_loader(8))
+    finally:  # Lightning leaves its process group up, which a later test's init_process_group would meet
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    check(initial, module, 3, 1, variants=("before_backward", "after_step", "first_group_lr"))
+    assert cd_callback(trainer).decay.num_updates == 3
 
 
 def test_a_step_of_the_raw_torch_optimizer_is_refused_not_taken_without_cd():
