@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -193,8 +194,7 @@ def checkpoint_filter_fn(state_dict: dict, model: GPT) -> dict:
 
 def _renamed(state_dict: dict) -> dict:
     """A nanoGPT or transformers GPT-2 state dict under our names, Conv1D weights transposed."""
-    qkv = next((v for k, v in state_dict.items() if k.endswith("attn.c_attn.weight")), None)
-    conv1d = qkv is not None and qkv.shape[1] == 3 * qkv.shape[0]
+    conv1d = conv1d_layout(state_dict)
     out = {}
     for key, value in state_dict.items():
         if _SKIP.search(key):
@@ -207,6 +207,13 @@ def _renamed(state_dict: dict) -> dict:
                 break
         out[key] = value
     return out
+
+
+def conv1d_layout(state_dict: dict) -> bool:
+    """Whether `state_dict` is in transformers' GPT-2 layout: Conv1D weights stored (in, out), read off the qkv
+    weight's shape (nanoGPT's nn.Linear: (3C, C); transformers': (C, 3C))."""
+    qkv = next((v for k, v in state_dict.items() if k.endswith("attn.c_attn.weight")), None)
+    return qkv is not None and qkv.dim() == 2 and qkv.shape[1] == 3 * qkv.shape[0]
 
 
 def _same(value):
@@ -250,12 +257,16 @@ GPT2_CONFIG = {"n_layer": (12, *_DEPTH), "n_head": (12, *_HEADS), "n_embd": (768
                "scale_attn_by_inverse_layer_idx": (False, None, _same, lambda m: False)}
 
 
-def check_recorded_settings(entries: dict, model: GPT) -> str:
+def check_recorded_settings(entries: dict, model: GPT, state_dict: Optional[dict] = None) -> str:
     """What is wrong ('' for nothing) when the file's other entries (`entries`, models.pretrained.file_entries:
     nanoGPT's `model_args`, transformers' GPT-2 config.json beside the file) record another architecture than
     `model`: a file of n_head=4 has the shapes of a 2-head model of the same width and would load into it without a
     word, as another function; so would one of another GELU. nanoGPT's dropout is a training setting: not compared.
-    models.load_pretrained calls this, as it calls `checkpoint_filter_fn`."""
+    Weights in transformers' layout (`state_dict`, the file's tensors: `conv1d_layout`) with no GPT-2 config.json
+    beside them are transformers' GPT-2, which reads them with GPT2Config's defaults: their GELU is gelu_new (tanh),
+    that of every released GPT-2; the other defaults are not compared (the sizes show in the shapes, and the head
+    count of GPT-2 Medium and larger is not the default's). models.load_pretrained calls this, as it calls
+    `checkpoint_filter_fn`."""
     nanogpt, config = entries.get("model_args"), entries.get("config.json")
     if isinstance(nanogpt, dict):
         recorded = {arg: (nanogpt[arg], *rule) for arg, rule in NANOGPT_ARGS.items() if arg in nanogpt}
@@ -264,6 +275,11 @@ def check_recorded_settings(entries: dict, model: GPT) -> str:
     if isinstance(config, dict) and config.get("model_type") == "gpt2":
         recorded = {field: (config.get(field, default), *rule) for field, (default, *rule) in GPT2_CONFIG.items()}
         return _differences("config.json beside it (transformers' GPT-2) records", recorded, model)
+    if state_dict is not None and conv1d_layout(state_dict):
+        default, *rule = GPT2_CONFIG["activation_function"]
+        return _differences("weights are in transformers' GPT-2 layout (Conv1D) with no GPT-2 config.json beside "
+                            "them, which transformers reads with GPT2Config's", {"activation_function":
+                                                                               (default, *rule)}, model)
     return ""
 
 

@@ -95,7 +95,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     family = sys.modules[type(model).__module__]
     # models/gpt.py: nanoGPT's model_args, transformers' config.json beside the file
     recorded = getattr(family, "check_recorded_settings", None)
-    problem = recorded(file_entries(path), model) if recorded is not None else ""
+    problem = recorded(file_entries(path), model, state) if recorded is not None else ""
     if problem:
         raise ModelError(f"model.pretrained={path}: {problem}")
     own = model.state_dict()

@@ -80,7 +80,7 @@ def test_gpt2s_own_tanh_gelu_reproduces_transformers_default_gpt2(tmp_path):
     untied["lm_head.weight"] = torch.randn_like(untied["lm_head.weight"])
     torch.save(untied, tmp_path / "untied.pt")
     with pytest.raises(ModelError, match=r"wte.weight and head.weight differ in the file, but the model ties them"):
-        build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0,
+        build_model(ModelConfig(name="gpt2_nano", num_classes=65, drop_path=0.0, kwargs={"gelu": "tanh"},
                                 pretrained=str(tmp_path / "untied.pt")))
 
 

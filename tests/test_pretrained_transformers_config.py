@@ -84,7 +84,8 @@ def test_a_field_no_setting_builds_is_refused_as_such(tmp_path, fields, named):
 
 def test_a_field_left_out_of_config_json_is_read_as_transformers_default(tmp_path):
     """config.json without activation_function: transformers reads its GPT2Config default (gelu_new), so does the
-    check; other configs beside the file (another model_type, not JSON) are not read, the weights load."""
+    check; other configs beside the file (another model_type, not JSON) are not read: the weights are read as
+    without one, with GPT2Config's defaults (gelu_new) too, and load with that GELU."""
     path, reference = saved_gpt2(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     del config["activation_function"]
@@ -95,7 +96,9 @@ def test_a_field_left_out_of_config_json_is_read_as_transformers_default(tmp_pat
     assert_same_logits(gpt(path, gelu="tanh"), reference)
     for other in (json.dumps({**config, "model_type": "llama"}), "{not json"):
         (tmp_path / "config.json").write_text(other)
-        gpt(path)
+        with pytest.raises(ModelError, match=r"no GPT-2 config.json beside them, .* activation_function=gelu_new"):
+            gpt(path)
+        assert_same_logits(gpt(path, gelu="tanh"), reference)
 
 
 def test_each_transformers_gelu_name_is_the_gelu_it_is_read_as():
@@ -111,3 +114,27 @@ def test_each_transformers_gelu_name_is_the_gelu_it_is_read_as():
         assert (theirs - ours[approximate]).abs().max().item() < 1e-6, name
         other = "tanh" if approximate == "exact" else "exact"
         assert (theirs - ours[other]).abs().max().item() > 1e-4, name
+
+
+@pytest.mark.parametrize("saved_as", ["model.safetensors", "state_dict.pt"])
+def test_transformers_weights_without_config_json_are_read_with_gpt2s_own_gelu(tmp_path, saved_as):
+    """transformers' GPT-2 layout (Conv1D weights) with no config.json beside it (the folder's weights copied alone,
+    or torch.save of the state dict): transformers reads such weights with GPT2Config's defaults, gelu_new, the GELU
+    every released GPT-2 was trained with. Loaded into the exact GELU they computed another function without a word;
+    refused naming model.kwargs.gelu=tanh, with which transformers' logits come out. nanoGPT's layout (nn.Linear)
+    without a record is nanoGPT's model, exact GELU: it loads as before."""
+    path, reference = saved_gpt2(tmp_path)
+    if saved_as != "model.safetensors":
+        path = str(tmp_path / saved_as)
+        torch.save(reference.state_dict(), path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ModelError, match=r"^model.pretrained=.*: its weights are in transformers' GPT-2 layout "
+                                         r"\(Conv1D\) with no GPT-2 config.json beside them, which transformers reads "
+                                         r"with GPT2Config's activation_function=gelu_new, the model has exact: set "
+                                         r"model.kwargs.gelu=tanh to load it as it was trained"):
+        gpt(path)
+    assert_same_logits(gpt(path, gelu="tanh"), reference)
+    from tests.test_lm import _nanogpt_names
+    linear = str(tmp_path / "nanogpt.pt")  # the same tensors in nanoGPT's nn.Linear layout
+    torch.save(_nanogpt_names(gpt(path, gelu="tanh").state_dict()), linear)
+    assert gpt(linear).blocks[0].mlp.act.approximate == "none"
