@@ -27,7 +27,7 @@ from engine.loop import TrainBatches
 from engine.preemption import ignore_stop_signals, stop_signals_blocked
 from engine.rng import mix_seed
 
-from .digits import DigitsDataset
+from .digits import DigitsDataset, split_indices
 from .folder import (ClassCountError, DataError, build_folder_dataset, check_same_classes, class_folders,
                      class_names, find_split, folder_fingerprint, unreadable_replacer)
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
@@ -79,8 +79,9 @@ def check_data_settings(cfg: DataConfig, *, input_size: int, num_classes: int, b
     """What build_loaders and build_token_loaders refuse of the settings that is told without reading the images
     or token files (scripts/sweep.py: every run of a sweep before the first one trains), each by their own check:
     mixup's even per-process batch, the training and evaluation transforms (data.auto_augment, ...) at the model's
-    `input_size`, and model.num_classes (`num_classes`) against the classes of the embedded digits, of a train split
-    that is a folder of class folders under data.root, or the characters of the embedded text (kjv). Not told here:
+    `input_size`, data.digits_val_fraction (a ConfigError), and model.num_classes (`num_classes`) against the classes
+    of the embedded digits, of a train split that is a folder of class folders under data.root, or the characters of
+    the embedded text (kjv). Not told here:
     a data.root that is not there (printed commands may run on another machine: train.py's start names it), a .tar
     split's classes (its listing reads every member's header), a token file's ids (every one of them is read: minutes
     for OpenWebText's 9 B)."""
@@ -94,6 +95,7 @@ def check_data_settings(cfg: DataConfig, *, input_size: int, num_classes: int, b
     build_transform(cfg, input_size, is_training=False)
     if cfg.dataset == "digits":
         _check_class_count(cfg, "train", DigitsDataset.num_classes, num_classes, None)
+        split_indices(cfg.digits_val_fraction)  # the stratified split's one image per class in each split
     elif cfg.dataset == "folder":
         try:
             path = find_split(cfg.root, cfg.train_split)

@@ -237,12 +237,12 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
     device (check_model: model.name, model.kwargs, model.img_size against its patches), the model against the task
     and log.act_max (train.check_model_fits_run), the quant.act_max_extra_modules of the run and of its evaluation
     against the model's modules (check_probed_modules), and the data settings (data.check_data_settings:
-    data.auto_augment, mixup's even batch, model.num_classes against the data's classes). `checked`: the model and
-    data settings checked already (expand's runs: a 36-run sweep of seeds builds its model once). With `world_size`
-    (the processes the launcher starts), the global batch must split into them as train.py splits it
-    (train.accumulation_steps). Left to the run's start: what needs the data read or its length counted (files under
-    data.root, a token file's ids, train.max_steps and the cadences beyond the run's updates) and the device
-    (cd.matmul_precision=tf32 off CUDA)."""
+    data.auto_augment, mixup's even batch, data.digits_val_fraction, model.num_classes against the data's classes).
+    `checked`: the model and data settings checked already (expand's runs: a 36-run sweep of seeds builds its model
+    once). With `world_size` (the processes the launcher starts), the global batch must split into them as train.py
+    splits it (train.accumulation_steps). Left to the run's start: what needs the data read or its length counted
+    (files under data.root, a token file's ids, train.max_steps and the cadences beyond the run's updates) and the
+    device (cd.matmul_precision=tf32 off CUDA)."""
     from data import DataError, check_data_settings
     from models import input_size
     from quant.plan import check_quant_plan
