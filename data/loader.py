@@ -76,15 +76,14 @@ def _check_class_count(cfg: DataConfig, split: str, found: int, num_classes: int
 
 
 def check_data_settings(cfg: DataConfig, *, input_size: int, num_classes: int, batch_size_per_gpu: int) -> None:
-    """What build_loaders and build_token_loaders refuse of the settings that is told without reading the images
-    or token files (scripts/sweep.py: every run of a sweep before the first one trains), each by their own check:
-    mixup's even per-process batch, the training and evaluation transforms (data.auto_augment, ...) at the model's
-    `input_size`, data.digits_val_fraction (a ConfigError), and model.num_classes (`num_classes`) against the classes
-    of the embedded digits, of a train split that is a folder of class folders under data.root, or the characters of
-    the embedded text (kjv). Not told here:
-    a data.root that is not there (printed commands may run on another machine: train.py's start names it), a .tar
-    split's classes (its listing reads every member's header), a token file's ids (every one of them is read: minutes
-    for OpenWebText's 9 B)."""
+    """What build_loaders and build_token_loaders refuse of the settings that is told without reading the images or
+    token files (scripts/sweep.py: every run of a sweep before the first one trains), each by their own check: mixup's
+    even per-process batch, the training and evaluation transforms (data.auto_augment, ...) at the model's `input_size`,
+    data.digits_val_fraction (a ConfigError), the synthetic splits' sizes, and model.num_classes (`num_classes`) against
+    the classes of the embedded digits, of a train split that is a folder of class folders under data.root, or the
+    characters of the embedded text (kjv). Not told here: a data.root that is not there (printed commands may run on
+    another machine: train.py's start names it), a .tar split's classes (its listing reads every member's header), a
+    token file's ids (every one of them is read: minutes for OpenWebText's 9 B)."""
     if cfg.dataset in TOKEN_DATASETS:
         if cfg.dataset == "kjv":
             check_vocabulary(token_stream(cfg, "train"), num_classes)
@@ -96,6 +95,9 @@ def check_data_settings(cfg: DataConfig, *, input_size: int, num_classes: int, b
     if cfg.dataset == "digits":
         _check_class_count(cfg, "train", DigitsDataset.num_classes, num_classes, None)
         split_indices(cfg.digits_val_fraction)  # the stratified split's one image per class in each split
+    elif cfg.dataset == "synthetic":  # no image is made here: the sizes against the seeds the splits have
+        for size, seed in ((cfg.synthetic_train_size, 0), (cfg.synthetic_val_size, 1)):
+            SyntheticDataset(size, input_size, num_classes, seed=seed)
     elif cfg.dataset == "folder":
         try:
             path = find_split(cfg.root, cfg.train_split)

@@ -229,20 +229,20 @@ def few(names: list[str], shown: int = 4) -> str:
 
 def check_run_config(configs: list[str], overrides: list[str], eval_overrides: list[str],
                      world_size: Optional[int], checked: Optional[set] = None, packages: bool = True) -> None:
-    """Strict, up front: what train.py and evaluate.py would refuse of a run's settings at their start (ConfigError),
-    in their own words. train.py's checks before it starts (train.check_before_start: the run's own quant.*, which
-    its config.yaml records, CD's settings, optim.name, log.wandb's package, a val split that is the train split);
-    its evaluation takes the 'evaluate' list last, whose quant.* must pass too, or the run ends at its evaluation.
-    Then what train.py refuses once it builds the model and before it reads the data: the model built on the meta
-    device (check_model: model.name, model.kwargs, model.img_size against its patches), the model against the task
-    and log.act_max (train.check_model_fits_run), the quant.act_max_extra_modules of the run and of its evaluation
-    against the model's modules (check_probed_modules), and the data settings (data.check_data_settings:
-    data.auto_augment, mixup's even batch, data.digits_val_fraction, model.num_classes against the data's classes).
+    """Strict, up front: what train.py and evaluate.py would refuse of a run's settings at their start (ConfigError), in
+    their own words. train.py's checks before it starts (train.check_before_start: the run's own quant.*, which its
+    config.yaml records, CD's settings, optim.name, log.wandb's package, a val split that is the train split); its
+    evaluation takes the 'evaluate' list last, whose quant.* must pass too, or the run ends at its evaluation. Then what
+    train.py refuses once it builds the model and before it reads the data: the model built on the meta device
+    (check_model: model.name, model.kwargs, model.img_size against its patches), the model against the task and
+    log.act_max (train.check_model_fits_run), the quant.act_max_extra_modules of the run and of its evaluation against
+    the model's modules (check_probed_modules), and the data settings (data.check_data_settings: data.auto_augment,
+    mixup's even batch, data.digits_val_fraction, the synthetic sizes, model.num_classes against the data's classes).
     `checked`: the model and data settings checked already (expand's runs: a 36-run sweep of seeds builds its model
     once). With `world_size` (the processes the launcher starts), the global batch must split into them as train.py
-    splits it (train.accumulation_steps). Left to the run's start: what needs the data read or its length counted
-    (files under data.root, a token file's ids, train.max_steps and the cadences beyond the run's updates) and the
-    device (cd.matmul_precision=tf32 off CUDA)."""
+    splits it (train.accumulation_steps). Left to the run's start: what needs the data read or its length counted (files
+    under data.root, a token file's ids, train.max_steps and the cadences beyond the run's updates) and the device
+    (cd.matmul_precision=tf32 off CUDA)."""
     from data import DataError, check_data_settings
     from models import input_size
     from quant.plan import check_quant_plan

@@ -3,11 +3,11 @@
 The sweep's up-front check resolved model.name and model.kwargs' keys only: an unknown model.kwargs entry
 (model.kwargs.dpeth=3), a model.img_size that is no whole number of patches, a data.auto_augment policy timm cannot
 read, a model.num_classes that is not the data's class count (or the embedded text's characters), a
-data.digits_val_fraction that leaves a split without an image of some class and an odd per-process batch under mixup
-were printed as commands, or run after the earlier runs had trained, and train.py refused the run at its start. The
-sweep now builds every run's model on the meta device and makes train.py's own checks of the model and the data
-settings. The reference for each refusal is train.py's own, in this process: the sweep's error line holds train.py's
-error text."""
+data.digits_val_fraction that leaves a split without an image of some class, a synthetic split of more images than get a
+seed of their own and an odd per-process batch under mixup were printed as commands, or run after the earlier runs had
+trained, and train.py refused the run at its start. The sweep now builds every run's model on the meta device and makes
+train.py's own checks of the model and the data settings. The reference for each refusal is train.py's own, in this
+process: the sweep's error line holds train.py's error text."""
 import os
 import sys
 
@@ -59,6 +59,7 @@ def train_refusal(tmp_path, config: str, items: list[str]) -> str:
     (DEMO_CONFIG, ["data.auto_augment=foo"]),
     (DEMO_CONFIG, ["model.num_classes=5"]),  # the digits' 10
     (DEMO_CONFIG, ["data.digits_val_fraction=0.001"]),  # 2 val images: fewer than one per class
+    (DEBUG_CONFIG, ["data.synthetic_val_size=268435457"]),  # 2**28 + 1 images: two would share a seed
     (DEMO_CONFIG, ["data.mixup=0.8", "train.batch_size=63", "train.batch_size_per_gpu=21"]),  # an odd batch
     (KJV, ["model.kwargs.dpeth=3"]),  # GPT-2's own builder
     (KJV, ["model.num_classes=50"]),  # the text's 65 characters
@@ -72,9 +73,9 @@ def train_refusal(tmp_path, config: str, items: list[str]) -> str:
     (DEMO_CONFIG, ["quant.act_max_extra_modules=[blocks.*.drop_path1]"]),
     # a plan the model cannot be quantized with: RepQ-ViT's fold on a Swin whose windows are padded (40 pixels)
     (SWIN_CONFIG, ["model.img_size=40", "quant.pipelines=[repq]"]),
-], ids=["kwargs", "img_size", "auto_augment", "classes", "digits_val_fraction", "mixup", "gpt_kwargs", "vocabulary",
-        "cd_no_pairs", "tweo_no_blocks", "cd_gated_mlp", "extra_module_none", "extra_module_pass_through",
-        "plan_not_converting"])
+], ids=["kwargs", "img_size", "auto_augment", "classes", "digits_val_fraction", "synthetic_size", "mixup",
+        "gpt_kwargs", "vocabulary", "cd_no_pairs", "tweo_no_blocks", "cd_gated_mlp", "extra_module_none",
+        "extra_module_pass_through", "plan_not_converting"])
 def test_a_later_runs_setting_train_py_refuses_at_its_start_is_refused_before_anything(tmp_path, capsys, config,
                                                                                        items):
     message = refused(sweep_file(tmp_path, config, items), capsys)
