@@ -3,7 +3,8 @@ the heading after `#`); every `train.py` / `evaluate.py` command in the Markdown
 the module docstrings of the code (entry points, scripts, packages) and in the comments of the YAML configs
 parses, its config resolved as `--print-config` resolves it where that needs no file a run writes; every
 `scripts/<x>.py`, `evaluate_detection.py` and `python -m cd` command there parses through that script's own
-parser, and a sweep's through its dry path; every repository file a command names exists. The files are
+parser, and a sweep's through its dry path; every repository file a command names exists, and every config key
+they set as `key=value` (inline too) is one of configs/schema.py. The files are
 read when the tests are collected, so the checks follow the documents as they change."""
 import argparse
 import ast
@@ -404,6 +405,37 @@ def test_every_repository_file_a_documented_command_names_exists(path):
     missing = [p for p in repository_paths(path)
                if not glob.glob(os.path.join(ROOT, re.sub(r"\b[A-Z][A-Z_]{2,}\b", "*", p)))]
     assert not missing, f"{path}: {missing}"
+
+
+# A setting a document names as `section.key=value`, in a command or in inline code of the prose (`train.resume=PATH`),
+# which no command test parses when it stands alone; these name keys of another schema or of an example on purpose
+OTHER_SETTINGS = ("train.epochs=",     # README.md's example of an unknown key ("did you mean 'sched.epochs'?")
+                  "quant.minmax.",     # docs/extending.md's example pipeline, whose section a fork adds
+                  "model.backbone.")   # MMDetection's config keys (scripts/train_detection.py), not configs/schema.py
+SETTING = re.compile(r"(?<![\w./-])((?:model|data|optim|sched|train|log|cd|tweo|quant)(?:\.\w+)+)=")
+
+
+def documented_settings(path: str) -> list[str]:
+    """The dotted config keys that `path` sets as `key=value` in its code blocks and inline code."""
+    return [m.group(1) for line in documented_command_lines(path) for m in SETTING.finditer(line)
+            if not (m.group(1) + "=").startswith(OTHER_SETTINGS)]
+
+
+def test_the_setting_check_reads_inline_settings():
+    readme = set(documented_settings("README.md"))
+    assert {"train.keep_every_epochs", "model.kwargs.depth", "quant.aphq.iters"} <= readme
+    assert "train.epochs" not in readme
+
+
+@pytest.mark.parametrize("path", DOCUMENTS)
+def test_every_config_key_a_document_sets_exists(path):
+    """A renamed or removed key leaves no `key=value` in the documents: each is a key of configs/schema.py, or an
+    entry of one of its free-form dicts (`model.kwargs.depth`)."""
+    from configs.loader import dict_fields, schema_keys
+
+    keys, free = set(schema_keys()), tuple(f + "." for f in dict_fields())
+    unknown = [k for k in documented_settings(path) if k not in keys and not k.startswith(free)]
+    assert not unknown, f"{path}: no such config key: {unknown}"
 
 
 def test_every_sweep_output_a_documented_command_names_is_under_a_sweeps_out_root():
