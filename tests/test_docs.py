@@ -723,7 +723,7 @@ def test_the_digits_quantization_table_has_the_figures_of_the_rows_it_names():
         assert [aphq, gplq_lr] == [numpy[key][2], numpy[key][4]], (model, table[model], numpy[key])
 
 
-HISTORY = re.compile(r"since commit|before commit|those commits|earlier session|this task|no GPU was lent"
+HISTORY = re.compile(r"since commit|before commit|those commits|(?:this|earlier|previous) session|this task|\blent\b"
                      r"|no longer reproduces?|this version's|\bsince [0-9a-f]{7}\b", re.I)
 
 
