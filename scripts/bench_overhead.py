@@ -42,7 +42,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import timm
 import torch
@@ -198,8 +198,9 @@ def measure_apply(model_kw: dict, args, device: str) -> dict:
 
 
 def measure_config(model_kw: dict, batch: int, args, device: str,
-                   on_row: Optional[Callable[[dict], None]] = None) -> list[dict]:
-    """The methods on one configuration, one row each (CD's with its `apply` against the floor).
+                   on_row: Optional[Callable[[dict], None]] = None,
+                   methods: Sequence[str] = METHODS) -> list[dict]:
+    """`methods` on one configuration, one row each (CD's with its `apply` against the floor).
 
     CUDA: one method after the other, each alone on the device, so that its peak memory is its own.
     CPU: the models live together and their timed steps are interleaved (baseline, cd, tweo,
@@ -219,7 +220,7 @@ def measure_config(model_kw: dict, batch: int, args, device: str,
             on_row(row)
 
     if device == "cuda":
-        for method in METHODS:
+        for method in methods:
             r = Runner(method, model_kw, batch, args, device)
             for _ in range(args.warmup):
                 r.step()
@@ -231,18 +232,18 @@ def measure_config(model_kw: dict, batch: int, args, device: str,
             r.close()
             finish(method, times, peak, fused)
     else:
-        runners = [Runner(m, model_kw, batch, args, device) for m in METHODS]
+        runners = [Runner(m, model_kw, batch, args, device) for m in methods]
         for r in runners:
             for _ in range(args.warmup):
                 r.step()
-        interleaved: dict[str, list[float]] = {m: [] for m in METHODS}
+        interleaved: dict[str, list[float]] = {m: [] for m in methods}
         for _ in range(args.steps):
             for r in runners:
                 interleaved[r.method].append(r.timed(r.step))
         fused = {r.method: r.fused for r in runners}
         for r in runners:
             r.close()
-        for method in METHODS:  # no peak memory on a CPU (the module docstring)
+        for method in methods:  # no peak memory on a CPU (the module docstring)
             finish(method, interleaved[method], None, fused[method])
     return rows
 
@@ -250,13 +251,18 @@ def measure_config(model_kw: dict, batch: int, args, device: str,
 def run_sweep(name: str, configs: list[tuple[dict, int]], args, device: str) -> list[dict]:
     rows = []
     for model_kw, batch in configs:
-        try:
-            new = measure_config(model_kw, batch, args, device)
-        except torch.cuda.OutOfMemoryError:
-            new = [{"method": m, "batch": batch, "embed_dim": model_kw["embed_dim"],
-                    "fused": use_fused(OptimConfig(), torch.device(device)), "step_ms": None,
-                    "peak_mib": None, "oom": True} for m in METHODS]
-            gc.collect()
+        new = []
+        # on CUDA one method at a time (as measure_config runs them there): one that runs out of memory (TWEO's plain
+        # form at a large batch) is marked so, and the others' rows stay measured; a CPU interleaves all four
+        for methods in [(m,) for m in METHODS] if device == "cuda" else [METHODS]:
+            try:
+                new += measure_config(model_kw, batch, args, device, methods=methods)
+                continue
+            except torch.cuda.OutOfMemoryError:
+                new += [{"method": m, "batch": batch, "embed_dim": model_kw["embed_dim"],
+                         "fused": use_fused(OptimConfig(), torch.device(device)), "step_ms": None,
+                         "peak_mib": None, "oom": True} for m in methods]
+            gc.collect()  # out of the except block: the traceback no longer holds the failed runner's tensors
             torch.cuda.empty_cache()
         for r in new:
             r["sweep"] = name

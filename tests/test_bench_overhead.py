@@ -584,3 +584,42 @@ def test_a_cuda_sample_waits_for_earlier_queued_work_before_its_clock_starts(mon
     events.clear()
     ticks = iter([1.0, 1.25])
     assert bench.timed_ms(lambda: events.append("fn"), "cpu") == pytest.approx(250.0) and "sync" not in events
+
+
+def test_a_method_that_runs_out_of_gpu_memory_leaves_the_others_rows_measured(monkeypatch):
+    """On CUDA, TWEO's plain form running out of memory at a large batch (the memory the paper's figure shows
+    growing) marked all four methods of the configuration out of memory, the baseline and CD that had been timed
+    too, so the table lost the very ratios it is for. A fake runner in place of the model (no GPU here): each
+    method's steps take a fixed time, tweo_plain's construction raises CUDA's out-of-memory error."""
+    bench = _bench()
+    step_ms = {"baseline": 10.0, "cd": 11.0, "tweo": 12.0}
+
+    class FakeRunner:
+        def __init__(self, method, model_kw, batch, args, device):
+            if method == "tweo_plain":
+                raise bench.torch.cuda.OutOfMemoryError("CUDA out of memory")
+            self.method, self.fused = method, True
+
+        def step(self):
+            pass
+
+        def timed(self, fn):
+            return step_ms[self.method]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench, "Runner", FakeRunner)
+    monkeypatch.setattr(bench, "measure_apply", lambda *a: {"cd_apply_ms": 2.0, "cd_floor_ms": 1.0,
+                                                            "precision": "tf32"})
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(bench.torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(bench.torch.cuda, "max_memory_allocated", lambda *a, **k: 3 * 2 ** 20)
+    args = argparse.Namespace(warmup=1, steps=3)
+    rows = bench.run_sweep("batch", [(dict(embed_dim=768), 256)], args, "cuda")
+    by = {r["method"]: r for r in rows}
+    assert set(by) == set(bench.METHODS)
+    for method, ms in step_ms.items():
+        assert (by[method]["step_ms"], by[method]["peak_mib"], by[method].get("oom")) == (ms, 3.0, None), method
+    assert by["cd"]["cd_apply_ms"] == 2.0
+    assert by["tweo_plain"]["oom"] is True and by["tweo_plain"]["step_ms"] is None
