@@ -156,10 +156,14 @@ def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -
     if on_figures is not None:
         on_figures(figures(stamps))
 
+    away = [0.0]  # seconds spent in on_figures so far: between two iterations' stamps, and no part of either
+
     def progress(metrics: dict) -> None:
-        stamps.append(metrics["seconds"])
+        stamps.append(metrics["seconds"] - away[0])
         if on_figures is not None:
-            on_figures(figures(stamps))
+            start = time.perf_counter()
+            on_figures(figures(stamps))  # gpu_check.py writes its figures file (fsync'd) here
+            away[0] += time.perf_counter() - start
 
     total = args.warmup + args.iters
     settings = ReconSettings(

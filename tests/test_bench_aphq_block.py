@@ -66,6 +66,29 @@ def test_every_iteration_after_the_warmup_is_timed_the_first_from_the_start(monk
     assert result["iter_s"] == round(statistics.median(durations), 4) > 0
 
 
+def test_the_time_a_caller_spends_on_the_figures_is_no_part_of_an_iteration(monkeypatch):
+    """gpu_check.py's aphq_unit stage writes the figures file (an fsync'd JSON) after every iteration through
+    on_figures: that write fell between two iterations' stamps and was timed, and extrapolated 20,000-fold, as
+    reconstruction. A caller that takes 1 s over each call: the iterations of a tiny block (milliseconds) must not
+    read as seconds."""
+    import time
+
+    bench = load_script("bench_aphq_block")
+    calls = []
+
+    def slow_caller(figures):
+        calls.append(figures)
+        time.sleep(1.0)
+
+    threads = torch.get_num_threads()
+    try:
+        result = bench.main([*SMALL, "--warmup", "0", "--iters", "3"], on_figures=slow_caller)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(calls) == 4 and result["timed_iters"] == 3  # after the Hessian batch and after each iteration
+    assert 0 < result["iter_s"] < 0.5 and result["iter_s_min_max"][1] < 0.5, result
+
+
 @pytest.mark.parametrize("warmup", [0, 1, 3])
 def test_the_hessian_batch_is_timed_warm_and_without_the_float_logits(monkeypatch, warmup):
     """The timed Hessian batch is one perturbed pass pair, as each unit's APH is in the pipeline: the float logits,
