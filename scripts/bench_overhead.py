@@ -17,7 +17,7 @@ step is an AMP forward + backward + AdamW step on synthetic data, the AdamW buil
 Reported per configuration: `ColinearityDecay.apply` alone and its floor, the same products as bare
 batched matmuls on pre-stacked copies at the same precision (`product_floor`), with their ratio; the
 median step time over the timed steps (warm-up excluded; on CPU the
-three methods' steps are interleaved so that load from other processes hits all alike) and peak memory
+four methods' steps are interleaved so that load from other processes hits all alike) and peak memory
 (`torch.cuda.max_memory_allocated` over the timed steps, GPU only; on CPU the peak is reported as n/a,
 since the process RSS cannot be attributed to one configuration), plus the CD/baseline and
 TWEO/baseline ratios. Writes `overhead.json` and `overhead.png` to --out.

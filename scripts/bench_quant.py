@@ -1,6 +1,6 @@
 """Cost of fake-quantized evaluation against float evaluation, and of calibration, on synthetic data.
 
-The target of the quantization issue: quantized evaluation costs at most 3x float evaluation. Both are
+The project's target: quantized evaluation costs at most 3x float evaluation. Both are
 measured in one process on the same batch, warm-up excluded, as the median of several forward passes
 (no data loading, so the ratio is the model's alone). Calibration (convert + calibration on --calib images +
 RepQ fold) is timed once per pipeline.
