@@ -53,8 +53,9 @@ from data import (DataError, build_loaders, build_token_loaders, calibration_win
 from data.loader import same_split_data, split_location, split_reading
 from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks
 from engine.best_checkpoint import BestCheckpoint, BestMatch
-from engine.checkpoint import (CheckpointError, CheckpointFile, class_differences, record_quant_settings,
-                               restore_training, run_checkpoint_config, save_on_main_rank, training_payload)
+from engine.checkpoint import (CheckpointError, CheckpointFile, check_ema_entry, class_differences,
+                               record_quant_settings, restore_training, run_checkpoint_config, save_on_main_rank,
+                               training_payload)
 from engine.distributed import (DistInfo, OtherRankError, all_reduce, fail_on_every_rank_at_start,
                                 failure_on_every_rank, process_group, ranks_apart, whole_number)
 from engine.divergence import (DivergenceError, DivergenceGuard, best_withheld_line, withheld_max_steps_line,
@@ -70,7 +71,7 @@ from engine.exit_codes import EXIT_INTERRUPTED
 from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, ignore_sigterm_until_exit, preempted_line
 from engine.resume import (check_schedule_holds, continue_sample_order, epoch_layout, epoch_position,
                            optimizer_param_names, restore_optimizer, resume_position, same_val_windows)
-from engine.snapshots import (CONFIG_SECTIONS, STARTED_AT_STEP, check_same_start_on_every_rank,
+from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank,
                               check_same_weights_on_every_rank, keep_abandoned_checkpoint, keep_finished_run,
                               keep_missing_snapshot, keep_snapshot, planned_resume, resume_source, started_at_step)
 from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside, recorded_setting,
@@ -178,24 +179,21 @@ def check_start_data(cfg: Config, is_main: bool) -> None:
     start leaves no file in a folder it would make (train.log) and moves none of an earlier run's (a claim archives
     a failed start's logs, or with train.archive_existing=true a run's files): a fresh start's model.pretrained
     checkpoint of this code base (check_pretrained_data: a val split that reads its training data, another kind of
-    text), and a resume into another folder than its run's, train.resume=PATH (check_resume, with the
-    model.pretrained of rank 0 on the other ranks: with_main_rank_paths), its checkpoint read memory-mapped
-    (engine/snapshots.py planned_resume). A resume of out_dir's own run is checked once the folder is held, as
-    before: a refusal leaves its files as they were (its train.log lines are held until the run goes on,
+    text), and a resume into another folder than its run's, train.resume=PATH: resume_source's refusals of the file
+    (missing, unreadable, no training checkpoint), check_resume's (with the model.pretrained of rank 0 on the other
+    ranks: with_main_rank_paths) and check_checkpoint_fits'. A resume of out_dir's own run is checked once the
+    folder is held: a refusal leaves its files as they were (its train.log lines are held until the run goes on,
     engine/held_log.py). Both are asked again once the folder is held, of the files as the run reads them then
-    (build_run, run_training); a checkpoint that resume_source would refuse is left to that refusal."""
-    resumes, path = planned_resume(cfg.out_dir, cfg.train.resume)
+    (build_run, run_training)."""
+    resumes, _ = planned_resume(cfg.out_dir, cfg.train.resume)
     if not resumes:
         check_pretrained_data(cfg)
         return
     if resumes_in(cfg.out_dir, cfg.train.resume):
         return
-    payload = mapped_payload(path) if path is not None else None
-    config = payload.get("config") if isinstance(payload, dict) else None
-    if (not isinstance(config, dict) or not isinstance(payload.get("state"), dict)
-            or not all(isinstance(config.get(k), dict) for k in CONFIG_SECTIONS)):
-        return
+    path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # its refusal of a missing or broken file too
     check_resume(cfg if is_main else with_main_rank_paths(cfg, payload), path, payload, warn=False)
+    check_checkpoint_fits(cfg, path, payload)
 
 
 def check_device_settings(cfg: Config, device: torch.device) -> None:
@@ -229,6 +227,8 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
     with failure_on_every_rank(dist.device, "checking the settings the checkpoint is resumed with"):
         check_resume(cfg if dist.is_main else with_main_rank_paths(cfg, payload if resume_path else None),
                      resume_path, payload, warn=False)
+        if resume_path is not None:
+            check_checkpoint_fits(cfg, resume_path, payload)
     # the weights the run started from: a resumed run's are its checkpoint's (None for one written before the record),
     # with the checkpoint's data first where the run goes on with other data (the weights learned both)
     run = build_run(cfg, dist, resumed=resume_path is not None,
@@ -878,13 +878,50 @@ def check_model_drop_sites(payload: dict, cfg: Config, resume_path: str) -> None
                               f"model.kwargs.drop_rate={trained} train.allow_changed_config=true, or start a new run")
 
 
+def check_checkpoint_fits(cfg: Config, resume_path: str, payload: dict) -> None:
+    """What a resume refuses of the checkpoint `resume_path` itself (its `payload`) rather than of the settings: a
+    model.drop of timm's earlier meaning (check_model_drop_sites), no EMA where this run keeps one
+    (engine/checkpoint.py check_ema_entry), and weights (and EMA weights) that do not fit the model of the config (a
+    checkpoint hand-edited or of another code base), loaded by name and shape into the model built on the meta
+    device (no memory, no init time; a model it cannot build is left to restore_training). Asked before out_dir is
+    claimed where the resume goes into another folder (check_start_data: a refusal leaves no folder and no
+    train.log), and on every resume once the folder is held, before the model and the data are built."""
+    check_model_drop_sites(payload, cfg, resume_path)
+    check_ema_entry(payload, cfg.train.ema, resume_path)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = build_model(dataclasses.replace(cfg.model, pretrained=""))  # a resume loads no start weights
+    except Exception:  # noqa: BLE001 - not buildable on the meta device: the real build refuses, or restore_training
+        return
+    # copied into the meta model's tensors: a no-op, torch's warning of which is left unsaid. Not assign=True, which
+    # marks the state dict's own metadata so that restore_training's load of it later assigned its tensors too
+    # (the optimizer left holding the model's former parameters)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter", category=UserWarning)
+            for entry in ("model", "model_ema") if cfg.train.ema else ("model",):
+                model.load_state_dict(payload[entry])
+    except RuntimeError as e:
+        raise weights_misfit(resume_path, e) from None
+
+
+def weights_misfit(resume_path: str, error: RuntimeError) -> Exception:
+    """The refusal of a checkpoint whose weights do not fit the model of its own config (torch's load_state_dict
+    `error`, cut to its first 300 characters); `error` itself where it is another one."""
+    if "Error(s) in loading state_dict" not in str(error):
+        return error
+    return CheckpointError(f"{resume_path}: its weights do not fit the model of its own config "
+                           f"({' '.join(str(error).split())[:300]}): not a checkpoint train.py wrote for this "
+                           f"model; give another one")
+
+
 def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     """Continue from checkpoint.pt of out_dir, or from train.resume=PATH (engine/snapshots.py). The
     checkpoint gives the state, this config every setting (engine/resume.py): optimizer moments by
     parameter name under the new groups' lr / weight decay / betas, the fresh schedule (the loop sets the lr
     of the current update), the position within the epoch in samples of any process count."""
-    cfg, state = run.cfg, run.state  # check_resumable and check_resume_point passed before the run was built
-    check_model_drop_sites(payload, cfg, resume_path)
+    # check_resumable, check_checkpoint_fits and check_resume_point passed before the run was built
+    cfg, state = run.cfg, run.state
     different = class_differences(payload.get("classes"), run.loaders.classes)
     if different:  # another image data set: each label would name another class
         raise CheckpointError(f"{resume_path} was trained on other classes than data.root={cfg.data.root} holds "
@@ -904,12 +941,8 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
     try:
         restore_training(payload, model=run.model, optimizer=None, state=state, ema=run.ema, scaler=run.scaler,
                          source=resume_path)
-    except RuntimeError as e:  # torch's load_state_dict: weights that do not fit the model the config builds
-        if "Error(s) in loading state_dict" not in str(e):
-            raise
-        raise CheckpointError(f"{resume_path}: its weights do not fit the model of its own config "
-                              f"({' '.join(str(e).split())[:300]}): not a checkpoint train.py wrote for "
-                              f"this model; give another one") from None
+    except RuntimeError as e:  # a model the meta device could not build: check_checkpoint_fits left it to here
+        raise weights_misfit(resume_path, e) from None
     last = run.total_steps if cfg.train.max_steps is None else min(run.total_steps, cfg.train.max_steps)
     check_poly_power(cfg, payload.get("scheduler"), resume_path, updates_left=last - state.step)
     restore_optimizer(run.optimizer, payload["optimizer"], payload.get("optimizer_param_names"),

@@ -28,7 +28,8 @@ from .run_dir import ARCHIVE, partial_path
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointError", "save_atomic", "load_checkpoint", "foreign_objects", "training_payload",
-           "restore_training", "save_on_main_rank", "weights_fingerprint", "record_quant_settings", "CheckpointFile"]
+           "restore_training", "check_ema_entry", "save_on_main_rank", "weights_fingerprint", "record_quant_settings",
+           "CheckpointFile"]
 
 
 class CheckpointError(ValueError):
@@ -348,12 +349,7 @@ def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler
             key, value = "best_value", (value if value >= 0 else None)
         setattr(state, key, value)
     if ema is not None:
-        if "model_ema" not in payload:
-            raise CheckpointError(f"{where} was written without an EMA of the weights and this run keeps one "
-                                  f"(train.ema=true): an average begun at its update {state.step} is not the one a "
-                                  f"run with train.ema=true from the start holds there; resume with "
-                                  f"train.ema=false, or start a new run from its weights (another out_dir, "
-                                  f"model.pretrained={source or 'FILE'})")
+        check_ema_entry(payload, True, source)
         ema.module.load_state_dict(payload["model_ema"])
     if scaler is not None:
         if "scaler" in payload:
@@ -361,6 +357,18 @@ def restore_training(payload: dict, *, model, optimizer, state, ema=None, scaler
         else:
             log.info("%s trained without train.amp=fp16: the fp16 loss scale starts at its initial %g, as a "
                      "fresh fp16 run's", where, scaler.get_scale())
+
+
+def check_ema_entry(payload: dict, keeps_ema: bool, source: Optional[str] = None) -> None:
+    """Refuse a `training_payload` without an EMA of the weights to a run that keeps one (`keeps_ema`: train.ema=true
+    turned on at the resume): an average begun at its update is not the one a run with train.ema=true from the start
+    holds there, and evaluate.py --ema would score it as that. `source`: the checkpoint's path, for the message."""
+    if keeps_ema and "model_ema" not in payload:
+        raise CheckpointError(f"{source or 'the checkpoint'} was written without an EMA of the weights and this run "
+                              f"keeps one (train.ema=true): an average begun at its update {payload['state']['step']} "
+                              f"is not the one a run with train.ema=true from the start holds there; resume with "
+                              f"train.ema=false, or start a new run from its weights (another out_dir, "
+                              f"model.pretrained={source or 'FILE'})")
 
 
 def record_quant_settings(path: str, quant: dict, is_main: bool, device: torch.device) -> bool:

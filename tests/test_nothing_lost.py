@@ -1390,3 +1390,27 @@ def test_a_resume_keeps_the_best_score_of_the_best_pt_it_wrote(tmp_path):
     assert not best.offer(state, {"val/top1": 55.0}) and not written
     assert sorted(os.listdir(tmp_path)) == ["best.pt"]
 
+
+
+def test_a_resume_into_a_new_folder_refused_on_its_checkpoint_leaves_no_folder(debug_config, tmp_path):
+    """train.resume=PATH into a new out_dir, refused on the checkpoint file itself: missing, without the EMA this run
+    keeps, of model.drop's earlier meaning, or holding weights that do not fit the model of its config. These came
+    after out_dir was claimed, leaving a new folder with train.log; now before it, and the resume still runs."""
+    train.main(debug_config("train.max_steps=2", name="a"))
+    payload = torch.load(tmp_path / "a" / "checkpoint.pt", weights_only=True)
+    old = {**payload, "config": {**payload["config"], "model": {**payload["config"]["model"], "drop": 0.1}}}
+    del old["model_drop_sites"]  # written when model.drop was timm's classifier-head dropout
+    torch.save(old, tmp_path / "old.pt")
+    torch.save({**payload, "model": {k: v for k, v in payload["model"].items() if k != "cls_token"}},
+               tmp_path / "misfit.pt")
+    for name, (resume, *overrides), error, message in (
+            ("b", ("none.pt",), CheckpointError, r"none.pt: no such file"),
+            ("c", ("a/checkpoint.pt", "train.ema=true", "train.allow_changed_config=true"), CheckpointError,
+             r"written without an EMA of the weights"),
+            ("d", ("old.pt", "model.drop=0.1"), CheckpointError, r"as timm's classifier-head dropout"),
+            ("e", ("misfit.pt",), CheckpointError, r"its weights do not fit the model of its own config .*cls_token")):
+        with pytest.raises(error, match=message):
+            train.main(debug_config(f"train.resume={tmp_path / resume}", *overrides, name=name))
+        assert not (tmp_path / name).exists(), name
+    out = train.main(debug_config(f"train.resume={tmp_path / 'a' / 'checkpoint.pt'}", "train.max_steps=3", name="f"))
+    assert out.state.step == 3
