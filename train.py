@@ -86,7 +86,7 @@ from models import ModelError, build_model, describe, input_size, model_label
 from models.factory import MODEL_DROP_SITES, check_recorded_architecture, own_img_size, without_dropout_rates
 from models.hub import hub_data_mismatch
 from models.kwargs_change import check_kwargs_kept
-from models.pretrained import NEW_CLASSIFIER, mapped_payload
+from models.pretrained import NEW_CLASSIFIER, ConversionError, load_pretrained, mapped_payload
 from models.gpt import GPT_SIZES
 from quant.plan import (RECORDED_FOR_EVALUATION, check_model_converts, check_quant_plan, evaluation_pipelines,
                         reads_calibration_batch, too_few_for_a_batch, too_many_train_images, train_image_demands)
@@ -188,12 +188,43 @@ def check_start_data(cfg: Config, is_main: bool) -> None:
     resumes, _ = planned_resume(cfg.out_dir, cfg.train.resume)
     if not resumes:
         check_pretrained_data(cfg)
+        check_start_weights(cfg)
         return
     if resumes_in(cfg.out_dir, cfg.train.resume):
         return
     path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # its refusal of a missing or broken file too
     check_resume(cfg if is_main else with_main_rank_paths(cfg, payload), path, payload, warn=False)
     check_checkpoint_fits(cfg, path, payload)
+
+
+def check_start_weights(cfg: Config) -> None:
+    """A fresh start's refusals of its model.pretrained file (a local one: missing, unreadable, NaN weights, keys or
+    shapes of another model, models/pretrained.py load_pretrained; a train.py checkpoint of another architecture,
+    check_pretrained_architecture), asked before out_dir is claimed: the file loaded into the model built on the
+    meta device (no memory, no init time for the model's own weights), logging nothing (the run's own load logs its
+    lines). A model the meta device cannot build, or a conversion of timm's that fails on it, is left to the run's
+    build once the folder is held, which makes every check again."""
+    path = cfg.model.pretrained
+    if not path or path == "hub":  # the hub's weights: fetched by the run's build, checked there
+        return
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = build_model(dataclasses.replace(cfg.model, pretrained=""))
+    except Exception:  # noqa: BLE001 - the build's own refusal is the run's, in its place (model.name, model.kwargs)
+        return
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with warnings.catch_warnings():  # torch's word on each weight copied into the meta model: a no-op
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter", category=UserWarning)
+            # strict as build_model loads it: a GPT's file always (its LM head is the tied embedding)
+            load_pretrained(model, path, strict=cfg.model.pretrained_strict or cfg.model.name in GPT_SIZES)
+        if (recorded := pretrained_run_config(cfg.model)) is not None:
+            check_pretrained_architecture(cfg.model, model, recorded)
+    except ConversionError:
+        return
+    finally:
+        logging.disable(previous)
 
 
 def check_device_settings(cfg: Config, device: torch.device) -> None:

@@ -59,6 +59,12 @@ class ModelError(ValueError):
     """An unknown model name, bad constructor argument or incompatible weights file."""
 
 
+class ConversionError(ModelError):
+    """timm's conversion of a weights file to the model (its `checkpoint_filter_fn`) raised: a file of another token
+    layout, or, for a model built on the meta device (train.py check_start_weights), an operation the conversion
+    cannot make on it."""
+
+
 def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     """Load the weights in `path` into `model` in place.
 
@@ -153,7 +159,7 @@ def _fit_and_load(model: nn.Module, state: dict, own: dict, path: str, strict: b
                                              own, strict, head_prefixes, path, model)
             # e.g. resampling a position table whose token layout (class, distillation, register tokens) is not
             # the model's: a reshape error from deep inside timm
-            raise ModelError(conversion_failed(path, model, e)) from None
+            raise ConversionError(conversion_failed(path, model, e)) from None
         notes += check_dropped(dropped_by_filter(before, state, rebuilt_buffers(model)), strict, path, model)
         codes = codes_refusal(state, own, path)  # keys an official layout names otherwise, in the model's names
         if codes:

@@ -17,6 +17,7 @@ from engine.divergence import DivergenceError, DivergenceGuard
 from engine.eval_results import ResultsError
 from engine.loop import NonFiniteLossError, TrainLoop, TrainState, evaluate as evaluate_loader
 from engine.run_dir import RunDirError, lock_folder, save_config_history
+from models import ModelError
 from tests.conftest import DEBUG_CONFIG, make_folder, run_entry
 
 
@@ -1414,3 +1415,19 @@ def test_a_resume_into_a_new_folder_refused_on_its_checkpoint_leaves_no_folder(d
         assert not (tmp_path / name).exists(), name
     out = train.main(debug_config(f"train.resume={tmp_path / 'a' / 'checkpoint.pt'}", "train.max_steps=3", name="f"))
     assert out.state.step == 3
+
+
+def test_a_fine_tune_refused_on_its_model_pretrained_file_leaves_no_folder(debug_config, tmp_path):
+    """model.pretrained missing, or of another architecture (a 2-block run's weights into 3 blocks), was refused by
+    the model's build after out_dir was claimed: the refused start left a new folder holding train.log. Refused
+    before the claim now; a fitting file still loads, its line logged once."""
+    train.main(debug_config("train.max_steps=1", name="a"))
+    weights = tmp_path / "a" / "best.pt"
+    for name, overrides, message in (("b", (f"model.pretrained={tmp_path / 'none.pt'}",), r"none.pt is no such file"),
+                                     ("c", (f"model.pretrained={weights}", "model.kwargs.depth=3"),
+                                      r"best.pt does not fit VisionTransformer: missing \['blocks.2.")):
+        with pytest.raises(ModelError, match=message):
+            train.main(debug_config(*overrides, name=name))
+        assert not (tmp_path / name).exists(), name
+    train.main(debug_config(f"model.pretrained={weights}", "train.max_steps=1", name="d"))
+    assert (tmp_path / "d" / "train.log").read_text().count(f"loaded {weights}") == 1
