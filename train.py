@@ -207,16 +207,12 @@ def check_start_weights(cfg: Config) -> None:
     path = cfg.model.pretrained
     if not path or path == "hub":  # the hub's weights: fetched by the run's build, checked there
         return
-    try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = build_model(dataclasses.replace(cfg.model, pretrained=""))
-    except Exception:  # noqa: BLE001 - the build's own refusal is the run's, in its place (model.name, model.kwargs)
+    if (model := meta_model(cfg.model)) is None:
         return
     previous = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
     try:
-        with warnings.catch_warnings():  # torch's word on each weight copied into the meta model: a no-op
-            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter", category=UserWarning)
+        with meta_copies():
             # strict as build_model loads it: a GPT's file always (its LM head is the tied embedding)
             load_pretrained(model, path, strict=cfg.model.pretrained_strict or cfg.model.name in GPT_SIZES)
         if (recorded := pretrained_run_config(cfg.model)) is not None:
@@ -919,21 +915,37 @@ def check_checkpoint_fits(cfg: Config, resume_path: str, payload: dict) -> None:
     train.log), and on every resume once the folder is held, before the model and the data are built."""
     check_model_drop_sites(payload, cfg, resume_path)
     check_ema_entry(payload, cfg.train.ema, resume_path)
-    try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            model = build_model(dataclasses.replace(cfg.model, pretrained=""))  # a resume loads no start weights
-    except Exception:  # noqa: BLE001 - not buildable on the meta device: the real build refuses, or restore_training
+    if (model := meta_model(cfg.model)) is None:  # left to restore_training
         return
-    # copied into the meta model's tensors: a no-op, torch's warning of which is left unsaid. Not assign=True, which
-    # marks the state dict's own metadata so that restore_training's load of it later assigned its tensors too
-    # (the optimizer left holding the model's former parameters)
+    # not assign=True, which marks the state dict's own metadata so that restore_training's load of it later
+    # assigned its tensors too (the optimizer left holding the model's former parameters)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter", category=UserWarning)
+        with meta_copies():
             for entry in ("model", "model_ema") if cfg.train.ema else ("model",):
                 model.load_state_dict(payload[entry])
     except RuntimeError as e:
         raise weights_misfit(resume_path, e) from None
+
+
+def meta_model(model_cfg) -> Optional[nn.Module]:
+    """The model of `model_cfg` built on the meta device without start weights (no memory, no init time), for the
+    checks of the weights it is to load before out_dir is claimed; None where the meta device cannot build it (the
+    real build's refusal, model.name or model.kwargs, comes in its place). The CPU's random numbers are left as
+    they were."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            return build_model(dataclasses.replace(model_cfg, pretrained=""))
+    except Exception:  # noqa: BLE001 - the build's own refusal, or the meta device's: either is the real build's
+        return None
+
+
+@contextlib.contextmanager
+def meta_copies():
+    """Weights loaded into a `meta_model`: each copy is a no-op (the checks are of names and shapes), which torch
+    warns of, unsaid here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter", category=UserWarning)
+        yield
 
 
 def weights_misfit(resume_path: str, error: RuntimeError) -> Exception:
