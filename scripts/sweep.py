@@ -61,8 +61,9 @@ a result file only under the autocast it was written with: with --run, a run who
 its best.pt holds) was evaluated under another --amp is refused before anything starts, as is one whose maxima files
 (eval_best_act_max.csv / .png) are there without its eval_best.json, which evaluate.py would not write over, and one
 whose eval_best.json is of other data (another data.root: evaluate.py adds to it only for the data it is of). So, with
---run, is a run whose checkpoint.pt train.py would not continue with the sweep's settings (a setting edited in the
-sweep file since it trained: cd.lam) or its length and layout, also with train.allow_changed_config=true (a schedule
+--run, is a run whose checkpoint.pt, or train.resume file, train.py would not continue with the sweep's settings (a
+setting edited in the sweep file since it trained: cd.lam; runs of several settings continuing one warm-up) or its
+length and layout, also with train.allow_changed_config=true (a schedule
 now shorter than its update, another train.batch_size: another number of updates per epoch; where its data settings
 changed, the count is train.py's, at its turn), one whose folder train.py would not claim (an earlier run's files
 without a checkpoint.pt, but the logs of the same command, which it restarts), and with --evaluate one whose
@@ -1132,17 +1133,22 @@ def refuse_changed_training_settings(runs: list[dict], sweep_path: str, world_si
     since (cd.lam of a finished run; a shorter sched.epochs) was refused at its turn, after the runs before it had
     trained, or validated and been evaluated again, and the later runs were not started. Refused before anything
     starts (ConfigError), saying what to do in the sweep's terms (it names out_dir itself). `world_size`: the
-    processes the launcher starts (None: it does not say, and the checks of the layout are left to train.py). Left to
-    train.py's start, as before: a run with train.resume (which checkpoint it continues depends on both files), and a
-    checkpoint.pt whose config cannot be read (train.py's error names what is wrong with the file)."""
+    processes the launcher starts (None: it does not say, and the checks of the layout are left to train.py). A run
+    with train.resume is checked against the file train.py would continue (engine/snapshots.planned_resume: that file,
+    or the checkpoint.pt its folder holds of a start from it): a train.resume for every run of a sweep (a shared
+    warm-up) with their settings was refused at the second run's turn, after the first had trained. Left to train.py's
+    start: a train.resume in the folder of an earlier run of the sweep (that run writes it first), one that is no
+    file (refuse_missing_input_files) and a checkpoint whose config cannot be read (train.py's error names what is
+    wrong with the file)."""
     import torch  # only with --run: printing the commands does not need it
 
     from configs import config_to_dict
     from engine.checkpoint import CheckpointError
-    from engine.run_dir import RunDirError, check_claim
-    from engine.snapshots import CONFIG_SECTIONS
+    from engine.run_dir import RunDirError, check_claim, is_inside
+    from engine.snapshots import CONFIG_SECTIONS, planned_resume
     from train import check_resumable
 
+    earlier: list[str] = []  # the folders of the runs before this one
     for run in runs:
         cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"])
         # the commands run in the repository root: check_resumable tells the run's own checkpoint.pt by out_dir
@@ -1160,8 +1166,11 @@ def refuse_changed_training_settings(runs: list[dict], sweep_path: str, world_si
                 check_claim(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing)
         except RunDirError as e:
             raise refused(e) from e
-        checkpoint = os.path.join(cfg.out_dir, "checkpoint.pt")
-        if cfg.train.resume or not os.path.isfile(checkpoint):
+        resume = os.path.join(ROOT, cfg.train.resume) if cfg.train.resume else ""  # as the command reads it
+        earlier_run = any(is_inside(resume, folder) for folder in earlier) if resume else False
+        earlier.append(cfg.out_dir)
+        _, checkpoint = planned_resume(cfg.out_dir, resume)
+        if checkpoint is None or earlier_run:
             continue
         try:  # memory-mapped: the weights are not read
             payload = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)

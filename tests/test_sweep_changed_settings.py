@@ -284,3 +284,29 @@ def test_a_relative_input_the_claim_would_archive_is_found_from_any_folder(train
     with pytest.raises(RunDirError) as refused:  # train.py's own refusal of the run's command, run where it runs
         train.main(load_config([DEBUG_CONFIG], [*items, f"out_dir={folder}"]))
     assert str(refused.value) in message
+
+
+def test_a_train_resume_of_other_settings_is_refused_before_anything_starts(trained, tmp_path, monkeypatch):
+    """Runs that continue one checkpoint (a shared warm-up: train.resume=<run a's checkpoint.pt> in each run's items, or
+    on the command line) each with its own settings: train.py refuses such a run at its start, and the sweep let it
+    through to that refusal, at the turn of the run after the first to train. Run 'a' here starts in a fresh folder
+    from the trained checkpoint with another optim.lr; the run before it, of the checkpoint's settings, would train."""
+    warm_up = trained / "runs" / "a" / "checkpoint.pt"
+    root = tmp_path / "fresh"
+    items = [*ITEMS, "optim.lr=0.01", f"train.resume={warm_up}"]
+    monkeypatch.setattr(sweep, "run_one", lambda *a: pytest.fail("a run started"))
+    message = refused_at_start(sweep_file(root, tmp_path / "s.yaml", items=items, before=True))
+    assert "train.py would refuse it at its start" in message and "optim.lr: None -> 0.01" in message
+    assert not (root / "runs").exists()
+    with pytest.raises(CheckpointError, match="written with other settings"):  # train.py's own refusal
+        train.main(load_config([DEBUG_CONFIG], [*items, f"out_dir={root / 'runs' / 'a'}"]))
+
+
+def test_a_train_resume_in_an_earlier_run_s_folder_is_left_to_that_run(trained, tmp_path):
+    """Run 'a' continuing the checkpoint.pt of run 'b', which b writes first in the sweep: what that file will hold
+    is b's to say, so the sweep does not compare a's settings with the file there now."""
+    root = tmp_path / "copy"
+    shutil.copytree(trained / "runs" / "a", root / "runs" / "b")
+    items = [*ITEMS, "optim.lr=0.01", f"train.resume={root / 'runs' / 'b' / 'checkpoint.pt'}"]
+    runs = sweep.expand(sweep_file(root, tmp_path / "s.yaml", items=items, before=True), [])
+    sweep.refuse_changed_training_settings(runs, "s.yaml", world_size=1)
