@@ -214,8 +214,13 @@ def passed_on_epilog(parser: argparse.ArgumentParser, target: argparse.ArgumentP
 def parse_known(parser: argparse.ArgumentParser, argv: list[str], entry: str,
                 own_flags: Optional[dict] = None) -> argparse.Namespace:
     """parser.parse_intermixed_args(argv), except that an unknown flag with a known meaning is a
-    ConfigError that names our spelling of it (`own_flags` adds or replaces entries of FOREIGN_FLAGS)."""
+    ConfigError that names our spelling of it (`own_flags` adds or replaces entries of FOREIGN_FLAGS), and so is a
+    YAML file given among the key=value overrides, where the parser has --config."""
     args, unknown = parser.parse_known_intermixed_args(argv)
+    files = [w for w in getattr(args, "overrides", None) or [] if "=" not in w and w.endswith((".yaml", ".yml"))]
+    if files and "--config" in parser._option_string_actions:  # `train.py configs/x.yaml`: the flag left out
+        raise ConfigError(f"override {files[0]!r} is not of the form key=value; a config file is given with --config: "
+                          f"--config {files[0]}")
     for token in unknown:
         if token.startswith("-"):
             message = foreign_flag_message(token, argv, entry, {**FOREIGN_FLAGS, **(own_flags or {})})

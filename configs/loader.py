@@ -283,10 +283,12 @@ def apply_overrides(cfg: Config, overrides: Iterable[str], rules: Optional[Seque
     # what an earlier item set (override_settings) -> that item; a dict field itself there was emptied by it, and
     # a later item may give its entries
     set_by: dict[tuple, str] = {}
-    for item in overrides:
+    overrides = list(overrides)
+    for index, item in enumerate(overrides):
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
+            raise ConfigError(f"override {item!r} is not of the form key=value"
+                              + _word_without_value_fix(item, overrides[index + 1:index + 2]))
         try:
             value = parse_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError as e:
@@ -324,6 +326,17 @@ def apply_overrides(cfg: Config, overrides: Iterable[str], rules: Optional[Seque
             set_by[setting] = item
     check_keys_read(cfg, given, rules=READ_ONLY_WHEN if rules is None else rules)
     return cfg
+
+
+def _word_without_value_fix(item: str, after: list[str]) -> str:
+    """The fix for a word without '=' that is a key whose value came as the next word (`optim.lr 1e-3`: '; give
+    optim.lr=1e-3, one word'); '' otherwise. (A YAML file given without --config: configs/cli.parse_known, where the
+    entry has --config.)"""
+    word = item.strip()
+    if word in schema_keys() and not dataclasses.is_dataclass(get_key(Config(), word)):
+        value = after[0] if after and "=" not in after[0] and not after[0].startswith("-") else "VALUE"
+        return f"; give {word}={value}, one word"
+    return ""
 
 
 def _drops_a_comment(raw: str) -> bool:

@@ -304,6 +304,19 @@ def test_a_foreign_flag_message_in_full(entry, argv, message):
     assert str(refused.value) == message.format(entry.__name__ + ".py")
 
 
+@pytest.mark.parametrize("entry, argv, word", [
+    (train, [DEBUG_CONFIG, "out_dir=runs/x"], DEBUG_CONFIG),  # --config left out
+    (train, ["--config", DEBUG_CONFIG, "configs/method/cd.yaml"], "configs/method/cd.yaml"),  # a second layer
+    (evaluate, ["--checkpoint", "runs/x/best.pt", "configs/method/cd.yml"], "configs/method/cd.yml"),
+])
+def test_a_yaml_file_among_the_overrides_is_refused_naming_config(entry, argv, word):
+    """It was refused as 'not of the form key=value', naming neither what it is nor the flag it needs."""
+    with pytest.raises(ConfigError) as refused:
+        entry.parse_args(argv)
+    assert str(refused.value) == (f"override {word!r} is not of the form key=value; a config file is given with "
+                                  f"--config: --config {word}")
+
+
 @pytest.mark.parametrize("argv, ours", [
     (["-b", "64"], "train.batch_size_per_gpu=64 (per process"),
     (["-j", "4"], "data.num_workers=4"),

@@ -115,6 +115,27 @@ def test_wrong_values_are_clear_errors(override, message):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("words, fix", [
+    (["optim.lr", "1e-3"], "; give optim.lr=1e-3, one word"),  # `optim.lr 1e-3`, as a flag takes its value
+    (["train.seed"], "; give train.seed=VALUE, one word"),
+    (["sched.epochs", "--print-config"], "; give sched.epochs=VALUE, one word"),
+])
+def test_a_word_without_an_equals_sign_is_refused_with_what_was_meant(words, fix):
+    """The refusal named the word alone: `optim.lr 1e-3`, as a flag takes its value, was left to the user to read as
+    what it is (a YAML file without --config: tests/test_cli.py)."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, words)
+    assert str(refused.value) == f"override {words[0]!r} is not of the form key=value{fix}"
+
+
+def test_a_word_without_an_equals_sign_that_names_no_key_or_file_names_no_fix():
+    for word in ("optim", "lr", "no_equals_sign", "configs/debug/tiny.yaml"):  # a section; no dotted key; nothing; a
+        # file (the entries with --config say so: configs/cli.parse_known)
+        with pytest.raises(ConfigError) as refused:
+            load_config(None, [word])
+        assert str(refused.value) == f"override {word!r} is not of the form key=value"
+
+
 @pytest.mark.parametrize("key", ["optim.lr", "optim.lr_base", "sched.warmup_lr", "sched.min_lr"])
 @pytest.mark.parametrize("value", ["1e39", "3.5e38", "3.4028234663852886e38", "1e38", "1e-3"])
 def test_a_learning_rate_beyond_float32_is_refused_as_the_config_loads(key, value):
