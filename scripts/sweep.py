@@ -671,6 +671,16 @@ def main(argv=None) -> int:
         move_overrides(args, "only")
         if not args.only:
             p.error("--only needs the names of runs to keep (its key=value words are overrides for every run)")
+    # argparse takes the first word for the sweep file: `sweep.py data.root=/d SWEEP.yaml` read the override as the
+    # sweep's path ("config file not found: data.root=/d") and the sweep file as an override
+    if "=" in args.sweep and not os.path.isfile(args.sweep):
+        file = next((o for o in args.overrides if "=" not in o), "SWEEP.yaml")
+        p.error(f"{args.sweep} is a key=value override, not a sweep file: give the sweep file first (python "
+                f"scripts/sweep.py {file} {args.sweep} ...)")
+    files = [o for o in args.overrides if "=" not in o and o.endswith((".yaml", ".yml"))]
+    if files:  # it reached the loader as an override: 'not of the form key=value', naming no fix
+        p.error(f"{files[0]} is no key=value override, and a sweep takes one sweep file: a config file for every run "
+                f"goes in the sweep file's 'configs' list, one of a run's own in its items")
     try:
         with stops_before_start(args.run):
             runs = prepare(args)

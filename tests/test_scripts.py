@@ -1298,3 +1298,23 @@ def test_a_sweep_moves_a_runs_stale_evaluation_aside_before_evaluating_it(stand_
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(1_000_000_000))
     assert sorted(os.listdir(runs / "a")) == ["best.pt", "checkpoint.pt", f"eval_best.{stamp}.json"]
     assert sorted(os.listdir(runs / "b")) == ["best.pt", "checkpoint.pt", "eval_best.json"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["data.root=/d", "{sweep}"], "data.root=/d is a key=value override, not a sweep file: give the sweep file first "
+                                  "(python scripts/sweep.py {sweep} data.root=/d ...)"),
+    (["data.root=/d"], "data.root=/d is a key=value override, not a sweep file: give the sweep file first (python "
+                       "scripts/sweep.py SWEEP.yaml data.root=/d ...)"),
+    (["{sweep}", "configs/method/cd.yaml"], "configs/method/cd.yaml is no key=value override, and a sweep takes one "
+                                            "sweep file: a config file for every run goes in the sweep file's "
+                                            "'configs' list, one of a run's own in its items"),
+])
+def test_words_in_the_wrong_place_are_refused_saying_where_they_go(capsys, monkeypatch, argv, says):
+    """The first word is the sweep file to argparse: an override before it was looked for as a file ('config file not
+    found: data.root=/d'), and a config file among the overrides was refused as 'not of the form key=value'."""
+    demo = os.path.relpath(os.path.join(ROOT, "configs", "sweeps", "digits_demo.yaml"))
+    monkeypatch.setattr(sys, "argv", ["sweep.py"])  # argparse names the program after it
+    with pytest.raises(SystemExit) as stop:
+        sweep.main([a.format(sweep=demo) for a in argv])
+    assert stop.value.code == 2  # a usage error, as argparse's
+    assert capsys.readouterr().err == f"error: sweep.py: {says.format(sweep=demo)}; see sweep.py --help\n"
