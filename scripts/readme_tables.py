@@ -38,13 +38,19 @@ def table_command(description: str, table: Callable[[], str], document: Path, be
     if not args.write:
         console_print(out)  # on an ASCII console too
         return
-    text = document.read_text(encoding="utf-8")  # the documents are UTF-8 (×, ±), whatever the locale
+    # the documents are UTF-8 (×, ±), whatever the locale; their line ends are kept as read (newline=""): a CRLF
+    # checkout read as text and written back would turn every line of it LF
+    with open(document, encoding="utf-8", newline="") as f:
+        text = f.read()
+    eol = "\r\n" if "\r\n" in text else "\n"
     if begin not in text or end not in text.split(begin, 1)[1]:  # an edit removed a marker: nothing to replace
         raise SystemExit(f"error: {document} lacks the markers {begin} ... {end} around its table; put them back "
                          "(git diff shows them) and run --write again")
     head, rest = text.split(begin, 1)
     # rewritten on purpose (overwrite), but whole: a kill mid-write leaves the document as it was, never cut short
-    write_text(str(document), head + begin + "\n" + out + "\n" + end + rest.split(end, 1)[1], overwrite=True)
+    table = eol.join(out.split("\n"))
+    write_text(str(document), head + begin + eol + table + eol + end + rest.split(end, 1)[1], overwrite=True,
+               newline="")
     print(f"wrote the table into {document}")
 
 

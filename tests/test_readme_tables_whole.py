@@ -46,3 +46,18 @@ def test_a_write_keeps_each_marker_on_a_line_of_its_own(tmp_path, monkeypatch):
     load_script("readme_tables").table_command("x", lambda: "| a |\n|---|", doc, "<!-- b -->", "<!-- e -->",
                                                ["--write"])
     assert doc.read_text(encoding="utf-8") == "# doc\n<!-- b -->\n| a |\n|---|\n<!-- e -->\ntext after\n"
+
+
+def test_a_write_keeps_the_line_ends_of_a_crlf_document(tmp_path, monkeypatch):
+    """A document checked out with CRLF line ends (git's core.autocrlf on Windows) keeps them, the table's lines
+    too: read as text and written back, every line of it turned LF, a diff of the whole document for one table."""
+    import torch
+
+    from tests.conftest import load_script
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # the test process keeps its own thread count
+    doc = tmp_path / "README.md"
+    doc.write_bytes(b"# doc\r\n<!-- b -->\r\nold table\r\n<!-- e -->\r\ntext after\r\n")
+    load_script("readme_tables").table_command("x", lambda: "| a |\n|---|", doc, "<!-- b -->", "<!-- e -->",
+                                               ["--write"])
+    assert doc.read_bytes() == b"# doc\r\n<!-- b -->\r\n| a |\r\n|---|\r\n<!-- e -->\r\ntext after\r\n"
