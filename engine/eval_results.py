@@ -156,17 +156,21 @@ def null_gplq_lr(global_batch: int) -> float:
 def _null_meant(pipeline: str, options: dict, detector: bool = False, ranks: Optional[int] = None) -> dict:
     """`options` with each option recorded as null whose value results now record replaced by what it meant: a
     percentile level the levels of NULL_PERCENTILES (by its operand's range rule as recorded, else the default rule of
-    then, percentile_mse), APHQ's hessian_eps NULL_HESSIAN_EPS (a `detector`'s NULL_DETECTION_EPS), GPLQ's lr the lr
-    of the entry's global batch on its `ranks` processes (unknown without them: kept null) and scale_lr its lr."""
+    then, percentile_mse), APHQ's hessian_eps NULL_HESSIAN_EPS (a `detector`'s NULL_DETECTION_EPS) and mlp_iters
+    (with mlp_reconstruct on) the entry's iters, GPLQ's lr the lr of the entry's global batch on its `ranks` processes
+    (unknown without them: kept null) and scale_lr its lr."""
     meant = {}
     if pipeline == "percentile":
         for operand in ("act", "weight"):
             key, method = f"{operand}_percentiles", options.get(f"{operand}_range", "percentile_mse")
             if key in options and options[key] is None and method in NULL_PERCENTILES:
                 meant[key] = NULL_PERCENTILES[method]
-    elif pipeline == "aphq" and "hessian_eps" in options and options["hessian_eps"] is None:
-        probe = options.get("hessian_probe", "ones")
-        meant["hessian_eps"] = NULL_DETECTION_EPS if detector else NULL_HESSIAN_EPS.get(probe)
+    elif pipeline == "aphq":
+        if "hessian_eps" in options and options["hessian_eps"] is None:
+            probe = options.get("hessian_probe", "ones")
+            meant["hessian_eps"] = NULL_DETECTION_EPS if detector else NULL_HESSIAN_EPS.get(probe)
+        if "mlp_iters" in options and options["mlp_iters"] is None and options.get("mlp_reconstruct"):
+            meant["mlp_iters"] = options.get("iters")  # mlp_iterations: null follows iters
     elif pipeline == "gplq":
         lr = options.get("lr")
         batch = options.get("batch_size_per_gpu", NULL_DETECTION_GPLQ_BATCH if detector else None)

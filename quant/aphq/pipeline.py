@@ -93,9 +93,11 @@ class APHQPipeline(Pipeline):
 
     def recorded_options(self, options: APHQOptions, ranks: Optional[int] = None) -> APHQOptions:
         """`options` with the perturbation a classifier's APH runs with in place of a null hessian_eps
-        (`hessian_eps`); a detector's report records its own (detector.py). Result files compare these
+        (`hessian_eps`), and with the MLP reconstruction on, its iterations in place of a null mlp_iters
+        (`mlp_iterations`: iters); a detector's report records its own (detector.py). Result files compare these
         (engine/eval_results.py reads an older entry's null as the default of then)."""
-        return dataclasses.replace(options, hessian_eps=hessian_eps(options))
+        return dataclasses.replace(options, hessian_eps=hessian_eps(options),
+                                   mlp_iters=mlp_iterations(options) if options.mlp_reconstruct else options.mlp_iters)
 
     def layout(self, bits: Bits, options: APHQOptions) -> QuantSpec:
         """APHQ's converted layout before the fold (post-LN inputs still per channel).
