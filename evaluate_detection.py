@@ -530,18 +530,13 @@ def detection_defaults(name: str, args, given: Optional[dict] = None) -> dict:
     pipeline; with aphq.iters=0 there the recipe's recon_images is left out, as nothing reads it (parse_options
     refuses an unread option of the mapping it is handed, the recipe's as the user's), and with gplq.qwt=false
     the recipe's stage2_train_transform likewise (stage 2 draws images only for QwT's fits)."""
-    from configs.quant import APHQ_DETECTION, GPLQ_DETECTION
-    if name == "aphq":
-        recipe = {**APHQ_DETECTION, "calib_images": args.calib_images}
-        if (given or {}).get("iters") == 0:
-            del recipe["recon_images"]
-        return recipe
-    if name == "gplq":
-        recipe = {**GPLQ_DETECTION, "init_images": args.calib_images}
-        if (given or {}).get("qwt") is False:
-            del recipe["stage2_train_transform"]
-        return recipe
-    return {}
+    from configs.quant import detection_recipe
+    recipe = detection_recipe(name, args.calib_images)
+    if name == "aphq" and (given or {}).get("iters") == 0:
+        del recipe["recon_images"]
+    if name == "gplq" and (given or {}).get("qwt") is False:
+        del recipe["stage2_train_transform"]
+    return recipe
 
 
 def recorded_options(name: str, parsed, given: dict, ranks: int) -> dict:

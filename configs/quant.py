@@ -191,6 +191,17 @@ GPLQ_DETECTION = dict(
 )
 
 
+def detection_recipe(pipeline: str, calib_images: int) -> dict:
+    """The options `pipeline` starts from on a detector besides its defaults: APHQ's and GPLQ's detection recipes,
+    with their calibration / initialisation images the `calib_images` batch (evaluate_detection.py --calib-images);
+    {} for a pipeline that has none."""
+    if pipeline == "aphq":
+        return {**APHQ_DETECTION, "calib_images": calib_images}
+    if pipeline == "gplq":
+        return {**GPLQ_DETECTION, "init_images": calib_images}
+    return {}
+
+
 @dataclass
 class FloatEndsOptions(FirstLastOptions):
     """Stem (patch embedding) and head in float: the only setting of rtn / gptq / smoothquant(_strict).

@@ -34,6 +34,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import logging
@@ -44,7 +45,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 import torch
 
 from configs.loader import ConfigError, unread_options
-from configs.quant import APHQ_DETECTION, APHQOptions
+from configs.quant import detection_recipe
 
 from .checkpoint import weights_fingerprint
 from .run_dir import SETTINGS_BEFORE_THEIR_KEY, SNAPSHOTS, exclusive_lock, partial_path, saved_train_setting
@@ -138,12 +139,9 @@ NULL_PERCENTILES = {"percentile": [0.9999], "percentile_mse": [0.999, 0.9999, 0.
 # entry's batch_size_per_gpu x its recorded world_size) and scale_lr (null: the lr), recorded as the values used since
 NULL_HESSIAN_EPS = {"ones": 1e-6, "rademacher": 1e-4}
 NULL_DETECTION_EPS = 1e-3
-# the options whose null means a default that evaluate_detection.py records the value of (its recorded_options): a
-# detector entry records only the options given besides these, so one written before holds none of them where none was
-# given, and ran at what null meant then (`_null_meant`; GPLQ's lr by the detection recipe's batch_size_per_gpu of then
-# where the entry holds none)
-DETECTOR_RESOLVED = {"aphq": ("hessian_eps",), "gplq": ("lr", "scale_lr"),
-                     "percentile": ("act_percentiles", "weight_percentiles")}
+# a detector entry records the options given besides the values of the defaults evaluate_detection.py resolves (its
+# recorded_options), so one written before holds none of them where none was given, and ran at what null meant then
+# (`_null_meant`; GPLQ's lr by the detection recipe's batch_size_per_gpu of then where the entry holds none)
 NULL_DETECTION_GPLQ_BATCH = 1
 
 
@@ -196,13 +194,20 @@ def read_options(pipeline: str, options: dict, detector: bool = False, ranks: Op
             if name not in unread}
 
 
-def _detector_defaults(pipeline: str, options: dict) -> dict:
-    """A detector entry's `options` with the default act_lr where an APHQ entry at drop_prob=0 holds none. Between
-    ac3a53d and 90fb3cc act_lr was refused at drop_prob=0 on a detector too, so such an entry ran at the default,
-    which a command may now give (evaluate_detection.py records the options given, and the neck reads it)."""
-    if pipeline != "aphq" or "act_lr" in options or options.get("drop_prob") != 0:
+def detector_entry_options(pipeline: str, settings: dict) -> dict:
+    """A detector entry's options, each one it leaves out at the value it ran with: evaluate_detection.py records the
+    options typed (and the values of the defaults it resolves), and runs the others at the pipeline's defaults with
+    its detection recipe (configs/quant.py detection_recipe, of the entry's calib_images), so a command that types a
+    default out asks for the same result. A resolved default that an older entry leaves out is null here, read as
+    what null meant then (`_null_meant`). An APHQ entry at drop_prob=0 without act_lr ran at the default too (between
+    ac3a53d and 90fb3cc act_lr was refused there on a detector, whose neck reads it)."""
+    from quant import PIPELINES
+    options = settings.get("options", {})
+    if pipeline not in PIPELINES or not isinstance(options, dict):
         return options
-    return {**options, "act_lr": APHQ_DETECTION.get("act_lr", APHQOptions.act_lr)}
+    defaults = {**dataclasses.asdict(PIPELINES[pipeline].Options()),
+                **detection_recipe(pipeline, settings.get("calib_images"))}
+    return {**as_stored(defaults), **options}
 
 
 def comparable_settings(settings: Optional[dict], pipeline: str, detector: bool = False,
@@ -213,14 +218,12 @@ def comparable_settings(settings: Optional[dict], pipeline: str, detector: bool 
     the default a command now records), and, given the entry's `bits` (its key, e.g. "w4a8"), without the options
     the pipeline does not read at those bits (`unread_at_bits`: APHQ's round_zero_point at a_bits != w_bits)."""
     plain = as_stored(settings or {})
-    if detector and pipeline in DETECTOR_RESOLVED and isinstance(plain.get("options", {}), dict):
-        # an entry written before evaluate_detection.py recorded the values of these defaults: null, read as then
-        plain["options"] = {**{key: None for key in DETECTOR_RESOLVED[pipeline]}, **plain.get("options", {})}
+    if detector:  # the options it records, and the defaults it ran the others at
+        plain["options"] = detector_entry_options(pipeline, plain)
     if isinstance(plain.get("options"), dict):
         skipped = {*NEUTRAL_OPTIONS.get(pipeline, ()), *unread_at_bits(pipeline, bits)}
         options = read_options(pipeline, plain["options"], detector, plain.get("world_size"))
-        plain["options"] = {k: v for k, v in (_detector_defaults(pipeline, options) if detector else options).items()
-                            if k not in skipped}
+        plain["options"] = {k: v for k, v in options.items() if k not in skipped}
     return plain
 
 

@@ -233,3 +233,32 @@ def test_a_detector_entry_records_the_value_a_null_default_meant_and_reads_an_ol
         return
     for entry in (now, older):
         assert settings_change({"settings": entry}, later, pipeline, detector=True) is not None
+
+
+@pytest.mark.parametrize("pipeline, defaults, other", [
+    ("aphq", ["aphq.iters=20000", "aphq.recon_images=256", "aphq.batch_size=1"], ["aphq.recon_images=128"]),
+    ("aphq", ["aphq.drop_prob=0", "aphq.act_lr=4e-5"], ["aphq.drop_prob=0", "aphq.act_lr=1e-4"]),
+    ("gplq", ["gplq.batch_size_per_gpu=1", "gplq.pca_weight=0"], ["gplq.batch_size_per_gpu=2"]),
+    ("percentile", ["percentile.act_range=percentile_mse"], ["percentile.act_range=minmax"]),
+])
+def test_a_detector_entry_of_the_defaults_is_the_same_as_one_with_those_defaults_typed_out(pipeline, defaults, other):
+    """evaluate_detection.py records the options typed: its default run (the detection recipe, configs/quant.py
+    APHQ_DETECTION / GPLQ_DETECTION over the pipeline's defaults, written out here) and the same run with those
+    values typed out are one result, reused by either command, and a value other than the recipe's is another."""
+    from types import SimpleNamespace
+    from engine.eval_results import settings_change
+    from evaluate_detection import detection_defaults, pipeline_options as detector_options, settings
+    from quant import PIPELINES
+    from quant.pipeline_base import parse_options
+
+    args = SimpleNamespace(calib_images=1, calib_seed=0)
+
+    def asked(items: list) -> dict:
+        user = detector_options(items, [pipeline]).get(pipeline, {})
+        parsed = parse_options(PIPELINES[pipeline].Options, {**detection_defaults(pipeline, args, user), **user})
+        return plain(settings(args, pipeline, user, 1, parsed))
+
+    plain_run, typed_out = asked(defaults[:1] if "drop_prob=0" in defaults[0] else []), asked(defaults)
+    for entry, now in ((plain_run, typed_out), (typed_out, plain_run)):
+        assert settings_change({"settings": entry}, now, pipeline, detector=True) is None
+    assert settings_change({"settings": plain_run}, asked(other), pipeline, detector=True) is not None
