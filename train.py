@@ -1465,18 +1465,15 @@ def read_config(paths: list[str], overrides: list[str], default: bool) -> Config
 
 # what --print-config checks: check_before_start's refusals, claim_run_dir's of out_dir's files (check_claim, nothing
 # moved), a resume's train.log (check_train_log) and, where the run would continue a checkpoint, check_resume's on
-# the checkpoint's config and check_checkpoint_fits', else check_start_data's of model.pretrained; the model is built
-# on the meta device only, the data and the schedule are not built
+# the checkpoint's config; the model, the data and the schedule are not built
 PRINT_CONFIG_HELP = ("print the resolved config (YAML) and exit without running, once it passes the checks a run "
                      "makes before it starts (every key and value; quant.*, CD's settings, optim.name, log.wandb's "
                      "package, a val split that is the train split; out_dir's files as the run claims the folder: "
                      "an earlier run's files without checkpoint.pt, a folder at checkpoint.pt, a train.log a "
                      "resume would append to that is no log, with nothing moved; a fine-tune's val split that reads "
-                     "the training data of its model.pretrained checkpoint, and a local model.pretrained file that "
-                     "is missing or does not fit the model; "
+                     "the training data of its model.pretrained checkpoint; "
                      "where out_dir holds checkpoint.pt or train.resume is given, the settings, schedule and "
-                     "train.max_steps that checkpoint can continue with, its EMA and whether its weights fit the "
-                     "model); what needs the model, the data or the "
+                     "train.max_steps that checkpoint can continue with); what needs the model, the data or the "
                      "run's length built (model.name, model.kwargs the model rejects, data.root's files, "
                      "train.max_steps and the cadences beyond the run's updates, a resume's epoch layout, changed "
                      "settings on a resumed run with nothing left to train), and "
@@ -1506,11 +1503,8 @@ def parse_args(argv: list[str]) -> Config:
         check_train_log(cfg.out_dir, cfg.train.resume, writes_log=True)
         resume_path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # (None, None): a fresh start
         check_resume(cfg, resume_path, payload, warn=False)
-        if resume_path is not None:
-            check_checkpoint_fits(cfg, resume_path, payload)
-        else:  # a fine-tune's val split against its start's training data, and its weights (check_start_data)
+        if resume_path is None:  # a fine-tune's val split against its start's training data (check_start_data)
             check_pretrained_data(cfg)
-            check_start_weights(cfg)
         print_config(cfg)
         sys.exit(0)
     return cfg
