@@ -45,13 +45,17 @@ def test_an_accepted_resume_writes_all_its_lines_after_the_run_s(debug_config):
     assert order == sorted(order) and order[0] == 0
 
 
-def test_a_resume_refused_after_the_model_is_built_says_no_resuming_line(debug_config, capsys):
-    """train.ema=true on a checkpoint without EMA weights was refused in resume_run, once the model was built, after
-    the "resuming with changed settings" warning, which said the run resumed. It is refused before the model is
-    built now (train.check_checkpoint_fits), and the refusal's error line is the only word on it."""
+@pytest.mark.parametrize("changed, refusal, built", [
+    (["train.ema=true"], "without an EMA of the weights", False),
+    (["data.synthetic_train_size=96"], "6 updates per epoch", True)], ids=["ema turned on", "updates per epoch"])
+def test_a_resume_refused_after_the_model_is_built_says_no_resuming_line(debug_config, capsys, changed, refusal, built):
+    """A refusal once the model is built (other updates per epoch, counted from the data) came after the "resuming
+    with changed settings" warning, saying the run resumed. The refusal's error line is the only word on it now.
+    train.ema=true on a checkpoint without EMA weights was refused so too; it is refused before the model is built
+    now (train.py check_checkpoint_fits), and says no resuming line either."""
     command = ["--config", DEBUG_CONFIG, f"out_dir={debug_config().out_dir}", "log.tensorboard=false"]
     assert run_entry("train.py", [*command, "train.max_steps=4"], capsys)[0] == 0  # updates left to train
-    code, out, err = run_entry("train.py", [*command, "train.ema=true", "train.allow_changed_config=true"], capsys)
-    assert code == 1 and err.startswith("error: ") and "ema" in err.lower() and err.count("\n") == 1, err
-    assert "train INFO model vit_nano" not in out  # refused before the model is built (check_checkpoint_fits)
+    code, out, err = run_entry("train.py", [*command, *changed, "train.allow_changed_config=true"], capsys)
+    assert code == 1 and err.startswith("error: ") and refusal in err and err.count("\n") == 1, err
+    assert ("train INFO model vit_nano" in out) == built  # refused after the model was built, or before
     assert "resuming with changed settings" not in out + err
