@@ -210,8 +210,9 @@ def planned_resume(out_dir: str, resume: str) -> tuple[bool, Optional[str]]:
     """(whether a run into `out_dir` with train.resume=`resume` continues a checkpoint, the file `resume_source` would
     continue from), told before out_dir is claimed from the files' records, memory-mapped and nothing logged: for
     the refusals train.py makes before it claims the folder. The file is None where that takes resume_source's own
-    reading (a train.resume or checkpoint.pt that is missing, no file or unreadable), whose refusal then comes
-    after the claim; resume_source, once the folder is held, decides and reads the file for the run."""
+    reading (a train.resume or checkpoint.pt that is missing, no file or unreadable), whose refusal is its own:
+    before the claim for a train.resume into another folder (train.py check_start_data), else once the folder is
+    held; resume_source, once the folder is held, decides and reads the file for the run."""
     own = os.path.join(out_dir, "checkpoint.pt")
     if not resume:
         return os.path.lexists(own), own if os.path.isfile(own) else None
