@@ -481,6 +481,19 @@ def test_verify_false_asks_the_part_nothing_about_its_input():
     hook.after_train(runner)
 
 
+def step_with_cd_alone(net, runner, hook):
+    """One step of `runner`'s SGD (lr 0.1) on zero gradients, so that only CD (lam 0.5) changes the weights, checked
+    against the closed form W2 - lr * lam * W2 W1n W1n^T of the weights before the step (block 0's MLP pair)."""
+    from cd_models import ref_w2
+
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    fc1, fc2 = (net.get_submodule(f"blocks.0.mlp.{n}").weight.detach().clone() for n in ("fc1", "fc2"))
+    runner.optim_wrapper.step()
+    hook.after_train_iter(runner, 0)
+    assert torch.allclose(net.blocks[0].mlp.fc2.weight, ref_w2(fc2, fc1, 0.1 * 0.5), rtol=0, atol=1e-12)
+
+
 def test_a_train_again_after_one_that_raised_gets_one_cd_update_per_step():
     """MMEngine calls no after_train when training raises: the hook's next before_train (train() again) takes
     its bindings off the optimizer first, so the new run is not refused as a second CD update and its steps get
@@ -488,24 +501,17 @@ def test_a_train_again_after_one_that_raised_gets_one_cd_update_per_step():
     from types import SimpleNamespace
 
     from cd.integrations.mmengine import ColinearityDecayHook
-    from cd_models import ref_w2
 
     net = tiny_vit().double()
-    wrapper = OptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1))
-    runner = SimpleNamespace(model=net, optim_wrapper=wrapper, iter=0)
+    runner = SimpleNamespace(model=net, optim_wrapper=OptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1)), iter=0)
     hook = ColinearityDecayHook(lam=0.5, module="")
     hook.before_train(runner)
     hook.before_train_iter(runner, 0)  # the run raises here: no after_train_iter, no after_train
     failed = hook.decay
     hook.before_train(runner)
     hook.before_train_iter(runner, 0)
-    for p in net.parameters():
-        p.grad = torch.zeros_like(p)  # SGD then changes only what CD does
-    fc1, fc2 = (net.get_submodule(f"blocks.0.mlp.{n}").weight.detach().clone() for n in ("fc1", "fc2"))
-    wrapper.step()
-    hook.after_train_iter(runner, 0)
+    step_with_cd_alone(net, runner, hook)
     assert (failed.num_updates, hook.decay.num_updates) == (0, 1)
-    assert torch.allclose(net.blocks[0].mlp.fc2.weight, ref_w2(fc2, fc1, 0.1 * 0.5), rtol=0, atol=1e-12)
     hook.after_train(runner)
 
 
@@ -518,25 +524,18 @@ def test_a_second_runner_after_one_that_raised_trains_the_same_model_with_its_ow
     from types import SimpleNamespace
 
     from cd.integrations.mmengine import ColinearityDecayHook
-    from cd_models import ref_w2
 
     net = tiny_vit().double()
     first = SimpleNamespace(model=net, optim_wrapper=OptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1)), iter=0)
     failed = ColinearityDecayHook(lam=0.5, module="")
     failed.before_train(first)
     failed.before_train_iter(first, 0)  # the run raises here: no after_train_iter, no after_train
-    wrapper = OptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1))
-    second = SimpleNamespace(model=net, optim_wrapper=wrapper, iter=0)
+    second = SimpleNamespace(model=net, optim_wrapper=OptimWrapper(torch.optim.SGD(net.parameters(), lr=0.1)), iter=0)
     hook = ColinearityDecayHook(lam=0.5, module="")
     hook.before_train(second)
     hook.before_train_iter(second, 0)
-    for p in net.parameters():
-        p.grad = torch.zeros_like(p)  # SGD then changes only what CD does
-    fc1, fc2 = (net.get_submodule(f"blocks.0.mlp.{n}").weight.detach().clone() for n in ("fc1", "fc2"))
-    wrapper.step()
-    hook.after_train_iter(second, 0)
+    step_with_cd_alone(net, second, hook)
     assert (failed.decay.num_updates, hook.decay.num_updates) == (0, 1)
-    assert torch.allclose(net.blocks[0].mlp.fc2.weight, ref_w2(fc2, fc1, 0.1 * 0.5), rtol=0, atol=1e-12)
     hook.after_train(second)
 
 
