@@ -539,13 +539,15 @@ def detection_defaults(name: str, args, given: Optional[dict] = None) -> dict:
     return recipe
 
 
-def recorded_options(name: str, parsed, given: dict, ranks: int) -> dict:
-    """The options of pipeline `name` that its results record (`settings`): those `given` (--quant-options), and
-    the value used of each option whose null means a default the pipeline resolves (the pipeline's recorded_options:
-    GPLQ's lr by the global batch on `ranks` processes and its scale_lr, percentile's levels; APHQ's hessian_eps a
-    detector's DETECTION_EPS, not the classifier's probe default), where the detector rules read it. Left out, a
-    later change of such a default would make an older entry read as computed with the new one;
-    engine/eval_results.py reads an entry written before without them as the defaults of then."""
+def recorded_options(name: str, parsed, ranks: int) -> dict:
+    """The options of pipeline `name` that its results record (`settings`): every option the detector rules read,
+    as run (`parsed`: the detection recipe with the --quant-options given over it), each option whose null means a
+    default the pipeline resolves at the value used (the pipeline's recorded_options: GPLQ's lr by the global batch
+    on `ranks` processes and its scale_lr, percentile's levels; APHQ's hessian_eps a detector's DETECTION_EPS,
+    not the classifier's probe default), as evaluate.py records a classifier's. Left out, a later change of the
+    recipe or of a default would make an entry read as computed with the new one; engine/eval_results.py reads an
+    entry written before, which holds the options given (and since, those resolved defaults), as run with the
+    defaults and recipe of then for the others."""
     import dataclasses
     from configs.loader import unread_options
     from quant import PIPELINES
@@ -553,15 +555,13 @@ def recorded_options(name: str, parsed, given: dict, ranks: int) -> dict:
     used = dataclasses.replace(parsed, hessian_eps=detection_eps(parsed)) if name == "aphq" else parsed
     used = dataclasses.asdict(PIPELINES[name].recorded_options(used, ranks))
     unread = unread_options(f"quant.{name}", dataclasses.asdict(parsed), detector=True)
-    resolved = {key: value for key, value in used.items()
-                if getattr(parsed, key) is None and value is not None and key not in unread and key not in given}
-    return {**given, **resolved}
+    return {key: value for key, value in used.items() if key not in unread}
 
 
 def settings(args, pipeline: str, options=None, test_batch: int = 1, parsed=None) -> dict:
     """What a quantized result depends on besides the weights and data (a different value is another result):
-    the calibration batch, the user's `options` and, given them `parsed` (as run), the values of the defaults they
-    resolve (`recorded_options`), for GPLQ the number of ranks its stage 1 trained on, and under
+    the calibration batch, the user's `options` or, given `parsed` (the options as run), every option the run read
+    (`recorded_options`), for GPLQ the number of ranks its stage 1 trained on, and under
     torchrun at a test batch of more than one image the number of ranks too: each rank batches the images of
     its shard, other batches than one process's, whose outputs round about 1e-7 apart, enough to flip 4-bit codes
     (docs/reproduce.md); at batch 1 (the paper configs') the scores are the one-process ones."""
@@ -569,7 +569,7 @@ def settings(args, pipeline: str, options=None, test_batch: int = 1, parsed=None
     from quant import run_settings
     ranks = world_size()
     if parsed is not None:
-        options = recorded_options(pipeline, parsed, options or {}, ranks)
+        options = recorded_options(pipeline, parsed, ranks)
     return {"calib_images": args.calib_images, "calib_seed": args.calib_seed,
             **({"options": options} if options else {}),
             **({"world_size": ranks} if ranks > 1 and test_batch > 1 else {}), **run_settings(pipeline)}

@@ -139,9 +139,9 @@ NULL_PERCENTILES = {"percentile": [0.9999], "percentile_mse": [0.999, 0.9999, 0.
 # entry's batch_size_per_gpu x its recorded world_size) and scale_lr (null: the lr), recorded as the values used since
 NULL_HESSIAN_EPS = {"ones": 1e-6, "rademacher": 1e-4}
 NULL_DETECTION_EPS = 1e-3
-# a detector entry records the options given besides the values of the defaults evaluate_detection.py resolves (its
-# recorded_options), so one written before holds none of them where none was given, and ran at what null meant then
-# (`_null_meant`; GPLQ's lr by the detection recipe's batch_size_per_gpu of then where the entry holds none)
+# a detector entry written before evaluate_detection.py recorded the values of the defaults it resolves (its
+# recorded_options) holds none of them where none was given, and ran at what null meant then (`_null_meant`; GPLQ's lr
+# by the detection recipe's batch_size_per_gpu of then where the entry holds none)
 NULL_DETECTION_GPLQ_BATCH = 1
 
 
@@ -195,12 +195,14 @@ def read_options(pipeline: str, options: dict, detector: bool = False, ranks: Op
 
 
 def detector_entry_options(pipeline: str, settings: dict) -> dict:
-    """A detector entry's options, each one it leaves out at the value it ran with: evaluate_detection.py records the
-    options typed (and the values of the defaults it resolves), and runs the others at the pipeline's defaults with
-    its detection recipe (configs/quant.py detection_recipe, of the entry's calib_images), so a command that types a
-    default out asks for the same result. A resolved default that an older entry leaves out is null here, read as
-    what null meant then (`_null_meant`). An APHQ entry at drop_prob=0 without act_lr ran at the default too (between
-    ac3a53d and 90fb3cc act_lr was refused there on a detector, whose neck reads it)."""
+    """A detector entry's options, each one it leaves out at the value it ran with. evaluate_detection.py records
+    every option it reads; an entry written before holds those typed (and since, the values of the defaults it
+    resolves), and ran the others at the pipeline's defaults with its detection recipe (configs/quant.py
+    detection_recipe, of the entry's calib_images), read here as they are now: a change of one of them must give
+    such entries its old value here. A command that types a default out asks for the same result. A resolved default
+    that an older entry leaves out is null here, read as what null meant then (`_null_meant`). An APHQ entry at
+    drop_prob=0 without act_lr ran at the default too (between ac3a53d and 90fb3cc act_lr was refused there on a
+    detector, whose neck reads it)."""
     from quant import PIPELINES
     options = settings.get("options", {})
     if pipeline not in PIPELINES or not isinstance(options, dict):

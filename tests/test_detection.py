@@ -251,7 +251,9 @@ def test_aphq_reconstructs_the_backbone_and_neck_and_switches_on_the_calibrated_
     from quant import PIPELINES
     from quant.modes import named_quantizers
     from quant.pipeline_data import PipelineData
-    from configs.quant import APHQ_DETECTION
+    from configs.quant import APHQ_DETECTION, APHQOptions
+    from engine.eval_results import as_stored
+    from quant.aphq.detector import MLP_OPTIONS
     cfg = load_config([SAMPLE_CONFIG], data_root=sample)
     model = build_detector(cfg, trained, torch.device("cpu"))
     data = PipelineData(detector_samples=lambda count, seed: DetectorSamples(cfg, count, seed))
@@ -275,8 +277,12 @@ def test_aphq_reconstructs_the_backbone_and_neck_and_switches_on_the_calibrated_
                    "--quant", "aphq", "--quant-options", "aphq.iters=2", "aphq.recon_images=2"])
     entry = result["quant"]["aphq"]["w4a4"]
     assert 0.0 <= entry["bbox_mAP"] <= 1.0 and len(entry["units"]) == len(units)
-    assert json.loads(out.read_text())["quant"]["aphq"]["w4a4"]["settings"]["options"] == {
-        "iters": 2, "recon_images": 2, "hessian_eps": 1e-3}  # the options given and the perturbation used
+    # every option it ran with: the options given over the detection recipe (of --calib-images 1) and the
+    # perturbation used; the MLP reconstruction's, off on a detector, are read by none
+    recipe = {**vars(APHQOptions()), **APHQ_DETECTION, "calib_images": 1}
+    expected = {**{k: v for k, v in recipe.items() if k not in MLP_OPTIONS}, "iters": 2, "recon_images": 2,
+                "hessian_eps": 1e-3}
+    assert json.loads(out.read_text())["quant"]["aphq"]["w4a4"]["settings"]["options"] == as_stored(expected)
 
 
 def test_aphq_weights_backbone_units_by_the_sigmoid_rpn_outputs_and_keeps_qdrop_off_the_neck(sample, monkeypatch):

@@ -5,13 +5,20 @@ Marked `detection`: they need MMDetection with full mmcv (scripts/install_mmcv.s
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
 import pytest
 import torch
 
+from configs.quant import GPLQ_DETECTION, GPLQOptions
 from detection_runs import SAMPLE_CONFIG, error_line
+from engine.eval_results import as_stored
+
+# the options GPLQ runs with on a detector at --calib-images 1 (its default): the detection recipe over the defaults
+GPLQ_RECIPE = {**dataclasses.asdict(GPLQOptions()), **GPLQ_DETECTION, "init_images": 1}
+QWT_OPTIONS = ("stage2_images", "stage2_train_transform", "qwt_ridge", "qwt_target")  # read by QwT's fits alone
 
 pytestmark = pytest.mark.detection
 
@@ -961,7 +968,11 @@ def test_a_result_recording_the_batch_at_steps_0_is_extended(sample, tmp_path):
     out.write_text(json.dumps(old))
     result = main([*argv, "--bits", "w4a4", "w8a8"])
     assert result["quant"]["gplq"]["w4a4"] == old["quant"]["gplq"]["w4a4"]
-    assert result["quant"]["gplq"]["w8a8"]["settings"]["options"] == {"steps": 0, "qwt": False}
+    # every option it read (as recorded since): none of stage 1's updates nor of QwT's fits
+    stage1 = ("batch_size_per_gpu", "lr", "scale_lr", "weight_decay", "amp", "log_every", "ckpt_every",
+              "pca_variance", "pca_multiple", "pca_images")
+    expected = {k: v for k, v in GPLQ_RECIPE.items() if k not in QWT_OPTIONS + stage1} | {"steps": 0, "qwt": False}
+    assert result["quant"]["gplq"]["w8a8"]["settings"]["options"] == as_stored(expected)
 
 
 def test_gplq_without_qwt_runs_on_a_detector(sample, tmp_path):
@@ -975,9 +986,12 @@ def test_gplq_without_qwt_runs_on_a_detector(sample, tmp_path):
                    "gplq.steps=1", "--max-images", "1", "--device", "cpu"])
     entry = result["quant"]["gplq"]["w4a4"]
     assert entry["stage1"]["steps"] == 1 and entry["qwt"]["blocks"] == [] and entry["qwt"]["images"] == 0
-    # with the lr used recorded (07ef5a4b): the paper's 1e-6 below a global batch of 64 (the detection recipe's 1),
-    # scale_lr falling back to it
-    assert entry["settings"]["options"] == {"qwt": False, "steps": 1, "lr": 1e-6, "scale_lr": 1e-6}
+    # every option it read, with the lr used (07ef5a4b): the paper's 1e-6 below a global batch of 64 (the detection
+    # recipe's 1), scale_lr falling back to it; not the teacher PCA's (off at the recipe's pca_weight 0)
+    pca = ("pca_variance", "pca_multiple", "pca_images")
+    expected = {k: v for k, v in GPLQ_RECIPE.items() if k not in QWT_OPTIONS + pca} | {
+        "qwt": False, "steps": 1, "lr": 1e-6, "scale_lr": 1e-6}
+    assert entry["settings"]["options"] == as_stored(expected)
 
 
 def test_a_checkpoint_saved_from_a_ddp_wrapped_detector_loads_as_the_detector(mmdet_ready, tmp_path):

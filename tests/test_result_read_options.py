@@ -262,3 +262,31 @@ def test_a_detector_entry_of_the_defaults_is_the_same_as_one_with_those_defaults
     for entry, now in ((plain_run, typed_out), (typed_out, plain_run)):
         assert settings_change({"settings": entry}, now, pipeline, detector=True) is None
     assert settings_change({"settings": plain_run}, asked(other), pipeline, detector=True) is not None
+
+
+
+@pytest.mark.parametrize("pipeline, recipe, later", [
+    ("aphq", "APHQ_DETECTION", {"recon_images": 128}), ("aphq", "APHQ_DETECTION", {"eq_n": 64}),
+    ("gplq", "GPLQ_DETECTION", {"pca_weight": 1.0}),
+])
+def test_a_detector_entry_records_every_option_it_ran_with(pipeline, recipe, later, monkeypatch):
+    """evaluate_detection.py records every option a detector entry ran with (as evaluate.py does a classifier's),
+    not only those typed: left out, a later change of the detection recipe (configs/quant.py) would make the entry
+    read as computed with the new one, and a command of the new recipe would reuse it as its result."""
+    from types import SimpleNamespace
+    import configs.quant
+    from engine.eval_results import settings_change
+    from evaluate_detection import detection_defaults, settings
+    from quant import PIPELINES
+    from quant.pipeline_base import parse_options
+
+    args = SimpleNamespace(calib_images=1, calib_seed=0)
+
+    def asked() -> dict:
+        parsed = parse_options(PIPELINES[pipeline].Options, detection_defaults(pipeline, args, {}))
+        return plain(settings(args, pipeline, {}, 1, parsed))
+
+    now = asked()
+    assert {key: now["options"][key] for key in later} != later
+    monkeypatch.setattr(configs.quant, recipe, {**getattr(configs.quant, recipe), **later})
+    assert settings_change({"settings": now}, asked(), pipeline, detector=True) is not None
