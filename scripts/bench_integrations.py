@@ -242,6 +242,10 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=at_least(1), default=1,
                         help="torch threads (1: on a busy 2-core VM two OpenMP threads made step times swing 10x)")
     args = parser.parse_args(argv)
+    for flag, values in (("--frameworks", args.frameworks), ("--norms-every", args.norms_every)):
+        twice = sorted({v for v in values or [] if values.count(v) > 1}, key=str)
+        if twice:  # one row per value: a repeat timed it again and printed a second row for it
+            parser.error(f"argument {flag}: {', '.join(map(str, twice))} given twice; give each value once")
     given = args.frameworks is not None
     args.frameworks = args.frameworks or list(RUNS)
     check_installed(parser, args.frameworks, given)
@@ -279,6 +283,7 @@ def _table(args) -> None:
             b = min(on[n])
             label = name if n is None else f"{name}, norms_every {n}"
             print(f"| {label} | {1e3 * a:.1f} | {1e3 * b:.1f} | {b / a:.3f} | {1e3 * (b - a):.1f} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -14,6 +14,7 @@ from tests.conftest import load_script
     (["--threads", "0"], "argument --threads: 0: must be at least 1"),
     (["--threads", "-1"], "argument --threads: -1: must be at least 1"),
     (["--width", "129"], "--width 129: its 2 heads (width // 64) do not divide it"),
+    (["--norms-every", "10", "1", "10"], "argument --norms-every: 10 given twice"),  # was timed and printed twice
 ])
 def test_sizes_and_threads_it_cannot_time_are_one_error_line_before_any_run(monkeypatch, capsys, argv, says):
     bench = load_script("bench_integrations")
@@ -27,6 +28,17 @@ def test_sizes_and_threads_it_cannot_time_are_one_error_line_before_any_run(monk
     err = capsys.readouterr().err
     assert refused.value.code == 2 and err.startswith("error: ") and says in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_framework_named_twice_is_one_error_line_before_any_run(monkeypatch, capsys):
+    """`--frameworks plain plain` timed plain twice and printed two rows for it."""
+    bench = load_script("bench_integrations")
+    monkeypatch.setattr(bench, "_table", None)  # reached: a TypeError, not the refusal
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--frameworks", "plain", "plain"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert "argument --frameworks: plain given twice; give each value once" in err
 
 
 @pytest.mark.parametrize("module", ["transformers", "accelerate", "lightning", "mmengine"])
