@@ -175,7 +175,8 @@ class TrainLoop:
     progress: bool = False  # a tqdm bar per epoch (on a terminal only)
     epochs: int = 0  # the run's length in epochs, for the bar's label "epoch N/epochs" as the log lines (0: "epoch N")
     sample_tokens: int = 0  # tokens per sample (a language model's context): also log train/tok_per_s
-    log_epoch_costs: bool = False  # also log epoch/train_seconds and epoch/max_mem_mib per whole epoch
+    # also log epoch/train_seconds, epoch/first_in_process and epoch/max_mem_mib per whole epoch
+    log_epoch_costs: bool = False
     # name -> (state, load): a metric source's own sums over the log window (TWEO's penalty), which go with the
     # window's into a checkpoint written inside it (TrainState.log_window): `state()` returns all ranks' sums (a
     # collective, called on every rank), `load(sums, main, forwards)` takes them back, on the main rank (`main` True)
@@ -194,6 +195,9 @@ class TrainLoop:
         # (eval_every) split it into: (epoch, micro-batches done, seconds, peak MiB), or None when the epoch in
         # progress did not start in this process (a resume mid-way: not run in one go)
         self._epoch_costs_so_far: Optional[Tuple[int, int, float, float]] = None
+        # the epoch this process began training in: its costs hold the job's start (data-loader workers, cuDNN
+        # autotuning, the allocator's growth), so its record says so (epoch/first_in_process), also in a resumed job
+        self._first_epoch: Optional[int] = None
         self._skipped_on_device: Optional[torch.Tensor] = None
         self._first_loss: Optional[torch.Tensor] = None  # the first update's loss, read at the next log step
         self._first_update_done = False  # whether _first_loss holds all the first update's micro-batches
@@ -252,6 +256,8 @@ class TrainLoop:
             else:
                 self.scheduler.step(state.epoch)
         self.model.train()
+        if self._first_epoch is None:
+            self._first_epoch = state.epoch
         # epoch/* costs only for epochs run in one go: begun here, or continued after this loop's own validation
         # (the time between the parts, validating, is left out)
         so_far = self._epoch_costs_so_far
@@ -382,6 +388,7 @@ class TrainLoop:
         if state.epoch_batches >= total * self.accum_steps and so_far is not None and self.log_epoch_costs \
                 and self.log is not None:
             self.log(state.step, {"epoch/train_seconds": so_far[2],
+                                  "epoch/first_in_process": state.epoch == self._first_epoch,
                                   **({"epoch/max_mem_mib": so_far[3]} if self.device.type == "cuda" else {})})
         if reason == "validate":  # continued by the next call, after the validation
             self._epoch_costs_so_far = so_far

@@ -12,23 +12,23 @@ tweo.enabled, is refused, and so is a --recipe that turns a method on: a row is 
     cd          + configs/method/cd.yaml
     tweo        + configs/method/tweo.yaml (our memory-saving TWEO)
     tweo_plain  + configs/method/tweo.yaml tweo.form=plain (plain autograd; we take it to be the form the paper timed)
-The loop logs epoch/train_seconds (the epoch's updates, no validation or checkpoint) and, on CUDA,
-epoch/max_mem_mib (rank 0's peak) for every epoch it runs from its start (engine/loop.py); this script
-reads them from metrics.jsonl. Reported per configuration: mean epoch seconds over all epochs and runs,
-the same without each run's first epoch (cuDNN autotuning, data-loader start), peak memory (max over
-runs), and ratios to the baseline. Re-running the same command reuses finished runs and resumes
-interrupted ones (an epoch cut by the interruption has no timing), whose reported times are then those of the
-earlier jobs too: a run folder is reused only under a launcher of as many processes as the one recorded beside it
-(runs/<folder>.launcher.json; one that does not state its count, e.g. srun: the same launcher; without that record,
-as many as every job in the folder's train.log states) and with the settings its config.yaml holds; any other is
-refused before the first run starts. A run that train.py refuses or
-that fails ends the protocol with train.py's error; one stopped by a signal after its checkpoint (train.py's exit
-75, or a launcher's other code where the run's train.log records the stop: torchrun exits 1) ends it with exit 75,
-and the same command continues it; one a signal ended without that record (a second Ctrl-C ends train.py at once,
-without a new checkpoint) ends it with train.py's own exit status. Writes epochs.json (with the device, its
-hardware and the torch / CUDA / timm versions, the fields of bench_overhead.py and bench_quant.py: scripts/bench_env.py;
-each as the runs' train.logs record it, not this process's, which may run where they do not, e.g. srun from a head
-node without a GPU) and epochs.png.
+The loop logs epoch/train_seconds (the epoch's updates, no validation or checkpoint) and, on CUDA, epoch/max_mem_mib
+(rank 0's peak) for every epoch it runs from its start (engine/loop.py); this script reads them from metrics.jsonl.
+Reported per configuration: mean epoch seconds over all epochs and runs, the same without the first epoch each job
+of a run trained in (cuDNN autotuning, data-loader start; a resumed run's job begins cold too:
+epoch/first_in_process), peak memory (max over runs), and ratios to the baseline. Re-running the same command reuses
+finished runs and resumes interrupted ones (an epoch cut by the interruption has no timing), whose reported times
+are then those of the earlier jobs too: a run folder is reused only under a launcher of as many processes as the one
+recorded beside it (runs/<folder>.launcher.json; one that does not state its count, e.g. srun: the same launcher;
+without that record, as many as every job in the folder's train.log states) and with the settings its config.yaml
+holds; any other is refused before the first run starts. A run that train.py refuses or that fails ends the protocol
+with train.py's error; one stopped by a signal after its checkpoint (train.py's exit 75, or a launcher's other code
+where the run's train.log records the stop: torchrun exits 1) ends it with exit 75, and the same command continues
+it; one a signal ended without that record (a second Ctrl-C ends train.py at once, without a new checkpoint) ends it
+with train.py's own exit status. Writes epochs.json (with the device, its hardware and the torch / CUDA / timm
+versions, the fields of bench_overhead.py and bench_quant.py: scripts/bench_env.py; each as the runs' train.logs
+record it, not this process's, which may run where they do not, e.g. srun from a head node without a GPU) and
+epochs.png.
 
     python scripts/bench_overhead.py --protocol epochs --launcher "torchrun --nproc_per_node=4" \
         --out results/overhead_epochs data.root=/datasets/imagenet  # the paper's protocol (256 x 4 GPUs = 1024)
@@ -220,9 +220,11 @@ def epoch_costs(metrics_path: str) -> list[dict]:
 
 
 def summarise(runs: list[list[dict]]) -> dict:
-    """Mean epoch seconds over all epochs of all runs, and without each run's first epoch; peak memory."""
+    """Mean epoch seconds over all epochs of all runs, and without the epochs each job began cold in (the loop's
+    epoch/first_in_process; a run's first epoch where its records predate that key); peak memory."""
     seconds = [e["epoch/train_seconds"] for r in runs for e in r]
-    later = [e["epoch/train_seconds"] for r in runs for e in r[1:]]
+    later = [e["epoch/train_seconds"] for r in runs for i, e in enumerate(r)
+             if not e.get("epoch/first_in_process", i == 0)]
     memory = [e["epoch/max_mem_mib"] for r in runs for e in r if "epoch/max_mem_mib" in e]
     return {"epoch_s": statistics.mean(seconds) if seconds else None,
             "epoch_s_after_first": statistics.mean(later) if later else None,

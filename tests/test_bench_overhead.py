@@ -297,6 +297,10 @@ def test_epochs_protocol_sets_each_runs_keys_and_summarises_by_hand():
              {"epoch/train_seconds": 1.0}]]
     assert epochs.summarise(runs) == {"epoch_s": 16 / 5, "epoch_s_after_first": 2.0, "peak_mib": 300.0,
                                       "epochs_timed": [2, 3]}
+    # a run resumed after its second epoch: the resumed job's first epoch (8 s) began cold too
+    resumed = [[{"epoch/train_seconds": s, "epoch/first_in_process": cold} for s, cold in
+                [(6.0, True), (2.0, False), (8.0, True), (3.0, False)]]]
+    assert epochs.summarise(resumed)["epoch_s_after_first"] == 2.5
 
 
 def test_epochs_protocol_times_each_run_in_its_own_folder(tmp_path, monkeypatch):

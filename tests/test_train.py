@@ -1753,6 +1753,23 @@ def test_epoch_costs_are_logged_only_for_an_epoch_run_in_one_go():
         assert state.epoch == 1 and sum("epoch/train_seconds" in m for m in logged) == want, start
 
 
+def test_the_epoch_a_process_began_training_in_is_flagged_cold_also_in_a_resumed_job():
+    """The efficiency protocol leaves out cold epochs (data-loader start, cuDNN autotuning): a job resumed at an
+    epoch boundary begins cold in its first epoch, which read as warm (only a run's first record was left out).
+    A job resumed mid-epoch logs no cost for the epoch it began in, and its next is warm."""
+    from engine.loop import TrainBatches
+
+    batches = [(torch.randn(2, 3), torch.tensor([0, 1])) for _ in range(4)]
+    for epoch, start, want in [(0, 0, [True, False]), (1, 0, [True, False]), (0, 2, [False])]:
+        logged = []
+        loop = _tiny_loop(log_every=100, log_epoch_costs=True, log=lambda step, metrics: logged.append(metrics))
+        state = TrainState(step=4 * epoch + start, epoch=epoch, epoch_batches=start)
+        for first in (start, 0):
+            loop.run_epoch(TrainBatches(batches[first:], _FixedOrder()), state, batch_size_per_gpu=2)
+        flags = [m["epoch/first_in_process"] for m in logged if "epoch/train_seconds" in m]
+        assert state.epoch == epoch + 2 and flags == want, (epoch, start, flags)
+
+
 def test_an_epoch_split_by_validations_logs_the_time_of_its_updates_once():
     """eval_every=2 over an epoch of 5 updates: run_epoch returns for a validation after updates 2 and 4 (the
     caller validates, here a 0.3 s sleep) and the epoch is still run in one go: epoch/train_seconds is logged once,
