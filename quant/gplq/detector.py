@@ -151,7 +151,9 @@ def _stage2(model: nn.Module, teacher: Optional[nn.Module], bits: Bits, options:
         model, teacher, options,
         lambda unit, reference: fit_block_compensation_streamed(model, unit, samples, reference, options.qwt_ridge),
         timer, device)
-    report = pipeline_report("gplq", model, bits, replace(options, lr=lr, scale_lr=scale_lr),
+    # steps null (one epoch) recorded as the iterations that epoch held (the loader's length, known only in stage 1)
+    steps = stage1["steps"] if options.steps is None else options.steps
+    report = pipeline_report("gplq", model, bits, replace(options, lr=lr, scale_lr=scale_lr, steps=steps),
                              stage1={**stage1, "lr": lr, "scale_lr": scale_lr},
                              **stage2)
     report["seconds"] = timer.seconds

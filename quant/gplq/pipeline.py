@@ -265,7 +265,10 @@ class GPLQPipeline(Pipeline):
         before stage 1; None without QwT); (model, report with the seconds of every stage)."""
         fit_block = fit_on_images(model, stage2_images, options.batch_size_per_gpu, options.qwt_ridge)
         stage2 = quantize_weights_and_compensate(model, teacher, options, fit_block, timer, device)
-        report = pipeline_report(self.name, model, bits, self.recorded_options(options), stage1=stage1, **stage2)
+        # steps null (one epoch) recorded as the updates that epoch held: the split's size is known only here
+        used = self.recorded_options(options)
+        used = replace(used, steps=stage1["steps"]) if options.steps is None else used
+        report = pipeline_report(self.name, model, bits, used, stage1=stage1, **stage2)
         report["seconds"] = timer.seconds
         return model, report
 
