@@ -1318,3 +1318,13 @@ def test_words_in_the_wrong_place_are_refused_saying_where_they_go(capsys, monke
         sweep.main([a.format(sweep=demo) for a in argv])
     assert stop.value.code == 2  # a usage error, as argparse's
     assert capsys.readouterr().err == f"error: sweep.py: {says.format(sweep=demo)}; see sweep.py --help\n"
+
+
+def test_finetune_layout_drop_is_the_difference_of_the_figures_printed(tmp_path):
+    """2 and 1 of 3 images right: 66.67 and 33.33 printed, whose difference is -33.34; the unrounded drop, -33.333...,
+    printed as -33.33, was a cell whose arithmetic fails. The Average takes the same rule."""
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(_finetune_result("pets", "CD", 100 * 2 / 3, 100 * 1 / 3)))
+    lines = paper_table.main(["--layout", "finetune", str(path)]).splitlines()
+    assert "| Pets | 66.67 / 33.33 / -33.34 |" in lines
+    assert "| Average | 66.67 / 33.33 / -33.34 |" in lines
