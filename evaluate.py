@@ -68,7 +68,7 @@ from data import (DataError, build_dataset, build_eval_loader, build_token_eval_
                   val_fingerprint)
 from data.digits import split_indices as digits_split
 from data.folder import ClassCountError, check_same_classes, folder_fingerprint
-from data.loader import same_split_data, split_location, split_reading
+from data.loader import ShortSplitError, same_split_data, split_location, split_reading
 from data.text import FINGERPRINT_HEAD_BYTES, ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
@@ -98,6 +98,7 @@ from engine.act_max import ActivationProbe, check_extra_modules, check_has_block
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
 from quant.gplq.pipeline import check_stage1_checkpoint
 from quant.pipeline_base import parse_options
+from quant.pipeline_data import TooFewImages
 from quant.plan import (check_bits, check_model_converts, check_pipelines, evaluation_pipelines, pipeline_options,
                         planned, reads_calibration_batch, too_few_for_a_batch, too_many_train_images,
                         train_image_demands)
@@ -693,6 +694,11 @@ def eval_transform_resamples(data: DataConfig, img_size: int) -> bool:
     return nearest.shape != bicubic.shape or not torch.equal(nearest, bicubic)
 
 
+class ShortTrainImages(DataError, TooFewImages):
+    """A train split short of the images APHQ or GPLQ asks for: a user's error (one `error:` line), which the
+    pipeline's draw names by its setting (quant.pipeline_data.PipelineData.draw_train_images)."""
+
+
 def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
                         work_prefix: str, preemption=None) -> PipelineData:
     """Training data for pipelines that draw their own images (APHQ, GPLQ; see quant/pipeline_data.py).
@@ -705,8 +711,11 @@ def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
     signals keep their default effect.
     """
     def train_images(count: int, seed: int, train_transform: bool) -> torch.Tensor:
-        return calibration_images(cfg.data, img_size, cfg.model.num_classes, count, seed,
-                                  train_transform=train_transform, key="the pipeline's training images")
+        try:  # a split short of readable images (known only now) is refused under the quant.* setting that asked
+            return calibration_images(cfg.data, img_size, cfg.model.num_classes, count, seed,
+                                      train_transform=train_transform, key="the pipeline's training images")
+        except ShortSplitError as e:
+            raise ShortTrainImages(e.reason) from None
 
     def train_loader(batch_size_per_gpu: int, seed: int):
         train = build_train_loader(dataclasses.replace(cfg.data, repeated_aug=0), img_size=img_size,

@@ -493,6 +493,15 @@ def loader_timeout(cfg: DataConfig, workers: int) -> float:
     return LOADER_TIMEOUT_S if cfg.timeout is None else float(cfg.timeout)
 
 
+class ShortSplitError(DataError):
+    """More images asked of the train split than it gives; `reason` says so without the setting that asked, for a
+    caller whose own setting asked (evaluate.py's provider of APHQ's and GPLQ's images: the pipeline names it)."""
+
+    def __init__(self, key: str, count: int, reason: str):
+        super().__init__(f"{key}={count}: {reason}")
+        self.reason = reason
+
+
 def calibration_images(cfg: DataConfig, img_size: int, num_classes: int, count: int, seed: int,
                        train_transform: bool = False, key: str = "quant.calib_images") -> torch.Tensor:
     """`count` distinct train images chosen by `seed` (RepQ-ViT's calibration set; APHQ's optimisation set).
@@ -510,7 +519,7 @@ def calibration_images(cfg: DataConfig, img_size: int, num_classes: int, count: 
         raise DataError(f"{key}={count}: give at least 1 image")
     dataset = build_dataset(cfg, "train", img_size, num_classes, train_transform=train_transform)
     if count > len(dataset):
-        raise DataError(f"{key}={count}: the train split has {len(dataset)} images; give at most that")
+        raise ShortSplitError(key, count, f"the train split has {len(dataset)} images; give at most that")
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed), device="cpu").tolist()
     seeded = SeededDataset(dataset)
     images, unreadable = [], []
@@ -527,6 +536,6 @@ def calibration_images(cfg: DataConfig, img_size: int, num_classes: int, count: 
         log.warning("%d unreadable train image(s) left out of the calibration set: %s", len(unreadable),
                     ", ".join(unreadable[:10]))
     if len(images) < count:
-        raise DataError(f"{key}={count}: the train split has only {len(images)} readable images; give at most "
-                        f"that")
+        raise ShortSplitError(key, count, f"the train split has only {len(images)} readable images; give at most "
+                                          f"that")
     return torch.stack(images)

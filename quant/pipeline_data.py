@@ -23,6 +23,12 @@ import torch
 from engine.loop import TrainBatches
 
 
+class TooFewImages(ValueError):
+    """A `PipelineData.train_images` provider's refusal of a count its data cannot give (fewer readable images), its
+    message the reason alone: `draw_train_images` raises one of the same type naming the pipeline's setting that
+    asked before it."""
+
+
 @dataclass
 class PipelineData:
     """Training data for pipelines that reconstruct or train (APHQ, GPLQ); see the module docstring.
@@ -32,7 +38,7 @@ class PipelineData:
         augmentation that depends on (seed, position) only (APHQ's preloaded optimisation set); with
         train_transform=False the eval transform (RepQ-ViT / QwT calibration convention).
         Pipelines draw through `draw_train_images`, which refuses a result that is not [count, C, H, W]
-        (fewer images above all).
+        (fewer images above all). A provider short of images raises `TooFewImages`.
     train_loader: (batch_size_per_gpu, seed) -> TrainBatches over the train split with the training
         transform, sharded across ranks (GPLQ stage 1, PCA subset). None: pipelines that need it raise.
     work_prefix: path prefix for files a pipeline keeps between runs, e.g. "runs/x/eval_best"; GPLQ
@@ -66,7 +72,10 @@ class PipelineData:
         that has fewer images (a fixed pool sliced `pool[:count]`) would otherwise run the pipeline on those while
         its report records `count`. `option` names the setting that asked, e.g. "recon_images=1024", for the
         error. Every pipeline draws its classification images through here (APHQ, GPLQ)."""
-        images = self.train_images(count, seed, train_transform)
+        try:
+            images = self.train_images(count, seed, train_transform)
+        except TooFewImages as e:  # the provider knows no setting: the one that asked is the user's to change
+            raise type(e)(f"{option}: {e}") from None  # its own type: evaluate.py's is a user error (one line)
         if isinstance(images, torch.Tensor) and images.dim() == 4 and images.shape[0] == count:
             return images
         got = (f"a tensor of shape {list(images.shape)}" if isinstance(images, torch.Tensor)
