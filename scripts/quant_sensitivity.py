@@ -278,7 +278,8 @@ def markdown(table: dict, bits: str) -> str:
             elif variant == "official":
                 cells.append(f"{row[p]:.2f}")
             else:
-                cells.append(f"{row[p]:.2f} ({row[p] - base[p]:+.2f})")
+                # the change of the two figures printed: of the unrounded top-1s it could differ from it by 0.01
+                cells.append(f"{row[p]:.2f} ({float(f'{row[p]:.2f}') - float(f'{base[p]:.2f}'):+.2f})")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -85,3 +85,12 @@ def test_every_cell_is_its_variants_pipelines_top1_and_change(encoded_evaluation
     assert rows["official"]["repq"] == "50.25"
     assert rows["first_last=w8a8"]["repq"] == "49.25 (-1.00)" and rows["first_last=w8a8"]["aphq"] == "69.25 (-1.00)"
     assert rows["calib=train"]["repq"] == "52.25 (+2.00)" and rows["calib=train"]["gplq"] == ""
+
+
+def test_a_change_is_the_difference_of_the_figures_printed():
+    """1 and 2 of 3 images right: 33.33 official and 66.67 printed, 33.34 apart; the change of the unrounded top-1s,
+    33.333..., printed +33.33, was a cell whose arithmetic fails."""
+    table = load_script("quant_sensitivity").markdown({"official": {"repq": 100 / 3}, "calib=train": {"repq": 200 / 3}},
+                                                      "w4a4")
+    official, variant = table.splitlines()[2:]
+    assert "| 33.33 |" in official and "| 66.67 (+33.34) |" in variant
