@@ -266,7 +266,9 @@ class TrainLoop:
         elif so_far is not None and so_far[:2] != (state.epoch, state.epoch_batches):
             so_far = None
         self._epoch_costs_so_far = None  # until this part ends: an error or a stop inside it ends the sums
-        if so_far is not None and self.device.type == "cuda":
+        # at every part's start, a resumed epoch's too: its train/peak_mem_mib is the training's, not the start-up's
+        # (the model, the checkpoint read) nor a validation's
+        if _measures_cuda(self.device):
             torch.cuda.reset_peak_memory_stats(self.device)
         epoch_t0 = time.perf_counter()
         bar = _progress_bar(total, state.epoch_batches // self.accum_steps, state.epoch, self.epochs, self.progress)
@@ -389,7 +391,7 @@ class TrainLoop:
                 and self.log is not None:
             self.log(state.step, {"epoch/train_seconds": so_far[2],
                                   "epoch/first_in_process": state.epoch == self._first_epoch,
-                                  **({"epoch/max_mem_mib": so_far[3]} if self.device.type == "cuda" else {})})
+                                  **({"epoch/max_mem_mib": so_far[3]} if _measures_cuda(self.device) else {})})
         if reason == "validate":  # continued by the next call, after the validation
             self._epoch_costs_so_far = so_far
         if state.epoch_batches >= total * self.accum_steps:  # the epoch is complete, also when a stop came
@@ -522,7 +524,7 @@ class TrainLoop:
         the parts that mid-epoch validations split it into; epoch/max_mem_mib: this rank's peak
         torch.cuda.max_memory_allocated during them (CUDA only). The paper's efficiency protocol (Sec. 4.3)
         reads these, scripts/bench_overhead.py --protocol epochs."""
-        peak = torch.cuda.max_memory_allocated(self.device) / 2 ** 20 if self.device.type == "cuda" else 0.0
+        peak = torch.cuda.max_memory_allocated(self.device) / 2 ** 20 if _measures_cuda(self.device) else 0.0
         return state.epoch, state.epoch_batches, so_far[2] + time.perf_counter() - t0, max(so_far[3], peak)
 
     def _optimizer_step(self) -> Optional[torch.Tensor]:
@@ -1024,10 +1026,16 @@ def progress_iter(loader, label: str):
     return tqdm(loader, desc=label, leave=False, dynamic_ncols=True)
 
 
+def _measures_cuda(device: torch.device) -> bool:
+    """Whether the loop reads this rank's memory from torch.cuda's allocator statistics (on CUDA)."""
+    return device.type == "cuda"
+
+
 def _peak_mem_mib(device: torch.device) -> float:
-    """Peak memory of this rank: CUDA memory allocated by tensors since the epoch began (on CUDA), else the
-    process's peak resident set size (on the CPU, where tensors live in host memory)."""
-    if device.type == "cuda":
+    """Peak memory of this rank: CUDA memory allocated by tensors since run_epoch began (the epoch, or its part
+    after a validation or a resume), else the process's peak resident set size (on the CPU, where tensors live in
+    host memory)."""
+    if _measures_cuda(device):
         return torch.cuda.max_memory_allocated(device) / 2 ** 20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 10  # KiB on Linux
 
