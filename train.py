@@ -71,9 +71,10 @@ from engine.exit_codes import EXIT_INTERRUPTED
 from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, ignore_sigterm_until_exit, preempted_line
 from engine.resume import (check_schedule_holds, continue_sample_order, epoch_layout, epoch_position,
                            optimizer_param_names, restore_optimizer, resume_position, same_val_windows)
-from engine.snapshots import (STARTED_AT_STEP, check_same_start_on_every_rank,
-                              check_same_weights_on_every_rank, keep_abandoned_checkpoint, keep_finished_run,
-                              keep_missing_snapshot, keep_snapshot, planned_resume, resume_source, started_at_step)
+from engine.snapshots import (STARTED_AT_STEP, ReadAhead, check_same_start_on_every_rank,
+                              check_same_weights_on_every_rank, file_identity, keep_abandoned_checkpoint,
+                              keep_finished_run, keep_missing_snapshot, keep_snapshot, planned_resume, resume_source,
+                              started_at_step)
 from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config_changes, is_inside, recorded_setting,
                             resumes_in, save_config_history, start_only_changes, training_changes, validation_changes)
 from engine.running_stats import average_running_stats
@@ -117,7 +118,7 @@ def main(cfg: Config) -> RunResult:
         # the main rank (RANK 0 or unset) writes train.log: a file of the user's there is refused before the claim
         # of out_dir changes anything in it and before the first log line
         check_train_log(cfg.out_dir, cfg.train.resume, whole_number(os.environ.get("RANK", "0")) == 0)
-        check_start_data(cfg, whole_number(os.environ.get("RANK", "0")) == 0)
+        read_ahead = check_start_data(cfg, whole_number(os.environ.get("RANK", "0")) == 0)
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, cfg.train.device)
     with process_group(cfg.train.device) as dist:
@@ -131,7 +132,7 @@ def main(cfg: Config) -> RunResult:
                 claim_on_main_rank(cfg.out_dir, config_to_dict(cfg), cfg.train.archive_existing, dist), \
                 Preemption(dist.device, distributed=dist.distributed,
                            saves_at=os.path.join(cfg.out_dir, "checkpoint.pt")) as preemption:
-            return run_training(cfg, dist, preemption, notes)
+            return run_training(cfg, dist, preemption, notes, read_ahead)
 
 
 def check_before_start(cfg: Config, packages: bool = True) -> None:
@@ -174,7 +175,7 @@ def check_train_log(out_dir: str, resume: str, writes_log: bool) -> None:
                           f"({why}); move that file out of the folder and run the command again")
 
 
-def check_start_data(cfg: Config, is_main: bool) -> None:
+def check_start_data(cfg: Config, is_main: bool) -> Optional[ReadAhead]:
     """What the weights a run starts from refuse of its data, asked before out_dir is claimed, so that a refused
     start leaves no file in a folder it would make (train.log) and moves none of an earlier run's (a claim archives
     a failed start's logs, or with train.archive_existing=true a run's files): a fresh start's model.pretrained
@@ -184,17 +185,21 @@ def check_start_data(cfg: Config, is_main: bool) -> None:
     ranks: with_main_rank_paths) and check_checkpoint_fits'. A resume of out_dir's own run is checked once the
     folder is held: a refusal leaves its files as they were (its train.log lines are held until the run goes on,
     engine/held_log.py). Both are asked again once the folder is held, of the files as the run reads them then
-    (build_run, run_training)."""
+    (build_run, run_training); the train.resume file read here is returned (a ReadAhead, None where none was read),
+    for run_training to read it no second time where it is unchanged."""
     resumes, _ = planned_resume(cfg.out_dir, cfg.train.resume)
     if not resumes:
         check_pretrained_data(cfg)
         check_start_weights(cfg)
-        return
+        return None
     if resumes_in(cfg.out_dir, cfg.train.resume):
-        return
+        return None
+    # before the read: a file rewritten while it is read is read again by the run
+    identity = file_identity(cfg.train.resume) if os.path.isfile(cfg.train.resume) else None
     path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # its refusal of a missing or broken file too
     check_resume(cfg if is_main else with_main_rank_paths(cfg, payload), path, payload, warn=False)
     check_checkpoint_fits(cfg, path, payload)
+    return ReadAhead(path, identity, payload) if identity is not None and path == cfg.train.resume else None
 
 
 def check_start_weights(cfg: Config) -> None:
@@ -237,13 +242,15 @@ def check_device_settings(cfg: Config, device: torch.device) -> None:
 
 
 def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
-                 notes: Optional[ClaimNotes] = None) -> RunResult:
+                 notes: Optional[ClaimNotes] = None, read_ahead: Optional[ReadAhead] = None) -> RunResult:
     """The run itself: build everything, resume if possible, train epoch by epoch, validate, checkpoint. `notes`:
-    what the claim of out_dir said of its files, for train.log."""
+    what the claim of out_dir said of its files, for train.log; `read_ahead`: the train.resume file as
+    check_start_data read it."""
     run_started = time.perf_counter()
     setup_process(cfg, dist, notes)
     with failure_on_every_rank(dist.device, "finding the checkpoint to resume from"):  # on each node's disk
-        resume_path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # out_dir's, or train.resume=PATH
+        # out_dir's, or train.resume=PATH
+        resume_path, payload = resume_source(cfg.out_dir, cfg.train.resume, read_ahead)
     if dist.distributed:  # each rank looked on its own node
         check_same_start_on_every_rank(cfg.out_dir, resume_path, payload, dist.device, dist.rank,
                                        cfg.train.resume)

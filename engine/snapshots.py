@@ -166,8 +166,32 @@ def check_same_weights_on_every_rank(model: Optional[torch.nn.Module], weights: 
                           f"{fingerprint}, another rank other weights or none; give every node the same file")
 
 
-def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[dict]]:
-    """(path, payload) of the checkpoint this run continues from, or (None, None) for a fresh start."""
+class ReadAhead:
+    """A train.resume file that resume_source read and accepted before out_dir was claimed (train.py
+    check_start_data), with the file's identity then (device, inode, size, modification time): the run's own
+    resume_source takes its payload instead of reading the file a second time (seconds for a ViT-B's 1 GB), once,
+    and only while the file is unchanged. Taken, it holds the payload no more, so that the run frees it when done."""
+
+    def __init__(self, path: str, identity: tuple, payload: dict):
+        self.path, self.identity, self.payload = path, identity, payload
+
+    def take(self, path: str) -> Optional[dict]:
+        """The payload read ahead if `path` is that file, unchanged; None (read it again) otherwise."""
+        payload, self.payload = self.payload, None
+        same = payload is not None and os.path.realpath(path) == os.path.realpath(self.path)
+        return payload if same and file_identity(path) == self.identity else None
+
+
+def file_identity(path: str) -> tuple:
+    """What tells a file replaced or rewritten since it was read: device, inode, size and modification time."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def resume_source(out_dir: str, resume: str, read_ahead: Optional[ReadAhead] = None,
+                  ) -> tuple[Optional[str], Optional[dict]]:
+    """(path, payload) of the checkpoint this run continues from, or (None, None) for a fresh start. `read_ahead`:
+    the train.resume file as an earlier call read it (`ReadAhead`), taken where it is still the same file."""
     own = os.path.join(out_dir, "checkpoint.pt")
     problem = checkpoint_path_problem(out_dir, resume)  # a folder at either: claim_run_dir's refusal, on every rank
     if problem:
@@ -176,7 +200,9 @@ def resume_source(out_dir: str, resume: str) -> tuple[Optional[str], Optional[di
         if not os.path.isfile(resume):
             raise CheckpointError(f"train.resume={resume}: no such file; give a checkpoint.pt or a snapshot "
                                   f"(out_dir/{SNAPSHOTS}/epoch<E>.pt) written by train.py")
-        payload, problem = read_training_checkpoint(resume)
+        payload = read_ahead.take(resume) if read_ahead is not None else None
+        if payload is None:
+            payload, problem = read_training_checkpoint(resume)
         if payload is None:
             raise CheckpointError(f"train.resume={resume} ({os.path.getsize(resume)} bytes) cannot be "
                                   f"resumed: {problem}")
