@@ -85,7 +85,7 @@ from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from engine.training_checks import check_poly_power, check_schedule_on_resume, check_training_settings
 from models import ModelError, build_model, describe, input_size, model_label
 from models.factory import MODEL_DROP_SITES, check_recorded_architecture, own_img_size, without_dropout_rates
-from models.hub import hub_data_mismatch
+from models.hub import check_hub_variant, hub_data_mismatch
 from models.kwargs_change import check_kwargs_kept
 from models.pretrained import NEW_CLASSIFIER, ConversionError, load_pretrained, mapped_payload
 from models.gpt import GPT_SIZES
@@ -115,6 +115,7 @@ def main(cfg: Config) -> RunResult:
     """Train as `cfg` says (resuming from out_dir when a checkpoint is there)."""
     try:  # before the ranks meet: an error on one node's rank (its wandb install) reaches the others there
         check_before_start(cfg)
+        check_model_builds(cfg)
         # the main rank (RANK 0 or unset) writes train.log: a file of the user's there is refused before the claim
         # of out_dir changes anything in it and before the first log line
         check_train_log(cfg.out_dir, cfg.train.resume, whole_number(os.environ.get("RANK", "0")) == 0)
@@ -160,6 +161,33 @@ def check_before_start(cfg: Config, packages: bool = True) -> None:
                           f"{split_reading(how, trained_on, val_at)}, so validation (and best.pt) would score the "
                           f"{'text' if cfg.data.dataset == 'tokens' else 'images'} the model trains on; give "
                           f"data.val_split a split held out from training")
+
+
+def check_model_builds(cfg: Config) -> None:
+    """The run's build's refusals of model.name, model.kwargs and model.pretrained=hub (models/factory.py
+    build_model's ModelError: an unknown name, arguments the constructor rejects, an img_size its patches do not
+    tile, hub weights for a small variant or a GPT) and check_model_fits_run's (the model against the task,
+    log.act_max), asked before out_dir is claimed, so that a typo leaves no train.log in a folder the run would make
+    (for the corrected command to archive). On a build without weights on the meta device (no memory, no init time);
+    where it fails, on the CPU, whose error tells the build's refusal from the meta device's lack of a kernel, as
+    scripts/sweep.py check_model does. Another error is left to the run's build."""
+    hub = cfg.model.pretrained == "hub"
+    if hub and cfg.model.name not in GPT_SIZES:  # build_model's first refusal, before timm would fetch anything
+        check_hub_variant(cfg.model.name)
+    # GPT-2's builder refuses hub weights before it loads anything
+    unloaded = dataclasses.replace(cfg.model, pretrained="hub" if hub and cfg.model.name in GPT_SIZES else "")
+    try:
+        with torch.random.fork_rng(devices=[]):  # the CPU's generator: a model's init draws from it
+            try:
+                with torch.device("meta"):
+                    model = build_model(unloaded)
+            except Exception:  # noqa: BLE001 - the build's refusal, or the meta device's: told apart by the CPU's
+                model = build_model(unloaded)
+    except ModelError:
+        raise
+    except Exception:  # noqa: BLE001 - no refusal of the settings: the run's build meets it and says so
+        return
+    check_model_fits_run(cfg, model)
 
 
 def check_train_log(out_dir: str, resume: str, writes_log: bool) -> None:

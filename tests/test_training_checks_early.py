@@ -242,3 +242,20 @@ def test_a_run_written_before_the_schedule_check_resumes_and_a_fresh_one_is_refu
     assert code == 1 and err.strip().startswith("error: sched.min_lr=1e-05 is above the peak") and len(
         err.strip().splitlines()) == 1
     assert not (tmp_path / "new").exists()
+
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["model.name=vit_nanoo"], "unknown model 'vit_nanoo'"),
+    (["model.kwargs={depthh: 2}"], "rejected its arguments"),
+    (["model.name=gpt2_nano", "model.drop_path=0"], "is a language model, data.dataset=synthetic is images"),
+    (["model.pretrained=hub"], "vit_nano is one of models/variants.py's small variants, which have no hub weights"),
+])
+def test_a_model_the_run_cannot_build_is_refused_before_its_out_dir_is_made(tmp_path, overrides, error):
+    """A typo in model.name or model.kwargs, hub weights of a model that has none, or a model of another task,
+    leaves no train.log that the corrected command would archive: the folder is not made."""
+    import train
+
+    with pytest.raises(Exception, match=re.escape(error)):
+        train.main(load_config([TINY], [*overrides, f"out_dir={tmp_path / 'run'}"]))
+    assert not (tmp_path / "run").exists()
