@@ -6,8 +6,9 @@ On a machine with one CUDA GPU, from the repository root, in under 10 minutes (t
 
     PYTHONUNBUFFERED=1 python scripts/gpu_check.py --out gpu_check/gpu_check.json
 
-On a GPU machine reached for one command of at most 10 minutes whose $OUT folder comes back (docs/mini_reproduction.md,
-"On a GPU"; tests/test_gpu_check_docs.py checks that its flags are this script's and its budgets fit):
+The same with stage budgets that leave 40 s of a 10-minute command, writing into a folder $OUT of yours
+(docs/mini_reproduction.md, "On a GPU"; tests/test_gpu_check_docs.py checks that its flags are this script's and
+its budgets fit):
 
     nvidia-smi -L; python3 -c "import torch,timm;print(torch.__version__,timm.__version__)" && \
         PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out $OUT/gpu_check.json --total-budget 560 \

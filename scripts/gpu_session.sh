@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# The whole GPU check and study in one command of at most 10 minutes: for a one-GPU machine reached through a remote
-# runner whose GPU time (15 minutes in all, its start of a minute or more included) leaves room for one such call and
-# no second start.
-# docs/mini_reproduction.md ("On a GPU") says what to make first (kit/) and what comes back.
+# The whole GPU check and study in one command sized to end within LIMIT (565) s: for a one-GPU machine held briefly,
+# whose files are lost when it is given back; what to keep is packed into one archive in $OUT.
+# docs/mini_reproduction.md ("On a GPU") says what to make first (kit/) and what the archive holds.
 #
-#   OUT=/folder/that/comes/back bash scripts/gpu_session.sh        # on the GPU machine: kit/ sent along, $OUT set there
+#   OUT=/folder/to/keep bash scripts/gpu_session.sh                 # on the GPU machine, kit/ beside the checkout
 #   SMOKE=1 KIT=/tmp/kit OUT=/tmp/out bash scripts/gpu_session.sh   # the same, every stage small, on a CPU
 # (a smoke kit: the weights beside `export_fashion_mnist.py --train-per-class 80 --val-per-class 10`, which leaves
 # the three updates a run takes under SMOKE and evaluates in seconds; the full kit's 5,000 images take many minutes)
@@ -42,7 +41,7 @@ KIT=${KIT:-kit}; WORK=${WORK:-gpu_session}; PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
 
 refuse() { echo "error: $1" >&2; exit 2; }
-[ -n "${OUT:-}" ] || refuse "OUT is not set: name the folder the archive goes to (a remote runner sets it)"
+[ -n "${OUT:-}" ] || refuse "OUT is not set: name the folder the archive goes to"
 [ -d "$OUT" ] || refuse "OUT=$OUT is not a folder: create it first"
 ARCHIVE=$OUT/gpu_session.tgz
 [ ! -e "$ARCHIVE" ] || refuse "$ARCHIVE exists: move it away or set OUT to another folder"
