@@ -676,6 +676,31 @@ def test_the_extending_guide_names_the_method_cd_reads_for_the_input_of_a_model_
         assert find_pairs(model), name
 
 
+def defined_names(path: str) -> set[str]:
+    """The functions, classes and assigned names of a Python file, at any depth (methods and class fields too)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)}
+    return names
+
+
+def test_every_name_the_extending_guide_places_in_a_file_is_defined_there():
+    """docs/extending.md tells a fork where each addition goes as "`file.py`'s `NAME`" (`quant/plan.py`'s
+    `DEFAULT_PIPELINES`): a name renamed or moved in the code leaves the guide pointing at nothing."""
+    with open(os.path.join(ROOT, "docs", "extending.md"), encoding="utf-8") as f:
+        text = " ".join(f.read().split())
+    placed = re.findall(r"`([\w/]+\.py)`'s `(\w+)`", text)
+    assert len(placed) >= 10, placed
+    missing = [(file, name) for file, name in placed if name not in defined_names(os.path.join(ROOT, file))]
+    assert not missing, f"docs/extending.md names these, which their files do not define: {missing}"
+
+
 def measurement_table(heading: str) -> list[list[str]]:
     """The cells of the rows of docs/measurements.md's table under `## heading` (date, commit, hardware, command,
     figure), in the file's order (newest on top)."""
