@@ -63,7 +63,8 @@ class DataConfig:
     train_split: str = "train"  # sub-folder of root with the training classes (tokens: <root>/train.bin)
     val_split: str = "val"  # sub-folder of root with the validation classes (tokens: <root>/val.bin)
     # language models: validate on this many windows of the val split, spread evenly (0: all; more than it has is
-    # refused; nanoGPT: 200 x 12)
+    # refused; nanoGPT: 200 x 12); windows are disjoint, of the model's context, from the split's start: the ids after
+    # the last whole window (fewer than a context) are not scored
     val_windows: Annotated[int, NonNegative] = 0
     kjv_val_fraction: Annotated[float, Range(0, 1, low_open=True, high_open=True)] = 0.1  # tail of the text
     # input pipeline (model-independent so that a recipe is explicit; DeiT values)
