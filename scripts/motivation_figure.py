@@ -12,14 +12,16 @@ Writes motivation.png and motivation.csv (task, model, method, metric, FP and qu
 or than the paper evaluates (a model.kwargs override: the same weights through another forward; another split; an
 autocast; the EMA weights) is marked † in its model name (a place of its own on the axis, and in the CSV), with a
 note naming both on stderr (engine.result_table.evaluated_otherwise), as evaluate.py's table marks its row.
-Classifiers measured differently in what sets a maximum (data, image count, val images, raw or EMA weights,
-autocast, the kind of checkpoint, the modules counted: what scripts/compare_act_max.py refuses) or in the drawn
-entry's quantization settings (calibration images, pipeline options) are refused: their circles would show a setting
-as the method's. As in paper_table.py's rows layout, a classifier whose run stopped before the end of its schedule
-by a signal (or was evaluated while it trained) is refused, as its run folder's metrics.jsonl tells, and one its own
-train.max_steps stopped is marked § in its model name (a place of its own on the axis, and in the CSV), with a note
-on stderr saying how far it got, where a classifier of its model and data set beside it ended at another update or
-it reached less than 99 % of its schedule's updates (engine/eval_results.stopped_early).
+Classifiers measured differently in what sets a maximum (data, image count, val images, raw or EMA weights, autocast,
+the kind of checkpoint, the modules counted: what scripts/compare_act_max.py refuses) or in the drawn entry's
+quantization settings (calibration images, pipeline options) are refused: their circles would show a setting as the
+method's; so are detectors measured on other val data or annotations, other test batch padding (their maxima:
+`max_act.padding`) or with other settings of the drawn entry (--calib-images, --quant-options). As in paper_table.py's
+rows layout, a classifier whose run stopped before the end of its schedule by a signal (or was evaluated while it
+trained) is refused, as its run folder's metrics.jsonl tells, and one its own train.max_steps stopped is marked §
+in its model name (a place of its own on the axis, and in the CSV), with a note on stderr saying how far it got, where a
+classifier of its model and data set beside it ended at another update or it reached less than 99 % of its schedule's
+updates (engine/eval_results.stopped_early).
 
     python scripts/motivation_figure.py runs/pretrain/*/eval_best.json runs/det/*/eval_epoch_*.json \
         --out results/motivation
@@ -29,6 +31,7 @@ it reached less than 99 % of its schedule's updates (engine/eval_results.stopped
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -36,8 +39,8 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser  # noqa: E402
-from engine.eval_results import (ResultsError, first_difference, missing_number, read_result_files,  # noqa: E402
-                                 refuse_unfinished_groups, stopped_early)
+from engine.eval_results import (Difference, ResultsError, first_difference, missing_number,  # noqa: E402
+                                 read_result_files, refuse_unfinished_groups, stopped_early)
 from engine.figures import colour_rgb, new_figure  # noqa: E402
 from engine.outputs import save_figure, write_csv  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
@@ -112,8 +115,9 @@ def refuse_unlike(paths: list[str], results: list[dict], pipeline: str, bits: st
     (compare_act_max.py's FLOAT_KEYS and the modules counted: data, image count, val images, raw or EMA weights,
     autocast, kind of checkpoint), which compare_act_max.py refuses for the same pair, or in the settings of the
     drawn quantized entry (calibration images, pipeline options), which set the circle's height. The models
-    are not compared: the figure sets them side by side on purpose. A detector's settings are
-    evaluate_detection.py's own (not compared)."""
+    are not compared: the figure sets them side by side on purpose. Detectors are compared among themselves
+    (their panel is another; the model is their config): the val data, its annotations' content, the test batch
+    padding their maxima were measured on (`max_act.padding`) and the drawn entry's settings."""
     labelled = [(path, {**float_settings(r), "quant": {pipeline: {bits: r["quant"][pipeline][bits]}}})
                 for path, r in zip(paths, results) if not is_detection(r)]
     found = first_difference(labelled)
@@ -124,6 +128,36 @@ def refuse_unlike(paths: list[str], results: list[dict], pipeline: str, bits: st
                            f"weights, autocast, quant.act_max_extra_modules and {pipeline} {bits} settings (python "
                            f"evaluate.py --checkpoint <run>/best.pt with one set of settings), or draw them in "
                            f"separate figures")
+    found = detector_difference(paths, results, pipeline, bits)
+    if found is not None:
+        first, second, difference = found
+        raise ResultsError(f"{first} and {second} were measured differently ({difference}); the figure compares "
+                           f"circles measured alike: give results of evaluate_detection.py on the same val data, "
+                           f"test_dataloader.batch_size and {pipeline} {bits} settings (--calib-images, "
+                           f"--calib-seed, --quant-options), or draw them in separate figures")
+
+
+def detector_difference(paths: list[str], results: list[dict], pipeline: str, bits: str) -> Optional[tuple]:
+    """(path, path, difference) of the first two detectors' results measured differently, as refuse_unlike
+    compares them, or None. The padding of the test batches enters the backbone and heads (evaluate_detection.py:
+    at batch 2 each image is padded to the larger one), so the maxima of other batch sizes are other maxima."""
+    # a partial result (--max-images) is refused on its own, with its own reason (detector_names)
+    detectors = [(path, r) for path, r in zip(paths, results)
+                 if is_detection(r) and not (r.get("data") or {}).get("partial")]
+    labelled = [(path, {"task": "detection", "data": r.get("data"), "annotations_sha256": r.get("annotations_sha256"),
+                        "quant": {pipeline: {bits: r["quant"][pipeline][bits]}}}) for path, r in detectors]
+    found = first_difference(labelled)
+    if found is not None:
+        return found
+    # results written before the padding was recorded have none and are not compared
+    padded = [(path, r["max_act"]["padding"]) for path, r in detectors
+              if (r.get("max_act") or {}).get("padding") is not None]
+    for path, padding in padded[1:]:
+        if padding != padded[0][1]:
+            return padded[0][0], path, Difference("max_act.padding", f"{json.dumps(padded[0][1], sort_keys=True)} "
+                                                                     f"vs {json.dumps(padding, sort_keys=True)}",
+                                                  False)
+    return None
 
 
 def stopped_runs(paths: list[str], results: list[dict]) -> list[Optional[str]]:
@@ -262,7 +296,7 @@ def main(argv=None) -> list[dict]:
         rows = points(args.results, results, args.pipeline, bits, args.max_act, args.det_max_act, stopped)
     except ResultsError as e:
         sys.exit(f"error: {e}")
-    # evaluate.py's defaults; a detector's settings are evaluate_detection.py's own (not compared)
+    # evaluate.py's defaults; a detector's are evaluate_detection.py's own (refuse_unlike compares the detectors')
     unusual = sorted({d for r in results if not is_detection(r)
                       for d in nondefault_settings(args.pipeline, r["quant"][args.pipeline][bits].get("settings"),
                                                    bits, r.get("recipe"))})

@@ -131,3 +131,54 @@ def test_a_bit_width_spelled_otherwise_draws_the_entry_evaluate_named_by_its_par
     with pytest.raises(SystemExit) as lacking:
         motivation_figure.main([str(tmp_path / "Baseline.json"), "--out", str(tmp_path / "fig8"), "--bits", "W08a8"])
     assert "lack repq w8a8 " in str(lacking.value.code) and "--bits w8a8 on their" in str(lacking.value.code)
+
+
+def write_detector_result(folder, name, method, **fields) -> str:
+    """`<name>.json` as evaluate_detection.py writes it (the paper's Swin-T 1x config on COCO val, test batch 1,
+    RepQ-ViT W4A4 at the default calibration); `fields` replace its entries. Its path."""
+    record = {"task": "detection", "config": ["/repo/configs/detection/mask_rcnn_swin_t_1x.py"],
+              "config_sha256": "0" * 16, "overrides": [], "checkpoint": f"/runs/{name}/epoch_12.pth",
+              "fingerprint": name, "method": method,
+              "data": {"root": "/datasets/coco/", "ann_file": "/datasets/coco/annotations/instances_val2017.json",
+                       "images": 5000, "partial": False},
+              "annotations_sha256": "a" * 64, "fp": {"bbox_mAP": 0.42, "segm_mAP": 0.39},
+              "max_act": {"backbone": 40.0 + len(name), "head": 90.0, "padding": {
+                  "counted": True, "pad_size_divisor": 32, "pad_value": 0, "batch_size": 1}},
+              "quant": {"repq": {"w4a4": {"bbox_mAP": 0.36, "segm_mAP": 0.35, "settings": {
+                  "calib_images": 1, "calib_seed": 0}}}},
+              **fields}
+    path = str(folder / f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(record, f)
+    return path
+
+
+@pytest.mark.parametrize("fields, difference", [
+    # the circle's height: CD calibrated on 32 images beside a baseline on 1
+    ({"quant": {"repq": {"w4a4": {"bbox_mAP": 0.38, "segm_mAP": 0.36, "settings": {"calib_images": 32,
+                                                                                     "calib_seed": 0}}}}},
+     "repq w4a4 settings: calib_images 1 -> 32"),
+    ({"data": {"root": "/datasets/coco/", "ann_file": "/datasets/coco/annotations/instances_val2017.json",
+               "images": 500, "partial": False}}, "data: "),
+    ({"annotations_sha256": "b" * 64}, "annotations_sha256: "),
+    # the area: maxima of test batches of 2 images, padded to the larger one, beside batch 1's
+    ({"max_act": {"backbone": 41.0, "head": 90.0, "padding": {"counted": True, "pad_size_divisor": 32,
+                                                              "pad_value": 0, "batch_size": 2}}},
+     "max_act.padding: "),
+])
+def test_motivation_figure_refuses_detectors_measured_differently(tmp_path, fields, difference):
+    """The detection panel's circles are compared as the classifiers' are: another calibration, val data or test
+    batch padding drew a setting as the method (the detectors were not compared at all). Detectors measured alike
+    are drawn, beside a classifier measured on other data."""
+    motivation_figure = load_script("motivation_figure")
+    write_result(tmp_path, "Baseline")
+    base = write_detector_result(tmp_path, "det_base", "Baseline")
+    cd = write_detector_result(tmp_path, "det_cd", "CD")
+    rows = motivation_figure.main([str(tmp_path / "Baseline.json"), base, cd, "--out", str(tmp_path / "fig")])
+    assert [(r["task"], r["method"]) for r in rows] == [("classification", "Baseline"), ("detection", "Baseline"),
+                                                       ("detection", "CD")]
+    other = write_detector_result(tmp_path, "det_other", "CD", **fields)
+    with pytest.raises(SystemExit, match=rf"error: .*det_base.json and .*det_other.json were measured differently "
+                                         rf"\({difference}"):
+        motivation_figure.main([base, other, "--out", str(tmp_path / "fig2")])
+    assert not (tmp_path / "fig2").exists()
