@@ -30,7 +30,8 @@ wait for rank 0 up to --main-rank-wait-hours.
 The JSON is evaluate.py's (engine/eval_results.py): `fp` (box/mask mAP), `max_act` (backbone, head; measured on the
 padded test batches, the padded pixels counted, as `max_act.padding` records: docs/reproduce.md),
 `quant.<pipeline>.<bits>`, `method` (CD, TWEO, Noise or Baseline, from the hooks of the training config the
-checkpoint keeps; null without one); a file of other weights, data or config (the merged config's hash,
+checkpoint keeps, with the settings that differ from configs/detection/method/*.py: "CD (lam 0.01)"; null without
+one); a file of other weights, data or config (the merged config's hash,
 `config_sha256`) is refused, later calls add their pipelines.
 Config entries can be overridden as `key=value` after the flags, or after `--cfg-options` as MMDetection's tools
 take them (the same syntax): those the

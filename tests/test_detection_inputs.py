@@ -304,7 +304,13 @@ def test_evaluation_refuses_a_pipeline_or_bit_width_named_twice(mmdet_ready, tmp
     ("[dict(type='ColinearityDecayHook', lam=0)]", "Baseline"),
     ("[dict(type='ColinearityDecayHook', lam=0.0, lam_per_role=dict(fc2=0))]", "Baseline"),
     ("[dict(type='ColinearityDecayHook', lam=0, module='neck'), dict(type='TweoHook')]", "TWEO"),
-    ("[dict(type='ColinearityDecayHook', lam=0, lam_per_role=dict(fc2=0.02))]", "CD"),  # fc2 is decayed
+    # fc2 is decayed (labelled with its strengths since the labels name other settings than the fragments')
+    ("[dict(type='ColinearityDecayHook', lam=0, lam_per_role=dict(fc2=0.02))]", "CD (lam 0, fc2 0.02)"),
+    # a strength sweep: each of its circles and CSV rows named apart, as a classifier's "CD (lam 0.01)"; the
+    # settings of configs/detection/method/*.py are the plain names
+    ("[dict(type='ColinearityDecayHook', lam=0.01)]", "CD (lam 0.01)"),
+    ("[dict(type='TweoHook', lam=3e-4), dict(type='WeightNoiseHook', bits=3)]", "TWEO (lam 0.0003)+Noise (bits 3)"),
+    ("[dict(type='WeightNoiseHook', bits=4)]", "Noise"),
 ])
 def test_the_training_method_is_read_from_the_config_a_checkpoint_keeps(mmdet_ready, tmp_path, monkeypatch, hooks,
                                                                        method):
@@ -313,8 +319,13 @@ def test_the_training_method_is_read_from_the_config_a_checkpoint_keeps(mmdet_re
     evaluation runs, and a config that cannot be read leaves no file behind."""
     from engine.detection import training_method
     text = (f"custom_imports = dict(imports=['a_module_not_installed_here'], allow_failed_imports=False)\n"
-            f"custom_hooks = {hooks}\n")
+            f"custom_hooks = {hooks}\ncd_budget = 'applied: 0.05 - lam 0.005 = 0.045'\n")  # as the dump records it
     assert training_method({"cfg": text}) == method
+    if method.startswith("CD"):  # without the budget rule (cd_budget=False, or none): another weight decay
+        no_budget = method[:-1] + ", no budget)" if "(" in method.split("+")[0] else method.replace(
+            "CD", "CD (no budget)", 1)
+        assert training_method({"cfg": text.replace("cd_budget = 'applied", "cd_budget = False  # '")}) == no_budget
+        assert training_method({"cfg": text[:text.index("cd_budget")]}) == no_budget
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR

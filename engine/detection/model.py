@@ -193,11 +193,16 @@ def check_load_from(cfg: Config) -> None:
 
 # the hooks of configs/detection/method/ and the method each stands for (Table 2's rows)
 METHOD_HOOKS = {"ColinearityDecayHook": "CD", "TweoHook": "TWEO", "WeightNoiseHook": "Noise"}
+# each hook's setting that the label names where it differs from the value of configs/detection/method/*.py (the
+# hooks' defaults too): a strength sweep's runs are told apart, as result_table.method_name names a classifier's
+LABELLED_SETTING = {"ColinearityDecayHook": ("lam", DEFAULT_LAM), "TweoHook": ("lam", 1e-4),
+                    "WeightNoiseHook": ("bits", 4)}
 
 
 def training_method(meta: dict) -> Optional[str]:
     """The method a detector was trained with, from the training config its MMEngine checkpoint keeps
-    (meta["cfg"]): "CD", "TWEO", "Noise" (joined by "+" when several), "Baseline" when it ran none of their
+    (meta["cfg"]): "CD", "TWEO", "Noise" (joined by "+" when several), each with the settings that differ from
+    configs/detection/method/*.py (`method_label`: "CD (lam 0.01)"), "Baseline" when it ran none of their
     hooks, or only CD hooks that decay nothing (`decays_nothing`: custom_hooks.0.lam=0 made no update in any step,
     so Fig. 1 would have plotted a baseline as CD); None when the checkpoint keeps no readable config (a file
     converted or written elsewhere)."""
@@ -209,11 +214,33 @@ def training_method(meta: dict) -> Optional[str]:
         with open(path, "w") as f:
             f.write(text)
         try:  # the hooks are read, not built: their modules (custom_imports) need not be importable here
-            hooks = Config.fromfile(path, import_custom_modules=False).get("custom_hooks") or []
+            cfg = Config.fromfile(path, import_custom_modules=False)
+            hooks = cfg.get("custom_hooks") or []
         except Exception:  # noqa: BLE001 - MMEngine executes the text: any failure means "not known"
             return None
-    types = [type_name(hook.get("type")) for hook in hooks if isinstance(hook, dict) and not decays_nothing(hook)]
-    return "+".join(METHOD_HOOKS[t] for t in types if t in METHOD_HOOKS) or "Baseline"  # mmdet.X too
+    hooks = [hook for hook in hooks if isinstance(hook, dict) and not decays_nothing(hook)]
+    return "+".join(method_label(hook, cfg.get("cd_budget", False)) for hook in hooks
+                    if type_name(hook.get("type")) in METHOD_HOOKS) or "Baseline"  # mmdet.X too
+
+
+def method_label(hook: dict, budget) -> str:
+    """The method of the custom_hooks entry `hook` (a METHOD_HOOKS type) with the settings that differ from
+    configs/detection/method/*.py (LABELLED_SETTING; a CD hook's lam_per_role, and "no budget" where the
+    config's `budget` (its cd_budget) left the weight decay as given), e.g. "CD (lam 0.01)": without them two runs
+    of a strength sweep were one method, drawn in one colour at one place of Fig. 1."""
+    def shown(value) -> str:  # a number as result_table.method_name writes it; anything else as it is
+        return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+    kind = type_name(hook.get("type"))
+    key, default = LABELLED_SETTING[kind]
+    value = hook.get(key, default)
+    notes = [] if value == default else [f"{key} {shown(value)}"]
+    if kind == "ColinearityDecayHook":
+        per_role = hook.get("lam_per_role") or {}
+        notes += [f"{role} {shown(lam)}" for role, lam in sorted(per_role.items(), key=lambda item: str(item[0]))] \
+            if isinstance(per_role, dict) else []
+        notes += [] if budget else ["no budget"]
+    return f"{METHOD_HOOKS[kind]} ({', '.join(notes)})" if notes else METHOD_HOOKS[kind]
 
 
 def decays_nothing(hook: dict) -> bool:
