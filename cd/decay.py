@@ -581,29 +581,36 @@ class ColinearityDecay:
         lr1 = [lr if p.upstream.requires_grad else 0.0 for p in self.pairs]
         self._apply(lr2, lr1, gate=None)
 
-    def _refuse_matrices_decayed_by_a_step(self) -> None:
-        """Refuse `apply` on a matrix that another object (attached, or a cd.integrations binding) decays in an
-        optimizer's step already: each step would decay it twice. Free when nothing is attached anywhere."""
+    def _decayed_in_steps(self) -> list[tuple["ColinearityDecay", str]]:
+        """(other object, the first of this object's matrices it decays) for every other object (attached, or a
+        cd.integrations binding) whose optimizer's step decays one of them, held by that optimizer (rule 1: one
+        outside it, which another optimizer updates, is this object's alone). Free when nothing is attached."""
         others = [(opt, decay) for opt, owners in list(_HOOKED.items()) for owner in list(owners)
                   for decay in [owner._hooked_decay(opt)] if decay is not None and decay is not self]
         if not others:
-            return
+            return []
         mine = {id(t): name for name, t in self._decayed_named()}
+        found = []
         for opt, other in others:
-            # the other's step decays only the matrices its optimizer holds (rule 1): one outside it, which
-            # another optimizer updates, is this object's alone
             held = {id(t) for group in opt.param_groups for t in group["params"]}
             shared = [mine[id(t)] for t in other._decayed() if id(t) in mine and id(t) in held]
-            if shared and other.mode == "loss":  # its CD is its penalty, not an update in the step
+            if shared:
+                found.append((other, shared[0]))
+        return found
+
+    def _refuse_matrices_decayed_by_a_step(self) -> None:
+        """Refuse `apply` on a matrix that another object (attached, or a cd.integrations binding) decays in an
+        optimizer's step already: each step would decay it twice."""
+        for other, shared in self._decayed_in_steps():
+            if other.mode == "loss":  # its CD is its penalty, not an update in the step
                 raise RuntimeError(f"ColinearityDecay.apply: another CD object (mode='loss') attached to an optimizer "
-                                   f"decays {shared[0]} by its aux_loss penalty; apply() would decay it a second "
+                                   f"decays {shared} by its aux_loss penalty; apply() would decay it a second "
                                    "time, by the decoupled update. Use one per model: the other's handle.remove() "
                                    "frees them")
-            if shared:
-                raise RuntimeError(f"ColinearityDecay.apply: another CD object decays {shared[0]} in an optimizer's "
-                                   "step already (its attach() or a cd.integrations callback); apply() too would "
-                                   "decay it twice per step. Use one per model: the other's handle.remove(), or "
-                                   "the end of the framework run whose callback or hook holds it, frees them")
+            raise RuntimeError(f"ColinearityDecay.apply: another CD object decays {shared} in an optimizer's step "
+                               "already (its attach() or a cd.integrations callback); apply() too would decay it "
+                               "twice per step. Use one per model: the other's handle.remove(), or the end of the "
+                               "framework run whose callback or hook holds it, frees them")
 
     @property
     def matmul_precision(self) -> str:
@@ -1018,7 +1025,8 @@ class ColinearityDecay:
             0-dim fp32 tensor to add to `task_loss` (zero if every strength is 0).
 
         Raises:
-            RuntimeError: mode='decoupled'.
+            RuntimeError: mode='decoupled'; with gradients on, another object's decoupled update in an optimizer's
+                step (its attach, a cd.integrations binding) decays one of these matrices (both forms of CD).
             ValueError: the model's parameters were replaced after this object found its pairs (the penalty's
                 gradient would reach tensors the model no longer uses).
             TypeError: `task_loss` is no 0-dim tensor (a number has no device for the term; a per-sample loss gave
@@ -1033,6 +1041,7 @@ class ColinearityDecay:
                             f"(reduced, e.g. its mean), got {got}; reduce the loss first, and pass it as the tensor "
                             f"it is")
         if torch.is_grad_enabled():  # a term taken without gradients (a no_grad evaluation) trains nothing
+            self._refuse_beside_a_decoupled_step()
             self._aux_taken = True  # what the attached optimizer's next step checks (`attach`)
         if not self._active:
             return torch.zeros((), dtype=torch.float32, device=task_loss.device)
@@ -1048,6 +1057,18 @@ class ColinearityDecay:
         penalty = pair_penalty(self.pairs, weights, upstream_grad=self._upstream, plan=self._plan)
         self._last_penalty = penalty.detach()
         return self.loss_coef * align_to_task_loss(penalty, task_loss)
+
+    def _refuse_beside_a_decoupled_step(self) -> None:
+        """Refuse a penalty on a matrix that a decoupled object (attached, or a cd.integrations binding) decays in an
+        optimizer's step: the matrix would get both forms of CD. An attached loss-mode object is refused at attach;
+        an unattached one is seen here, at each aux_loss, since the other may be attached after this object."""
+        for other, shared in self._decayed_in_steps():
+            if other.mode == "decoupled":
+                raise RuntimeError(f"ColinearityDecay.aux_loss: another CD object decays {shared} by its decoupled "
+                                   "update in an optimizer's step (its attach() or a cd.integrations callback); this "
+                                   "object's aux_loss penalty (mode='loss') would decay it a second time. Use one per "
+                                   "model: the other's handle.remove(), or the end of the framework run whose "
+                                   "callback or hook holds it, frees them")
 
     def _trains(self, pair: Pair) -> bool:
         """Whether a matrix this object decays in `pair` trains (requires_grad): its W2, or target C's W1."""

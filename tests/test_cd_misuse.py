@@ -975,3 +975,27 @@ def test_a_loss_form_attached_beside_a_decoupled_update_is_refused_for_what_each
                                            r"aux_loss penalty \(mode='loss'\) would decay it a second time"):
         ColinearityDecay(model, mode="loss").attach(opt)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_loss_forms_aux_loss_beside_a_decoupled_update_in_a_step_is_refused():
+    """An unattached loss-mode object's aux_loss beside a decoupled object attached to the optimizer gave the matrices
+    the penalty's gradient and the decoupled update in each step, without a word (only attached objects were
+    compared). aux_loss is refused while the decoupled update decays a shared matrix in a step, and taken once the
+    other's handle is removed, beside an update of another model's matrices, or without gradients (a value to log)."""
+    model = tiny_vit().double()
+    opt = sgd(model.parameters())
+    loss_form = ColinearityDecay(model, mode="loss")
+    handle = ColinearityDecay(model, lam=0.1).attach(opt)
+    task_loss = model(torch.randn(1, 3, 32, 32, dtype=torch.float64)).square().mean()
+    with pytest.raises(RuntimeError, match=r"^ColinearityDecay\.aux_loss: another CD object decays "
+                                           r"blocks\.0\.attn\.qkv\.weight by its decoupled update in an optimizer's "
+                                           r"step .*; this object's aux_loss penalty \(mode='loss'\) would decay it a "
+                                           r"second time"):
+        loss_form.aux_loss(task_loss)
+    with torch.no_grad():  # a term without gradients trains nothing: a value to log
+        loss_form.aux_loss(task_loss)
+    handle.remove()
+    assert loss_form.aux_loss(task_loss).requires_grad
+    other = tiny_vit().double()
+    ColinearityDecay(other, lam=0.1).attach(held := sgd(other.parameters()))  # another model's matrices: taken
+    assert loss_form.aux_loss(task_loss).requires_grad and held
