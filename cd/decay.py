@@ -26,8 +26,9 @@ from torch.utils.hooks import RemovableHandle
 from .layouts import LAYOUTS, Layout, check_layouts
 from .pairs import ROLES, Pair, check_switches, find_pairs
 from .sharded import any_sharded, block_plans, register_shards, sharded_colinearity_decay_, sharded_pair_energy
-from .update import (PRECISIONS, align_to_task_loss, build_plan, check_tf32_device, colinearity_decay_, is_sharded,
-                     known_zero, onto, pair_energy, pair_penalty, plan_key, refuse_meta, resolve_precision)
+from .update import (PRECISIONS, align_to_task_loss, build_plan, check_tf32_device, check_tf32_dtype,
+                     colinearity_decay_, is_sharded, known_zero, onto, pair_energy, pair_penalty, plan_key, refuse_meta,
+                     resolve_precision)
 from .verify import UnsupportedModelError, refuse_split_devices
 from .wrappers import (check_model, closure_then, in_outer_step, refuse_deepspeed, steps_without_hooks,
                        torch_optimizer, unhooked_step_text, unwrap_model)
@@ -380,7 +381,8 @@ class ColinearityDecay:
             built gets tf32 there). The error of each against float64 is in cd/README.md. An explicit
             'tf32' with the decayed matrices off CUDA (which has no TF32: fp32 products) is refused at the first
             update, so that a model moved to a GPU after CD is built takes it (the integrations refuse it when
-            they bind the framework's optimizers, the model on its device by then).
+            they bind the framework's optimizers, the model on its device by then); so is 'tf32' with float64
+            decayed matrices (TF32 leaves float64 products in float64; 'auto' and 'fp32' run them so).
         norms_every: compute the update norms (`metrics`) on every n-th update only (lr-0 ones counted); they
             cost a materialised delta per pair (and one more product per functional pair), so the trainer passes
             its log interval. The weights are the same (bitwise) whatever it is.
@@ -548,8 +550,8 @@ class ColinearityDecay:
             ValueError: lr is negative, NaN or inf (a number, or a tensor on the CPU), or a bool, or a tensor on
                 the meta device (no value), or the model's
                 parameters were replaced after this object found its pairs (the update would write tensors the
-                model no longer uses), or matmul_precision='tf32' was given and a decayed matrix is not on CUDA at
-                the first update.
+                model no longer uses), or matmul_precision='tf32' was given and a decayed matrix is not on CUDA, or
+                is float64, at the first update.
         """
         if isinstance(lr, Tensor):
             if lr.dim() != 0 or not lr.is_floating_point():
@@ -701,7 +703,9 @@ class ColinearityDecay:
 
     def _refuse_tf32_off_cuda(self) -> None:
         """Refuse an explicit matmul_precision='tf32' at the first update when a decayed matrix is not on CUDA: its
-        products would run in fp32 (CPUs have no TF32) while the setting says tf32 (`check_tf32_device`)."""
+        products would run in fp32 (CPUs have no TF32) while the setting says tf32 (`check_tf32_device`), or one is
+        float64, whose products TF32 leaves in float64 (`check_tf32_dtype`)."""
+        check_tf32_dtype("tf32", self._decayed_named(), "ColinearityDecay: matmul_precision")
         for t in self._decayed():
             check_tf32_device("tf32", t.device.type, "ColinearityDecay: matmul_precision", "the decayed matrices are",
                               "pass matmul_precision='fp32', or 'auto' (tf32 on CUDA, fp32 elsewhere), or move the "

@@ -248,6 +248,21 @@ def check_tf32_device(precision: str, device_type: str, setting: str, where: str
                          f"in fp32): {fix}")
 
 
+def check_tf32_dtype(precision: str, named: Sequence[tuple[str, Tensor]], setting: str) -> None:
+    """Refuse TF32 products asked for on float64 matrices (`named`: name, tensor): TF32 is a mode of fp32 products,
+    and `_products_in`'s switch leaves a float64 product in float64 on any device, while the setting says tf32.
+    Read before `check_tf32_device`: a float64 model is refused for this cause wherever it is.
+
+    Raises:
+        ValueError: `precision` is 'tf32' and a matrix is float64, naming the first and the fix.
+    """
+    wide = next((name for name, t in named if t.dtype == torch.float64), None)
+    if precision == "tf32" and wide is not None:
+        raise ValueError(f"{setting}=tf32 but the decayed matrices are float64 (e.g. {wide}), whose products TF32 "
+                         f"does not touch (the update would run in float64): pass matmul_precision='auto' or 'fp32' "
+                         f"(float64 products for float64 weights), or keep the weights in fp32")
+
+
 @contextlib.contextmanager
 def _products_in(precision: str):
     """Matmul precision of the CD products, whatever the caller set (train.py allows TF32 globally).

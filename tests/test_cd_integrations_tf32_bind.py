@@ -87,14 +87,14 @@ def test_an_mmengine_runner_with_tf32_on_the_cpu_stops_before_its_first_forward(
     class Net(BaseModel):
         def __init__(self) -> None:
             super().__init__()
-            self.backbone, self.forwards = tiny_vit().double(), 0
+            self.backbone, self.forwards = tiny_vit(), 0  # fp32: a float64 model is refused for its dtype first
 
         def init_weights(self):
             """The weights made at construction stay."""
 
         def forward(self, inputs, labels=None, mode="tensor"):
             self.forwards += 1
-            logits = self.backbone(inputs)
+            logits = self.backbone(inputs.float())
             return {"loss": F.cross_entropy(logits, labels)} if mode == "loss" else logits
 
     model = Net()

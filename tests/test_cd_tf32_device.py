@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from cd import ColinearityDecay
-from cd.integrations import OptimizerBinding, check_cd_arguments
+from cd.integrations import OptimizerBinding, bind_optimizers, check_cd_arguments
 from cd_models import VIT_DEPTH, randomize_norms, ref_block_update, snapshot, tiny_vit
 
 # ----------------------------------------------------------------------------------- the precision an update ran in
@@ -197,3 +197,28 @@ def test_a_model_moved_to_cuda_after_cd_is_built_takes_tf32():
     assert decay.matmul_precision == "tf32"
     decay.apply(lr=0.5)
     assert_update_precision(model, before, 0.05, "tf32")
+
+
+FLOAT64 = (r"matmul_precision=tf32 but the decayed matrices are float64 \(e\.g\. blocks\.0\.attn\.qkv\.weight\), "
+           r"whose products TF32 does not touch \(the update would run in float64\): pass matmul_precision='auto' or "
+           r"'fp32' \(float64 products for float64 weights\), or keep the weights in fp32")
+
+
+def test_tf32_on_float64_weights_is_refused_as_float64_at_the_first_update_and_at_bind():
+    """TF32 is a mode of fp32 products: cuBLAS runs a float64 product in float64 whatever the switch, so an explicit
+    tf32 on float64 weights ran float64 products on CUDA while the setting said tf32, without a word. Refused for
+    that cause (the dtype is read before the device, so the CPU shows it) by apply, an attached step and the
+    integrations' bind, before anything moves; auto and fp32 run float64 products, as documented."""
+    model = tiny_vit().double()
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="^ColinearityDecay: " + FLOAT64):
+        ColinearityDecay(model, lam=0.1, matmul_precision="tf32").apply(lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = ColinearityDecay(model, lam=0.1, matmul_precision="tf32").attach(opt)
+    F.cross_entropy(model(torch.randn(2, 3, 32, 32, dtype=torch.float64)), torch.tensor([1, 2])).backward()
+    with pytest.raises(ValueError, match="^ColinearityDecay: " + FLOAT64):
+        opt.step()
+    handle.remove()
+    with pytest.raises(ValueError, match="^cd.integrations: " + FLOAT64):
+        bind_optimizers(ColinearityDecay(model, lam=0.1, matmul_precision="tf32"), [opt])
+    assert _unchanged(model, before) and not opt._optimizer_step_pre_hooks

@@ -22,7 +22,7 @@ import torch
 from ..decay import ColinearityDecay, check_settings, make_step_hooks_run, register_step_update
 from ..layouts import check_layouts
 from ..pairs import check_example_use
-from ..update import check_tf32_device
+from ..update import check_tf32_device, check_tf32_dtype
 from ..verify import UNUSED
 from ..wrappers import (closure_then, in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text,
                         unwrap_model)
@@ -420,6 +420,7 @@ def _refuse_tf32_off_cuda(decay: ColinearityDecay) -> None:
     checks it, for a model that may still move after CD is built)."""
     if not decay._tf32_to_check:
         return
+    check_tf32_dtype("tf32", decay._decayed_named(), "cd.integrations: matmul_precision")
     for t in decay._decayed():
         check_tf32_device("tf32", t.device.type, "cd.integrations: matmul_precision", "the decayed matrices are",
                           "pass matmul_precision='fp32', or 'auto' (tf32 on CUDA, fp32 elsewhere), or train on a "
