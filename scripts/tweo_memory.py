@@ -87,14 +87,21 @@ def saved_for_backward(model: nn.Module, inputs: torch.Tensor, form: Optional[st
     return Saved(storages, outputs)
 
 
+def create(name: str) -> nn.Module:
+    """The model of `name`, a GPT size or a timm model name, with random weights (timm's RuntimeError for an
+    unknown name); on the meta device under `torch.device("meta")`."""
+    if name in GPT_SIZES:
+        return build_gpt(name, vocab_size=GPT_VOCAB)
+    import timm
+    return timm.create_model(name)
+
+
 def build(name: str, batch: int, tokens: Optional[int], device: torch.device) -> tuple[nn.Module, torch.Tensor]:
     """The model (random weights, training mode) and a random input of `batch` samples."""
+    model = create(name)
     if name in GPT_SIZES:
-        model = build_gpt(name, vocab_size=GPT_VOCAB)
         inputs = torch.randint(GPT_VOCAB, (batch, tokens or model.context))
     else:
-        import timm
-        model = timm.create_model(name)
         inputs = torch.randn(batch, *model.pretrained_cfg["input_size"])
     return model.to(device).train(), inputs.to(device)
 
@@ -121,18 +128,21 @@ def main(argv: list[str] | None = None) -> None:
             name = next(n for n in gpts if GPT_SIZES[n]["context"] == shortest)
             parser.error(f"--tokens {args.tokens}: longer than {name}'s context of {shortest} tokens; give at most "
                          f"{shortest}")
-    amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
-    print(f"torch {torch.__version__} on {args.device}, batch {args.batch}, amp {args.amp}; saved for backward, "
-          f"parameters left out (MiB)")
-    for name in args.model:
+    for name in args.model:  # every one before the first is measured (minutes for GPT-2): built on meta, no weights
         try:
-            model, inputs = build(name, args.batch, args.tokens, args.device)
+            with torch.device("meta"):
+                model = create(name)
         except RuntimeError as error:  # timm's unknown model: one line names the input
             parser.error(f"--model {name}: {error}")
         try:  # a model without Transformer blocks (a CNN): TWEO's one-line refusal, not a traceback
             TWEO(model).remove()
         except ValueError as error:
             parser.error(f"--model {name}: {error}")
+    amp = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    print(f"torch {torch.__version__} on {args.device}, batch {args.batch}, amp {args.amp}; saved for backward, "
+          f"parameters left out (MiB)")
+    for name in args.model:
+        model, inputs = build(name, args.batch, args.tokens, args.device)
         base = saved_for_backward(model, inputs, amp=amp)
         saving = saved_for_backward(model, inputs, "memory_saving", amp)
         plain = saved_for_backward(model, inputs, "plain", amp)

@@ -62,3 +62,18 @@ def test_tokens_without_a_gpt_or_past_a_gpt_s_context_are_refused_before_any_mod
         err = capsys.readouterr().err
         assert refused.value.code == 2 and err.startswith("error: ") and says in err, err
         assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_model_last_in_the_list_is_refused_before_the_first_is_measured(capsys):
+    """Every --model is checked before any is measured: an unknown name, or a model without Transformer blocks,
+    given after GPT-2 Small was refused only once GPT-2's three forwards had run."""
+    import pytest
+
+    for bad, says in [("no_such_model_x", "--model no_such_model_x: Unknown model"),
+                      ("resnet18", "--model resnet18: TWEO: no pre-norm Transformer block")]:
+        with pytest.raises(SystemExit) as refused:
+            main(["--model", "gpt2_nano", bad, "--tokens", "8"])
+        captured = capsys.readouterr()
+        assert refused.value.code == 2 and captured.err.startswith("error: ") and says in captured.err, captured.err
+        assert len(captured.err.strip().splitlines()) == 1, captured.err
+        assert captured.out == "", captured.out  # nothing measured, not even the header printed
