@@ -153,6 +153,9 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="", help="optional JSON path")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
+    twice = sorted({name for name in args.pipelines if args.pipelines.count(name) > 1})
+    if twice:  # timed again, a second line printed, and only the last timing kept under its key in --out
+        p.error(f"argument --pipelines: {', '.join(twice)} given twice; give each pipeline once")
     try:  # a usage error (status 2), as argparse's: 'w4' is no bit-width, not one a pipeline cannot do
         bits = parse_bits(args.bits)
     except ValueError as e:

@@ -78,3 +78,11 @@ def test_a_bit_width_the_flag_refuses_is_a_usage_error_before_any_model_is_built
     monkeypatch.setattr(bench_quant.timm, "create_model", lambda *a, **k: pytest.fail("a model was built"))
     code, lines = refusal([*SMALL, "--bits", bits], capsys, monkeypatch)
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+
+
+def test_a_pipeline_given_twice_is_a_usage_error_before_any_timing(capsys, monkeypatch):
+    """--pipelines percentile percentile timed it twice, printed two lines, and the JSON kept the second alone under
+    one key: a figure printed that no file holds."""
+    code, lines = refusal([*SMALL[:-1], "percentile", "repq", "percentile"], capsys, monkeypatch)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and "argument --pipelines: percentile given twice" in lines[0], lines
