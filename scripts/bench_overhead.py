@@ -422,6 +422,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         if unused:
             parser.error(f"{unused[0]}: --apply-only times CD's update alone, without training steps, so "
                          f"{unused[0]} would change nothing; drop it (or --apply-only)")
+    for flag, values in (("--widths", args.widths), ("--batches", args.batches)):
+        twice = sorted({v for v in values or [] if values.count(v) > 1})
+        if twice:  # one configuration timed twice: two rows, of which the table printed the last alone
+            parser.error(f"argument {flag}: {', '.join(map(str, twice))} given twice; give each value once")
     for width in args.widths or []:  # before the batch sweep's minutes: timm's AssertionError once built
         refusal = undivided_heads("--widths", width)
         if refusal:

@@ -627,3 +627,18 @@ def test_a_method_that_runs_out_of_gpu_memory_leaves_the_others_rows_measured(mo
         assert (by[method]["step_ms"], by[method]["peak_mib"], by[method].get("oom")) == (ms, 3.0, None), method
     assert by["cd"]["cd_apply_ms"] == 2.0
     assert by["tweo_plain"]["oom"] is True and by["tweo_plain"]["step_ms"] is None
+
+
+@pytest.mark.parametrize("flag", [["--widths", "64", "128", "64"], ["--batches", "4", "4"]])
+def test_a_width_or_batch_given_twice_is_a_usage_error_before_any_timing(tmp_path, capsys, monkeypatch, flag):
+    """--widths 64 64 timed the width twice into two rows of one configuration: the table printed the second alone,
+    overhead.json and the plot held both."""
+    bench = _bench()
+    monkeypatch.setattr(bench, "measure_apply", lambda *a, **k: pytest.fail("timed after all"))
+    monkeypatch.setattr(bench, "measure_config", lambda *a, **k: pytest.fail("timed after all"))
+    with pytest.raises(SystemExit) as refused:
+        bench.main(["--device", "cpu", "--small", *flag, "--out", str(tmp_path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and f"argument {flag[0]}: {flag[1]} given twice" in lines[0], lines
+    assert not list(tmp_path.iterdir())
