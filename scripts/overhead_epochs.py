@@ -289,6 +289,10 @@ def main(argv: Optional[list[str]] = None, parents: tuple = ()) -> dict:
     # here: a relative --out given elsewhere was trained into under the root and then looked for here (a traceback
     # after the first run)
     args.out = os.path.abspath(args.out)
+    for flag, values in (("--batches", args.batches), ("--models", args.models), ("--methods", args.methods)):
+        twice = sorted({str(v) for v in values if values.count(v) > 1})
+        if twice:  # the same runs (one folder each) taken again: their row twice in the table and epochs.json
+            p.error(f"argument {flag}: {', '.join(twice)} given twice; give each value once")
     if not args.batches and not args.models:  # a usage error (status 2), as argparse's: before any config is read
         p.error("--batches and --models are both empty: there is nothing to measure")
     refuse_protocol_keys(args.overrides)

@@ -642,3 +642,19 @@ def test_a_width_or_batch_given_twice_is_a_usage_error_before_any_timing(tmp_pat
     assert refused.value.code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("error: ") and f"argument {flag[0]}: {flag[1]} given twice" in lines[0], lines
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flag", [["--batches", "4", "4"], ["--models", "vit_nano", "vit_nano"],
+                                  ["--methods", "baseline", "cd", "baseline"]])
+def test_epochs_protocol_refuses_a_value_given_twice_before_the_first_run(tmp_path, capsys, flag):
+    """--batches 4 4 ran the same runs (one folder) twice over and printed their row twice, in the table and in
+    epochs.json."""
+    given = {"--batches": ["8"], "--models": [], "--methods": ["baseline"], flag[0]: flag[1:]}
+    argv = ["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--width-batch", "8", "--epochs", "1",
+            "--runs", "1", "--out", str(tmp_path / "ep"), *(word for f, v in given.items() for word in (f, *v))]
+    with pytest.raises(SystemExit) as refused:
+        _epochs_script().main(argv)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and f"argument {flag[0]}: {flag[-1]} given twice" in lines[0], lines
+    assert not (tmp_path / "ep").exists()  # nothing ran
