@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none", help="autocast dtype")
     parser.add_argument("--device", type=torch_device, default="cpu")
     args = parser.parse_args(argv)
+    twice = sorted({name for name in args.model if args.model.count(name) > 1})
+    if twice:  # measured again, its figures printed twice
+        parser.error(f"argument --model: {', '.join(twice)} given twice; give each model once")
     gpts = [name for name in args.model if name in GPT_SIZES]
     if args.tokens is not None:  # checked before any model is built: a timm model's input size is its own
         if not gpts:

@@ -77,3 +77,15 @@ def test_a_model_last_in_the_list_is_refused_before_the_first_is_measured(capsys
         assert refused.value.code == 2 and captured.err.startswith("error: ") and says in captured.err, captured.err
         assert len(captured.err.strip().splitlines()) == 1, captured.err
         assert captured.out == "", captured.out  # nothing measured, not even the header printed
+
+
+def test_a_model_given_twice_is_a_usage_error_before_any_is_measured(capsys):
+    """--model gpt2_nano gpt2_nano measured the model twice and printed its figures twice."""
+    import pytest
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--model", "gpt2_nano", "vit_tiny_patch16_224", "gpt2_nano", "--tokens", "8"])
+    captured = capsys.readouterr()
+    assert refused.value.code == 2 and len(captured.err.strip().splitlines()) == 1, captured.err
+    assert captured.err.startswith("error: ") and "argument --model: gpt2_nano given twice" in captured.err
+    assert captured.out == "", captured.out
