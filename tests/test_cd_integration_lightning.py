@@ -3,8 +3,8 @@ its weights after every update compared with the float64 reference of (task step
 (tests/cd_integration_refs.py), which the wrong placements of CD miss by far. Lightning's automatic
 optimization steps with `optimizer.step(closure)` (forward and backward inside the closure), so every test
 here is a closure-based step; plus gradient accumulation, per-group lrs, clipping, a step the GradScaler
-skips (also under manual optimization), manual optimization, torch's ZeroRedundancyOptimizer and resume from a
-Lightning checkpoint."""
+skips (also under manual optimization), manual optimization, torch's ZeroRedundancyOptimizer (on 1 and 2
+processes) and resume from a Lightning checkpoint."""
 from __future__ import annotations
 
 import contextlib
@@ -176,6 +176,54 @@ def test_zero_redundancy_optimizer_under_ddp_matches_the_reference():
             torch.distributed.destroy_process_group()
     check(initial, module, 3, 1, variants=("before_backward", "after_step", "first_group_lr"))
     assert cd_callback(trainer).decay.num_updates == 3
+
+
+def _zero_rank(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of Lightning's DDP over gloo, launched as torchrun launches it (Lightning then starts no process of
+    its own), training ZeroModule with the callback; writes its micro-batches, its weights after each update, CD's
+    update count and the names of the parameters its shard of the ZeroRedundancyOptimizer steps to rank<r>.pt."""
+    import os
+
+    from dist_utils import as_torchrun_rank, leave_and_exit
+    as_torchrun_rank(rank, world, port)
+    os.environ.update(GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="cd-zero")
+    module = ZeroModule(tiny_vit().double(), steps=3)
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=world, strategy="ddp", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        precision="64-true", callbacks=[ColinearityDecayCallback(lam=LAM)])
+    trainer.fit(module, image_loader(8))
+    names = {id(p): n for n, p in module.net.named_parameters()}
+    shard = [names[id(p)] for g in trainer.optimizers[0].optim.param_groups for p in g["params"]]
+    torch.save({"batches": module.batches, "after": module.after, "updates": cd_callback(trainer).decay.num_updates,
+                "shard": shard}, os.path.join(out, f"rank{rank}.pt"))
+    leave_and_exit()
+
+
+@pytest.mark.slow
+def test_zero_redundancy_optimizer_on_two_processes_matches_one_process_on_both_ranks_batches(tmp_path):
+    """ZeroRedundancyOptimizer in Lightning's DDP on 2 gloo processes: each rank's AdamW steps its shard of the
+    parameters, then ZeRO broadcasts the shards. CD runs once per update on every rank, before the step, so both
+    ranks end every update with the same weights, those of the float64 reference in one process on the two ranks'
+    batches together (DDP averages their gradients), whichever rank's shard holds a matrix."""
+    from dist_utils import free_port, spawn_within
+    spawn_within(_zero_rank, (2, free_port(), str(tmp_path)), nprocs=2, seconds=240)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    decayed = {p.w2 for p in vit_pairs(BLOCKS, DIM)}
+    shards = [set(r["shard"]) for r in ranks]
+    assert not shards[0] & shards[1] and all(s & decayed for s in shards)  # each rank steps decayed matrices
+    assert [r["updates"] for r in ranks] == [3, 3]
+    for got, other in zip(ranks[0]["after"], ranks[1]["after"]):
+        assert all(torch.equal(got[n], other[n]) for n in got)
+    assert not torch.equal(ranks[0]["batches"][0][0], ranks[1]["batches"][0][0])  # each rank its own data
+    both = [tuple(torch.cat(parts) for parts in zip(a, b)) for a, b in zip(ranks[0]["batches"], ranks[1]["batches"])]
+
+    def run(variant):
+        ref = tiny_vit().double()  # the ranks' initial weights (seeded)
+        opt, sched = vit_optimizer_and_schedule(ref, 3)
+        return reference_run(ref, [[b] for b in both], lambda m, b: F.cross_entropy(m(b[0]), b[1]), opt, sched,
+                             vit_pairs(BLOCKS, DIM), LAM, variant=variant)
+
+    assert_matches_reference(ranks[0]["after"], run, TOL, variants=("before_backward", "after_step", "first_group_lr"))
 
 
 def test_a_step_of_the_raw_torch_optimizer_is_refused_not_taken_without_cd():
