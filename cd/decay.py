@@ -30,8 +30,8 @@ from .update import (PRECISIONS, align_to_task_loss, build_plan, check_tf32_devi
                      colinearity_decay_, is_sharded, known_zero, onto, pair_energy, pair_penalty, plan_key, refuse_meta,
                      resolve_precision)
 from .verify import UnsupportedModelError, refuse_split_devices
-from .wrappers import (check_model, closure_then, in_outer_step, refuse_deepspeed, steps_without_hooks,
-                       torch_optimizer, unhooked_step_text, unwrap_model)
+from .wrappers import (check_model, closure_then, in_outer_step, refuse_deepspeed, refuse_overlapped_zero,
+                       steps_without_hooks, torch_optimizer, unhooked_step_text, unwrap_model)
 
 TARGETS = ("A", "B", "C", "A+B")
 MODES = ("decoupled", "loss")
@@ -57,8 +57,10 @@ def register_step_update(owner: Any, decay: "ColinearityDecay", optimizer: torch
     `_hooked_decay(optimizer)` (None once its hook is removed).
 
     Raises:
-        RuntimeError: another owner hooked into `optimizer` decays one of `decay`'s matrices.
+        RuntimeError: another owner hooked into `optimizer` decays one of `decay`'s matrices, or `optimizer` steps
+            the weights outside its step (`refuse_overlapped_zero`).
     """
+    refuse_overlapped_zero(optimizer, who)
     mine = {id(t): name for name, t in decay._decayed_named()}
     for other in list(_HOOKED.get(optimizer, ())):
         theirs = other._hooked_decay(optimizer) if other is not owner else None
@@ -744,7 +746,8 @@ class ColinearityDecay:
                 ZeRO optimizer) or the model's parameters are ZeRO-3's (`cd.wrappers.refuse_deepspeed`), this object
                 is attached already, or another CD update in `optimizer`'s step
                 decays one of these matrices (the update would run twice per step), or `optimizer` (or its wrapper)
-                keeps a `step` of the torch optimizer that calls no step hooks (`cd.wrappers.steps_without_hooks`);
+                keeps a `step` of the torch optimizer that calls no step hooks (`cd.wrappers.steps_without_hooks`),
+                or is a ZeroRedundancyOptimizer(overlap_with_ddp=True), which steps inside DDP's backward;
                 at a step, when the optimizer no longer holds any of the decayed matrices it held here (DeepSpeed
                 replaced them by flat copies at `prepare`), or in mode='loss' when no `aux_loss` was taken since
                 the last step.

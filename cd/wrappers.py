@@ -135,6 +135,23 @@ def refuse_deepspeed(who: str, fix: str, optimizers: tuple = (), model: Optional
                            f"that hold no matrix to pair; {fix}")
 
 
+def refuse_overlapped_zero(optimizer: torch.optim.Optimizer, who: str) -> None:
+    """Refuse torch's ZeroRedundancyOptimizer built with overlap_with_ddp=True (known by name: torch may be built
+    without distributed): DDP's comm hook (`hook_with_zero_step`) steps each rank's shard inside the backward, and
+    the optimizer's own `step()` returns before stepping, so a CD update in that step never ran (the loop torch
+    documents calls no `step()`) or ran on weights the backward had stepped already.
+
+    Raises:
+        RuntimeError: naming `who`, the setting and the fix.
+    """
+    if getattr(optimizer, "_overlap_with_ddp", False) is True and any(
+            c.__name__ == "ZeroRedundancyOptimizer" for c in type(optimizer).__mro__):
+        raise RuntimeError(f"{who}: ZeroRedundancyOptimizer(overlap_with_ddp=True) steps the weights inside DDP's "
+                           "backward (hook_with_zero_step), and its own step() returns before stepping, so CD, which "
+                           "runs in that step, would never run before an update; build it with "
+                           "overlap_with_ddp=False (the default) and call its step()")
+
+
 def steps_without_hooks(optimizer: Any) -> list[str]:
     """Where `optimizer` (or a wrapper around it, `wrapper_chain`) keeps a `step` of the torch optimizer that calls
     no step hooks: one taken before torch wrapped the optimizer class's `step` to call them, which an optimizer that
