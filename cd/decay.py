@@ -30,7 +30,7 @@ from .update import (PRECISIONS, align_to_task_loss, build_plan, check_tf32_devi
                      colinearity_decay_, is_sharded, known_zero, onto, pair_energy, pair_penalty, plan_key, refuse_meta,
                      resolve_precision)
 from .verify import UnsupportedModelError, refuse_split_devices
-from .wrappers import (check_model, closure_then, in_outer_step, refuse_deepspeed, refuse_overlapped_zero,
+from .wrappers import (check_model, closure_then, in_outer_step, refuse_deepspeed, refuse_backward_steps,
                        steps_without_hooks, torch_optimizer, unhooked_step_text, unwrap_model)
 
 TARGETS = ("A", "B", "C", "A+B")
@@ -58,9 +58,9 @@ def register_step_update(owner: Any, decay: "ColinearityDecay", optimizer: torch
 
     Raises:
         RuntimeError: another owner hooked into `optimizer` decays one of `decay`'s matrices, or `optimizer` steps
-            the weights outside its step (`refuse_overlapped_zero`).
+            the weights inside the backward, outside its step (`refuse_backward_steps`).
     """
-    refuse_overlapped_zero(optimizer, who)
+    refuse_backward_steps(optimizer, who)
     mine = {id(t): name for name, t in decay._decayed_named()}
     for other in list(_HOOKED.get(optimizer, ())):
         theirs = other._hooked_decay(optimizer) if other is not owner else None
@@ -747,7 +747,8 @@ class ColinearityDecay:
                 is attached already, or another CD update in `optimizer`'s step
                 decays one of these matrices (the update would run twice per step), or `optimizer` (or its wrapper)
                 keeps a `step` of the torch optimizer that calls no step hooks (`cd.wrappers.steps_without_hooks`),
-                or is a ZeroRedundancyOptimizer(overlap_with_ddp=True), which steps inside DDP's backward;
+                or steps the weights inside the backward (ZeroRedundancyOptimizer(overlap_with_ddp=True), LOMO:
+                `cd.wrappers.refuse_backward_steps`);
                 at a step, when the optimizer no longer holds any of the decayed matrices it held here (DeepSpeed
                 replaced them by flat copies at `prepare`), or in mode='loss' when no `aux_loss` was taken since
                 the last step.

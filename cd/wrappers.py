@@ -135,21 +135,30 @@ def refuse_deepspeed(who: str, fix: str, optimizers: tuple = (), model: Optional
                            f"that hold no matrix to pair; {fix}")
 
 
-def refuse_overlapped_zero(optimizer: torch.optim.Optimizer, who: str) -> None:
-    """Refuse torch's ZeroRedundancyOptimizer built with overlap_with_ddp=True (known by name: torch may be built
-    without distributed): DDP's comm hook (`hook_with_zero_step`) steps each rank's shard inside the backward, and
-    the optimizer's own `step()` returns before stepping, so a CD update in that step never ran (the loop torch
-    documents calls no `step()`) or ran on weights the backward had stepped already.
+def refuse_backward_steps(optimizer: torch.optim.Optimizer, who: str) -> None:
+    """Refuse an optimizer that steps the weights inside the backward, in gradient hooks, not in its `step()`, where
+    CD runs: a CD update there never ran before an update (a loop that calls no `step()`) or ran on weights already
+    stepped. Known by name (their packages need not be installed): torch's ZeroRedundancyOptimizer built with
+    overlap_with_ddp=True (DDP's comm hook `hook_with_zero_step` steps each rank's shard; its own `step()` returns
+    before stepping), and lomo_optim's Lomo and AdaLomo (their `fused_backward`, which transformers' Trainer calls
+    for optim="lomo" / "adalomo" and accelerate's `backward(loss, learning_rate=...)`).
 
     Raises:
-        RuntimeError: naming `who`, the setting and the fix.
+        RuntimeError: naming `who`, the optimizer and the fix.
     """
+    kinds = type(optimizer).__mro__
     if getattr(optimizer, "_overlap_with_ddp", False) is True and any(
-            c.__name__ == "ZeroRedundancyOptimizer" for c in type(optimizer).__mro__):
+            c.__name__ == "ZeroRedundancyOptimizer" for c in kinds):
         raise RuntimeError(f"{who}: ZeroRedundancyOptimizer(overlap_with_ddp=True) steps the weights inside DDP's "
                            "backward (hook_with_zero_step), and its own step() returns before stepping, so CD, which "
                            "runs in that step, would never run before an update; build it with "
                            "overlap_with_ddp=False (the default) and call its step()")
+    lomo = next((c.__name__ for c in kinds if c.__module__.split(".")[0] == "lomo_optim"), None)
+    if lomo is not None:
+        raise RuntimeError(f"{who}: {lomo} (lomo_optim) steps the weights inside the backward (fused_backward, in a "
+                           "gradient hook of each parameter), not in the optimizer's step that CD runs in, so no "
+                           "update would have CD; train with another optimizer (transformers: an optim other than "
+                           "'lomo' / 'adalomo', e.g. 'adamw_torch')")
 
 
 def steps_without_hooks(optimizer: Any) -> list[str]:

@@ -355,6 +355,27 @@ def test_deepspeeds_dummy_optim_and_the_layerwise_optimizer_are_refused_by_name_
     assert callback.decay is None and callback._binding is None
 
 
+def test_a_lomo_optimizer_that_steps_inside_the_backward_is_refused_before_the_first_step_naming_it():
+    """TrainingArguments(optim="lomo" / "adalomo") steps every weight in a gradient hook inside the backward
+    (lomo_optim's fused_backward), so the update ran before on_pre_optimizer_step armed CD, without it;
+    on_optimizer_step then blamed a step method saved before the binding and asked for Trainer(callbacks=[...]),
+    which was given (seen with lomo-optim 0.1.1). A stand-in of the package's class (not installed here): refused
+    at on_train_begin, naming it and the fix; ColinearityDecay.attach, for an accelerate loop of one's own, refuses
+    it the same way."""
+    from transformers import TrainerState
+
+    from cd import ColinearityDecay
+    lomo = type("Lomo", (torch.optim.SGD,), {"__module__": "lomo_optim.lomo"})
+    model = tiny_gpt2()
+    callback = ColinearityDecayCallback(lam=LAM)
+    with pytest.raises(RuntimeError, match=r"^cd.integrations: Lomo \(lomo_optim\) steps the weights inside the "
+                                           r"backward.*another optimizer"):
+        callback.on_train_begin(None, TrainerState(), None, model=model, optimizer=lomo(model.parameters(), lr=0.1))
+    assert callback._binding is None
+    with pytest.raises(RuntimeError, match=r"^ColinearityDecay.attach: Lomo \(lomo_optim\) steps the weights"):
+        ColinearityDecay(model, lam=LAM).attach(lomo(model.parameters(), lr=0.1))
+
+
 def test_a_trainer_event_without_model_or_optimizer_is_refused_and_the_decay_has_the_given_settings():
     """on_train_begin without the model or the optimizer is one RuntimeError naming what is missing (not a failure
     inside ColinearityDecay); with them, the decay gets the callback's arguments: norms_every 50 unless given."""
