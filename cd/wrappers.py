@@ -110,11 +110,13 @@ _DEEPSPEED_OPTIMIZERS = {"DeepSpeedOptimizerWrapper", "DummyOptim", "DeepSpeedOp
 def refuse_deepspeed(who: str, fix: str, optimizers: tuple = (), model: Optional[nn.Module] = None,
                      strategy: Any = None) -> None:
     """Refuse a run under DeepSpeed (DeepSpeed need not be installed: known by the names of its classes), before CD is
-    built or bound: its engine takes the optimizer step inside the backward (accelerate's `DeepSpeedOptimizerWrapper.
-    step` is a no-op), before the framework's event that arms CD, and ZeRO (and its fp16 / bf16 optimizers) step
-    flattened copies of the weights, partitioned under ZeRO (ZeRO-3 empties the model's own), which hold no matrix
-    to pair. Bound anyway, CD missed the update or never acted, and the errors or warnings that followed named other
-    causes. `optimizers`: the framework's (wrappers looked through); `model`: its parameters as ZeRO-3 leaves them
+    built or bound: ZeRO (and DeepSpeed's fp16 / bf16 optimizers) step flattened copies of the weights, partitioned
+    under ZeRO (ZeRO-3 empties the model's own), which hold no matrix to pair, and under accelerate the engine takes
+    the optimizer step inside the backward (`DeepSpeedOptimizerWrapper.step` is a no-op), before the framework's
+    event that arms CD (Lightning's and MMEngine's engine steps after the backward). ZeRO stage 0 in fp32 steps the
+    weights themselves through the torch optimizer, but trains as DDP does, which the fix names.
+    Bound anyway, CD missed the update or never acted, and the errors or warnings that followed named other causes.
+    `optimizers`: the framework's (wrappers looked through); `model`: its parameters as ZeRO-3 leaves them
     (`ds_id`); `strategy`: Lightning's or MMEngine's (`DeepSpeedStrategy`). Shared by `ColinearityDecay.attach` and
     the integrations.
 
@@ -129,10 +131,11 @@ def refuse_deepspeed(who: str, fix: str, optimizers: tuple = (), model: Optional
     if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
         found.append("ZeRO-3 partitioned parameters")
     if found:
-        raise RuntimeError(f"{who}: CD does not support DeepSpeed (found {', '.join(dict.fromkeys(found))}): its "
-                           "engine steps the optimizer inside the backward, not in the step that CD runs in, and "
-                           "ZeRO and its fp16/bf16 optimizers step flattened, partitioned copies of the weights "
-                           f"that hold no matrix to pair; {fix}")
+        raise RuntimeError(f"{who}: CD does not support DeepSpeed (found {', '.join(dict.fromkeys(found))}): ZeRO "
+                           "and DeepSpeed's fp16/bf16 optimizers step flattened, partitioned copies of the weights "
+                           "that hold no matrix to pair, and under accelerate the engine steps inside the backward, "
+                           "before the event that arms CD (ZeRO stage 0 in fp32, which steps the weights themselves, "
+                           f"trains as DDP does); {fix}")
 
 
 def refuse_backward_steps(optimizer: torch.optim.Optimizer, who: str) -> None:

@@ -746,7 +746,10 @@ def test_a_deepspeed_strategy_is_refused_at_the_train_start_before_cd_is_built()
     """Lightning's DeepSpeedStrategy (the real class; DeepSpeed need not be installed) steps the engine's optimizer in
     the engine, on flattened partitions of the weights under ZeRO: the callback bound an optimizer that holds the
     matrices without a word (ZeRO stage 0), or refused one of partitions with "no optimizer holds the matrices CD
-    decays ... build the optimizer on the parameters", a fix that does not apply. One RuntimeError naming DeepSpeed."""
+    decays ... build the optimizer on the parameters", a fix that does not apply. One RuntimeError naming DeepSpeed,
+    and why as it holds in Lightning, whose engine steps after the backward (not inside the backward, as under
+    accelerate): the flattened copies of ZeRO and DeepSpeed's fp16/bf16 optimizers, and ZeRO-0 in fp32 training as
+    DDP does."""
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -754,7 +757,9 @@ def test_a_deepspeed_strategy_is_refused_at_the_train_start_before_cd_is_built()
     trainer = SimpleNamespace(strategy=DeepSpeedStrategy.__new__(DeepSpeedStrategy), precision_plugin=Precision(),
                               optimizers=[torch.optim.SGD(module.parameters(), lr=0.1)])
     callback = ColinearityDecayCallback(lam=LAM)
-    with pytest.raises(RuntimeError, match=r"CD does not support DeepSpeed \(found DeepSpeedStrategy\).*"
-                                           r"strategy='ddp'"):
+    with pytest.raises(RuntimeError, match=r"CD does not support DeepSpeed \(found DeepSpeedStrategy\): ZeRO and "
+                                           r"DeepSpeed's fp16/bf16 optimizers step flattened.*under accelerate the "
+                                           r"engine steps inside the backward.*ZeRO stage 0 in fp32.*trains as DDP "
+                                           r"does.*strategy='ddp'"):
         callback.on_train_start(trainer, module)
     assert callback.decay is None and not callback._bindings
