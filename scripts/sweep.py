@@ -77,6 +77,7 @@ import contextlib
 import datetime
 import functools
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -1146,16 +1147,17 @@ def refuse_changed_training_settings(runs: list[dict], sweep_path: str, world_si
     processes the launcher starts (None: it does not say, and the checks of the layout are left to train.py). A run
     with train.resume is checked against the file train.py would continue (engine/snapshots.planned_resume: that file,
     or the checkpoint.pt its folder holds of a start from it): a train.resume for every run of a sweep (a shared
-    warm-up) with their settings was refused at the second run's turn, after the first had trained. Left to train.py's
-    start: a train.resume in the folder of an earlier run of the sweep (that run writes it first), one that is no
-    file (refuse_missing_input_files) and a checkpoint whose config cannot be read (train.py's error names what is
-    wrong with the file)."""
+    warm-up) with their settings was refused at the second run's turn, after the first had trained, and so was a
+    train.resume beside a checkpoint.pt of another start in the run's folder (resume_source's refusal). Left to
+    train.py's start: a train.resume in the folder of an earlier run of the sweep (that run writes it first), one
+    that is no file (refuse_missing_input_files) and a checkpoint whose config cannot be read (train.py's error names
+    what is wrong with the file)."""
     import torch  # only with --run: printing the commands does not need it
 
     from configs import config_to_dict
     from engine.checkpoint import CheckpointError
     from engine.run_dir import RunDirError, check_claim, is_inside
-    from engine.snapshots import CONFIG_SECTIONS, planned_resume
+    from engine.snapshots import CONFIG_SECTIONS, planned_resume, resume_source
     from train import check_resumable
 
     earlier: list[str] = []  # the folders of the runs before this one
@@ -1182,6 +1184,19 @@ def refuse_changed_training_settings(runs: list[dict], sweep_path: str, world_si
         _, checkpoint = planned_resume(cfg.out_dir, resume)
         if checkpoint is None or earlier_run:
             continue
+        own = os.path.join(cfg.out_dir, "checkpoint.pt")
+        if checkpoint != own and os.path.isfile(own) and not os.path.samefile(own, checkpoint):
+            # beside a checkpoint.pt of a start that did not begin from train.resume: train.py refuses it before its
+            # claim (resume_source: its next checkpoint would replace that run's progress), or takes a snapshot of
+            # the folder as a roll-back. Read whole, as train.py reads them (rare: not memory-mapped), its log quiet
+            previous = logging.root.manager.disable
+            logging.disable(logging.CRITICAL)
+            try:
+                resume_source(cfg.out_dir, resume)
+            except CheckpointError as e:
+                raise refused(e) from e
+            finally:
+                logging.disable(previous)
         try:  # memory-mapped: the weights are not read
             payload = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
             saved = payload["config"]

@@ -310,3 +310,24 @@ def test_a_train_resume_in_an_earlier_run_s_folder_is_left_to_that_run(trained, 
     items = [*ITEMS, "optim.lr=0.01", f"train.resume={root / 'runs' / 'b' / 'checkpoint.pt'}"]
     runs = sweep.expand(sweep_file(root, tmp_path / "s.yaml", items=items, before=True), [])
     sweep.refuse_changed_training_settings(runs, "s.yaml", world_size=1)
+
+
+def test_a_train_resume_beside_a_checkpoint_of_another_start_is_refused_before_anything_starts(trained, tmp_path,
+                                                                                                monkeypatch):
+    """A run's train.resume=<a warm-up elsewhere> whose folder holds checkpoint.pt of a start that did not begin from it
+    (the run trained before without train.resume): train.py refuses it at its start, as its next checkpoint would
+    replace that run's progress, and the sweep let it through to that refusal, after the runs before it had trained.
+    Same settings as the warm-up's: only the folder's other start is wrong. The reference is train.py's refusal."""
+    root = tmp_path / "other"
+    folder = copied_run(trained, root)  # a fresh start's checkpoint.pt (no train.resume)
+    warm_up = tmp_path / "warm" / "checkpoint.pt"
+    warm_up.parent.mkdir()
+    shutil.copy2(trained / "runs" / "a" / "checkpoint.pt", warm_up)
+    items = [*ITEMS, f"train.resume={warm_up}"]
+    monkeypatch.setattr(sweep, "run_one", lambda *a: pytest.fail("a run started"))
+    message = refused_at_start(sweep_file(root, tmp_path / "s.yaml", items=items, before=True))
+    assert "train.py would refuse it at its start" in message and "did not start from it" in message
+    assert not (root / "runs" / "b").exists()
+    with pytest.raises(CheckpointError) as refused:  # train.py's own refusal of the run's command, in its words
+        train.main(load_config([DEBUG_CONFIG], [*items, f"out_dir={folder}"]))
+    assert str(refused.value) in message
