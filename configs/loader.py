@@ -903,6 +903,9 @@ def _assign(node: Any, parts: list, value: Any, path: str, source: str) -> None:
         return setattr(node, name, coerce_value(value, annotation, key, source))
     if annotation is dict or _origin(annotation) is dict:
         # a dotted key into a free-form dict field: cd.lam_per_role.fc2=0.02
+        if not _entry_name(".".join(rest)):
+            raise ConfigError(f"{source}: '{'.'.join([key, *rest])}' names an entry of {key} with an empty name; give "
+                              f"the entry's name ({key}.NAME)")
         refuse_ambiguous_numbers(value, ".".join([key, *rest]), source)
         setattr(node, name, {**current, ".".join(rest): value})
         return
@@ -1079,9 +1082,19 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
         if not isinstance(value, dict):
             fail()
         for entry, item in value.items():  # free-form entries reach timm (model.kwargs) or CD as they are
+            if not _entry_name(entry):
+                raise ConfigError(f"{source}: '{key}' has an entry named {entry!r} ({type(entry).__name__}); give each "
+                                  f"entry a name of text with no empty part between dots")
             refuse_ambiguous_numbers(item, f"{key}.{entry}", source)
         return dict(value)
     raise ConfigError(f"{source}: '{key}' has an unsupported annotation {annotation!r}")
+
+
+def _entry_name(entry: Any) -> bool:
+    """Whether `entry` names an entry of a free-form dict field: text whose parts between dots are not empty (a
+    model.kwargs entry is a keyword of the model's constructor: '' or 1 reached timm, refused once train.py had built
+    the model, after its first file; a dotted name is the entry model.kwargs.mlp.cfg=4 sets)."""
+    return isinstance(entry, str) and all(part.strip() for part in entry.split("."))
 
 
 def _list_annotation(annotation: Any) -> Any:

@@ -44,3 +44,31 @@ def test_the_sweep_check_refuses_it_for_a_language_model_before_any_run():
     path = os.path.join(ROOT, "configs", "sweeps", "kjv_lm_dose.yaml")
     with pytest.raises(ConfigError, match=rf"^sweep run 'baseline_s0': model.kwargs.depth is null: {FIX}$"):
         sweep.expand(path, ["model.kwargs.depth=null"])
+
+
+# an entry's name is text with no empty part between dots: `model.kwargs.=3` reached timm's constructor as the keyword
+# '' (refused only once train.py had built the model, its train.log written), `model.kwargs={1: 3}` as a keyword 1
+@pytest.mark.parametrize("override, says", [
+    ("model.kwargs.=3", "'model.kwargs.' names an entry of model.kwargs with an empty name"),
+    ("model.kwargs..depth=3", "'model.kwargs..depth' names an entry of model.kwargs with an empty name"),
+    ("model.kwargs.depth.=3", "'model.kwargs.depth.' names an entry of model.kwargs with an empty name"),
+    ("model.kwargs={'': 3}", "'model.kwargs' has an entry named '' (str)"),
+    ("model.kwargs={1: 3}", "'model.kwargs' has an entry named 1 (int)"),
+    ("cd.lam_per_role.=0.1", "'cd.lam_per_role.' names an entry of cd.lam_per_role with an empty name"),
+], ids=["empty", "empty part", "empty end", "empty in a mapping", "a number in a mapping", "cd"])
+def test_an_entry_without_a_name_is_refused_where_the_override_is_read(tmp_path, capsys, override, says):
+    with pytest.raises(ConfigError) as refused:
+        load_config([DEBUG_CONFIG], ["cd.enabled=true", override])
+    assert str(refused.value).startswith(f"command line: {says}"), refused.value
+    out_dir = tmp_path / "run"
+    code, _, err = run_entry("train.py", ["--config", DEBUG_CONFIG, f"out_dir={out_dir}", "cd.enabled=true", override],
+                             capsys)
+    assert code == 1 and err.count("\n") == 1 and err.startswith(f"error: command line: {says}"), err
+    assert not out_dir.exists()
+
+
+def test_an_entry_without_a_name_in_a_config_file_is_refused_naming_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  kwargs:\n    '': 3\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: 'model.kwargs' has an entry named '' \(str\)"):
+        load_config([DEBUG_CONFIG, str(path)])
