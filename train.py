@@ -84,7 +84,8 @@ from engine.runinfo import SAME_ON_EVERY_RANK, exit_with_error, foreign_log, log
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from engine.training_checks import check_poly_power, check_schedule_on_resume, check_training_settings
 from models import ModelError, build_model, describe, input_size, model_label
-from models.factory import MODEL_DROP_SITES, check_recorded_architecture, own_img_size, without_dropout_rates
+from models.factory import (MODEL_DROP_SITES, OWN_MODELS, check_recorded_architecture, own_img_size,
+                            without_dropout_rates)
 from models.hub import check_hub_variant, hub_data_mismatch
 from models.kwargs_change import check_kwargs_kept
 from models.pretrained import NEW_CLASSIFIER, ConversionError, load_pretrained, mapped_payload
@@ -164,28 +165,15 @@ def check_before_start(cfg: Config, packages: bool = True) -> None:
 
 
 def check_model_builds(cfg: Config) -> None:
-    """The run's build's refusals of model.name, model.kwargs and model.pretrained=hub (models/factory.py
-    build_model's ModelError: an unknown name, arguments the constructor rejects, an img_size its patches do not
-    tile, hub weights for a small variant or a GPT) and check_model_fits_run's (the model against the task,
-    log.act_max), asked before out_dir is claimed, so that a typo leaves no train.log in a folder the run would make
-    (for the corrected command to archive). On a build without weights on the meta device (no memory, no init time);
-    where it fails, on the CPU, whose error tells the build's refusal from the meta device's lack of a kernel, as
-    scripts/sweep.py check_model does. Another error is left to the run's build."""
-    hub = cfg.model.pretrained == "hub"
-    if hub and cfg.model.name not in GPT_SIZES:  # build_model's first refusal, before timm would fetch anything
-        check_hub_variant(cfg.model.name)
-    # GPT-2's builder refuses hub weights before it loads anything
-    unloaded = dataclasses.replace(cfg.model, pretrained="hub" if hub and cfg.model.name in GPT_SIZES else "")
+    """The run's build's refusals of model.name, model.kwargs and model.pretrained=hub (check_model: build_model's
+    ModelError) and check_model_fits_run's (the model against the task, log.act_max), asked before out_dir is
+    claimed, so that a typo leaves no train.log in a folder the run would make (for the corrected command to
+    archive). An error other than the build's refusal is left to the run's build, which meets it and says so."""
     try:
-        with torch.random.fork_rng(devices=[]):  # the CPU's generator: a model's init draws from it
-            try:
-                with torch.device("meta"):
-                    model = build_model(unloaded)
-            except Exception:  # noqa: BLE001 - the build's refusal, or the meta device's: told apart by the CPU's
-                model = build_model(unloaded)
+        model = check_model(cfg.model)
     except ModelError:
         raise
-    except Exception:  # noqa: BLE001 - no refusal of the settings: the run's build meets it and says so
+    except Exception:  # noqa: BLE001 - no refusal of the settings (check_model's CPU build failed otherwise)
         return
     check_model_fits_run(cfg, model)
 
@@ -960,6 +948,30 @@ def check_checkpoint_fits(cfg: Config, resume_path: str, payload: dict) -> None:
                 model.load_state_dict(payload[entry])
     except RuntimeError as e:
         raise weights_misfit(resume_path, e) from None
+
+
+def check_model(model_cfg):
+    """The model build_model builds of `model_cfg`, built on the meta device (no weights: 0.03 s for the demo's ViT,
+    0.15 s for Swin-T on a 2-core CPU), so that what it refuses (model.name, model.kwargs the constructor rejects:
+    model.kwargs.dpeth=3, model.img_size not a multiple of the patch size, a vision-only setting on a GPT) is refused
+    in its own words before out_dir is claimed (main) and before a sweep's first run trains (scripts/sweep.py). No
+    weights are read: model.pretrained=hub is checked for a variant without hub weights (build_model's first
+    refusal), a local file is the run's (check_start_weights; the sweep's refuse_missing_input_files). The random
+    number generator and the default device are left as they were. A build the meta device cannot make (an
+    operation without meta kernels in a model's constructor) is made on the CPU, so that only the build's own
+    refusal refuses. Returns the model; raises the build's ModelError."""
+    hub = model_cfg.pretrained == "hub"
+    # GPT-2's builder refuses hub weights before it loads anything; a timm model with them would fetch them
+    unloaded = dataclasses.replace(model_cfg, pretrained="hub" if hub and model_cfg.name in GPT_SIZES else "")
+    if hub and model_cfg.name not in OWN_MODELS:  # build_model's first refusal: a small variant has no hub weights
+        check_hub_variant(model_cfg.name)
+    with torch.random.fork_rng(devices=[]):  # the CPU's generator: a model's init draws from it
+        try:
+            with torch.device("meta"):
+                return build_model(unloaded)
+        except Exception:  # noqa: BLE001 - the build's refusal, or the meta device's: told apart by the CPU's
+            with torch.device("cpu"):
+                return build_model(unloaded)
 
 
 def meta_model(model_cfg) -> Optional[nn.Module]:

@@ -366,36 +366,13 @@ def check_regularizers(cfg, model) -> None:
 
 
 def check_model(model_cfg):
-    """The model train.py's build_model builds of `model_cfg`, built on the meta device (no weights: 0.03 s for the
-    demo's ViT, 0.15 s for Swin-T on a 2-core CPU), so that what it refuses (model.name, model.kwargs the constructor
-    rejects: model.kwargs.dpeth=3, model.img_size not a multiple of the patch size) is refused in its own words
-    before the first run trains. No weights are read: model.pretrained=hub is checked for a variant without hub
-    weights (build_model's first refusal), a local file is the run's (--run: refuse_missing_input_files). The random
-    number generator and the default device are left as they were. A build the meta device cannot make (an
-    operation without meta kernels in a model's constructor) is made on the CPU, so that only the build's own
-    refusal refuses. Returns the model; raises ConfigError (imports timm and torch)."""
-    import dataclasses
+    """The model train.py builds of `model_cfg`, built on the meta device (train.check_model), so that what it refuses
+    is refused in its own words before the first run trains. Raises ConfigError (imports timm and torch)."""
+    from models import ModelError
+    from train import check_model as build
 
-    import torch
-
-    from models import build_model
-    from models.factory import OWN_MODELS, ModelError
-    from models.gpt import GPT_SIZES
-    from models.hub import check_hub_variant
-
-    hub = model_cfg.pretrained == "hub"
-    # GPT-2's builder refuses hub weights before it loads anything; a timm model with them would fetch them
-    unloaded = dataclasses.replace(model_cfg, pretrained="hub" if hub and model_cfg.name in GPT_SIZES else "")
     try:
-        if hub and model_cfg.name not in OWN_MODELS:  # build_model's first refusal: a small variant has no hub weights
-            check_hub_variant(model_cfg.name)
-        with torch.random.fork_rng(devices=[]):  # the CPU's generator: a model's init draws from it
-            try:
-                with torch.device("meta"):
-                    return build_model(unloaded)
-            except Exception:  # noqa: BLE001 - the build's refusal, or the meta device's: told apart by the CPU's
-                with torch.device("cpu"):
-                    return build_model(unloaded)
+        return build(model_cfg)
     except ModelError as e:
         raise ConfigError(str(e)) from None
 

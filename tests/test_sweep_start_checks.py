@@ -114,13 +114,11 @@ def test_the_meta_build_is_the_models_build_and_leaves_the_generator_and_the_def
 
 def test_a_build_the_meta_device_cannot_make_is_made_on_the_cpu_not_refused(monkeypatch):
     """A constructor with an operation without meta kernels (.item() of a tensor it made) fails only on meta."""
-    import models
-
     def meta_shy(cfg):
         torch.zeros(1).item()  # raises on the meta device
         return build_model(cfg)
 
-    monkeypatch.setattr(models, "build_model", meta_shy)
+    monkeypatch.setattr(train, "build_model", meta_shy)  # the build of train.check_model, which the sweep's calls
     cfg = load_config([DEMO_CONFIG], [])
     model = sweep.check_model(cfg.model)
     assert all(p.device.type == "cpu" for p in model.parameters())
