@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -169,9 +171,13 @@ def test_zero_redundancy_optimizer_under_ddp_matches_the_reference():
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, strategy="ddp", logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         precision="64-true", callbacks=[ColinearityDecayCallback(lam=LAM)])
+    # Lightning leaves its process group up, which a later test's init_process_group would meet, and its launch
+    # variables (LOCAL_RANK, MASTER_ADDR, MASTER_PORT, NODE_RANK) set, which made a later transformers Trainer
+    # (accelerate's state) start a process group of its own, met by test_cd_integration_mmengine's DDP tests
     try:
-        trainer.fit(module, image_loader(8))
-    finally:  # Lightning leaves its process group up, which a later test's init_process_group would meet
+        with mock.patch.dict(os.environ):
+            trainer.fit(module, image_loader(8))
+    finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     check(initial, module, 3, 1, variants=("before_backward", "after_step", "first_group_lr"))
