@@ -20,7 +20,8 @@ from engine.checkpoint import load_checkpoint
 from engine.metrics import MetricLogger
 
 CADENCES = ("train.eval_every_steps=3", "train.ckpt_every_steps=2")
-TIMINGS = ("per_s", "data_wait", "mem", "seconds")  # measured, not computed: differ between any two runs
+# measured, not computed: differ between any two runs; epoch/first_in_process says which job began the epoch
+TIMINGS = ("per_s", "data_wait", "mem", "seconds", "first_in_process")
 
 
 def records(out_dir: str) -> list:
