@@ -321,16 +321,29 @@ def test_the_training_method_is_read_from_the_config_a_checkpoint_keeps(mmdet_re
     text = (f"custom_imports = dict(imports=['a_module_not_installed_here'], allow_failed_imports=False)\n"
             f"custom_hooks = {hooks}\ncd_budget = 'applied: 0.05 - lam 0.005 = 0.045'\n")  # as the dump records it
     assert training_method({"cfg": text}) == method
-    if method.startswith("CD"):  # without the budget rule (cd_budget=False, or none): another weight decay
+    if method.startswith("CD"):  # without the budget rule (cd_budget=False): another weight decay
         no_budget = method[:-1] + ", no budget)" if "(" in method.split("+")[0] else method.replace(
             "CD", "CD (no budget)", 1)
         assert training_method({"cfg": text.replace("cd_budget = 'applied", "cd_budget = False  # '")}) == no_budget
-        assert training_method({"cfg": text[:text.index("cd_budget")]}) == no_budget
+        # no cd_budget at all: a config from before the key (the budget in its weight decay) says nothing of it
+        assert training_method({"cfg": text[:text.index("cd_budget")]}) == method
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
     assert training_method({"cfg": "not python ("}) is None and training_method({}) is None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cd_checkpoint_from_before_cd_budget_existed_keeps_its_plain_label(mmdet_ready):
+    """configs/detection/method/cd.py set the budgeted weight decay itself (0.045) before its cd_budget key existed:
+    a checkpoint of then keeps no cd_budget, and its result is the same method as a later run's "CD", not one
+    "without the budget rule" (its circles and rows would be split from the runs they belong with)."""
+    from engine.detection import training_method
+    old_fragment = ("custom_imports = dict(imports=['cd.integrations.mmengine'], allow_failed_imports=False)\n"
+                    "custom_hooks = [dict(type='ColinearityDecayHook', lam=0.005)]\n"
+                    "optim_wrapper = dict(optimizer=dict(type='AdamW', lr=1e-4, weight_decay=0.045))\n")
+    assert training_method({"cfg": old_fragment}) == "CD"
+    assert training_method({"cfg": old_fragment.replace("lam=0.005", "lam=0.01")}) == "CD (lam 0.01)"
 
 
 def _categories_copy(sample, tmp_path, names):

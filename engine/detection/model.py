@@ -219,15 +219,18 @@ def training_method(meta: dict) -> Optional[str]:
         except Exception:  # noqa: BLE001 - MMEngine executes the text: any failure means "not known"
             return None
     hooks = [hook for hook in hooks if isinstance(hook, dict) and not decays_nothing(hook)]
-    return "+".join(method_label(hook, cfg.get("cd_budget", False)) for hook in hooks
+    # no cd_budget key: written before it existed, when configs/detection/method/cd.py set the budgeted weight decay
+    # itself (0.045), so nothing is said of the budget (None), as the label before it read
+    return "+".join(method_label(hook, cfg.get("cd_budget")) for hook in hooks
                     if type_name(hook.get("type")) in METHOD_HOOKS) or "Baseline"  # mmdet.X too
 
 
 def method_label(hook: dict, budget) -> str:
     """The method of the custom_hooks entry `hook` (a METHOD_HOOKS type) with the settings that differ from
     configs/detection/method/*.py (LABELLED_SETTING; a CD hook's lam_per_role, and "no budget" where the
-    config's `budget` (its cd_budget) left the weight decay as given), e.g. "CD (lam 0.01)": without them two runs
-    of a strength sweep were one method, drawn in one colour at one place of Fig. 1."""
+    config's `budget` (its cd_budget) is False, the weight decay left as given; None, no cd_budget, says nothing),
+    e.g. "CD (lam 0.01)": without them two runs of a strength sweep were one method, drawn in one colour at one
+    place of Fig. 1."""
     def shown(value) -> str:  # a number as result_table.method_name writes it; anything else as it is
         return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
@@ -239,7 +242,7 @@ def method_label(hook: dict, budget) -> str:
         per_role = hook.get("lam_per_role") or {}
         notes += [f"{role} {shown(lam)}" for role, lam in sorted(per_role.items(), key=lambda item: str(item[0]))] \
             if isinstance(per_role, dict) else []
-        notes += [] if budget else ["no budget"]
+        notes += ["no budget"] if budget is False else []
     return f"{METHOD_HOOKS[kind]} ({', '.join(notes)})" if notes else METHOD_HOOKS[kind]
 
 
