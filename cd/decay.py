@@ -318,16 +318,18 @@ def config_change(saved: Mapping[str, Any], now: Mapping[str, Any]) -> Optional[
     def shown(config: Mapping[str, Any]) -> dict:
         return {k: v for k, v in config.items() if k != "decayed"}
 
-    text = f"ColinearityDecay: resuming with a different CD config: saved {shown(saved)}, now {shown(now)}"
+    text = "ColinearityDecay: resuming with a different CD config: "
+    # settings shown only where they differ: a state dict of another model has the same ones twice
+    differ = [f"saved {shown(saved)}, now {shown(now)}"] if shown(saved) != shown(now) else []
     old, new = list(saved.get("decayed", [])), list(now.get("decayed", []))
     if old != new:
-        text += f"; decayed matrices: {len(old)} saved, {len(new)} now"
+        differ.append(f"decayed matrices: {len(old)} saved, {len(new)} now")
         only_now, only_saved = [n for n in new if n not in set(old)], [n for n in old if n not in set(new)]
         if only_now:
-            text += f" ({len(only_now)} only now, e.g. {only_now[0]})"
+            differ[-1] += f" ({len(only_now)} only now, e.g. {only_now[0]})"
         if only_saved:
-            text += f" ({len(only_saved)} only saved, e.g. {only_saved[0]})"
-    return text
+            differ[-1] += f" ({len(only_saved)} only saved, e.g. {only_saved[0]})"
+    return text + "; ".join(differ)
 
 
 # the keys `ColinearityDecay.state_dict` writes; `steps` only since it was kept (a state saved before has none), and

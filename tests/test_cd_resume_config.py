@@ -62,3 +62,13 @@ def test_the_same_config_and_an_older_state_dict_without_the_new_keys_load_silen
     older = {"num_updates": 3, "config": {k: v for k, v in state["config"].items()
                                           if k not in ("matmul_precision", "decayed")}}
     assert _warnings(decay, older) == [] and decay.num_updates == 3
+
+
+def test_a_state_dict_of_another_model_names_the_decayed_matrices_not_two_equal_settings():
+    """The same settings on a model with other blocks: the warning says what differs (the decayed matrices), not
+    'saved {...}, now {...}' with the same settings twice."""
+    model = _model()
+    state = ColinearityDecay(model, example_input=_X, layouts=[MINE]).state_dict()
+    now = ColinearityDecay(model, example_input=_X, layouts=[MINE, *LAYOUTS])
+    assert _warnings(now, state) == ["ColinearityDecay: resuming with a different CD config: decayed matrices: "
+                                     "4 saved, 8 now (4 only now, e.g. 1.attn.qkv.weight)"]
