@@ -99,5 +99,8 @@ def test_the_session_script_times_the_doc_states_are_its_defaults():
     stages = " + ".join(figures.groups()[1:])
     assert f"(below; budgets {stages} s, at most {figures[1]} s)" in prose, stages
     assert f"then its pytest stage (at most {pytest_budget} s)" in prose
-    for text in (read(os.path.join(ROOT, "docs", "measurements.md")), read(SWEEP)):
-        assert f"in one command sized to end within {limit} s" in " ".join(text.replace("#", "").split())
+    measurements = " ".join(read(os.path.join(ROOT, "docs", "measurements.md")).split())
+    assert f"in one command sized to end within {limit} s" in measurements
+    # a config's comment names the script's setting, not its figure: a number of seconds there is a measurement's
+    # (test_doc_figures), which a limit is not
+    assert "in one command sized to end within its LIMIT" in " ".join(read(SWEEP).replace("#", "").split())
