@@ -278,16 +278,22 @@ def test_a_second_config_change_at_the_same_step_keeps_both_earlier_configs(debu
 def test_a_failed_start_does_not_block_the_corrected_command(tmp_path, typo):
     """The failed start is a process of its own, which ends as a real one does (its lock dropped by the
     kernel); the corrected command runs in this process (train.main: a second process would import torch
-    again, seconds)."""
+    again, seconds). A model name the build refuses is refused before out_dir is made (train.check_model_builds);
+    a data set found missing only once the folder is held leaves its train.log, which the corrected start
+    archives."""
     out = str(tmp_path / "run")
     extra = ["data.root=/nonexistent/datasets"] if typo.startswith("data") else []
     code, lines = cli("train.py", "--config", DEBUG_CONFIG, f"out_dir={out}", typo, *extra)
     assert code == 1 and lines[-1].startswith("error: "), lines[-3:]
-    assert "train.log" in os.listdir(out)
+    refused_early = typo.startswith("model")
+    assert not os.path.exists(out) if refused_early else "train.log" in os.listdir(out)
     assert train.main(train.parse_args(["--config", DEBUG_CONFIG, f"out_dir={out}",
                                         "train.max_steps=1"])).state.step == 1
-    archived = os.listdir(os.path.join(out, "archive"))
-    assert len(archived) == 1 and os.listdir(os.path.join(out, "archive", archived[0])) == ["train.log"]
+    if refused_early:
+        assert "archive" not in os.listdir(out)
+    else:
+        archived = os.listdir(os.path.join(out, "archive"))
+        assert len(archived) == 1 and os.listdir(os.path.join(out, "archive", archived[0])) == ["train.log"]
 
 
 def test_the_num_classes_advice_of_evaluate_never_contradicts_the_weights(tmp_path):
