@@ -222,7 +222,9 @@ class RTNOptions(FloatEndsOptions):
     """Round-to-nearest weight-only quantization on GPTQ's grid (IST-DASLab/gptq `--nearest`)."""
 
     symmetric: bool = False  # GPTQ's --sym: range [-max|w|, max|w|] with the fixed zero point 2^(b-1)
-    group_size: Annotated[Optional[int], AtLeastOne] = None  # None: one range per output channel (--groupsize -1)
+    # None: one range per output channel (gptq's --groupsize -1); the official rtn (--nearest) has no other: it
+    # ignores --groupsize
+    group_size: Annotated[Optional[int], AtLeastOne] = None
 
 
 @dataclass

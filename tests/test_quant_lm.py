@@ -718,3 +718,16 @@ def test_gptq_refuses_a_grouped_conv_by_name_before_any_work():
     rtn, _ = PIPELINES["rtn"](model, x, "w4a16")
     w = model.blocks[0].mlp.fc2.weight
     torch.testing.assert_close(rtn.blocks[0].mlp.fc2.quantized_weight(), naive_round(w.flatten(1), 4).view_as(w))
+
+
+def test_the_readme_says_rtn_groups_are_no_setting_of_the_official_nearest_rtn():
+    # IST-DASLab/gptq opt.py's `--nearest` branch fits Quantizer.find_params on the whole weight: one range per row
+    # whatever --groupsize says, so quant.rtn.group_size has no official counterpart and the README must not name
+    # --groupsize as its source without saying so
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "quant" / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if re.match(r"\| rtn(, gptq)? \| `group_size`", line))
+    assert "--nearest" in row and "ignores" in row
+    assert "rtn.group_size" in re.sub(r"\s+", " ", readme.split("* **rtn**", 1)[1].split("\n* **", 1)[0])
