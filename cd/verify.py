@@ -10,7 +10,8 @@ from:
   that W2 diag(g) is exactly the composed map. A res-post-norm block (Swin V2: `norm1` applied to the
   attention output) fails here: its qkv input never went through `norm1`.
 - functional pair (W1, W2): every input of W2's layer depends on the output of W1's layer of the same
-  forward, i.e. W1 runs first and feeds W2 through the branch's attention mixing or activation.
+  forward, i.e. W1 runs first and feeds W2 through the branch's attention mixing or activation. For an MLP pair
+  (fc1 -> fc2) no norm module inside the MLP may stand between them (`_hook_mlp_norms`: a sub-LN, an RMSNorm).
 - storage: each matrix of a pair is multiplied as the storage CD reads it with says (`Pair.transposed`,
   `Pair.upstream_transposed`): one stored (out, in) is contracted over its second axis (`F.linear(x, W)`,
   `x @ W.T`), one stored (in, out) over its first (`x @ W`, Conv1D's addmm). The mode follows the two axes of
@@ -102,6 +103,9 @@ class _Provenance(TorchDispatchMode):
         # composable pair index -> bad uses whose operand depends on the norm's output all the same (its scale
         # reached W2's input through another computation than x_hat * weight: (1 + weight), a further factor)
         self.computed: dict[int, int] = {}
+        # MLP pair index -> the norm (name, type) found between its fc1 and fc2 (`_hook_mlp_norms`)
+        self.normed: dict[int, tuple[str, str]] = {}
+        self.norm_of: dict[str, tuple[str, str]] = {}  # 'norm:<k>' label -> the norm module that set it
         self._keep: list[Tensor] = []  # keeps labelled tensors alive, so that ids are not reused
         # a 2-D parameter and its moves: id -> positions of the stored matrix's first and second axes
         self.axes: dict[int, tuple[int, int]] = {}
@@ -168,6 +172,9 @@ class _Provenance(TorchDispatchMode):
                     others = [t for t, m in zip(ins, moved_in) if f"p:{name}" not in m]
                     table = self.moved if composable else self.dep
                     self.uses[k] = self.uses.get(k, 0) + 1
+                    normed = f"norm:{k}"
+                    if not composable and any(normed in self.dep.get(id(t), frozenset()) for t in others):
+                        self.normed.setdefault(k, self.norm_of[normed])
                     if not any(str(k) in table.get(id(t), frozenset()) for t in others):
                         self.bad[k] = self.bad.get(k, 0) + 1
                         if composable and any(str(k) in self.dep.get(id(t), frozenset()) for t in others):
@@ -354,6 +361,7 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         sinks.setdefault(p.name, []).append((k, p.kind == "composable"))
     mode = _Provenance(sources, sinks)
     meta = _meta_slots(root, mode)
+    hooks = _hook_mlp_norms(root, pairs, mode)
     try:
         with torch.no_grad(), mode:
             torch.func.functional_call(root, meta, args, kwargs, tie_weights=False)
@@ -362,6 +370,9 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
             f"cannot check the CD pairs of {type(root).__name__}: its forward pass on the meta device failed "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); pass example_input= of the "
             f"right shape{_ids_hint(root, example)}, or verify=False to trust the structure alone") from e
+    finally:
+        for hook in hooks:
+            hook.remove()
     failures = []
     for k, p in enumerate(pairs):
         where = f"block '{p.block}' ({block_types.get(p.block, '?')}): the {p.role} pair"
@@ -383,10 +394,52 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
                             "and post-norm blocks, where the norm follows the layer, are refused)")
         elif k in mode.bad:
             failures.append(f"{where}: the input of {p.name} does not come from {p.upstream_name}")
+        elif k in mode.normed:
+            norm, kind = mode.normed[k]
+            failures.append(f"{where}: the norm {norm} ({kind}) normalizes {p.upstream_name.removesuffix('.weight')}"
+                            f"'s output before {p.name.removesuffix('.weight')} reads it (a norm over the hidden "
+                            "channels, a sub-LN), so W_F2 reads W_F1 through a per-token scaling and W_F2 W_F1 (paper "
+                            "Eq. (8)) is not its path; pass verify=False to pair them unchecked (beyond the paper), "
+                            "or train this model without CD")
     if failures:
         raise UnsupportedModelError(f"{type(root).__name__} is not supported by CD: {failures[0]}"
                                     + (f" (and {len(failures) - 1} more)" if len(failures) > 1 else "")
                                     + _adapter_hint(root))
+
+
+def _normalizes_channels(module: nn.Module) -> bool:
+    """A leaf module that is a norm over its input's channels by its type's name (torch's LayerNorm, RMSNorm,
+    GroupNorm, timm's and transformers' norms); a batch or instance norm keeps each channel apart."""
+    kind = type(module).__name__.lower()
+    return ("norm" in kind and "batchnorm" not in kind and "instancenorm" not in kind
+            and next(module.children(), None) is None)
+
+
+def _hook_mlp_norms(root: nn.Module, pairs: Sequence, mode: _Provenance) -> list:
+    """Forward hooks on the norms inside each MLP (fc1 -> fc2 pair: the module holding fc2's layer, less the block's
+    own norms) that label a norm's output 'norm:<k>' when its input comes from fc1's output of pair k: fc2 reading
+    that label reads fc1 through the norm. An RMSNorm maps the channels the values check sets to zero to zeros
+    (`cd/values.py`), so only the structure tells it; a norm of the MLP after fc2 gives fc2 nothing."""
+    block_norms = {p.upstream_name.rpartition(".")[0] for p in pairs if p.kind == "composable"}
+    mlps: dict[str, list[int]] = {}
+    for k, p in enumerate(pairs):
+        if p.kind == "functional" and p.role != "proj":  # fused qkv's label is on Q and K too: QK-norms read it
+            mlps.setdefault(p.name.rpartition(".")[0].rpartition(".")[0], []).append(k)
+    hooks = []
+    for name, module in root.named_modules():
+        ks = [k for mlp, found in mlps.items() if name.startswith(f"{mlp}.") for k in found]
+        if not ks or name in block_norms or not _normalizes_channels(module):
+            continue
+
+        def label(module: nn.Module, args: tuple, out: object, name: str = name, ks: list[int] = ks) -> None:
+            x = args[0] if args else None
+            came = mode.dep.get(id(x), frozenset()) if isinstance(x, Tensor) else frozenset()
+            for k in ks:
+                if str(k) in came and isinstance(out, Tensor):
+                    mode.norm_of[f"norm:{k}"] = (name, type(module).__name__)
+                    mode.mark(out, frozenset(), frozenset({f"norm:{k}"}))
+        hooks.append(module.register_forward_hook(label))
+    return hooks
 
 
 def _misread(reads: dict[str, set[bool]], p) -> str:

@@ -31,6 +31,10 @@ class _Mlp(nn.Module):
         self.act = nn.Sigmoid() if inner == "sigmoid" else nn.GELU()
         if inner == "sub_ln":
             self.ffn_layernorm = nn.LayerNorm(HIDDEN)
+        elif inner == "sub_rms":  # maps zeros to zeros, as act(0) = 0 does: the zeroed channels read alike
+            self.ffn_rmsnorm = nn.RMSNorm(HIDDEN)
+        elif inner == "out_ln":  # after fc2: the pair's path is untouched
+            self.out_norm = nn.LayerNorm(D)
         elif inner == "linear":
             self.mid = nn.Linear(HIDDEN, HIDDEN)
         elif inner == "scale":
@@ -43,6 +47,8 @@ class _Mlp(nn.Module):
         h = self.act(self.fc1(x))
         if self.inner == "sub_ln":
             h = self.ffn_layernorm(h)
+        elif self.inner == "sub_rms":
+            h = self.ffn_rmsnorm(h)
         elif self.inner == "linear":
             h = self.mid(h)
         elif self.inner == "perm":
@@ -51,7 +57,7 @@ class _Mlp(nn.Module):
             h = h * self.gamma
         elif self.inner == "dwconv":
             h = self.dwconv(h.transpose(1, 2)).transpose(1, 2)
-        return self.fc2(h)
+        return self.out_norm(self.fc2(h)) if self.inner == "out_ln" else self.fc2(h)
 
 
 class _Attn(nn.Module):
@@ -108,19 +114,31 @@ class _Net(nn.Module):
         return self.blocks(self.embed(x))
 
 
-@pytest.mark.parametrize("inner", ["none", "sigmoid", "scale", "dwconv"])
+@pytest.mark.parametrize("inner", ["none", "sigmoid", "scale", "dwconv", "out_ln"])
 def test_an_mlp_that_keeps_each_hidden_channel_apart_is_paired(inner):
     pairs = find_pairs(_Net(inner=inner))
     assert [(p.role, p.upstream_name) for p in pairs if p.block == "blocks.1" and p.role == "fc2"] == \
         [("fc2", "blocks.1.mlp.fc1.weight")]
 
 
-@pytest.mark.parametrize("inner", ["sub_ln", "linear", "perm"])
+@pytest.mark.parametrize("inner", ["linear", "perm"])
 def test_an_mlp_that_mixes_or_reorders_fc1s_channels_before_fc2_is_refused(inner):
     with pytest.raises(UnsupportedModelError) as refused:
         find_pairs(_Net(inner=inner))
     said = str(refused.value)
     assert "block 'blocks.1'" in said and "blocks.1.mlp.fc2" in said and "vary from token to token" in said
+    assert "verify=False" in said
+
+
+@pytest.mark.parametrize("inner, norm", [("sub_ln", "ffn_layernorm"), ("sub_rms", "ffn_rmsnorm")])
+def test_a_norm_over_the_hidden_channels_is_refused_by_name_an_rms_norm_too(inner, norm):
+    """A norm between fc1 and fc2 divides each token's hidden channels by their RMS (a LayerNorm centres them too):
+    fc2 reads diag(g) act(W_F1 x) / rms, not act(W_F1 x). An RMSNorm maps the zeroed channels to zeros in every
+    token, as act(0) does, so the check on values cannot see it; the norm is named from the structure."""
+    with pytest.raises(UnsupportedModelError) as refused:
+        find_pairs(_Net(inner=inner))
+    said = str(refused.value)
+    assert "block 'blocks.1'" in said and f"blocks.1.mlp.{norm}" in said and "blocks.1.mlp.fc2" in said
     assert "verify=False" in said
 
 
