@@ -218,15 +218,35 @@ def comparable_settings(settings: Optional[dict], pipeline: str, detector: bool 
     without the options unread under its own (`read_options`, by a `detector`'s rules for an entry of
     evaluate_detection.py; entries written before evaluate.py left them out hold them, maybe with another value than
     the default a command now records), and, given the entry's `bits` (its key, e.g. "w4a8"), without the options
-    the pipeline does not read at those bits (`unread_at_bits`: APHQ's round_zero_point at a_bits != w_bits)."""
+    the pipeline does not read at those bits (`unread_at_bits`: APHQ's round_zero_point at a_bits != w_bits) and with
+    a null stem / head bit-width as the one of `bits` it ran at (`first_last_at_bits`)."""
     plain = as_stored(settings or {})
     if detector:  # the options it records, and the defaults it ran the others at
         plain["options"] = detector_entry_options(pipeline, plain)
     if isinstance(plain.get("options"), dict):
         skipped = {*NEUTRAL_OPTIONS.get(pipeline, ()), *unread_at_bits(pipeline, bits)}
-        options = read_options(pipeline, plain["options"], detector, plain.get("world_size"))
+        options = first_last_at_bits(read_options(pipeline, plain["options"], detector, plain.get("world_size")), bits)
         plain["options"] = {k: v for k, v in options.items() if k not in skipped}
     return plain
+
+
+# a stem / head bit-width option and the main bit-width its null follows (configs.quant.FirstLastOptions.resolved)
+FIRST_LAST_BITS = {"stem_w_bits": "w", "stem_a_bits": "a", "head_w_bits": "w", "head_a_bits": "a"}
+
+
+def first_last_at_bits(options: dict, bits: Optional[str]) -> dict:
+    """`options` with each null stem / head bit-width replaced by the main bit-width of `bits` it ran at: a null
+    head_w_bits at w4a4 and head_w_bits=4 quantize the head alike (quant.first_last=w8a8 at w8a8 runs what the null
+    ones run). As they are without bits, or with a key that names no bit-width (a hand-edited one)."""
+    from quant import parse_bits  # here: the quantization package imports engine modules
+    if bits is None:
+        return options
+    try:
+        parsed = parse_bits(bits)
+    except (ValueError, TypeError):
+        return options
+    return {k: getattr(parsed, FIRST_LAST_BITS[k]) if k in FIRST_LAST_BITS and v is None else v
+            for k, v in options.items()}
 
 
 def unread_at_bits(pipeline: str, bits: Optional[str]) -> set[str]:

@@ -29,8 +29,8 @@ from data.text import scored_val_windows
 from quant import PIPELINES, bits_order
 from quant.plan import pipeline_options
 
-from .eval_results import (NEUTRAL_OPTIONS, as_stored, extra_modules, first_difference, read_options, recipe_difference,
-                           repeated_weights, unread_at_bits)
+from .eval_results import (NEUTRAL_OPTIONS, as_stored, extra_modules, first_difference, first_last_at_bits,
+                           read_options, recipe_difference, repeated_weights, unread_at_bits)
 from .quant_settings import quant_settings
 from .tasks import capped_cell
 from .train_seeds import repeated_seed, unrecorded_seed_note
@@ -285,7 +285,8 @@ def nondefault_settings(pipeline: str, settings: Optional[dict], bits: Optional[
     # every default option, also those the defaults leave unread (the MLP reconstruction's, read where it is on)
     base = pipeline_options(Config(), pipeline)
     ranks = settings.get("world_size")  # GPLQ's: its default lr is that of its global batch
-    options = read_options(pipeline, settings.get("options") or {}, ranks=ranks)
+    # a null stem / head bit-width as the main one of `bits` it ran at, in the entry and the defaults alike
+    options = first_last_at_bits(read_options(pipeline, settings.get("options") or {}, ranks=ranks), bits)
     # an option whose null means a default is recorded as the value used (quant_settings: percentile's levels, GPLQ's
     # lr), which depends on the entry's other options (weight_range=percentile's one level, GPLQ's batch and, for
     # scale_lr, its lr): compared with the value its default's null takes beside the entry's own other options, so
@@ -294,7 +295,7 @@ def nondefault_settings(pipeline: str, settings: Optional[dict], bits: Optional[
     resolved = {k: getattr(PIPELINES[pipeline].recorded_options(
         dataclasses.replace(base, **{**own, k: None}), ranks if ranks is not None else 1), k)
         for k, v in dataclasses.asdict(base).items() if v is None and own.get(k) is not None}  # a null: as the base
-    defaults["options"] = as_stored({**dataclasses.asdict(base), **resolved})
+    defaults["options"] = as_stored(first_last_at_bits({**dataclasses.asdict(base), **resolved}, bits))
     names = {"images": "quant.calib_images", "seed": "quant.calib_seed", "transform": "quant.calib_transform"}
     found, unread = [], unread_at_bits(pipeline, bits)
     # the options read under the entry's own (an older entry holds unread ones, at whatever value it was given)
