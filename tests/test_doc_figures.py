@@ -35,6 +35,18 @@ def test_a_timing_in_a_configs_comment_is_a_measurement_row_that_it_names():
     assert not unbacked, unbacked
 
 
+def test_a_timing_in_the_config_help_is_a_measurement_row_that_it_names():
+    """`train.py --help-config` prints the schema's comments: a timing there (what a setting costs) names the commit
+    of its docs/measurements.md row, as a config file's comment does, and that row has the figure."""
+    from configs.cli import config_help
+
+    rows, text = measurement_rows(), " ".join(config_help("").split())
+    named = [row for commit in re.findall(r"\b[0-9a-f]{7,40}\b", text) for row in rows.get(commit, [])]
+    unbacked = [f"{number} {unit}" for number, unit in TIMING.findall(text)
+                if not any(re.search(rf"(?<![\d.]){re.escape(number)} ?{unit}\b", row) for row in named)]
+    assert not unbacked, unbacked
+
+
 def results_table(text: str) -> dict[str, list[str]]:
     """method -> its cells in the first results table of docs/mini_reproduction.md."""
     table = text[text.index("## Results"):]
