@@ -313,6 +313,12 @@ def apply_overrides(cfg: Config, overrides: Iterable[str], rules: Optional[Seque
             if e.key != key.strip():  # an item of a list or of a section given as a mapping: not the override's text
                 raise
             raise ConfigError(e.on_command_line(raw)) from None
+        except RefusedValueError as e:
+            if value is None and raw.strip() == "~" and e.key == key.strip():
+                # YAML's null sign, where a path key (out_dir=~) means the home folder: only quoted is it text
+                raise ConfigError(f"override {item!r}: YAML reads '~' as null, not as the text '~' (a path key's home "
+                                  f"folder); quote it ({key.strip()}='~', inside the shell's quotes)") from None
+            raise
         given.update(dotted_settings(key.strip(), value, cfg))
         for setting in override_settings(key.strip(), value, cfg):
             # as a key twice in a YAML file: the later item would replace the earlier one without a word

@@ -2,6 +2,7 @@
 block scalars with no lines (the empty string, which train.py replaces by runs/<recipe>), `data.val_split=2012` a
 number, `out_dir=2024-01-31` a date, `log.wandb_project=on` a boolean. Each is refused with one line that names the
 override and says how to quote it, and the quoted override it suggests gives the field that text."""
+import os
 import re
 
 import pytest
@@ -66,3 +67,12 @@ def test_a_number_in_a_config_file_for_a_text_field_is_refused_with_the_quoted_t
 def test_a_number_for_a_number_field_and_null_for_a_text_field_get_no_advice_to_quote():
     assert "quote" not in refusal(["optim.lr=abc"])
     assert "quote" not in refusal(["out_dir=null"])
+
+
+def test_a_bare_tilde_for_a_path_is_refused_with_the_quoted_form_that_reads_as_the_home_folder():
+    """YAML reads `~` as null: `out_dir=~` (the README: a path key's leading ~ is the home folder) was refused as
+    'expects ..., got None' without saying why or how to give the home folder."""
+    message = refusal(["out_dir=~"])
+    assert message.startswith("override 'out_dir=~': ") and "null" in message, message
+    assert load_config([DEBUG_CONFIG], [suggested(message, "out_dir")]).out_dir == os.path.expanduser("~")
+    assert "quote" not in refusal(["out_dir=null"])  # null written as such: the type error alone
