@@ -147,10 +147,26 @@ def move_overrides(args: argparse.Namespace, *flags: str) -> None:
             setattr(args, flag, [v for v in values if "=" not in v])
 
 
+def repeated(values: list) -> list:
+    """The items that `values` holds more than once, each once, sorted."""
+    return sorted({v for v in values if values.count(v) > 1})
+
+
+def refuse_repeats(parser: argparse.ArgumentParser, *flags: tuple[str, Optional[list]]) -> None:
+    """parser.error, `argument FLAG: X given twice; give each value once`, for the first (flag, values) of a
+    list flag (nargs "+" / "*") whose values repeat one (values None: the flag was not given). Each value of
+    such a flag is one run, row or measurement of a script: a repeat timed or measured it again and printed its
+    row twice (or kept only the last under its key)."""
+    for flag, values in flags:
+        twice = repeated(values or [])
+        if twice:
+            parser.error(f"argument {flag}: {', '.join(map(str, twice))} given twice; give each value once")
+
+
 def named_twice(what: str, values: list) -> Optional[str]:
     """'<what> names X twice: give each once' for a list of pipelines or bit-widths that repeats one (each
     would run twice, the first result moved to the JSON's history), or None."""
-    twice = sorted({v for v in values if values.count(v) > 1})
+    twice = repeated(values)
     return f"{what} names {', '.join(twice)} twice: give each once" if twice else None
 
 

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from cd import ColinearityDecay  # noqa: E402
 from cd.integrations import NORMS_EVERY  # noqa: E402
-from configs.cli import OneLineParser, at_least, first_line  # noqa: E402
+from configs.cli import OneLineParser, at_least, first_line, refuse_repeats  # noqa: E402
 
 LAM = 0.005
 
@@ -242,10 +242,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=at_least(1), default=1,
                         help="torch threads (1: on a busy 2-core VM two OpenMP threads made step times swing 10x)")
     args = parser.parse_args(argv)
-    for flag, values in (("--frameworks", args.frameworks), ("--norms-every", args.norms_every)):
-        twice = sorted({v for v in values or [] if values.count(v) > 1}, key=str)
-        if twice:  # one row per value: a repeat timed it again and printed a second row for it
-            parser.error(f"argument {flag}: {', '.join(map(str, twice))} given twice; give each value once")
+    # one row per value: a repeat timed it again and printed a second row for it
+    refuse_repeats(parser, ("--frameworks", args.frameworks), ("--norms-every", args.norms_every))
     given = args.frameworks is not None
     args.frameworks = args.frameworks or list(RUNS)
     check_installed(parser, args.frameworks, given)

@@ -57,7 +57,7 @@ from cd.update import _products_in  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.outputs import save_figure, write_json  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
-from configs.cli import OneLineParser, at_least, first_line  # noqa: E402
+from configs.cli import OneLineParser, at_least, first_line, refuse_repeats  # noqa: E402
 from configs.schema import OptimConfig, TrainConfig  # noqa: E402
 from engine.optim import build_optimizer, use_fused  # noqa: E402
 
@@ -422,10 +422,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         if unused:
             parser.error(f"{unused[0]}: --apply-only times CD's update alone, without training steps, so "
                          f"{unused[0]} would change nothing; drop it (or --apply-only)")
-    for flag, values in (("--widths", args.widths), ("--batches", args.batches)):
-        twice = sorted({v for v in values or [] if values.count(v) > 1})
-        if twice:  # one configuration timed twice: two rows, of which the table printed the last alone
-            parser.error(f"argument {flag}: {', '.join(map(str, twice))} given twice; give each value once")
+    # one configuration timed twice: two rows, of which the table printed the last alone
+    refuse_repeats(parser, ("--widths", args.widths), ("--batches", args.batches))
     for width in args.widths or []:  # before the batch sweep's minutes: timm's AssertionError once built
         refusal = undivided_heads("--widths", width)
         if refusal:

@@ -35,7 +35,7 @@ from engine.loop import TrainBatches  # noqa: E402
 from quant import PIPELINES, PipelineData, parse_bits  # noqa: E402
 from engine import outputs  # noqa: E402
 from engine.run_dir import RunDirError, prepare_folder, refuse_existing_outputs  # noqa: E402
-from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
+from configs.cli import OneLineParser, at_least, refuse_repeats, torch_device  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for bench_env
 from bench_env import environment  # noqa: E402
 
@@ -153,9 +153,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default="", help="optional JSON path")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
-    twice = sorted({name for name in args.pipelines if args.pipelines.count(name) > 1})
-    if twice:  # timed again, a second line printed, and only the last timing kept under its key in --out
-        p.error(f"argument --pipelines: {', '.join(twice)} given twice; give each pipeline once")
+    # timed again, a second line printed, and only the last timing kept under its key in --out
+    refuse_repeats(p, ("--pipelines", args.pipelines))
     try:  # a usage error (status 2), as argparse's: 'w4' is no bit-width, not one a pipeline cannot do
         bits = parse_bits(args.bits)
     except ValueError as e:

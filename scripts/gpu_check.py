@@ -75,7 +75,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from configs.cli import OneLineParser, at_least  # noqa: E402
+from configs.cli import OneLineParser, at_least, refuse_repeats  # noqa: E402
 from engine import outputs  # noqa: E402
 from engine.run_dir import RunDirError, partial_writes_of, refuse_existing_outputs  # noqa: E402
 sys.path.insert(0, HERE)
@@ -436,9 +436,7 @@ def stage_budgets(p: argparse.ArgumentParser, args) -> dict[str, float]:
     """Each stage's budget: BUDGETS (SMOKE_BUDGETS) with the --budget items over them. Refused: a stage named
     twice in --stages, a budget of 0 s (a stage that could not start), two budgets for one stage (which one?),
     and a budget for a stage that --stages leaves out (it would be dropped without a word)."""
-    twice = sorted({s for s in args.stages if args.stages.count(s) > 1})
-    if twice:
-        p.error(f"--stages {' '.join(args.stages)}: {', '.join(twice)} given twice; name each stage once")
+    refuse_repeats(p, ("--stages", args.stages))
     budgets = dict(SMOKE_BUDGETS if args.smoke else BUDGETS)
     given: dict[str, str] = {}
     for item in args.budget:

@@ -49,7 +49,7 @@ from typing import Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 sys.path.insert(0, ROOT)
-from configs.cli import OneLineParser, at_least, move_overrides  # noqa: E402
+from configs.cli import OneLineParser, at_least, move_overrides, refuse_repeats  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
 from engine.outputs import save_figure, write_json  # noqa: E402
@@ -289,10 +289,8 @@ def main(argv: Optional[list[str]] = None, parents: tuple = ()) -> dict:
     # here: a relative --out given elsewhere was trained into under the root and then looked for here (a traceback
     # after the first run)
     args.out = os.path.abspath(args.out)
-    for flag, values in (("--batches", args.batches), ("--models", args.models), ("--methods", args.methods)):
-        twice = sorted({str(v) for v in values if values.count(v) > 1})
-        if twice:  # the same runs (one folder each) taken again: their row twice in the table and epochs.json
-            p.error(f"argument {flag}: {', '.join(twice)} given twice; give each value once")
+    # the same runs (one folder each) taken again: their row twice in the table and epochs.json
+    refuse_repeats(p, ("--batches", args.batches), ("--models", args.models), ("--methods", args.methods))
     if not args.batches and not args.models:  # a usage error (status 2), as argparse's: before any config is read
         p.error("--batches and --models are both empty: there is nothing to measure")
     refuse_protocol_keys(args.overrides)

@@ -28,7 +28,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cd import TWEO  # noqa: E402
 from cd.pairs import residual_stream  # noqa: E402
-from configs.cli import OneLineParser, at_least, first_line, torch_device  # noqa: E402
+from configs.cli import OneLineParser, at_least, first_line, refuse_repeats, torch_device  # noqa: E402
 from models.gpt import GPT_SIZES, build_gpt  # noqa: E402
 
 MODELS = ("vit_base_patch16_224", "swin_tiny_patch4_window7_224", "gpt2")
@@ -118,9 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none", help="autocast dtype")
     parser.add_argument("--device", type=torch_device, default="cpu")
     args = parser.parse_args(argv)
-    twice = sorted({name for name in args.model if args.model.count(name) > 1})
-    if twice:  # measured again, its figures printed twice
-        parser.error(f"argument --model: {', '.join(twice)} given twice; give each model once")
+    refuse_repeats(parser, ("--model", args.model))  # measured again, its figures printed twice
     gpts = [name for name in args.model if name in GPT_SIZES]
     if args.tokens is not None:  # checked before any model is built: a timm model's input size is its own
         if not gpts:

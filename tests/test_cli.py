@@ -473,6 +473,20 @@ def test_named_twice_names_each_repeated_item_once_and_passes_distinct_ones():
     assert named_twice("--pipelines", ["repq", "aphq"]) is None and named_twice("--bits", []) is None
 
 
+def test_refuse_repeats_names_the_first_flag_that_repeats_a_value_in_one_error_line(capsys):
+    """The benchmark scripts' check of their list flags: each repeated value named once, sorted; a flag not
+    given (None) or without repeats passes; the first flag that repeats is the one refused."""
+    from configs.cli import OneLineParser, refuse_repeats
+
+    parser = OneLineParser(prog="bench.py")
+    refuse_repeats(parser, ("--widths", [64, 128]), ("--batches", None), ("--models", []))
+    with pytest.raises(SystemExit) as refused:
+        refuse_repeats(parser, ("--methods", ["cd"]), ("--widths", [128, 64, 128, 64, 64]), ("--batches", [4, 4]))
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == ("error: bench.py: argument --widths: 64, 128 given twice; give each value "
+                                       "once; see bench.py --help\n")
+
+
 def test_a_device_flag_refuses_a_device_the_machine_lacks_in_one_line(monkeypatch, capsys):
     """torch_device, the --device type of the benchmark scripts: a torch.device for cpu, one `error:` line naming
     the flag for a device the machine lacks (cuda without a GPU) or no device at all (gpu)."""

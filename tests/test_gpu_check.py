@@ -190,7 +190,7 @@ def test_a_stage_keeps_each_figure_as_soon_as_it_is_measured(tmp_path, monkeypat
 
 @pytest.mark.parametrize("argv,named", [
     (["--budget", "pytest=0"], "--budget pytest=0: a stage's budget must be more than 0"),
-    (["--stages", "quant", "quant"], "--stages quant quant: quant given twice"),
+    (["--stages", "quant", "quant"], "argument --stages: quant given twice; give each value once"),
     (["--budget", "aphq_unit=30", "--stages", "pytest"], "--budget aphq_unit=30: aphq_unit is not among"),
     (["--budget", "quant=10", "--budget", "quant=20"], "--budget quant=10 and --budget quant=20: two budgets"),
     (["--total-budget", "4.5"], "argument --total-budget: 4.5: must be at least 5"),  # no stage would start
