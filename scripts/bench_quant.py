@@ -86,20 +86,32 @@ def random_pipeline_data(img_size: int, num_classes: int) -> PipelineData:
     return PipelineData(train_images=train_images, train_loader=train_loader, work_prefix=None)
 
 
+def timed(fn, device: torch.device) -> tuple:
+    """(fn(), its wall seconds). On CUDA the device is synchronized before the clock starts (kernels queued
+    earlier stay out) and before it stops (the kernels fn queued are in: CUDA calls return before they run)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    value = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return value, time.perf_counter() - start
+
+
 def timed_forward(model, x, device, repeats: int, warmup: int) -> float:
     """Median seconds of one forward pass over `repeats` timed passes."""
-    times = []
     with torch.no_grad():
-        for i in range(warmup + repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            model(x)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        times = [timed(lambda: model(x), device)[1] for _ in range(warmup + repeats)]
+    return statistics.median(times[warmup:])
+
+
+def calibrate(pipeline: str, model, calib: torch.Tensor, bits: str, size: int, device: torch.device) -> tuple:
+    """(the quantized model, the QUICK options it ran with or None, the seconds its calibration took): convert,
+    calibration on `calib` (on APHQ and GPLQ, on random images of their own) and fold, timed with `timed`."""
+    options = quick_options(pipeline, len(calib))
+    data = random_pipeline_data(size, 1000) if options is not None else None
+    (qmodel, _), seconds = timed(lambda: PIPELINES[pipeline](model, calib, bits, options, data=data), device)
+    return qmodel, options, seconds
 
 
 def vit_heads(embed_dim: int) -> int:
@@ -206,12 +218,8 @@ def main(argv=None) -> dict:
     except RunDirError as e:
         sys.exit(f"error: {e}")
     for pipeline in args.pipelines:
-        start = time.perf_counter()
-        options = quick_options(pipeline, args.calib)
+        qmodel, options, calibrate_s = calibrate(pipeline, model, calib, args.bits, size, device)
         quick = options is not None
-        qmodel, report = PIPELINES[pipeline](model, calib, args.bits, options,
-                                             data=random_pipeline_data(size, 1000) if quick else None)
-        calibrate_s = time.perf_counter() - start
         q = timed_forward(qmodel, x, device, args.repeats, args.warmup)
         result["pipelines"][pipeline] = {"calibrate_s": calibrate_s, "forward_s": q, "ratio_vs_fp": q / fp,
                                          **({"options": options} if quick else {})}

@@ -1,13 +1,16 @@
 """scripts/bench_quant.py refuses what it cannot time as asked with one `error:` line, before any timing: sizes of 0
 (dropped for the model's defaults), a model timm does not know or that is no ViT, an image size its patches do not
-divide, a thread count below 0; and its --out folder is made before the timings, not found missing after them."""
+divide, a thread count below 0; its --out folder is made before the timings, not found missing after them; and its
+calibration clock stops on finished CUDA work."""
 from __future__ import annotations
 
 import json
 import os
+import types
 
 import cd_models  # noqa: F401  (one torch thread)
 import pytest
+import torch
 
 import bench_quant
 
@@ -86,3 +89,18 @@ def test_a_pipeline_given_twice_is_a_usage_error_before_any_timing(capsys, monke
     code, lines = refusal([*SMALL[:-1], "percentile", "repq", "percentile"], capsys, monkeypatch)
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("error: ") and "argument --pipelines: percentile given twice" in lines[0], lines
+
+
+def test_the_calibration_clock_stops_on_finished_cuda_work(monkeypatch):
+    """calibrate_s stopped its clock when the pipeline's Python returned, with the kernels it had queued on the GPU
+    still to run (CUDA calls return before they run): the device is synchronized before the clock starts and
+    before it stops, as for the forward timings. A stubbed torch.cuda and clock record the order."""
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(f"sync {device}"))
+    monkeypatch.setattr(bench_quant, "time", types.SimpleNamespace(
+        perf_counter=lambda: events.append("clock") or float(len(events))))
+    monkeypatch.setitem(bench_quant.PIPELINES, "percentile", lambda *a, **k: events.append("calibrate") or ("q", {}))
+    qmodel, options, seconds = bench_quant.calibrate("percentile", None, torch.zeros(2, 3, 8, 8), "w4a4", 8,
+                                                     torch.device("cuda"))
+    assert events == ["sync cuda", "clock", "calibrate", "sync cuda", "clock"]
+    assert (qmodel, options, seconds) == ("q", None, 5.0 - 2.0)  # the clock read at events 2 and 5
