@@ -5,6 +5,8 @@ cannot replace it without --overwrite.
 later, and another command given the same --out meanwhile may have written it. Each output is therefore written
 to a temporary file and then published by `run_dir.write_whole`: without --overwrite it appears only where no
 file is (atomically), and otherwise the command stops with one RunDirError naming the file and --overwrite.
+A script whose outputs have fixed names marks them (`source_mark` in a PNG, its columns in a CSV's header) and
+lets --overwrite replace only files so marked (`refuse_others_files`).
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import json
 import os
 from typing import Any, Optional
 
-from .run_dir import write_whole
+from .run_dir import RunDirError, write_whole
+
+PNG_SOURCE_KEY = "Source"  # the PNG text entry (a tEXt chunk) that names the script that drew a figure
 
 
 def write_json(path: str, data: Any, overwrite: bool, **dump_options) -> None:
@@ -59,3 +63,51 @@ def save_figure(fig, path: str, overwrite: bool, **savefig_options) -> None:
     """`fig.savefig` to `path`, in the format its extension names (the temporary's name has none)."""
     fmt = os.path.splitext(path)[1][1:].lower() or None
     write_whole(path, lambda tmp: fig.savefig(tmp, format=fmt, **savefig_options), overwrite)
+
+
+def source_mark(source: str) -> dict[str, str]:
+    """The PNG text entries that mark a figure as drawn by the script `source` (its path in the repository, e.g.
+    scripts/compare_act_max.py): save_figure's `metadata`, by which `refuse_others_files` knows the figure."""
+    return {PNG_SOURCE_KEY: source}
+
+
+def png_text(path: str) -> dict[str, str]:
+    """The tEXt entries of the PNG file at `path` (keyword -> text, those before its image data), {} for a file that
+    is no PNG."""
+    entries = {}
+    with open(path, "rb") as f:
+        if f.read(8) != b"\x89PNG\r\n\x1a\n":
+            return {}
+        while len(head := f.read(8)) == 8:
+            size, kind = int.from_bytes(head[:4], "big"), head[4:]
+            if kind in (b"IDAT", b"IEND"):
+                break
+            data = f.read(size)
+            f.read(4)  # the chunk's CRC
+            if kind == b"tEXt" and b"\0" in data:
+                keyword, _, text = data.partition(b"\0")
+                entries[keyword.decode("latin-1")] = text.decode("latin-1")
+    return entries
+
+
+def written_by(path: str, source: str, csv_fields) -> bool:
+    """Whether the file at `path` is an output of the script `source`: a PNG that holds its `source_mark`, a CSV
+    whose header line is `csv_fields`'."""
+    try:
+        if path.endswith(".png"):
+            return png_text(path).get(PNG_SOURCE_KEY) == source
+        with open(path, "rb") as f:
+            return f.readline().rstrip(b"\r\n") == ",".join(csv_fields).encode()
+    except OSError:
+        return False
+
+
+def refuse_others_files(paths: list[str], source: str, csv_fields) -> None:
+    """A RunDirError naming the first file of `paths` there that the script `source` did not write (`written_by`):
+    its --overwrite replaces only its own outputs ("Nothing lost"), never a figure or table another script or a
+    person put at the same name."""
+    for path in paths:
+        if os.path.exists(path) and not written_by(path, source, csv_fields):
+            mark = f"its PNG text {PNG_SOURCE_KEY}" if path.endswith(".png") else "the header of its columns"
+            raise RunDirError(f"{path} is not a file {os.path.basename(source)} wrote ({mark} is not there), and "
+                              "--overwrite replaces only those: choose another --out, or move the file aside")

@@ -47,7 +47,7 @@ from engine.eval_results import (EVALUATION_KEYS, first_difference, read_result_
                                  refuse_unfinished_groups, stopped_early)
 from engine.figures import new_figure  # noqa: E402
 from engine.console import console_print  # noqa: E402
-from engine.outputs import save_figure, write_csv  # noqa: E402
+from engine.outputs import refuse_others_files, save_figure, source_mark, write_csv  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import check_seed_group, dagger_note, evaluated_otherwise, stopped_note  # noqa: E402
 from engine.train_seeds import unrecorded_seed_note  # noqa: E402
@@ -129,48 +129,7 @@ def result_beside(path: str) -> dict:
 # script or a person made)
 CSV_FIELDS = ["method", "block", "runs", "block_mean", "block_min", "block_max", "module_mean", "module_min",
               "module_max"]
-PNG_SOURCE = ("Source", "scripts/compare_act_max.py")
-
-
-def png_text(path: str) -> dict[str, str]:
-    """The tEXt entries of the PNG file at `path` (keyword -> text, those before its image data), {} for a file that
-    is no PNG."""
-    entries = {}
-    with open(path, "rb") as f:
-        if f.read(8) != b"\x89PNG\r\n\x1a\n":
-            return {}
-        while len(head := f.read(8)) == 8:
-            size, kind = int.from_bytes(head[:4], "big"), head[4:]
-            if kind in (b"IDAT", b"IEND"):
-                break
-            data = f.read(size)
-            f.read(4)  # the chunk's CRC
-            if kind == b"tEXt" and b"\0" in data:
-                keyword, _, text = data.partition(b"\0")
-                entries[keyword.decode("latin-1")] = text.decode("latin-1")
-    return entries
-
-
-def written_here(path: str) -> bool:
-    """Whether the file at `path` is an output of this script: a CSV whose header line is CSV_FIELDS', a PNG that
-    holds PNG_SOURCE."""
-    try:
-        if path.endswith(".png"):
-            return png_text(path).get(PNG_SOURCE[0]) == PNG_SOURCE[1]
-        with open(path, "rb") as f:
-            return f.readline().rstrip(b"\r\n") == ",".join(CSV_FIELDS).encode()
-    except OSError:
-        return False
-
-
-def refuse_others_files(outputs: list[str]) -> None:
-    """SystemExit naming the first file of `outputs` there that this script did not write (`written_here`):
-    --overwrite replaces only its own outputs ("Nothing lost")."""
-    for path in outputs:
-        if os.path.exists(path) and not written_here(path):
-            mark = f"its PNG text {PNG_SOURCE[0]}" if path.endswith(".png") else "the header of its columns"
-            sys.exit(f"error: {path} is not a file compare_act_max.py wrote ({mark} is not there), and --overwrite "
-                     "replaces only those: choose another --out, or move the file aside")
+SOURCE = "scripts/compare_act_max.py"
 
 
 # evaluate.py's per-layer maxima files of a result file <stem>.json (engine.act_max_ownership.act_max_paths and the
@@ -269,7 +228,7 @@ def plot(rows: list[dict], path: str, marked: set = frozenset(), overwrite: bool
     ax.set_ylabel("max |activation| (mean over runs)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, path, overwrite, metadata=dict([PNG_SOURCE]))  # refuse_others_files knows it by this
+    save_figure(fig, path, overwrite, metadata=source_mark(SOURCE))  # refuse_others_files knows it by this
 
 
 def unrecorded_seeds(groups: dict[str, list[str]]) -> list[str]:
@@ -340,10 +299,10 @@ def main(argv=None) -> list[dict]:
                  f"replaces only this script's outputs: choose another --out")
     try:
         refuse_existing_outputs(outputs, args.overwrite, inputs=inputs)
+        if args.overwrite:
+            refuse_others_files(outputs, SOURCE, CSV_FIELDS)
     except RunDirError as e:
         sys.exit(f"error: {e}")
-    if args.overwrite:
-        refuse_others_files(outputs)
     try:
         rows = summarize(groups)  # everything that can fail, before an output is opened
         notes = evaluated_alike(groups)
@@ -357,10 +316,10 @@ def main(argv=None) -> list[dict]:
     notes = {marked.get(method, method): n for method, n in notes.items()}
     for method, how in stopped.items():
         print(f"note: {stopped_note(method, [how])}", file=sys.stderr)
-    if args.overwrite:  # nor over one another command put there meanwhile
-        refuse_others_files(outputs)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     try:  # never over a file another command wrote since this one started
+        if args.overwrite:  # nor over one another command put there meanwhile
+            refuse_others_files(outputs, SOURCE, CSV_FIELDS)
         write_csv(args.out + ".csv", rows, CSV_FIELDS, args.overwrite)  # a method name may carry any letter
         plot(rows, args.out + ".png", {m for m, n in notes.items() if n}, args.overwrite)
     except RunDirError as e:

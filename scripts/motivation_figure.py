@@ -8,10 +8,12 @@ the classification panel; evaluate_detection.py's (box mAP in %, backbone or hea
 detection panel beside it. A detector is named by its first config file, its method by what evaluate_detection.py read
 from the checkpoint's training config (CD, TWEO, Noise, Baseline).
 Writes motivation.png and motivation.csv (task, model, method, metric, FP and quantized score, maxima) into
---out; an existing file is replaced only with --overwrite. A classifier evaluated otherwise than it was trained
-or than the paper evaluates (a model.kwargs override: the same weights through another forward; another split; an
-autocast; the EMA weights) is marked † in its model name (a place of its own on the axis, and in the CSV), with a
-note naming both on stderr (engine.result_table.evaluated_otherwise), as evaluate.py's table marks its row.
+--out; an existing file is replaced only with --overwrite, and only one this script wrote (a PNG it marked, a CSV
+of its columns: engine.outputs.refuse_others_files), never another figure or table of that name. A classifier
+evaluated otherwise than it was trained or than the paper evaluates (a model.kwargs override: the same weights
+through another forward; another split; an autocast; the EMA weights) is marked † in its model name (a place of
+its own on the axis, and in the CSV), with a note naming both on stderr (engine.result_table.evaluated_otherwise),
+as evaluate.py's table marks its row.
 Classifiers measured differently in what sets a maximum (data, image count, val images, raw or EMA weights, autocast,
 the kind of checkpoint, the modules counted: what scripts/compare_act_max.py refuses) or in the drawn entry's
 quantization settings (calibration images, pipeline options) are refused: their circles would show a setting as the
@@ -42,7 +44,7 @@ from configs.cli import OneLineParser  # noqa: E402
 from engine.eval_results import (Difference, ResultsError, first_difference, missing_number,  # noqa: E402
                                  read_result_files, refuse_unfinished_groups, stopped_early)
 from engine.figures import colour_rgb, new_figure  # noqa: E402
-from engine.outputs import save_figure, write_csv  # noqa: E402
+from engine.outputs import refuse_others_files, save_figure, source_mark, write_csv  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.result_table import dagger_note, evaluated_otherwise, nondefault_settings, stopped_note  # noqa: E402
 from compare_act_max import float_settings  # noqa: E402  (scripts/: this folder, as this script runs it)
@@ -53,7 +55,8 @@ METHOD_COLOURS = {"Baseline": "tab:gray", "CD": "tab:blue", "TWEO": "tab:orange"
 OTHER_COLOURS = ("tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 MAX_AREA = 2000.0  # points^2 of the largest circle in a panel; the others scale with their maximum activation
 FIELDS = ("task", "model", "method", "metric", "fp", "quantized", "max_act", "max_module", "max_block",
-          "max_backbone", "max_head")
+          "max_backbone", "max_head")  # the CSV's header line: by it and by SOURCE, --overwrite knows its own files
+SOURCE = "scripts/motivation_figure.py"
 
 
 def is_detection(result: dict) -> bool:
@@ -221,7 +224,7 @@ def draw(rows: list[dict], path: str, title, overwrite: bool) -> None:
         mine = [r for r in rows if r["task"] == task]
         _panel(ax, mine, title(task), colours)
     fig.tight_layout()
-    save_figure(fig, path, overwrite, dpi=130)
+    save_figure(fig, path, overwrite, dpi=130, metadata=source_mark(SOURCE))  # refuse_others_files knows it
 
 
 def _panel(ax, rows: list[dict], title: str, colours: dict[str, tuple]) -> None:
@@ -270,6 +273,8 @@ def main(argv=None) -> list[dict]:
     written = [os.path.join(args.out, n) for n in ("motivation.png", "motivation.csv")]
     try:
         refuse_existing_outputs(written, args.overwrite, inputs=args.results)
+        if args.overwrite:  # a figure or table of another's at these names is not this script's to replace
+            refuse_others_files(written, SOURCE, FIELDS)
         results = read_result_files(args.results, detection=True)
     except (RunDirError, ResultsError) as e:
         sys.exit(f"error: {e}")
@@ -313,6 +318,8 @@ def main(argv=None) -> list[dict]:
     os.makedirs(args.out, exist_ok=True)
     which = {"classification": args.max_act, "detection": args.det_max_act}
     try:  # never over a file another command wrote since this one started
+        if args.overwrite:  # nor over one another command put there meanwhile
+            refuse_others_files(written, SOURCE, FIELDS)
         write_csv(written[1], rows, FIELDS, args.overwrite, restval="")  # a † in a model name
         draw(rows, written[0], lambda task: f"{task}, {args.pipeline} {bits.upper()}: circle area ~ "
                                             f"{which[task]} max activation", args.overwrite)

@@ -182,3 +182,29 @@ def test_motivation_figure_refuses_detectors_measured_differently(tmp_path, fiel
                                          rf"\({difference}"):
         motivation_figure.main([base, other, "--out", str(tmp_path / "fig2")])
     assert not (tmp_path / "fig2").exists()
+
+
+@pytest.mark.parametrize("foreign", ["motivation.png", "motivation.csv"])
+def test_overwrite_replaces_only_the_figure_and_table_this_script_wrote(tmp_path, foreign):
+    """--overwrite replaced any motivation.png and motivation.csv in --out: a paper's figure or another script's CSV
+    of that name was lost. The script marks its outputs (the PNG's text entry Source, the CSV's header of its
+    columns), as compare_act_max.py does, and --overwrite replaces only files so marked, refusing any other with one
+    error line and leaving every file as it was; the reference is the files' bytes before."""
+    motivation_figure = load_script("motivation_figure")
+    results = [str(tmp_path / "Baseline.json"), str(tmp_path / "CD.json")]
+    for name in ("Baseline", "CD"):
+        write_result(tmp_path, name)
+    out = tmp_path / "fig"
+    motivation_figure.main([*results, "--out", str(out)])
+    mine = (out / foreign).read_bytes()
+    motivation_figure.main([*results, "--out", str(out), "--overwrite"])  # its own: replaced
+    other = b"\x89PNG\r\n\x1a\nsomeone's figure" if foreign.endswith(".png") else b"name,value\nlr,0.1\n"
+    (out / foreign).write_bytes(other)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit) as refused:
+        motivation_figure.main([*results, "--out", str(out), "--overwrite"])
+    message = str(refused.value.code)
+    assert message.startswith(f"error: {out / foreign} is not a file motivation_figure.py wrote"), message
+    assert "\n" not in message and {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / foreign).write_bytes(mine)  # this script's file again: replaced
+    motivation_figure.main([*results, "--out", str(out), "--overwrite"])
