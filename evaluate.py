@@ -333,16 +333,20 @@ def checkpoint_update(payload: dict) -> dict:
 
 
 def check_out(out: str, writes_log: bool) -> None:
-    """Refuse a result path that names a folder (engine.eval_results.check_result_path) or the log's own name (the
-    log, opened first, would be the file the result is refused by), and, on the process that writes the log
-    (`writes_log`), an EVAL_LOG beside it (beside the file a symlink names: the log the command writes) that is
-    no log (a file of the user's: evaluate.py appends to its own log of earlier calls, not to notes it would bury
-    under its lines); all are told before any work."""
+    """Refuse a result path that names a folder (engine.eval_results.check_result_path), the log's own name (the
+    log, opened first, would be the file the result is refused by) or a file not named *.json, and, on the process
+    that writes the log (`writes_log`), an EVAL_LOG beside it (beside the file a symlink names: the log the command
+    writes) that is no log (a file of the user's: evaluate.py appends to its own log of earlier calls, not to notes
+    it would bury under its lines); all are told before any work."""
     check_result_path(out, "--out")
     written = written_path(out)  # a link's file: the log is written beside it, not beside the link
     if os.path.basename(written) == EVAL_LOG:
         raise RunDirError(f"--out {out}: evaluate.py writes its log to {EVAL_LOG} in the result's folder; give "
                           f"the result another name (e.g. eval.json)")
+    if os.path.splitext(written)[1] != ".json":  # <stem>_act_max.csv is read back with <stem>.json (compare_act_max.py)
+        raise RunDirError(f"--out {out}: evaluate.py writes a JSON result whose name ends in .json (its maxima files "
+                          f"are named after it, and compare_act_max.py finds it by that name beside them); give e.g. "
+                          f"--out {os.path.splitext(written)[0]}.json")
     log_path = os.path.join(os.path.dirname(os.path.abspath(written)), EVAL_LOG)
     if writes_log and (why := foreign_log(log_path)):
         raise RunDirError(f"--out {out}: evaluate.py writes its log to {log_path}, which is not evaluate.py's log "
@@ -1271,7 +1275,8 @@ def build_parser() -> OneLineParser:
                              "float evaluation only")
     parser.add_argument("--bits", nargs="*", action="extend",
                         help="bit-widths such as w4a4 w6a6 w8a8 (default: quant.bits)")
-    parser.add_argument("--out", help="JSON file path, its folder made if missing (a folder is refused; default: "
+    parser.add_argument("--out", help="JSON file path ending in .json, its folder made if missing (a folder is "
+                                      "refused; default: "
                                       "eval_<checkpoint>.json next to the checkpoint; without --checkpoint "
                                       "runs/eval/<model.name>.json)")
     parser.add_argument("--ema", action="store_true", help="evaluate the EMA weights of the --checkpoint (a "
