@@ -28,6 +28,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +155,7 @@ def run_lightning(args, with_cd: bool) -> float:
 
 
 def run_mmengine(args, with_cd: bool) -> float:
+    import mmengine.device.utils
     from mmengine.hooks import Hook
     from mmengine.model import BaseModel
     from mmengine.runner import Runner
@@ -179,7 +181,9 @@ def run_mmengine(args, with_cd: bool) -> float:
             stamps.append(time.perf_counter())
 
     x, y = data(args, args.total)
-    with tempfile.TemporaryDirectory() as work_dir:  # the Runner's config dump and log: nothing of it is kept
+    # on the CPU, as every runner here: the Runner moves the model to the device mmengine found at its import
+    # (get_device: cuda on a GPU machine), which no argument of the Runner's changes
+    with tempfile.TemporaryDirectory() as work_dir, mock.patch.object(mmengine.device.utils, "DEVICE", "cpu"):
         runner = Runner(model=Model(), work_dir=work_dir, log_level="ERROR",
                         train_dataloader=dict(dataset=[{"inputs": a, "labels": b} for a, b in zip(x, y)],
                                               batch_size=args.batch,

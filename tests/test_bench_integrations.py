@@ -71,3 +71,26 @@ def test_a_framework_not_installed_is_refused_before_any_run_with_the_extra_that
     with open(f"{ROOT}/pyproject.toml", "rb") as f:
         extras = tomllib.load(f)["project"]["optional-dependencies"]
     assert any(re.match(rf"{module}\b", requirement) for requirement in extras[extra]), (extra, extras[extra])
+
+
+def test_mmengine_runs_on_the_cpu_as_the_table_says_where_mmengine_found_a_gpu(monkeypatch):
+    """The table's header says CPU, and the plain loop, hf (use_cpu) and Lightning (accelerator cpu) run there;
+    MMEngine's Runner moves the model to the device it found at import (mmengine.device.get_device: cuda on a GPU
+    machine), so its row was timed on the GPU beside CPU rows. Here that import found a GPU (stubbed): the run's
+    model stays on the CPU (on a machine without one, the move to cuda was a RuntimeError)."""
+    pytest.importorskip("mmengine")
+    import argparse
+
+    import mmengine.device.utils
+
+    bench = load_script("bench_integrations")
+    monkeypatch.setattr(mmengine.device.utils, "DEVICE", "cuda")
+    built, build = [], bench.build_model
+    monkeypatch.setattr(bench, "build_model", lambda args: built.append(build(args)) or built[-1])
+    args = argparse.Namespace(width=32, depth=1, batch=2, warmup=0, steps=1, total=2, norms_every=None)
+    threads = torch.get_num_threads()
+    try:
+        assert bench.run_mmengine(args, with_cd=True) >= 0
+    finally:
+        torch.set_num_threads(threads)
+    assert [{p.device.type for p in model.parameters()} for model in built] == [{"cpu"}]
