@@ -15,7 +15,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import timm
 import torch
@@ -25,22 +24,17 @@ from cd import UnsupportedModelError, find_pairs  # noqa: E402
 from cd.values import probe_input  # noqa: E402
 from cd.verify import example_input, verify_pairs  # noqa: E402
 from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for bench_env
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for bench_env and bench_quant
 from bench_env import environment  # noqa: E402
+from bench_quant import timed  # noqa: E402
 
 
 DEFAULT_MODEL = "vit_base_patch16_224"
 
 
 def median_seconds(fn, repeats: int, device: torch.device) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median seconds of `repeats` calls of fn, each on finished CUDA work (bench_quant.timed)."""
+    return statistics.median(timed(fn, device)[1] for _ in range(repeats))
 
 
 def build(args) -> tuple[str, torch.nn.Module]:
