@@ -176,7 +176,7 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
             raise ConfigError(f"sweep run '{name}': {what} would be ignored: a sweep writes run <name> to "
                               f"out_root/<name> ({os.path.join(out_root, str(name))}); drop it{where} and set "
                               f"out_root in {sweep_path}")
-        overrides.append(f"out_dir={os.path.join(out_root, run_folder(name, sweep_path))}")
+        overrides.append(f"out_dir={yaml_text(os.path.join(out_root, run_folder(name, sweep_path)))}")
         if kept:
             try:
                 check_run_config(configs, overrides, eval_overrides, world_size, checked, packages)
@@ -523,8 +523,20 @@ def run_folder(name, sweep_path: str) -> str:
     return folder
 
 
+def yaml_text(text: str) -> str:
+    """`text` as an override value that the loader reads back as that text: plain where YAML reads it so, else
+    double-quoted (a run named 'a ' lost its space, and so trained in run a's folder; 'lam #2' was cut at the '#')."""
+    try:
+        if parse_yaml(text) == text:
+            return text
+    except yaml.YAMLError:
+        pass
+    return json.dumps(text)  # a JSON string is a YAML double-quoted one
+
+
 def out_dir_of(run: dict) -> str:
-    return next(o.split("=", 1)[1] for o in reversed(run["overrides"]) if o.startswith("out_dir="))
+    """The folder a run's train.py writes to: the value of its out_dir override, as the loader reads it."""
+    return parse_yaml(next(o.split("=", 1)[1] for o in reversed(run["overrides"]) if o.startswith("out_dir=")))
 
 
 def refuse_shared_folders(runs: list[dict], sweep_path: str) -> None:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from configs import ConfigError
+from configs import ConfigError, load_config
 from tests.conftest import ROOT
 
 import sweep
@@ -641,3 +641,18 @@ def test_a_run_item_ending_in_yml_is_a_config_file_as_one_ending_in_yaml(tmp_pat
     (run,) = sweep.expand(sweep_file(tmp_path, f"  a: [{layer}]\n"), [])
     assert run["configs"] == ["configs/debug/tiny.yaml", str(layer)]
     assert not any(item.endswith(".yml") for item in run["overrides"])
+
+
+def test_each_run_trains_in_out_root_slash_its_name_whatever_yaml_reads_in_the_name(tmp_path):
+    """The sweep passes out_dir=<out_root>/<name> to train.py, which reads the value as YAML: a name ending in a space
+    was read without it ('a ' trained in run 'a''s folder, unseen by the check of shared folders), and names with ' #'
+    or ': ' were refused, telling the user to quote an override they never wrote."""
+    names = ["a", "a ", "lam #2", "k: v", "[x]"]
+    out_root = tmp_path / "runs" / "*x"
+    runs = sweep.expand(sweep_file(tmp_path, "".join(f"  {json.dumps(n)}: [train.seed={i}]\n"
+                                                     for i, n in enumerate(names)), out_root=json.dumps(str(out_root))),
+                        [])
+    for name, run in zip(names, runs):
+        cfg = load_config([os.path.join(ROOT, c) for c in run["configs"]], run["overrides"])
+        assert cfg.out_dir == os.path.join(str(out_root), name)
+        assert sweep.out_dir_of(run) == os.path.join(str(out_root), name)
