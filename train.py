@@ -65,7 +65,8 @@ from engine.held_log import ClaimNotes, hold_log_file, release_log_file
 from engine.rank_agreement import check_same_settings_on_every_rank
 from engine.loop import NonFiniteLossError, NothingScoredError, TrainLoop, TrainState, progress_kept_on_error
 from engine.metrics import METRICS_FINGERPRINT, MetricLogger, duration, progress_line
-from engine.optim import build_optimizer, build_scheduler, lr_rule, peak_lr, schedule_length, use_fused
+from engine.optim import (build_optimizer, build_scheduler, check_layer_decay, lr_rule, peak_lr, schedule_length,
+                          use_fused)
 from engine.precision import describe_precision, grad_scaler, set_tf32
 from engine.exit_codes import EXIT_INTERRUPTED
 from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, ignore_sigterm_until_exit, preempted_line
@@ -166,9 +167,9 @@ def check_before_start(cfg: Config, packages: bool = True) -> None:
 
 def check_model_builds(cfg: Config) -> None:
     """The run's build's refusals of model.name, model.kwargs and model.pretrained=hub (check_model: build_model's
-    ModelError) and check_model_fits_run's (the model against the task, log.act_max), asked before out_dir is
-    claimed, so that a typo leaves no train.log in a folder the run would make (for the corrected command to
-    archive). An error other than the build's refusal is left to the run's build, which meets it and says so."""
+    ModelError) and check_model_fits_run's (the model against the task, log.act_max, optim.layer_decay), asked before
+    out_dir is claimed, so that a typo leaves no train.log in a folder the run would make (for the corrected command
+    to archive). An error other than the build's refusal is left to the run's build, which meets it and says so."""
     try:
         model = check_model(cfg.model)
     except ModelError:
@@ -707,9 +708,12 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
 
 def check_model_fits_run(cfg: Config, model: nn.Module) -> None:
     """What the run refuses of its model once built, before the data are read: a language model on images or an
-    image model on text, and log.act_max on a model without blocks (measured at every validation: refused now, not
-    by the first one after the training). scripts/sweep.py makes it on a meta-device build of every run's model."""
+    image model on text, log.act_max on a model without blocks (measured at every validation: refused now, not
+    by the first one after the training), and optim.layer_decay on a model without timm's layer grouping (refused by
+    the optimizer's build, after the data were read). scripts/sweep.py makes it on a meta-device build of every run's
+    model."""
     check_model_fits_task(model, cfg.model.name, cfg.data.dataset)
+    as_config_error("optim", check_layer_decay, model, cfg.optim)
     if cfg.log.act_max:
         check_has_blocks(model, cfg.model.name, "set log.act_max=false to train it without the activation maxima")
 

@@ -102,6 +102,16 @@ def own_clip_norm(name: str) -> float | None:
     return float(norm) if isinstance(norm, (int, float)) and not isinstance(norm, bool) else None
 
 
+def check_layer_decay(model: torch.nn.Module, cfg: OptimConfig) -> None:
+    """optim.layer_decay needs a model with timm's layer grouping (group_matcher): timm would put every parameter in
+    one layer and only log a warning, and no decay would happen. Raises ValueError. train.check_model_fits_run makes
+    it before the data are read (and scripts/sweep.py before its first run), build_optimizer again."""
+    if cfg.layer_decay is not None and not hasattr(model, "group_matcher"):
+        raise ValueError(f"optim.layer_decay={cfg.layer_decay:g} would have no effect: {type(model).__name__} has no "
+                         f"layer grouping (timm's group_matcher), so every parameter would get "
+                         f"the same lr; drop optim.layer_decay")
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_decay: float,
                     device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     check_optimizer_settings(cfg)
@@ -110,11 +120,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, lr: float, weight_
         kwargs["momentum"] = cfg.momentum
     if use_fused(cfg, device):
         kwargs["fused"] = True
-    if cfg.layer_decay is not None and not hasattr(model, "group_matcher"):
-        # timm would put every parameter in one layer and only log a warning: no decay would happen
-        raise ValueError(f"optim.layer_decay={cfg.layer_decay:g} would have no effect: {type(model).__name__} has no "
-                         f"layer grouping (timm's group_matcher), so every parameter would get "
-                         f"the same lr; drop optim.layer_decay")
+    check_layer_decay(model, cfg)
     try:
         optimizer = create_optimizer_v2(model, opt=cfg.name, lr=lr, weight_decay=weight_decay,
                                         layer_decay=cfg.layer_decay, **kwargs)

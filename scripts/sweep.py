@@ -236,8 +236,9 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
     config.yaml records, CD's settings, optim.name, log.wandb's package, a val split that is the train split); its
     evaluation takes the 'evaluate' list last, whose quant.* must pass too, or the run ends at its evaluation. Then what
     train.py refuses once it builds the model and before it reads the data: the model built on the meta device
-    (check_model: model.name, model.kwargs, model.img_size against its patches), the model against the task and
-    log.act_max (train.check_model_fits_run), the quant.act_max_extra_modules of the run and of its evaluation against
+    (check_model: model.name, model.kwargs, model.img_size against its patches), the model against the task,
+    log.act_max and optim.layer_decay (train.check_model_fits_run), the quant.act_max_extra_modules of the run and of
+    its evaluation against
     the model's modules (check_probed_modules), and the data settings (data.check_data_settings: data.auto_augment,
     mixup's even batch, data.digits_val_fraction, the synthetic sizes, model.num_classes against the data's classes).
     `checked`: the model and data settings checked already (expand's runs: a 36-run sweep of seeds builds its model
@@ -259,7 +260,8 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
     if world_size is not None:
         accumulation_steps(cfg, world_size)
     checked = set() if checked is None else checked
-    key = repr((cfg.model, cfg.data, cfg.log.act_max, cfg.train.batch_size_per_gpu))  # all the checks below read
+    # all the checks below read (check_model_fits_run: optim.layer_decay too)
+    key = repr((cfg.model, cfg.data, cfg.log.act_max, cfg.optim.layer_decay, cfg.train.batch_size_per_gpu))
     # what check_regularizers reads: a sweep of seeds and CD strengths finds the model's pairs once
     regularizers = repr((cfg.model, cfg.cd.enabled and cfg.cd.gated_mlp, cfg.cd.enabled, cfg.tweo.enabled))
     # the modules whose maxima the run's config (train.py) and its evaluation (evaluate.py) measure

@@ -73,9 +73,11 @@ def train_refusal(tmp_path, config: str, items: list[str]) -> str:
     (DEMO_CONFIG, ["quant.act_max_extra_modules=[blocks.*.drop_path1]"]),
     # a plan the model cannot be quantized with: RepQ-ViT's fold on a Swin whose windows are padded (40 pixels)
     (SWIN_CONFIG, ["model.img_size=40", "quant.pipelines=[repq]"]),
+    # layer-wise lr decay on a model without timm's layer grouping (GPT): refused once the optimizer was built
+    (KJV, ["optim.layer_decay=0.75"]),
 ], ids=["kwargs", "img_size", "auto_augment", "classes", "digits_val_fraction", "synthetic_size", "mixup",
         "gpt_kwargs", "vocabulary", "cd_no_pairs", "tweo_no_blocks", "cd_gated_mlp", "extra_module_none",
-        "extra_module_pass_through", "plan_not_converting"])
+        "extra_module_pass_through", "plan_not_converting", "layer_decay_no_groups"])
 def test_a_later_runs_setting_train_py_refuses_at_its_start_is_refused_before_anything(tmp_path, capsys, config,
                                                                                        items):
     message = refused(sweep_file(tmp_path, config, items), capsys)
