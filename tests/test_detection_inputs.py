@@ -346,6 +346,30 @@ def test_a_cd_checkpoint_from_before_cd_budget_existed_keeps_its_plain_label(mmd
     assert training_method({"cfg": old_fragment.replace("lam=0.005", "lam=0.01")}) == "CD (lam 0.01)"
 
 
+@pytest.mark.parametrize("hook, label", [
+    # the paper's detection TWEO is the rescaled form (configs/detection/method/tweo.py): the plain one is another
+    # method, as are another penalty shape or schedule
+    ("dict(type='TweoHook', lam=1e-4, rescale=False)", "TWEO (no rescale)"),
+    ("dict(type='TweoHook', rescale=False, p=2.0, tau=3.0)", "TWEO (no rescale, p 2, tau 3)"),
+    ("dict(type='TweoHook', schedule='cosine', total_steps=100)", "TWEO (cosine, 100 steps)"),
+    ("dict(type='TweoHook', rescale=True, p=4.0, form='plain')", "TWEO"),  # form: the same term, other memory
+    # the noise on other layers, or another draw of it
+    ("dict(type='WeightNoiseHook', bits=4, layer_types=['Linear', 'Conv2d'], seed=0)", "Noise (layers Conv2d+Linear)"),
+    ("dict(type='WeightNoiseHook', layer_types=('Linear',), seed=1)", "Noise (seed 1)"),
+    # another part of the detector than its backbone, and CD's other target sets
+    ("dict(type='ColinearityDecayHook', module='neck')", "CD (on neck)"),
+    ("dict(type='ColinearityDecayHook', module='backbone')", "CD"),
+    ("dict(type='TweoHook', module='')", "TWEO (on the whole model)"),
+    ("dict(type='ColinearityDecayHook', targets='C')", "CD (targets C)"),
+])
+def test_runs_that_differ_in_a_hook_setting_other_than_the_strength_get_other_labels(mmdet_ready, hook, label):
+    """Two detectors trained with TWEO with and without its rescale, or with the Noise on other layers or of another
+    seed, were labelled alike ("TWEO", "Noise"): one method in the result JSON and one colour of Fig. 1. Each
+    setting that differs from configs/detection/method/*.py (the hooks' defaults) is named, as the strength is."""
+    from engine.detection import training_method
+    assert training_method({"cfg": f"custom_hooks = [{hook}]\n"}) == label
+
+
 def _categories_copy(sample, tmp_path, names):
     """A copy of the sample whose annotation files name their categories (ids 1, 2: box, disc in the sample)
     `names`, the objects unchanged."""

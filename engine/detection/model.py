@@ -193,10 +193,27 @@ def check_load_from(cfg: Config) -> None:
 
 # the hooks of configs/detection/method/ and the method each stands for (Table 2's rows)
 METHOD_HOOKS = {"ColinearityDecayHook": "CD", "TweoHook": "TWEO", "WeightNoiseHook": "Noise"}
-# each hook's setting that the label names where it differs from the value of configs/detection/method/*.py (the
-# hooks' defaults too): a strength sweep's runs are told apart, as result_table.method_name names a classifier's
-LABELLED_SETTING = {"ColinearityDecayHook": ("lam", DEFAULT_LAM), "TweoHook": ("lam", 1e-4),
-                    "WeightNoiseHook": ("bits", 4)}
+# each hook's settings that the label names where they differ from the values of configs/detection/method/*.py (the
+# hooks' defaults too): runs of a sweep or an ablation are told apart, as result_table.method_name names a
+# classifier's. A setting's note is made from its value by the function beside it; TWEO's `form` (the same term,
+# computed with less memory) and `layouts` (where the blocks' parts are found) are no other method
+LABELLED_SETTINGS = {
+    "ColinearityDecayHook": {"lam": (DEFAULT_LAM, lambda v: f"lam {_shown(v)}"),
+                             "targets": ("A+B", lambda v: f"targets {v}")},
+    "TweoHook": {"lam": (1e-4, lambda v: f"lam {_shown(v)}"), "rescale": (True, lambda v: "no rescale"),
+                 "p": (4.0, lambda v: f"p {_shown(v)}"), "tau": (None, lambda v: f"tau {_shown(v)}"),
+                 "eps": (None, lambda v: f"eps {_shown(v)}"), "schedule": ("constant", str),
+                 "total_steps": (None, lambda v: f"{_shown(v)} steps")},
+    "WeightNoiseHook": {"bits": (4, lambda v: f"bits {_shown(v)}"),
+                        # a set: the order the layer types are listed in does not change which layers get noise
+                        "layer_types": ({"Linear"}, lambda v: f"layers {'+'.join(sorted(v))}"),
+                        "seed": (0, lambda v: f"seed {_shown(v)}")},
+}
+
+
+def _shown(value) -> str:
+    """A number as result_table.method_name writes it; anything else as it is."""
+    return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
 def training_method(meta: dict) -> Optional[str]:
@@ -227,20 +244,24 @@ def training_method(meta: dict) -> Optional[str]:
 
 def method_label(hook: dict, budget) -> str:
     """The method of the custom_hooks entry `hook` (a METHOD_HOOKS type) with the settings that differ from
-    configs/detection/method/*.py (LABELLED_SETTING; a CD hook's lam_per_role, and "no budget" where the
-    config's `budget` (its cd_budget) is False, the weight decay left as given; None, no cd_budget, says nothing),
-    e.g. "CD (lam 0.01)": without them two runs of a strength sweep were one method, drawn in one colour at one
-    place of Fig. 1."""
-    def shown(value) -> str:  # a number as result_table.method_name writes it; anything else as it is
-        return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
-
+    configs/detection/method/*.py (LABELLED_SETTINGS; the part of the model it acts on where that is not the
+    backbone; a CD hook's lam_per_role, and "no budget" where the config's `budget` (its cd_budget) is False, the
+    weight decay left as given; None, no cd_budget, says nothing), e.g. "CD (lam 0.01)", "TWEO (no rescale)",
+    "Noise (seed 1)": without them two runs of a sweep were one method, drawn in one colour at one place of Fig. 1."""
     kind = type_name(hook.get("type"))
-    key, default = LABELLED_SETTING[kind]
-    value = hook.get(key, default)
-    notes = [] if value == default else [f"{key} {shown(value)}"]
+    notes = []
+    for key, (default, note) in LABELLED_SETTINGS[kind].items():
+        value = hook.get(key, default)
+        if isinstance(default, set) and isinstance(value, (list, tuple)):
+            value = set(value)
+        if value != default:
+            notes.append(note(value))
+    module = hook.get("module")  # None: the backbone, as "backbone" names it (cd.integrations.select_module)
+    if module not in (None, "backbone"):
+        notes.append(f"on {module or 'the whole model'}")
     if kind == "ColinearityDecayHook":
         per_role = hook.get("lam_per_role") or {}
-        notes += [f"{role} {shown(lam)}" for role, lam in sorted(per_role.items(), key=lambda item: str(item[0]))] \
+        notes += [f"{role} {_shown(lam)}" for role, lam in sorted(per_role.items(), key=lambda item: str(item[0]))] \
             if isinstance(per_role, dict) else []
         notes += ["no budget"] if budget is False else []
     return f"{METHOD_HOOKS[kind]} ({', '.join(notes)})" if notes else METHOD_HOOKS[kind]
