@@ -32,7 +32,9 @@ padded test batches, the padded pixels counted, as `max_act.padding` records: do
 `quant.<pipeline>.<bits>`, `method` (CD, TWEO, Noise or Baseline, from the hooks of the training config the
 checkpoint keeps, with the settings that differ from configs/detection/method/*.py: "CD (lam 0.01)"; null without
 one); a file of other weights, data or config (the merged config's hash,
-`config_sha256`) is refused, later calls add their pipelines.
+`config_sha256`) is refused, later calls add their pipelines. A checkpoint whose training config (which MMEngine
+keeps in it) built the model with other settings than --config (a data preprocessor's mean / std, a qk_scale, a
+test threshold) is scored with --config's, and one warning line names them.
 Config entries can be overridden as `key=value` after the flags, or after `--cfg-options` as MMDetection's tools
 take them (the same syntax): those the
 evaluation reads (model, test_dataloader, test_evaluator, ...; of train_dataloader, what its pipelines read:
@@ -340,7 +342,8 @@ def main(argv=None) -> dict:
         if gplq_bits:  # on rank 0, which creates them; the other ranks fail with it
             run_on_main(check_folders, "checking GPLQ's stage-1 folders", dist.device)
         if dist.is_main:  # once nothing above has refused: a refused run warns of nothing
-            print_warnings(data_warnings)
+            # the weights fit, but the --config's model computes other outputs from them than the one trained
+            print_warnings(data_warnings + ([model.settings_warning] if model.settings_warning else []))
         results.update(method=model.training_method)
         compute_fp = "fp" not in results.data or args.recompute
         if compute_fp:

@@ -161,8 +161,47 @@ def build_detector(cfg: Config, checkpoint: str, device: torch.device) -> nn.Mod
     meta = payload.get("meta") or {}
     classes = (meta.get("dataset_meta") or {}).get("classes")
     model.dataset_meta = {"classes": tuple(classes)} if classes else None
-    model.training_method = training_method(meta)
+    trained = training_config(meta)
+    model.training_method = None if trained is None else method_of(trained)
+    model.settings_warning = None if trained is None else settings_warning(trained, cfg, checkpoint)
     return model.to(device).eval()
+
+
+# model settings read only in training (the weights' start, the losses and samplers, dropout and stochastic depth,
+# activation checkpointing, frozen stages, batch augments): a checkpoint trained with other values is the same
+# detector in evaluation. `_scope_` is the registry MMEngine adds to every dict it merges
+TRAINING_ONLY = re.compile(r"^(_scope_|init_cfg|pretrained|convert_weights|train_cfg|with_cp|frozen_stages|"
+                           r"(drop|attn_drop|drop_path)_rate|batch_augments|loss_\w+)$")
+
+
+def setting_differences(trained, given, prefix: str = "model") -> List[str]:
+    """'KEY GIVEN (trained TRAINED)' for each setting under `prefix` whose value in the config `given` differs from
+    that in the training config `trained` (dicts compared key by key, a missing key as 'unset'; a registry type
+    with or without its scope alike), leaving out the TRAINING_ONLY ones."""
+    if isinstance(trained, dict) and isinstance(given, dict):
+        return [line for key in sorted(set(trained) | set(given), key=str) if not TRAINING_ONLY.match(str(key))
+                for line in setting_differences(trained.get(key, _UNSET), given.get(key, _UNSET), f"{prefix}.{key}")]
+    if prefix.endswith(".type") and isinstance(trained, str) and isinstance(given, str):
+        trained, given = type_name(trained), type_name(given)
+    if trained == given:
+        return []
+    return [f"{prefix} {'unset' if given is _UNSET else given} (trained {'unset' if trained is _UNSET else trained})"]
+
+
+_UNSET = object()  # a key one config has and the other has not
+
+
+def settings_warning(trained: Config, cfg: Config, checkpoint: str) -> Optional[str]:
+    """The warning for a --checkpoint whose training config `trained` built its model with other settings than the
+    evaluation's `cfg` gives (setting_differences: a data preprocessor's mean / std, a qk_scale, a test threshold),
+    or None: its weights fit (the same shapes), so it is scored as asked, with `cfg`'s model, which computes other
+    outputs from them than the model that was trained."""
+    differences = setting_differences(trained.get("model") or {}, cfg.model.to_dict())
+    if not differences:
+        return None
+    return (f"--checkpoint {checkpoint} was trained with other model settings than --config gives: "
+            f"{'; '.join(differences[:3])}{f' and {len(differences) - 3} more' if len(differences) > 3 else ''}; "
+            "scored with --config's (evaluate with the training config to score the detector as it was trained)")
 
 
 # the layers whose shapes follow the number of classes: a detector fine-tuned on another data set from a COCO
@@ -216,13 +255,9 @@ def _shown(value) -> str:
     return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
 
 
-def training_method(meta: dict) -> Optional[str]:
-    """The method a detector was trained with, from the training config its MMEngine checkpoint keeps
-    (meta["cfg"]): "CD", "TWEO", "Noise" (joined by "+" when several), each with the settings that differ from
-    configs/detection/method/*.py (`method_label`: "CD (lam 0.01)"), "Baseline" when it ran none of their
-    hooks, or only CD hooks that decay nothing (`decays_nothing`: custom_hooks.0.lam=0 made no update in any step,
-    so Fig. 1 would have plotted a baseline as CD); None when the checkpoint keeps no readable config (a file
-    converted or written elsewhere)."""
+def training_config(meta: dict) -> Optional[Config]:
+    """The training config an MMEngine checkpoint keeps (meta["cfg"], its text), or None where it keeps no readable
+    one (a file converted or written elsewhere)."""
     text = meta.get("cfg") if isinstance(meta, dict) else None
     if not isinstance(text, str):
         return None
@@ -230,12 +265,26 @@ def training_method(meta: dict) -> Optional[str]:
         path = os.path.join(folder, "training_config.py")
         with open(path, "w") as f:
             f.write(text)
-        try:  # the hooks are read, not built: their modules (custom_imports) need not be importable here
-            cfg = Config.fromfile(path, import_custom_modules=False)
-            hooks = cfg.get("custom_hooks") or []
+        try:  # read, not built: the modules of its custom_imports need not be importable here
+            return Config.fromfile(path, import_custom_modules=False)
         except Exception:  # noqa: BLE001 - MMEngine executes the text: any failure means "not known"
             return None
-    hooks = [hook for hook in hooks if isinstance(hook, dict) and not decays_nothing(hook)]
+
+
+def training_method(meta: dict) -> Optional[str]:
+    """The method a detector was trained with, from the training config its MMEngine checkpoint keeps
+    (meta["cfg"]): `method_of` that config, or None when the checkpoint keeps no readable config (a file
+    converted or written elsewhere)."""
+    cfg = training_config(meta)
+    return None if cfg is None else method_of(cfg)
+
+
+def method_of(cfg: Config) -> str:
+    """"CD", "TWEO", "Noise" (joined by "+" when several), each with the settings that differ from
+    configs/detection/method/*.py (`method_label`: "CD (lam 0.01)"), from the custom_hooks of the training config
+    `cfg`; "Baseline" when it ran none of their hooks, or only CD hooks that decay nothing (`decays_nothing`:
+    custom_hooks.0.lam=0 made no update in any step, so Fig. 1 would have plotted a baseline as CD)."""
+    hooks = [hook for hook in cfg.get("custom_hooks") or [] if isinstance(hook, dict) and not decays_nothing(hook)]
     # no cd_budget key: written before it existed, when configs/detection/method/cd.py set the budgeted weight decay
     # itself (0.045), so nothing is said of the budget (None), as the label before it read
     return "+".join(method_label(hook, cfg.get("cd_budget")) for hook in hooks
