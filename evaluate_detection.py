@@ -290,6 +290,9 @@ def main(argv=None) -> dict:
                     "annotations_sha256": files_sha256(annotation_paths(cfg, "test_dataloader"))}
 
         test_batch = loader.batch_size or getattr(loader.batch_sampler, "batch_size", 1)  # a batch sampler's own
+        # the training split the pipelines draw their images from by index, by content: another file at the same path
+        # draws other images (COCO's train2017 annotations: 450 MB, about 2 s); read only where a pipeline runs
+        train_sha = files_sha256(annotation_paths(cfg, "train_dataloader")) if pipelines else None
 
         def open_results():
             results = EvalResults.open(out, identity)
@@ -297,7 +300,8 @@ def main(argv=None) -> dict:
             results.check_recompute_read(args.recompute, bool(pipelines), "fp" in results.data,
                                          "full-precision score to replace (one is scored without --recompute "
                                          "where the file has none)")
-            asked = {p: settings(args, p, user_options.get(p), test_batch, parsed_options[p]) for p in pipelines}
+            asked = {p: settings(args, p, user_options.get(p), test_batch, parsed_options[p], train_sha)
+                     for p in pipelines}
             return results, [(p, b) for p in pipelines for b in bits
                              if results.plan(p, b, asked[p], args.recompute)]
 
@@ -369,7 +373,8 @@ def main(argv=None) -> dict:
             for key in ("units", "stage1", "qwt"):  # APHQ's reconstruction, GPLQ's training and compensation
                 if key in report:
                     entry[key] = report[key]
-            results.add(name, b, entry, settings(args, name, user_options.get(name), test_batch, parsed_options[name]))
+            results.add(name, b, entry, settings(args, name, user_options.get(name), test_batch, parsed_options[name],
+                                                 train_sha))
             run_on_main(results.save, f"writing {out}", dist.device)
             say(f"{name} {b}: {score(entry)} ({entry['seconds']:.0f} s)", flush=True)
         say(markdown_row(results.data))
@@ -562,10 +567,12 @@ def recorded_options(name: str, parsed, ranks: int) -> dict:
     return {key: value for key, value in used.items() if key not in unread}
 
 
-def settings(args, pipeline: str, options=None, test_batch: int = 1, parsed=None) -> dict:
+def settings(args, pipeline: str, options=None, test_batch: int = 1, parsed=None,
+             train_sha: Optional[str] = None) -> dict:
     """What a quantized result depends on besides the weights and data (a different value is another result):
-    the calibration batch, the user's `options` or, given `parsed` (the options as run), every option the run read
-    (`recorded_options`), for GPLQ the number of ranks its stage 1 trained on, and under
+    the calibration batch (its count and seed, and `train_sha`, the SHA-256 of the training split's annotation files
+    it is drawn from by index), the user's `options` or, given `parsed` (the options as run), every option the run
+    read (`recorded_options`), for GPLQ the number of ranks its stage 1 trained on, and under
     torchrun at a test batch of more than one image the number of ranks too: each rank batches the images of
     its shard, other batches than one process's, whose outputs round about 1e-7 apart, enough to flip 4-bit codes
     (docs/reproduce.md); at batch 1 (the paper configs') the scores are the one-process ones."""
@@ -575,6 +582,7 @@ def settings(args, pipeline: str, options=None, test_batch: int = 1, parsed=None
     if parsed is not None:
         options = recorded_options(pipeline, parsed, ranks)
     return {"calib_images": args.calib_images, "calib_seed": args.calib_seed,
+            **({"train_annotations_sha256": train_sha} if train_sha is not None else {}),
             **({"options": options} if options else {}),
             **({"world_size": ranks} if ranks > 1 and test_batch > 1 else {}), **run_settings(pipeline)}
 

@@ -270,14 +270,21 @@ def unread_at_bits(pipeline: str, bits: Optional[str]) -> set[str]:
 # files the split holds now, as the identity's val_names (LATER_FIELDS): refusing it would refuse every quantized
 # entry of a folder (an ImageNet) data set written until then
 LATER_SETTINGS = (("calibration", "train_files"), ("train_transform", "train_files"))
+# the same of a detector's entries (evaluate_detection.py), at the top of its settings: the contents of the training
+# split's annotation files its images are drawn from
+LATER_DETECTOR_SETTINGS = ("train_annotations_sha256",)
 
 
 def without_later_settings(x: dict, y: dict) -> tuple[dict, dict]:
-    """Comparable settings `x` and `y` without each LATER_SETTINGS key that only one of them holds."""
+    """Comparable settings `x` and `y` without each LATER_SETTINGS or LATER_DETECTOR_SETTINGS key that only one of
+    them holds."""
     for part, key in LATER_SETTINGS:
         a, b = x.get(part), y.get(part)
         if isinstance(a, dict) and isinstance(b, dict) and (key in a) != (key in b):
             x, y = ({**s, part: {k: v for k, v in s[part].items() if k != key}} for s in (x, y))
+    for key in LATER_DETECTOR_SETTINGS:
+        if (key in x) != (key in y):
+            x, y = ({k: v for k, v in s.items() if k != key} for s in (x, y))
     return x, y
 
 
