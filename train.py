@@ -117,11 +117,11 @@ def main(cfg: Config) -> RunResult:
     """Train as `cfg` says (resuming from out_dir when a checkpoint is there)."""
     try:  # before the ranks meet: an error on one node's rank (its wandb install) reaches the others there
         check_before_start(cfg)
-        check_model_builds(cfg)
+        model = check_model_builds(cfg)  # on the meta device: the start weights' checks load into it too
         # the main rank (RANK 0 or unset) writes train.log: a file of the user's there is refused before the claim
         # of out_dir changes anything in it and before the first log line
         check_train_log(cfg.out_dir, cfg.train.resume, whole_number(os.environ.get("RANK", "0")) == 0)
-        read_ahead = check_start_data(cfg, whole_number(os.environ.get("RANK", "0")) == 0)
+        read_ahead = check_start_data(cfg, whole_number(os.environ.get("RANK", "0")) == 0, model)
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, cfg.train.device)
     with process_group(cfg.train.device) as dist:
@@ -165,18 +165,21 @@ def check_before_start(cfg: Config, packages: bool = True) -> None:
                           f"data.val_split a split held out from training")
 
 
-def check_model_builds(cfg: Config) -> None:
+def check_model_builds(cfg: Config) -> Optional[nn.Module]:
     """The run's build's refusals of model.name, model.kwargs and model.pretrained=hub (check_model: build_model's
     ModelError) and check_model_fits_run's (the model against the task, log.act_max, optim.layer_decay), asked before
     out_dir is claimed, so that a typo leaves no train.log in a folder the run would make (for the corrected command
-    to archive). An error other than the build's refusal is left to the run's build, which meets it and says so."""
+    to archive). An error other than the build's refusal is left to the run's build, which meets it and says so.
+    Returns the model built on the meta device (meta_model's, which check_start_data's checks of the start weights
+    load into: one build serves both), or None where the meta device could not build it."""
     try:
         model = check_model(cfg.model)
     except ModelError:
         raise
     except Exception:  # noqa: BLE001 - no refusal of the settings (check_model's CPU build failed otherwise)
-        return
+        return None
     check_model_fits_run(cfg, model)
+    return model if all(p.is_meta for p in model.parameters()) else None
 
 
 def check_train_log(out_dir: str, resume: str, writes_log: bool) -> None:
@@ -192,7 +195,7 @@ def check_train_log(out_dir: str, resume: str, writes_log: bool) -> None:
                           f"({why}); move that file out of the folder and run the command again")
 
 
-def check_start_data(cfg: Config, is_main: bool) -> Optional[ReadAhead]:
+def check_start_data(cfg: Config, is_main: bool, model: Optional[nn.Module] = None) -> Optional[ReadAhead]:
     """What the weights a run starts from refuse of its data, asked before out_dir is claimed, so that a refused
     start leaves no file in a folder it would make (train.log) and moves none of an earlier run's (a claim archives
     a failed start's logs, or with train.archive_existing=true a run's files): a fresh start's model.pretrained
@@ -203,11 +206,12 @@ def check_start_data(cfg: Config, is_main: bool) -> Optional[ReadAhead]:
     folder is held: a refusal leaves its files as they were (its train.log lines are held until the run goes on,
     engine/held_log.py). Both are asked again once the folder is held, of the files as the run reads them then
     (build_run, run_training); the train.resume file read here is returned (a ReadAhead, None where none was read),
-    for run_training to read it no second time where it is unchanged."""
+    for run_training to read it no second time where it is unchanged. `model`: cfg.model built on the meta device
+    (check_model_builds), into which the start weights are loaded; None: built here (meta_model)."""
     resumes, _ = planned_resume(cfg.out_dir, cfg.train.resume)
     if not resumes:
         check_pretrained_data(cfg)
-        check_start_weights(cfg)
+        check_start_weights(cfg, model)
         return None
     if resumes_in(cfg.out_dir, cfg.train.resume):
         return None
@@ -215,21 +219,22 @@ def check_start_data(cfg: Config, is_main: bool) -> Optional[ReadAhead]:
     identity = file_identity(cfg.train.resume) if os.path.isfile(cfg.train.resume) else None
     path, payload = resume_source(cfg.out_dir, cfg.train.resume)  # its refusal of a missing or broken file too
     check_resume(cfg if is_main else with_main_rank_paths(cfg, payload), path, payload, warn=False)
-    check_checkpoint_fits(cfg, path, payload)
+    check_checkpoint_fits(cfg, path, payload, model)
     return ReadAhead(path, identity, payload) if identity is not None and path == cfg.train.resume else None
 
 
-def check_start_weights(cfg: Config) -> None:
+def check_start_weights(cfg: Config, model: Optional[nn.Module] = None) -> None:
     """A fresh start's refusals of its model.pretrained file (a local one: missing, unreadable, NaN weights, keys or
     shapes of another model, models/pretrained.py load_pretrained; a train.py checkpoint of another architecture,
     check_pretrained_architecture), asked before out_dir is claimed: the file loaded into the model built on the
     meta device (no memory, no init time for the model's own weights), logging nothing (the run's own load logs its
     lines). A model the meta device cannot build, or a conversion of timm's that fails on it, is left to the run's
-    build once the folder is held, which makes every check again."""
+    build once the folder is held, which makes every check again. `model`: that meta build where the caller has
+    made it (None: made here)."""
     path = cfg.model.pretrained
     if not path or path == "hub":  # the hub's weights: fetched by the run's build, checked there
         return
-    if (model := meta_model(cfg.model)) is None:
+    if model is None and (model := meta_model(cfg.model)) is None:
         return
     previous = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
@@ -932,17 +937,19 @@ def check_model_drop_sites(payload: dict, cfg: Config, resume_path: str) -> None
                               f"model.kwargs.drop_rate={trained} train.allow_changed_config=true, or start a new run")
 
 
-def check_checkpoint_fits(cfg: Config, resume_path: str, payload: dict) -> None:
+def check_checkpoint_fits(cfg: Config, resume_path: str, payload: dict,
+                          model: Optional[nn.Module] = None) -> None:
     """What a resume refuses of the checkpoint `resume_path` itself (its `payload`) rather than of the settings: a
     model.drop of timm's earlier meaning (check_model_drop_sites), no EMA where this run keeps one
     (engine/checkpoint.py check_ema_entry), and weights (and EMA weights) that do not fit the model of the config (a
     checkpoint hand-edited or of another code base), loaded by name and shape into the model built on the meta
     device (no memory, no init time; a model it cannot build is left to restore_training). Asked before out_dir is
     claimed where the resume goes into another folder (check_start_data: a refusal leaves no folder and no
-    train.log), and on every resume once the folder is held, before the model and the data are built."""
+    train.log), and on every resume once the folder is held, before the model and the data are built. `model`:
+    that meta build where the caller has made it (check_model_builds'; None: made here)."""
     check_model_drop_sites(payload, cfg, resume_path)
     check_ema_entry(payload, cfg.train.ema, resume_path)
-    if (model := meta_model(cfg.model)) is None:  # left to restore_training
+    if model is None and (model := meta_model(cfg.model)) is None:  # left to restore_training
         return
     # not assign=True, which marks the state dict's own metadata so that restore_training's load of it later
     # assigned its tensors too (the optimizer left holding the model's former parameters)
