@@ -347,7 +347,13 @@ def run_training(cfg: Config, dist: DistInfo, preemption: Preemption,
     except Exception as error:
         loop.keep_held(error)  # a write held for an update that will not come (engine/loop.py TrainLoop.checkpoint)
         raise
-    except BaseException:  # the user's "now" (a second interrupt): the held write is this run's file, never resumed
+    except SecondInterrupt as interrupt:
+        # the user's "now": the stop's write is not waited for, but a write held back (a whole checkpoint of an update
+        # the run completed, which the stop's write of the same update was to replace) becomes checkpoint.pt, as at
+        # any stop; the line, made when the signal came, is made again of the files as they are now
+        loop.keep_held(interrupt)
+        raise SecondInterrupt(preemption.interrupt_line()) from None
+    except BaseException:  # no stop of the user's: the held write is this run's file, never resumed
         run.checkpoint_file.discard()
         raise
     loop.keep_held()  # none is left held where the run ends (its last write is made at once), but never lose one

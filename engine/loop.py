@@ -654,10 +654,11 @@ class TrainLoop:
             on_kept()
 
     def keep_held(self, error: Optional[BaseException] = None) -> None:
-        """The run stops (`error`: fails) before an update measures the held write's weights: no loss will come, so
-        the write is made as the run's last writes are, renamed over checkpoint.pt (after an error this process
-        alone: checkpoint.pt of the last completed update, as a write at once would have left it), unless the
-        error is one that stops a run on purpose (a NaN, the divergence guard): then it is deleted."""
+        """The run stops (`error`: fails, or a second interrupt stops it at once) before an update measures the held
+        write's weights: no loss will come, so the write is made as the run's last writes are, renamed over
+        checkpoint.pt (after an error this process alone: checkpoint.pt of the last completed update, as a write at
+        once would have left it), unless the error is one that stops a run on purpose (a NaN, the divergence guard):
+        then it is deleted."""
         if self._held_step() is None:
             return
         on_kept, self._on_kept = self._on_kept, None

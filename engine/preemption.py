@@ -194,7 +194,11 @@ class Preemption:
             self.signum = self._unannounced = signum
         elif signum == signal.SIGINT and now - self.first_signal_at > self.repeat_window_s:
             self.restore()
-            raise SecondInterrupt(second_interrupt_line(self.saves, self.saves_at, self._saves_at_start))
+            raise SecondInterrupt(self.interrupt_line())
+
+    def interrupt_line(self) -> str:
+        """The line of a second interrupt (`second_interrupt_line`), of `saves_at` as it is now."""
+        return second_interrupt_line(self.saves, self.saves_at, self._saves_at_start)
 
     def should_stop(self, step: int = 0, boundary: bool = False) -> bool:
         """True once a stop was requested on any rank; the same answer on every rank.

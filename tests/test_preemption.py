@@ -673,14 +673,16 @@ def test_train_py_run_in_this_process_leaves_the_stop_signal_handlers_as_they_we
     assert {s: signal.getsignal(s) for s in before} == before
 
 
-def second_ctrl_c_run(tmp_path, capsys, monkeypatch, first_at: int, *overrides: str) -> tuple[int, str, str]:
+def second_ctrl_c_run(tmp_path, capsys, monkeypatch, first_at: int, *overrides: str,
+                      in_write: int = 1) -> tuple[int, str, str]:
     """train.py in this process: a first Ctrl-C after update `first_at` asks for a checkpoint at the next update, a
-    second one more than 2 s later (the repeat window) comes inside that checkpoint's write (which it then drops)."""
+    second one more than 2 s later (the repeat window) comes inside that checkpoint's write (which it then drops):
+    inside the `in_write`-th write from the first Ctrl-C on (2: the stop's, after a write held back at that update)."""
     import torch.optim.optimizer as optimizer_module
 
     import engine.checkpoint as checkpoint_module
 
-    updates = [0]
+    updates, writes = [0], [0]
 
     def first_ctrl_c(*_):
         updates[0] += 1
@@ -690,7 +692,8 @@ def second_ctrl_c_run(tmp_path, capsys, monkeypatch, first_at: int, *overrides: 
     save = checkpoint_module.torch.save
 
     def slow_save_with_a_second_ctrl_c(obj, f, *args, **kwargs):
-        if updates[0] >= first_at:  # the stop's write, not an earlier checkpoint.pt of the run
+        writes[0] += updates[0] >= first_at
+        if updates[0] >= first_at and writes[0] == in_write:  # the stop's write, not an earlier one of the run
             time.sleep(2.2)  # past the 2 s within which a repeated signal is the same request
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.5)
@@ -741,5 +744,23 @@ def test_a_second_ctrl_c_after_the_run_wrote_a_checkpoint_says_the_same_command_
             f"asked for; the same command resumes from {tmp_path / 'checkpoint.pt'}, the last one written")
     assert err.strip().splitlines() == [line]
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["state"]["step"] == 2
+    train.main(debug_config("train.ckpt_every_steps=2"))
+    assert f"resumed from {tmp_path / 'checkpoint.pt'} at epoch 0, update 2" in (tmp_path / "train.log").read_text()
+
+
+def test_a_second_ctrl_c_inside_the_stops_write_keeps_the_write_held_back_at_that_update(tmp_path, capsys,
+                                                                                         monkeypatch, debug_config):
+    """train.ckpt_every_steps=2 held back its write of update 2 (engine/loop.py TrainLoop.checkpoint); a first
+    Ctrl-C at update 2 made the stop write update 2 again, and a second inside that write deleted the held one, a
+    whole checkpoint: the line said that none was written and the same command started afresh. A stop makes the held
+    write checkpoint.pt (docs/operations.md), and the second interrupt does too: the same command resumes at 2."""
+    code, out, err = second_ctrl_c_run(tmp_path, capsys, monkeypatch, 2, "train.ckpt_every_steps=2", in_write=2)
+    tmp_path = tmp_path / "run"
+    assert code == 130, err[-3000:]
+    line = ("error: stopped at once by a second interrupt (Ctrl-C), without waiting for the checkpoint.pt the first "
+            f"asked for; the same command resumes from {tmp_path / 'checkpoint.pt'}, the last one written")
+    assert err.strip().splitlines() == [line]
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["state"]["step"] == 2
+    assert not [name for name in os.listdir(tmp_path) if ".partial-" in name]
     train.main(debug_config("train.ckpt_every_steps=2"))
     assert f"resumed from {tmp_path / 'checkpoint.pt'} at epoch 0, update 2" in (tmp_path / "train.log").read_text()
