@@ -5,8 +5,8 @@ cannot replace it without --overwrite.
 later, and another command given the same --out meanwhile may have written it. Each output is therefore written
 to a temporary file and then published by `run_dir.write_whole`: without --overwrite it appears only where no
 file is (atomically), and otherwise the command stops with one RunDirError naming the file and --overwrite.
-A script whose outputs have fixed names marks them (`source_mark` in a PNG, its columns in a CSV's header) and
-lets --overwrite replace only files so marked (`refuse_others_files`).
+A script whose outputs have fixed names marks them (`source_mark` in a PNG, its columns in a CSV's header, its own
+keys in a JSON object) and lets --overwrite replace only files so marked (`refuse_others_files`).
 """
 from __future__ import annotations
 
@@ -90,24 +90,30 @@ def png_text(path: str) -> dict[str, str]:
     return entries
 
 
-def written_by(path: str, source: str, csv_fields) -> bool:
-    """Whether the file at `path` is an output of the script `source`: a PNG that holds its `source_mark`, a CSV
-    whose header line is `csv_fields`'."""
+def written_by(path: str, source: str, csv_fields=(), json_keys=()) -> bool:
+    """Whether the file at `path` is an output of the script `source`: a PNG that holds its `source_mark`, a JSON
+    object that holds every key of `json_keys`, a CSV whose header line is `csv_fields`'."""
     try:
         if path.endswith(".png"):
             return png_text(path).get(PNG_SOURCE_KEY) == source
+        if path.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            return isinstance(data, dict) and set(json_keys) <= data.keys()
         with open(path, "rb") as f:
             return f.readline().rstrip(b"\r\n") == ",".join(csv_fields).encode()
-    except OSError:
+    except (OSError, ValueError):  # ValueError: no JSON (UnicodeDecodeError is one)
         return False
 
 
-def refuse_others_files(paths: list[str], source: str, csv_fields) -> None:
+def refuse_others_files(paths: list[str], source: str, csv_fields=(), json_keys=()) -> None:
     """A RunDirError naming the first file of `paths` there that the script `source` did not write (`written_by`):
     its --overwrite replaces only its own outputs ("Nothing lost"), never a figure or table another script or a
     person put at the same name."""
     for path in paths:
-        if os.path.exists(path) and not written_by(path, source, csv_fields):
-            mark = f"its PNG text {PNG_SOURCE_KEY}" if path.endswith(".png") else "the header of its columns"
+        if os.path.exists(path) and not written_by(path, source, csv_fields, json_keys):
+            mark = f"its PNG text {PNG_SOURCE_KEY}" if path.endswith(".png") else \
+                f"a JSON object with the keys {', '.join(json_keys)}" if path.endswith(".json") else \
+                "the header of its columns"
             raise RunDirError(f"{path} is not a file {os.path.basename(source)} wrote ({mark} is not there), and "
                               "--overwrite replaces only those: choose another --out, or move the file aside")

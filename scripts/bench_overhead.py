@@ -55,7 +55,7 @@ from bench_quant import undivided_heads, vit_heads  # noqa: E402
 from cd import TWEO, ColinearityDecay  # noqa: E402
 from cd.update import _products_in  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
-from engine.outputs import save_figure, write_json  # noqa: E402
+from engine.outputs import refuse_others_files, save_figure, source_mark, write_json  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, first_line, refuse_repeats  # noqa: E402
 from configs.schema import OptimConfig, TrainConfig  # noqa: E402
@@ -70,6 +70,11 @@ _UNSET = object()
 # CD's norms_every in train.py is its log interval (cfg.train.log_every_steps): timed at the schema's default, so that
 # the CD arms run the update that training runs (the norms are a metric, off on the other updates)
 NORMS_EVERY = TrainConfig().log_every_steps
+# By these --overwrite knows its own outputs (engine.outputs.refuse_others_files): the PNG's text entry Source, and
+# keys of each JSON that every version of it has written and another's JSON of that name is unlikely to hold
+SOURCE = "scripts/bench_overhead.py"
+OVERHEAD_KEYS = ("model", "warmup", "steps", "memory", "rows")
+APPLY_KEYS = ("model", "warmup", "steps", "apply_only")
 
 
 def cd_norms_every(args) -> int:
@@ -326,7 +331,7 @@ def plot(rows: list[dict], path: str, has_memory: bool, title: str, overwrite: b
             ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    save_figure(fig, path, overwrite, dpi=120)
+    save_figure(fig, path, overwrite, dpi=120, metadata=source_mark(SOURCE))  # refuse_others_files knows it
 
 
 def apply_only(base: dict, widths: list[int], args, device: str, env: dict) -> dict:
@@ -341,11 +346,14 @@ def apply_only(base: dict, widths: list[int], args, device: str, env: dict) -> d
     os.makedirs(args.out, exist_ok=True)
     report = {**env, "threads": torch.get_num_threads(), "warmup": args.warmup, "steps": args.steps,
               "norms_every": args.norms_every, "model": base, "apply_only": rows}
+    path = os.path.join(args.out, "apply.json")
     try:  # never over an apply.json another command wrote since this one started
-        write_json(os.path.join(args.out, "apply.json"), report, args.overwrite, indent=1)
+        if args.overwrite:  # nor over another's that another command put there meanwhile
+            refuse_others_files([path], SOURCE, json_keys=APPLY_KEYS)
+        write_json(path, report, args.overwrite, indent=1)
     except RunDirError as e:
         sys.exit(f"error: {e}")
-    print(f"wrote {os.path.join(args.out, 'apply.json')}")
+    print(f"wrote {path}")
     return report
 
 
@@ -432,6 +440,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                (("apply.json",) if args.apply_only else ("overhead.json", "overhead.png"))]
     try:
         refuse_existing_outputs(written, args.overwrite)
+        if args.overwrite:  # a JSON or figure of another's at these names is not this script's to replace
+            refuse_others_files(written, SOURCE, json_keys=APPLY_KEYS if args.apply_only else OVERHEAD_KEYS)
     except RunDirError as e:
         sys.exit(f"error: {e}")
     device = args.device
@@ -479,8 +489,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
               "norms_every": args.norms_every, "small": args.small, "model": base,
               "memory": "torch.cuda.max_memory_allocated" if device == "cuda" else "n/a", "rows": rows}
     try:  # never over an output another command wrote since this one started
-        write_json(os.path.join(args.out, "overhead.json"), report, args.overwrite, indent=1)
-        plot(rows, os.path.join(args.out, "overhead.png"), has_memory=device == "cuda",
+        if args.overwrite:  # nor over another's that another command put there meanwhile
+            refuse_others_files(written, SOURCE, json_keys=OVERHEAD_KEYS)
+        write_json(written[0], report, args.overwrite, indent=1)
+        plot(rows, written[1], has_memory=device == "cuda",
              title=f"{hw}, AMP {args.amp}: baseline vs CD vs TWEO (memory-saving / plain)", overwrite=args.overwrite)
     except RunDirError as e:
         sys.exit(f"error: {e}")

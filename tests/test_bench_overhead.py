@@ -658,3 +658,43 @@ def test_epochs_protocol_refuses_a_value_given_twice_before_the_first_run(tmp_pa
     assert refused.value.code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("error: ") and f"argument {flag[0]}: {flag[-1]} given twice" in lines[0], lines
     assert not (tmp_path / "ep").exists()  # nothing ran
+
+
+def canned_sweep(name, configs, args, device):
+    """run_sweep's rows for each configuration without timing a step (the outputs are what is under test)."""
+    return [{"sweep": name, "method": m, "batch": batch, "embed_dim": kw["embed_dim"], "fused": False,
+             "step_ms": 1.0, "peak_mib": None, **({"cd_apply_ms": 1.0, "cd_floor_ms": 1.0} if m == "cd" else {})}
+            for kw, batch in configs for m in ("baseline", "cd", "tweo", "tweo_plain")]
+
+
+OTHERS_FILES = {".json": b'{"name": "someone else\'s table"}\n', ".png": b"\x89PNG\r\n\x1a\nsomeone's figure"}
+
+
+@pytest.mark.parametrize("foreign", ["apply.json", "overhead.json", "overhead.png"])
+def test_overwrite_replaces_only_the_files_bench_overhead_wrote(tmp_path, monkeypatch, foreign):
+    """--overwrite replaced any overhead.json / overhead.png / apply.json in --out: a paper's figure or another
+    script's JSON of that name was lost. It replaces only its own (a JSON by its keys, a PNG by its text entry
+    Source) and refuses any other with one error line before any timing, leaving every file as it was; the
+    reference is the files' bytes before."""
+    bench = _bench()
+    monkeypatch.setattr(bench, "run_sweep", canned_sweep)
+    monkeypatch.setattr(bench, "measure_apply", lambda kw, args, device: {"cd_apply_ms": 2.0, "cd_floor_ms": 1.0,
+                                                                          "precision": "fp32"})
+    argv = ["--device", "cpu", "--small", "--widths", "64", "--out", str(tmp_path)]
+    argv += ["--apply-only"] if foreign == "apply.json" else ["--batches", "2"]
+    bench.main(argv)
+    mine = (tmp_path / foreign).read_bytes()
+    bench.main(argv + ["--overwrite"])  # its own: replaced
+    (tmp_path / foreign).write_bytes(OTHERS_FILES[os.path.splitext(foreign)[1]])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    monkeypatch.setattr(bench, "environment", lambda device: pytest.fail("timed over another's file"))
+    with pytest.raises(SystemExit) as refused:
+        bench.main(argv + ["--overwrite"])
+    message = str(refused.value.code)
+    assert message.startswith(f"error: {tmp_path / foreign} is not a file bench_overhead.py wrote"), message
+    assert "\n" not in message and "move the file aside" in message
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    monkeypatch.undo()
+    monkeypatch.setattr(bench, "run_sweep", canned_sweep)
+    (tmp_path / foreign).write_bytes(mine)  # this script's file again: replaced
+    bench.main(argv + ["--overwrite"])

@@ -5,6 +5,7 @@ and --overwrite, and leaves no temporary; with --overwrite it replaces it. Check
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import pytest
@@ -55,8 +56,8 @@ def test_overwrite_replaces_it(tmp_path, file_system):
     assert path.read_text() == "ours" and os.listdir(tmp_path) == ["out.json"]
 
 
-def written_after_the_check(module, monkeypatch) -> None:
-    """The script's start-up check passes, then another command writes each output it checked."""
+def written_after_the_check(module, monkeypatch, text: str = THEIRS) -> None:
+    """The script's start-up check passes, then another command writes `text` to each output it checked."""
     if not hasattr(module, "refuse_existing_outputs"):  # imported inside main(): from engine.run_dir then
         module = run_dir
     check = module.refuse_existing_outputs
@@ -66,7 +67,7 @@ def written_after_the_check(module, monkeypatch) -> None:
         for path in paths:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             with open(path, "w") as f:
-                f.write(THEIRS)
+                f.write(text)
     monkeypatch.setattr(module, "refuse_existing_outputs", then_another_command_writes)
 
 
@@ -90,8 +91,6 @@ def test_bench_overhead_keeps_an_apply_json_written_meanwhile(tmp_path, monkeypa
 
 
 def test_overhead_epochs_keeps_outputs_written_meanwhile(tmp_path, monkeypatch, capsys):
-    import json
-
     from tests.conftest import ROOT
     from tests.test_bench_overhead import run_commands_with
 
@@ -125,12 +124,28 @@ def test_bench_quant_keeps_a_file_written_meanwhile(tmp_path, monkeypatch, capsy
     assert out.read_text() == THEIRS and os.listdir(tmp_path) == ["q.json"]
 
 
-def test_with_overwrite_the_script_replaces_it(tmp_path, monkeypatch):
+# An apply.json of the script's own (its keys), as another bench_overhead.py command writes it
+ITS_OWN = '{"model": {}, "warmup": 0, "steps": 1, "apply_only": []}'
+
+
+def test_with_overwrite_the_script_replaces_its_own(tmp_path, monkeypatch):
     bench = load_script("bench_overhead")
-    written_after_the_check(bench, monkeypatch)
+    written_after_the_check(bench, monkeypatch, ITS_OWN)
     bench.main(["--device", "cpu", "--small", "--apply-only", "--widths", "32", "--steps", "1", "--warmup", "0",
                 "--threads", "1", "--out", str(tmp_path), "--overwrite"])
-    assert (tmp_path / "apply.json").read_text() != THEIRS and os.listdir(tmp_path) == ["apply.json"]
+    assert (tmp_path / "apply.json").read_text() != ITS_OWN and os.listdir(tmp_path) == ["apply.json"]
+
+
+def test_with_overwrite_the_script_keeps_another_s_file_written_meanwhile(tmp_path, monkeypatch, capsys):
+    """--overwrite replaces only the script's own outputs (engine.outputs.refuse_others_files), also at the write:
+    another's file put there after the start-up check is kept, with one error line."""
+    bench = load_script("bench_overhead")
+    written_after_the_check(bench, monkeypatch)
+    argv = ["--device", "cpu", "--small", "--apply-only", "--widths", "32", "--steps", "1", "--warmup", "0",
+            "--threads", "1", "--out", str(tmp_path), "--overwrite"]
+    message = refused_line(bench.main, argv, capsys)
+    assert message.startswith(f"error: {tmp_path / 'apply.json'} is not a file bench_overhead.py wrote"), message
+    assert (tmp_path / "apply.json").read_text() == THEIRS and os.listdir(tmp_path) == ["apply.json"]
 
 
 def test_compare_act_max_keeps_a_table_and_figure_written_meanwhile(tmp_path, monkeypatch, capsys):
@@ -214,9 +229,9 @@ def test_a_scripts_output_that_is_a_link_is_written_through_with_overwrite(tmp_p
     (tmp_path / "out").mkdir()
     (tmp_path / "kept").mkdir()
     target = tmp_path / "kept" / "apply.json"
-    target.write_text("old")
+    target.write_text(ITS_OWN)  # an earlier apply.json of the script: --overwrite replaces only its own
     (tmp_path / "out" / "apply.json").symlink_to(target)
     bench.main(["--device", "cpu", "--small", "--apply-only", "--widths", "32", "--steps", "1", "--warmup", "0",
                 "--threads", "1", "--out", str(tmp_path / "out"), "--overwrite"])
     assert (tmp_path / "out" / "apply.json").is_symlink()
-    assert target.read_text().lstrip().startswith("{")  # the new JSON, through the link
+    assert target.read_text() != ITS_OWN and "apply_only" in json.loads(target.read_text())  # the new, through it
