@@ -52,12 +52,16 @@ sys.path.insert(0, ROOT)
 from configs.cli import OneLineParser, at_least, move_overrides, refuse_repeats  # noqa: E402
 from engine.exit_codes import EXIT_PREEMPTED  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
-from engine.outputs import save_figure, write_json  # noqa: E402
+from engine.outputs import refuse_others_files, save_figure, source_mark, write_json  # noqa: E402
 from launchers import (ForwardedSignals, launcher_world_size, log_mark,  # noqa: E402  (scripts/)
                        stopped_after_checkpoint)
 METHODS = {"baseline": [], "cd": ["configs/method/cd.yaml"], "tweo": ["configs/method/tweo.yaml"],
            "tweo_plain": ["configs/method/tweo.yaml", "tweo.form=plain"]}
 WIDTH_MODELS = ["vit_small_patch16_224", "vit_base_patch16_224", "vit_large_patch16_224"]  # D 384/768/1024
+# By these --overwrite knows its own outputs (engine.outputs.refuse_others_files): epochs.png's text entry Source, and
+# keys that every version of epochs.json has held and another's JSON of that name is unlikely to hold
+SOURCE = "scripts/overhead_epochs.py"
+REPORT_KEYS = ("protocol", "recipe", "launcher", "global_batch", "runs", "rows")
 
 
 # the keys each timed run gets from the protocol (run_config): an override of one would time another run
@@ -251,7 +255,7 @@ def plot(rows: list[dict], path: str, title: str, overwrite: bool) -> None:
                 ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
-    save_figure(fig, path, overwrite, dpi=120)
+    save_figure(fig, path, overwrite, dpi=120, metadata=source_mark(SOURCE))  # refuse_others_files knows it
 
 
 def build_parser(**kwargs) -> OneLineParser:
@@ -300,6 +304,8 @@ def main(argv: Optional[list[str]] = None, parents: tuple = ()) -> dict:
 
     try:
         refuse_existing_outputs(written, args.overwrite)
+        if args.overwrite:  # a JSON or figure of another's at these names is not this script's to replace
+            refuse_others_files(written, SOURCE, json_keys=REPORT_KEYS)
         # read as given, from here: a missing relative one is train.py's own error (naming the checkout's file of
         # that name, if any)
         recipe_config = load_config([args.recipe], list(args.overrides))
@@ -375,6 +381,8 @@ def main(argv: Optional[list[str]] = None, parents: tuple = ()) -> dict:
               "launcher": args.launcher, "global_batch": args.global_batch, "epochs": args.epochs, "runs": args.runs,
               "overrides": args.overrides, "rows": rows}
     try:  # never over an output another command wrote since this one started
+        if args.overwrite:  # nor over another's that another command put there meanwhile
+            refuse_others_files(written, SOURCE, json_keys=REPORT_KEYS)
         write_json(written[0], report, args.overwrite, indent=1)
         plot(rows, written[1], f"global batch {args.global_batch}, {args.epochs} epochs x {args.runs} runs",
              args.overwrite)

@@ -698,3 +698,39 @@ def test_overwrite_replaces_only_the_files_bench_overhead_wrote(tmp_path, monkey
     monkeypatch.setattr(bench, "run_sweep", canned_sweep)
     (tmp_path / foreign).write_bytes(mine)  # this script's file again: replaced
     bench.main(argv + ["--overwrite"])
+
+
+@pytest.mark.parametrize("foreign", ["epochs.json", "epochs.png"])
+def test_overwrite_replaces_only_the_files_overhead_epochs_wrote(tmp_path, monkeypatch, foreign):
+    """--overwrite replaced any epochs.json / epochs.png in --out, after hours of runs: another script's JSON or a
+    paper's figure of that name was lost. It replaces only its own (the JSON by its keys, the PNG by its text entry
+    Source) and refuses any other with one error line before the first run starts, leaving every file as it was;
+    the reference is the files' bytes before."""
+    epochs = _epochs_script()
+    started = []
+
+    def stand_in(cmd, cwd):  # a train.py stand-in: a run that timed its one epoch
+        out = next(a.split("=", 1)[1] for a in cmd if a.startswith("out_dir="))
+        started.append(out)
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"epoch/train_seconds": 1.0}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    run_commands_with(monkeypatch, stand_in)
+    argv = ["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8", "--models",
+            "--methods", "baseline", "--epochs", "1", "--runs", "1", "--out", str(tmp_path)]
+    epochs.main(argv)
+    mine = (tmp_path / foreign).read_bytes()
+    epochs.main(argv + ["--overwrite"])  # its own: replaced
+    (tmp_path / foreign).write_bytes(OTHERS_FILES[os.path.splitext(foreign)[1]])
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    with pytest.raises(SystemExit) as refused:
+        epochs.main(argv + ["--overwrite"])
+    message = str(refused.value.code)
+    assert message.startswith(f"error: {tmp_path / foreign} is not a file overhead_epochs.py wrote"), message
+    assert "\n" not in message and "move the file aside" in message and len(started) == 2
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    (tmp_path / foreign).write_bytes(mine)  # this script's file again: replaced
+    epochs.main(argv + ["--overwrite"])
+    assert len(started) == 3

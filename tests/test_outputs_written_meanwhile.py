@@ -235,3 +235,32 @@ def test_a_scripts_output_that_is_a_link_is_written_through_with_overwrite(tmp_p
                 "--threads", "1", "--out", str(tmp_path / "out"), "--overwrite"])
     assert (tmp_path / "out" / "apply.json").is_symlink()
     assert target.read_text() != ITS_OWN and "apply_only" in json.loads(target.read_text())  # the new, through it
+
+
+def test_overhead_epochs_with_overwrite_keeps_another_s_outputs_written_during_its_runs(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """--overwrite replaces only the protocol's own epochs.json / epochs.png (engine.outputs.refuse_others_files),
+    also at the write after the runs: another's files put there while the runs trained are kept, with one error
+    line."""
+    from tests.conftest import ROOT
+    from tests.test_bench_overhead import run_commands_with
+
+    epochs = load_script("overhead_epochs")
+
+    def run_while_another_writes(cmd, cwd):  # a train.py stand-in; meanwhile another command writes both files
+        out = next(a.split("=", 1)[1] for a in cmd if a.startswith("out_dir="))
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"epoch/train_seconds": 1.0}) + "\n")
+        for name in ("epochs.json", "epochs.png"):
+            (tmp_path / name).write_text(THEIRS)
+        return type("Done", (), {"returncode": 0})()
+
+    run_commands_with(monkeypatch, run_while_another_writes)
+    monkeypatch.chdir(ROOT)
+    argv = ["--recipe", "configs/debug/tiny.yaml", "--global-batch", "16", "--batches", "8", "--models",
+            "--methods", "baseline", "--epochs", "1", "--runs", "1", "--out", str(tmp_path), "--overwrite"]
+    message = refused_line(epochs.main, argv, capsys)
+    assert message.startswith(f"error: {tmp_path / 'epochs.json'} is not a file overhead_epochs.py wrote"), message
+    assert (tmp_path / "epochs.json").read_text() == THEIRS and (tmp_path / "epochs.png").read_text() == THEIRS
+    assert sorted(os.listdir(tmp_path)) == ["epochs.json", "epochs.png", "runs"]
