@@ -52,12 +52,15 @@ from engine.checkpoint import run_checkpoint_config, weights_fingerprint  # noqa
 from engine.eval_results import ResultsError, settings_change  # noqa: E402
 from engine.quant_settings import quant_settings  # noqa: E402
 from engine.preemption import EXIT_PREEMPTED, Preempted, ignore_sigterm_until_exit  # noqa: E402
-from engine.outputs import write_json  # noqa: E402
+from engine.outputs import refuse_others_files, write_json  # noqa: E402
 from engine.run_dir import refuse_existing_outputs  # noqa: E402
 from quant.plan import planned  # noqa: E402
 from quant.spec import parse_bits  # noqa: E402
 
 ALL = ["percentile", "repq", "gplq"]
+# By these --overwrite knows its own summary (engine.outputs.refuse_others_files): the keys of the JSON it writes
+SOURCE = "scripts/quant_sensitivity.py"
+SUMMARY_KEYS = ("checkpoint", "bits", "overrides", "top1")
 APHQ_VARIANTS = ("official", "first_last=w8a8")  # the open details that apply to APHQ
 VARIANTS = {
     "official": (ALL, []),
@@ -291,7 +294,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--bits", default="w4a4")
     parser.add_argument("--with-aphq", action="store_true", help="also APHQ (official, first_last=w8a8)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing summary JSON")
+    parser.add_argument("--overwrite", action="store_true", help="replace the summary JSON this script wrote in --out")
     parser.epilog = passed_on_epilog(parser, evaluate.build_parser(), "evaluate.py")
     args = parser.parse_args(argv)
     try:  # a usage error (status 2), as argparse's, not evaluate.py's refusal of the first variant's quant.bits
@@ -310,6 +313,8 @@ def main(argv=None) -> dict:
     refuse_language_model(args.checkpoint)
     summary = os.path.join(args.out, f"sensitivity_{args.bits}.json")
     refuse_existing_outputs([summary], args.overwrite)  # before the variants' evaluations
+    if args.overwrite:  # a JSON of another's at this fixed name is not this script's to replace
+        refuse_others_files([summary], SOURCE, json_keys=SUMMARY_KEYS)
     variants, skipped = checked_variants(args.checkpoint, args.out, args.overrides, args.bits, args.with_aphq)
     for variant, why in skipped.items():
         print(f"warning: variant '{variant}' skipped: {why}", file=sys.stderr)
@@ -320,6 +325,8 @@ def main(argv=None) -> dict:
     table = run(args.checkpoint, args.out, args.overrides, args.bits, variants)
     print(markdown(table, args.bits))
     # never over a summary another command wrote since this one started (RunDirError: one error line)
+    if args.overwrite:  # nor over another's that another command put there meanwhile
+        refuse_others_files([summary], SOURCE, json_keys=SUMMARY_KEYS)
     write_json(summary, {"checkpoint": os.path.abspath(args.checkpoint), "bits": args.bits,
                          "overrides": args.overrides, "top1": table, **({"skipped": skipped} if skipped else {})},
                args.overwrite, indent=1)

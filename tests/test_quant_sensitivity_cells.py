@@ -94,3 +94,32 @@ def test_a_change_is_the_difference_of_the_figures_printed():
                                                       "w4a4")
     official, variant = table.splitlines()[2:]
     assert "| 33.33 |" in official and "| 66.67 (+33.34) |" in variant
+
+
+def test_overwrite_replaces_only_a_summary_this_script_wrote(encoded_evaluations, tmp_path, monkeypatch):
+    """--overwrite replaced any sensitivity_<bits>.json in --out, a fixed name in a folder the user gave: another
+    script's JSON of that name was lost. It replaces only its own summary (known by its keys) and refuses any other
+    before the first evaluation, with one error naming the file, which stays as it was."""
+    from engine.run_dir import RunDirError
+
+    sensitivity = load_script("quant_sensitivity")
+    out = tmp_path / "sens"
+    out.mkdir()
+    argv = ["--checkpoint", str(tmp_path / "best.pt"), "--out", str(out), "--bits", "w4a4"]
+    sensitivity.main(argv)
+    summary = out / "sensitivity_w4a4.json"
+    mine = summary.read_bytes()
+    sensitivity.main(argv + ["--overwrite"])  # its own: replaced
+    others = b'{"bits": "w4a4", "note": "someone else\'s table"}\n'
+    summary.write_bytes(others)
+    monkeypatch.setattr(evaluate, "main", lambda args: pytest.fail("evaluated over another's file"))
+    with pytest.raises(RunDirError) as refused:
+        sensitivity.main(argv + ["--overwrite"])
+    message = str(refused.value)
+    assert message.startswith(f"{summary} is not a file quant_sensitivity.py wrote") and "\n" not in message
+    assert summary.read_bytes() == others
+    summary.write_bytes(mine)  # this script's summary again: replaced
+    monkeypatch.undo()
+    monkeypatch.setattr(evaluate, "main", lambda args: {"quant": {p: {"w4a4": {"top1": 1.0}} for p in args.quant}})
+    sensitivity.main(argv + ["--overwrite"])
+    assert json.loads(summary.read_text())["top1"]["official"]["percentile"] == 1.0
