@@ -99,6 +99,16 @@ from quant import PIPELINES, evaluate_quantized, parse_bits  # noqa: E402
 
 OUTPUTS = {"surrogate": ("surrogate.png", "surrogate.csv"), "alignment": ("alignment.png", "alignment.csv"),
            "remove": ("remove.json", "remove.png"), "energies": ("energies.png", "energies.csv")}
+# By these --overwrite knows a subcommand's own outputs (engine.outputs.refuse_others_files): its PNG's text entry
+# Source, its CSV's header (the columns), its JSON's keys; another's file at one of these names is never replaced
+SOURCE = "scripts/mechanism.py"
+SURROGATE_FIELDS = ["block", "tokens", "channels", "pearson", "top1pct_sign_agreement", "max_abs_real",
+                    "max_abs_surrogate", "channel_max_real", "channel_max_surrogate", "top5_channels_shared"]
+ALIGNMENT_FIELDS = ["rank", "block", "block_index", "direction", "row", "alpha", "singular_value", "gain"]
+ENERGY_FIELDS = ["label", "source", "role", "block", "w2", "w1", "energy", "energy_raw"]
+OWN = {"surrogate": {"csv_fields": SURROGATE_FIELDS}, "alignment": {"csv_fields": ALIGNMENT_FIELDS},
+       "remove": {"json_keys": ("source", "model", "method", "pipeline", "bits", "results")},
+       "energies": {"csv_fields": ENERGY_FIELDS}}
 
 
 log = logging.getLogger("mechanism")
@@ -569,14 +579,16 @@ def select_blocks(blocks: list[tuple[str, object]], wanted: Optional[Sequence[st
     return list(dict.fromkeys(chosen))
 
 
-def check_outputs(out: str, names: Sequence[str], overwrite: bool) -> list[str]:
-    """The output paths, checked before any work: --out must be a usable folder, and no file may be
-    replaced without --overwrite (a figure is often the only record of how it was made)."""
+def check_outputs(out: str, command: str, overwrite: bool) -> list[str]:
+    """The output paths of the subcommand `command`, checked before any work: --out must be a usable folder, and
+    no file may be replaced without --overwrite (a figure is often the only record of how it was made), nor
+    another's with it (`refuse_others`)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise MechanismError(f"--out {out} is a file; give a folder")
-    paths = [os.path.join(out, n) for n in names]
+    paths = [os.path.join(out, n) for n in OUTPUTS[command]]
     try:
         refuse_existing_outputs(paths, overwrite)
+        refuse_others(command, paths, overwrite)
     except RunDirError as e:
         raise MechanismError(str(e)) from None
     prepare_folder(out, setting="--out")
@@ -594,6 +606,18 @@ def val_loader(cfg, img_size: int, batch: int):
 def grid(n: int, cols: int = 4) -> tuple[int, int]:
     cols = min(n, cols)
     return math.ceil(n / cols), cols
+
+
+def refuse_others(command: str, paths: Sequence[str], overwrite: bool) -> None:
+    """With --overwrite, a RunDirError naming the first of `paths` that the subcommand `command` did not write
+    (OWN): at the start, and again at the write, for a file another command put there meanwhile."""
+    if overwrite:
+        outputs.refuse_others_files(list(paths), SOURCE, **OWN[command])
+
+
+def save_marked(fig, path: str, overwrite: bool) -> None:
+    """The figure at `path`, marked as this script's (its PNG text Source), by which `refuse_others` knows it."""
+    save_figure(fig, path, overwrite, dpi=120, metadata=outputs.source_mark(SOURCE))
 
 
 def write_csv(path: str, rows: Sequence[dict], fields: Sequence[str], overwrite: bool) -> None:
@@ -637,7 +661,7 @@ def plot_points(real: torch.Tensor, sur: torch.Tensor, limit: int, seed: int = 0
 
 
 def cmd_surrogate(args: argparse.Namespace) -> dict:
-    png, csv_path = check_outputs(args.out, OUTPUTS["surrogate"], args.overwrite)
+    png, csv_path = check_outputs(args.out, "surrogate", args.overwrite)
     loaded = load(args, images=True)
     device = pick_device(loaded.cfg, args.device)
     model = loaded.model.to(device)
@@ -669,8 +693,9 @@ def cmd_surrogate(args: argparse.Namespace) -> dict:
     fig.suptitle(f"FFN branch vs no-activation surrogate, {args.images} val images\n{loaded.source}",
                  fontsize=8)
     fig.tight_layout()
-    save_figure(fig, png, args.overwrite, dpi=120)
-    write_csv(csv_path, rows, list(rows[0]), args.overwrite)
+    refuse_others("surrogate", [png, csv_path], args.overwrite)
+    save_marked(fig, png, args.overwrite)
+    write_csv(csv_path, rows, SURROGATE_FIELDS, args.overwrite)
     for r in rows:
         print(f"{r['block']}: pearson {r['pearson']:.3f}, max |real| {r['max_abs_real']:.2f}, "
               f"max |surrogate| {r['max_abs_surrogate']:.2f}, "
@@ -679,7 +704,7 @@ def cmd_surrogate(args: argparse.Namespace) -> dict:
 
 
 def cmd_alignment(args: argparse.Namespace) -> dict:
-    png, csv_path = check_outputs(args.out, OUTPUTS["alignment"], args.overwrite)
+    png, csv_path = check_outputs(args.out, "alignment", args.overwrite)
     loaded = load(args)
     blocks = select_blocks(ffn_pairs(loaded.model), args.blocks)
     rows, alphas = rank_directions(blocks)
@@ -723,9 +748,9 @@ def cmd_alignment(args: argparse.Namespace) -> dict:
     fig.suptitle(f"FC1-FC2 alignment (App. A.1, Eq. (13)): {loaded.source}", fontsize=8)
     fig.tight_layout()
     # files only once everything is computed and drawn: a failure leaves no partial output to refuse later
-    save_figure(fig, png, args.overwrite, dpi=120)
-    write_csv(csv_path, rows, ["rank", "block", "block_index", "direction", "row", "alpha", "singular_value",
-                               "gain"], args.overwrite)
+    refuse_others("alignment", [png, csv_path], args.overwrite)
+    save_marked(fig, png, args.overwrite)
+    write_csv(csv_path, rows, ALIGNMENT_FIELDS, args.overwrite)
     for r in rows[:5]:
         print(f"#{r['rank']}: {r['block']} direction {r['direction']} row {r['row']}: "
               f"alpha {r['alpha']:.3f}, s {r['singular_value']:.3f}")
@@ -734,7 +759,7 @@ def cmd_alignment(args: argparse.Namespace) -> dict:
 
 def cmd_remove(args: argparse.Namespace) -> dict:
     bits = parse_bits(args.bits)  # its form checked by parse_args
-    json_path, png = check_outputs(args.out, OUTPUTS["remove"], args.overwrite)
+    json_path, png = check_outputs(args.out, "remove", args.overwrite)
     start = time.perf_counter()
     loaded = load(args, images=True)
     cfg, device = loaded.cfg, pick_device(loaded.cfg, args.device)
@@ -803,7 +828,8 @@ def cmd_remove(args: argparse.Namespace) -> dict:
     ax.legend(fontsize=8)
     fig.suptitle(f"removing aligned directions (App. A.1): {loaded.source}", fontsize=8)
     fig.tight_layout()
-    save_figure(fig, png, args.overwrite, dpi=120)
+    refuse_others("remove", [json_path, png], args.overwrite)
+    save_marked(fig, png, args.overwrite)
     outputs.write_json(json_path, summary, args.overwrite, indent=1)
     return {"files": [json_path, png], **summary}
 
@@ -833,7 +859,7 @@ def distinct_tails(paths: Sequence[str]) -> list[str]:
 
 
 def cmd_energies(args: argparse.Namespace) -> dict:
-    png, csv_path = check_outputs(args.out, OUTPUTS["energies"], args.overwrite)
+    png, csv_path = check_outputs(args.out, "energies", args.overwrite)
     models = [load(args)]
     if args.compare:
         models.append(load_compare(args.compare, models[0], args))
@@ -863,9 +889,9 @@ def cmd_energies(args: argparse.Namespace) -> dict:
             ax.legend(fontsize=7)
     fig.suptitle("pair energies (Sec. 3.1, Eq. (2); normalised as App. A.2, Eq. (23))", fontsize=9)
     fig.tight_layout()
-    save_figure(fig, png, args.overwrite, dpi=120)
-    write_csv(csv_path, rows, ["label", "source", "role", "block", "w2", "w1", "energy", "energy_raw"],
-              args.overwrite)
+    refuse_others("energies", [png, csv_path], args.overwrite)
+    save_marked(fig, png, args.overwrite)
+    write_csv(csv_path, rows, ENERGY_FIELDS, args.overwrite)
     for role in roles:
         means = [sum(r["energy"] for r in t if r["role"] == role) / sum(r["role"] == role for r in t)
                  for t in tables]

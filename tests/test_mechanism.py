@@ -701,3 +701,28 @@ def test_a_config_layer_reaches_the_compared_checkpoint_too_and_is_checked_there
     with pytest.raises(mechanism.MechanismError, match=r"changes cd.enabled: True -> False over .*cd\.pt's own"):
         mechanism.main(["energies", "--checkpoint", base, "--compare", cd, "--config", str(layer),
                         "--out", str(tmp_path / "f")])
+
+
+@pytest.mark.parametrize("command, foreign", [("energies", "energies.png"), ("energies", "energies.csv"),
+                                              ("alignment", "alignment.csv")])
+def test_overwrite_replaces_only_the_files_mechanism_wrote(checkpoints, tmp_path, command, foreign):
+    """--overwrite replaced any surrogate / alignment / remove / energies file of its name in --out: a paper's
+    figure or another script's table of that name was lost. The script marks its outputs (a PNG's text entry Source,
+    a CSV's header of its columns, a JSON's keys) and replaces only those, refusing any other before any work with
+    one error naming the file and leaving every file as it was; the reference is the files' bytes before."""
+    base, _ = checkpoints
+    out = tmp_path / "figs"
+    argv = [command, "--checkpoint", base, "--out", str(out)]
+    mechanism.main(argv)
+    mine = (out / foreign).read_bytes()
+    mechanism.main(argv + ["--overwrite"])  # its own: replaced
+    other = b"\x89PNG\r\n\x1a\nsomeone's figure" if foreign.endswith(".png") else b"name,value\nlr,0.1\n"
+    (out / foreign).write_bytes(other)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(mechanism.MechanismError) as refused:
+        mechanism.main(argv + ["--overwrite"])
+    message = str(refused.value)
+    assert message.startswith(f"{out / foreign} is not a file mechanism.py wrote") and "\n" not in message, message
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / foreign).write_bytes(mine)  # this script's file again: replaced
+    mechanism.main(argv + ["--overwrite"])
