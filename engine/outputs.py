@@ -6,7 +6,8 @@ later, and another command given the same --out meanwhile may have written it. E
 to a temporary file and then published by `run_dir.write_whole`: without --overwrite it appears only where no
 file is (atomically), and otherwise the command stops with one RunDirError naming the file and --overwrite.
 A script whose outputs have fixed names marks them (`source_mark` in a PNG, its columns in a CSV's header, its own
-keys in a JSON object) and lets --overwrite replace only files so marked (`refuse_others_files`).
+keys in a JSON object, the header line of its table in a Markdown report) and lets --overwrite replace only files
+so marked (`refuse_others_files`).
 """
 from __future__ import annotations
 
@@ -90,9 +91,10 @@ def png_text(path: str) -> dict[str, str]:
     return entries
 
 
-def written_by(path: str, source: str, csv_fields=(), json_keys=()) -> bool:
+def written_by(path: str, source: str, csv_fields=(), json_keys=(), md_head: str = "") -> bool:
     """Whether the file at `path` is an output of the script `source`: a PNG that holds its `source_mark`, a JSON
-    object that holds every key of `json_keys`, a CSV whose header line is `csv_fields`'."""
+    object that holds every key of `json_keys`, a Markdown report whose first line is `md_head` (its table's
+    header), a CSV whose header line is `csv_fields`'."""
     try:
         if path.endswith(".png"):
             return png_text(path).get(PNG_SOURCE_KEY) == source
@@ -100,20 +102,21 @@ def written_by(path: str, source: str, csv_fields=(), json_keys=()) -> bool:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
             return isinstance(data, dict) and set(json_keys) <= data.keys()
+        head = md_head if path.endswith(".md") else ",".join(csv_fields)
         with open(path, "rb") as f:
-            return f.readline().rstrip(b"\r\n") == ",".join(csv_fields).encode()
+            return f.readline().rstrip(b"\r\n") == head.encode()
     except (OSError, ValueError):  # ValueError: no JSON (UnicodeDecodeError is one)
         return False
 
 
-def refuse_others_files(paths: list[str], source: str, csv_fields=(), json_keys=()) -> None:
+def refuse_others_files(paths: list[str], source: str, csv_fields=(), json_keys=(), md_head: str = "") -> None:
     """A RunDirError naming the first file of `paths` there that the script `source` did not write (`written_by`):
     its --overwrite replaces only its own outputs ("Nothing lost"), never a figure or table another script or a
     person put at the same name."""
     for path in paths:
-        if os.path.exists(path) and not written_by(path, source, csv_fields, json_keys):
+        if os.path.exists(path) and not written_by(path, source, csv_fields, json_keys, md_head):
             mark = f"its PNG text {PNG_SOURCE_KEY}" if path.endswith(".png") else \
                 f"a JSON object with the keys {', '.join(json_keys)}" if path.endswith(".json") else \
-                "the header of its columns"
+                "the header of its table" if path.endswith(".md") else "the header of its columns"
             raise RunDirError(f"{path} is not a file {os.path.basename(source)} wrote ({mark} is not there), and "
                               "--overwrite replaces only those: choose another --out, or move the file aside")

@@ -60,7 +60,7 @@ from engine.eval_results import (ResultsError, extra_modules, first_difference, 
 from engine.act_max_files import FIELDS as ACT_MAX_FIELDS, csv_differs_from_record  # noqa: E402
 from engine.result_table import (dagger_note, entries_nondefault, evaluated_otherwise, extra_modules_note,  # noqa: E402
                                  method_difference, model_kwargs_unlike, settings_note, stopped_note)
-from engine.outputs import save_figure, write_text  # noqa: E402
+from engine.outputs import refuse_others_files, save_figure, source_mark, write_text  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from engine.start_weights import check_start_file  # noqa: E402
 from engine.train_seeds import recorded_seed, repeated_seed, unrecorded_seed_note  # noqa: E402
@@ -78,6 +78,8 @@ QUANT_COLUMNS = (("percentile", "w4a4"), ("repq", "w4a4"), ("percentile", "w3a3"
 TYPE_ORDER = ("norm1", "attn.qkv", "attn.proj", "ls1", "norm2", "mlp.fc1", "mlp.act", "mlp.fc2", "ls2",
               "block")
 OUTPUTS = ("dose_energy.png", "dose_act_max_types.png", "dose_report.md")
+# By it (a figure's PNG text Source) and the report's first line (report_head) --overwrite knows this script's files
+SOURCE = "scripts/dose_report.py"
 RUN_NAME = re.compile(r"^(?P<point>.+)_s(?P<seed>\d+)$")
 
 
@@ -518,6 +520,13 @@ def run_names(groups: dict[str, list[Run]], members: Sequence[Run]) -> list[str]
     return names
 
 
+def report_head() -> str:
+    """The first line of the report: its first table's header, by which --overwrite knows the report."""
+    head = ["Point", "Seeds", "FP Top-1", "Max. Act. mod.", "Max. Act. blk."] + \
+        [f"{'Percentile' if p == 'percentile' else 'RepQ-ViT'} {b.upper()}" for p, b in QUANT_COLUMNS]
+    return "| " + " | ".join(head) + " |"
+
+
 def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]],
            start_peaks: list[tuple[list[str], Optional[dict]]] | Optional[dict]) -> str:
     """The markdown report: accuracy and maxima, pair energies against the baseline, alignment peaks (of each start
@@ -525,9 +534,8 @@ def tables(groups: dict[str, list[Run]], peaks: dict[str, list[dict]],
     peak, None for a random initialisation, of the start of every run)."""
     if not isinstance(start_peaks, list):
         start_peaks = [(list(groups), start_peaks)]
-    head = ["Point", "Seeds", "FP Top-1", "Max. Act. mod.", "Max. Act. blk."] + \
-        [f"{'Percentile' if p == 'percentile' else 'RepQ-ViT'} {b.upper()}" for p, b in QUANT_COLUMNS]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    head = report_head()
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     labels, notes = evaluated_marks(groups)
     stopped, stopped_notes = stopped_marks(groups)  # runs their own train.max_steps stopped short: §
     labels = {point: label + stopped[point] for point, label in labels.items()}
@@ -589,10 +597,10 @@ def describe_peak(peak: dict) -> str:
     return f"{peak['block']} i={peak['direction']} j={peak['row']} alpha {peak['alpha']:.3f}"
 
 
-def plot_energies(groups: dict[str, list[Run]], path: str, overwrite: bool, *, title: str) -> None:
+def plot_energies(groups: dict[str, list[Run]], path: str, overwrite: bool, *, title: str, source: str) -> None:
     """Energy against update per role, one line per point (mean over its seeds, the seeds' range shaded), under
     `title`: what the runs trained, which only the caller knows (no default: one sweep's setting on another's figure
-    would name a model and data the runs never saw)."""
+    would name a model and data the runs never saw), marked as the figure of the script `source`."""
     fig = new_figure(11, 6.4)
     for k, role in enumerate(ROLES):
         ax = fig.add_subplot(2, 2, k + 1)
@@ -614,12 +622,14 @@ def plot_energies(groups: dict[str, list[Run]], path: str, overwrite: bool, *, t
             ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    save_figure(fig, path, overwrite, dpi=90)  # never over a file another command wrote meanwhile
+    # never over a file another command wrote meanwhile; marked: refuse_others_files knows it
+    save_figure(fig, path, overwrite, dpi=90, metadata=source_mark(source))
 
 
 def plot_type_maxima(groups: dict[str, list[Run]], path: str, overwrite: bool,
-                     types: Sequence[str] = TYPE_ORDER) -> None:
-    """One group of bars per module type, one bar per point (mean over seeds, seed range as error bar)."""
+                     types: Sequence[str] = TYPE_ORDER, *, source: str) -> None:
+    """One group of bars per module type, one bar per point (mean over seeds, seed range as error bar), marked as
+    the figure of the script `source`."""
     fig = new_figure(11, 3.8)
     ax = fig.add_subplot(1, 1, 1)
     width = 0.8 / len(groups)
@@ -637,13 +647,15 @@ def plot_type_maxima(groups: dict[str, list[Run]], path: str, overwrite: bool,
     ax.grid(axis="y", alpha=0.3)
     ax.set_title("Activation maxima by module type (val set, best.pt)", fontsize=9)
     fig.tight_layout()
-    save_figure(fig, path, overwrite, dpi=90)  # never over a file another command wrote meanwhile
+    # never over a file another command wrote meanwhile; marked: refuse_others_files knows it
+    save_figure(fig, path, overwrite, dpi=90, metadata=source_mark(source))
 
 
-def open_sweep(argv: Optional[Sequence[str]], description: str, example: str,
-               outputs: Sequence[str]) -> tuple[argparse.Namespace, dict[str, list[Run]], list[str]]:
+def open_sweep(argv: Optional[Sequence[str]], description: str, example: str, outputs: Sequence[str],
+               source: str, md_head: str) -> tuple[argparse.Namespace, dict[str, list[Run]], list[str]]:
     """The command line of a sweep report: (arguments, the evaluated runs by point, the output paths), the
-    outputs refused when present (unless --overwrite)."""
+    outputs refused when present (unless --overwrite), and with --overwrite those the script `source` did not
+    write (its figures' PNG text Source, its report's first line `md_head`)."""
     parser = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("root", help=f"the sweep's out_root, e.g. {example}")
     parser.add_argument("--out", required=True, help=f"folder for {', '.join(outputs)}")
@@ -653,11 +665,14 @@ def open_sweep(argv: Optional[Sequence[str]], description: str, example: str,
         raise ReportError(f"{args.root}: no such folder; give the sweep's out_root")
     paths = [os.path.join(args.out, name) for name in outputs]
     refuse_existing_outputs(paths, args.overwrite)
+    if args.overwrite:  # a figure or notes of another's at these names are not this script's to replace
+        refuse_others_files(paths, source, md_head=md_head)
     return args, by_point(read_sweep(args.root)), paths
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    args, groups, paths = open_sweep(argv, __doc__, "runs/sweeps/fashion_mnist_dose", OUTPUTS)
+    args, groups, paths = open_sweep(argv, __doc__, "runs/sweeps/fashion_mnist_dose", OUTPUTS, SOURCE,
+                                     report_head())
     runs = [r for rs in groups.values() for r in rs]
     if any("top1" not in r.result["fp"] for r in runs):
         raise ReportError(f"{args.root}: not an image-classifier sweep (its eval_best.json have no top-1); "
@@ -674,8 +689,10 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     # the runs' own configs name what they trained; read before any output is written
     title = training_title("Pair energy", [run_config(r) for rs in groups.values() for r in rs])
     os.makedirs(args.out, exist_ok=True)
-    plot_energies(groups, paths[0], args.overwrite, title=title)
-    plot_type_maxima(groups, paths[1], args.overwrite)
+    if args.overwrite:  # nor over another's that another command put there meanwhile
+        refuse_others_files(paths, SOURCE, md_head=report_head())
+    plot_energies(groups, paths[0], args.overwrite, title=title, source=SOURCE)
+    plot_type_maxima(groups, paths[1], args.overwrite, source=SOURCE)
     report = tables(groups, peaks, start_peaks)
     write_text(paths[2], report, args.overwrite)  # UTF-8 whatever the locale: the report has ± and †
     console_print(report)

@@ -43,7 +43,7 @@ from scripts.dose_report import (ERRORS, ROLES, ReportError, Run, check_finished
                                  open_sweep, plot_energies, plot_type_maxima, point_settings, settings_marks,
                                  stopped_marks, type_maxima)
 from engine.figures import new_figure  # noqa: E402
-from engine.outputs import save_figure, write_text  # noqa: E402
+from engine.outputs import refuse_others_files, save_figure, source_mark, write_text  # noqa: E402
 from engine.tasks import PPL_CAP, capped_cell  # noqa: E402
 from engine.console import console_print  # noqa: E402
 from scripts.training_title import training_title  # noqa: E402
@@ -65,6 +65,8 @@ LOSS_UNITS = {"kjv": "character", "tokens": "token"}
 # the numbers of eval_best.json the tables read, besides each quantized entry's perplexity
 FIELDS = ("fp.ppl", "fp.ppl_bf16", "max_act.module", "max_act.block", "max_act.kurtosis.block")
 OUTPUTS = ("lm_study.md", "lm_study_energy.png", "lm_study_outliers.png", "lm_study_act_max_types.png")
+# By it (a figure's PNG text Source) and the report's first line (report_head) --overwrite knows this script's files
+SOURCE = "scripts/lm_study.py"
 
 
 def validation_curve(run: Run, key: str) -> list[tuple[int, float]]:
@@ -87,10 +89,13 @@ def cell(values: list[float], runs: list[Run], digits: int = 3) -> str:
     return text + (f" (n={len(values)})" if len(values) < len(runs) else "")
 
 
+def report_head() -> str:
+    """The first line of the report: its first table's header, by which --overwrite knows the report."""
+    return "| Point | seeds | FP32 PPL | BF16 PPL | " + " | ".join(f"{p} {b.upper()}" for p, b in COLUMNS) + " |"
+
+
 def tables(groups: dict[str, list[Run]]) -> str:
-    quant = [f"{p} {b.upper()}" for p, b in COLUMNS]
-    lines = ["| Point | seeds | FP32 PPL | BF16 PPL | " + " | ".join(quant) + " |",
-             "|---|---|---|---|" + "---|" * len(quant)]
+    lines = [report_head(), "|---|---|---|---|" + "---|" * len(COLUMNS)]
     labels, notes = evaluated_marks(groups)
     stopped, stopped_notes = stopped_marks(groups)  # runs their own train.max_steps stopped short: §
     labels = {point: label + stopped[point] for point, label in labels.items()}
@@ -208,11 +213,12 @@ def plot_outliers(groups: dict[str, list[Run]], path: str, overwrite: bool, titl
             ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    save_figure(fig, path, overwrite, dpi=90)  # never over a file another command wrote meanwhile
+    # never over a file another command wrote meanwhile; marked: refuse_others_files knows it
+    save_figure(fig, path, overwrite, dpi=90, metadata=source_mark(SOURCE))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
-    args, groups, paths = open_sweep(argv, __doc__, "runs/sweeps/kjv_lm_dose", OUTPUTS)
+    args, groups, paths = open_sweep(argv, __doc__, "runs/sweeps/kjv_lm_dose", OUTPUTS, SOURCE, report_head())
     if any("ppl" not in r.result["fp"] for runs in groups.values() for r in runs):
         raise ReportError(f"{args.root}: not a language-model sweep (its eval_best.json have no perplexity); "
                           "scripts/dose_report.py reports image classifiers")
@@ -230,10 +236,12 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     titles = {subject: figure_title(subject, groups) for subject in ("Pair energy", "Outliers")}
     os.makedirs(args.out, exist_ok=True)
     report = tables(groups)
+    if args.overwrite:  # nor over another's that another command put there meanwhile
+        refuse_others_files(paths, SOURCE, md_head=report_head())
     write_text(paths[0], report, args.overwrite)  # UTF-8 whatever the locale: the report has ± and †
-    plot_energies(groups, paths[1], args.overwrite, title=titles["Pair energy"])
+    plot_energies(groups, paths[1], args.overwrite, title=titles["Pair energy"], source=SOURCE)
     plot_outliers(groups, paths[2], args.overwrite, title=titles["Outliers"])
-    plot_type_maxima(groups, paths[3], args.overwrite, types=TYPES)
+    plot_type_maxima(groups, paths[3], args.overwrite, types=TYPES, source=SOURCE)
     console_print(report)
     return report
 

@@ -658,3 +658,28 @@ def test_a_maxima_csv_other_than_the_one_its_result_file_records_is_refused(tmp_
                                                       r"records .*edited or replaced since.*--out .*eval_best.json$"):
         dose_report.main([str(tmp_path), "--out", str(tmp_path / "o2")])
     assert not (tmp_path / "o2").exists()
+
+
+@pytest.mark.parametrize("foreign", ["dose_report.md", "dose_act_max_types.png"])  # figures: one stands for both
+def test_overwrite_replaces_only_the_files_dose_report_wrote(sweep, tmp_path, foreign):
+    """--overwrite replaced any dose_report.md / dose_energy.png / dose_act_max_types.png in --out: a paper's figure
+    or another's notes of that name were lost. It replaces only its own (a PNG by its text entry Source, the report
+    by the header of its table) and refuses any other with one error naming the file, leaving every file as it was;
+    the reference is the files' bytes before."""
+    from engine.run_dir import RunDirError
+
+    out = tmp_path / "o"
+    argv = [str(sweep), "--out", str(out)]
+    dose_report.main(argv)
+    mine = (out / foreign).read_bytes()
+    dose_report.main(argv + ["--overwrite"])  # its own: replaced
+    other = b"\x89PNG\r\n\x1a\nsomeone's figure" if foreign.endswith(".png") else "| Point | notes |\n".encode()
+    (out / foreign).write_bytes(other)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(RunDirError) as refused:
+        dose_report.main(argv + ["--overwrite"])
+    message = str(refused.value)
+    assert message.startswith(f"{out / foreign} is not a file dose_report.py wrote") and "\n" not in message
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / foreign).write_bytes(mine)  # this script's file again: replaced
+    dose_report.main(argv + ["--overwrite"])

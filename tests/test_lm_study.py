@@ -502,3 +502,26 @@ def test_points_whose_runs_max_steps_stopped_short_of_their_schedule_are_marked(
                 f"updates (under 99 %)") in report
     finished = lm_study.main([str(capped_sweep(tmp_path / "finished", steps=50)), "--out", str(tmp_path / "f")])
     assert "§" not in finished
+
+
+@pytest.mark.parametrize("foreign", ["lm_study.md", "lm_study_energy.png", "lm_study_outliers.png"])
+def test_overwrite_replaces_only_the_files_lm_study_wrote(sweep, tmp_path, foreign):
+    """--overwrite replaced any lm_study.md or lm_study_*.png in --out, another's file of that name included. It
+    replaces only its own (a PNG by its text entry Source, the report by the header of its table) and refuses any
+    other with one error naming the file, leaving every file as it was."""
+    from engine.run_dir import RunDirError
+
+    argv = [str(sweep), "--out", str(tmp_path)]
+    lm_study.main(argv)
+    mine = (tmp_path / foreign).read_bytes()
+    lm_study.main(argv + ["--overwrite"])  # its own: replaced
+    other = b"\x89PNG\r\n\x1a\nsomeone's figure" if foreign.endswith(".png") else "| Point | notes |\n".encode()
+    (tmp_path / foreign).write_bytes(other)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(RunDirError) as refused:
+        lm_study.main(argv + ["--overwrite"])
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / foreign} is not a file lm_study.py wrote") and "\n" not in message
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    (tmp_path / foreign).write_bytes(mine)  # this script's file again: replaced
+    lm_study.main(argv + ["--overwrite"])
