@@ -120,7 +120,8 @@ def refuse_protocol_keys(overrides: list[str]) -> None:
 
 
 def run_config(args, method: str, model: str, batch: int, run: int, out_dir: str) -> tuple[list, list]:
-    """(config files, overrides) of one timed run."""
+    """(config files, overrides) of one timed run; out_dir quoted where YAML would read the folder otherwise."""
+    from sweep import yaml_text  # scripts/: this folder, as this script or bench_overhead.py runs it
     configs = [args.recipe] + [c for c in METHODS[method] if c.endswith(".yaml")]
     overrides = [c for c in METHODS[method] if not c.endswith(".yaml")]
     return configs, [f"model.name={model}", f"train.batch_size={args.global_batch}",
@@ -128,7 +129,7 @@ def run_config(args, method: str, model: str, batch: int, run: int, out_dir: str
                      # a few epochs of the recipe, timed: no warmup (a step costs the same at any lr, and
                      # a warmup as long as the run is refused)
                      "sched.warmup_epochs=0", f"train.eval_every_epochs={args.epochs}", f"train.seed={run}",
-                     f"out_dir={out_dir}", *overrides, *args.overrides]
+                     f"out_dir={yaml_text(out_dir)}", *overrides, *args.overrides]
 
 
 def train_command(args, method: str, model: str, batch: int, run: int, out_dir: str) -> list[str]:

@@ -53,3 +53,20 @@ def test_a_relative_recipe_missing_from_the_working_folder_is_train_pys_error(tm
     assert str(refused.value.code).startswith("error: config file not found: configs/debug/tiny.yaml "), refused.value
     assert checkout_file in str(refused.value.code) and str(tmp_path) in str(refused.value.code)
     assert not (tmp_path / "ep").exists()
+
+
+@pytest.mark.parametrize("out", ["ep #1", "ep: a", "'ep'", "*ep"])
+def test_a_run_trains_in_its_run_folder_whatever_yaml_reads_in_out(out):
+    """run_config handed train.py `out_dir=<--out>/runs/<run>` unquoted, and train.py reads an override's value as
+    YAML: ' #' in --out was cut as a comment, ': ', a leading quote or '*' refused. The loader must read back the
+    run's folder, character for character."""
+    import argparse
+
+    from configs import load_config
+
+    epochs = load_script("overhead_epochs")
+    args = argparse.Namespace(recipe=os.path.join(ROOT, "configs", "debug", "tiny.yaml"), global_batch=16, epochs=1,
+                              overrides=[], out=out)
+    folder = epochs.run_dir(args, "vit_nano", 8, "baseline", 0)
+    configs, overrides = epochs.run_config(args, "baseline", "vit_nano", 8, 0, folder)
+    assert load_config(configs, overrides).out_dir == folder
