@@ -314,7 +314,7 @@ def apply_overrides(cfg: Config, overrides: Iterable[str], rules: Optional[Seque
                 raise
             raise ConfigError(e.on_command_line(raw)) from None
         except RefusedValueError as e:
-            if value is None and raw.strip() == "~" and e.key == key.strip():
+            if value is None and raw.strip() == "~" and e.key == key.strip() and e.takes_text:
                 # YAML's null sign, where a path key (out_dir=~) means the home folder: only quoted is it text
                 raise ConfigError(f"override {item!r}: YAML reads '~' as null, not as the text '~' (a path key's home "
                                   f"folder); quote it ({key.strip()}='~', inside the shell's quotes)") from None
@@ -388,11 +388,12 @@ def override_settings(key: str, value: Any, cfg: Config) -> list[tuple[str, ...]
 class RefusedValueError(ConfigError):
     """A value of a known key that the schema refuses (its type, or a range of configs/constraints.py); `key` is its
     dotted key. evaluate.py tells a checkpoint's recorded value that this version's checks refuse (one an earlier
-    version accepted) from a key this version does not know."""
+    version accepted) from a key this version does not know. `takes_text`: the key's field takes a string (a quoted
+    value can be the fix)."""
 
-    def __init__(self, message: str, key: str):
+    def __init__(self, message: str, key: str, takes_text: bool = False):
         super().__init__(message)
-        self.key = key
+        self.key, self.takes_text = key, takes_text
 
 
 class IgnoredOverrideError(ConfigError):
@@ -998,7 +999,7 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
                    f"{_spelling_fix(value, annotation, key, source)}")
         if isinstance(value, (int, float, datetime.date)) and takes_text(annotation):  # bool is an int
             raise TextReadAsValue(refusal, key, _show(value))
-        raise RefusedValueError(refusal, key)
+        raise RefusedValueError(refusal, key, takes_text(annotation))
 
     if isinstance(value, AmbiguousNumber):  # text where text is taken; a number field cannot know which is meant
         try:

@@ -76,3 +76,10 @@ def test_a_bare_tilde_for_a_path_is_refused_with_the_quoted_form_that_reads_as_t
     assert message.startswith("override 'out_dir=~': ") and "null" in message, message
     assert load_config([DEBUG_CONFIG], [suggested(message, "out_dir")]).out_dir == os.path.expanduser("~")
     assert "quote" not in refusal(["out_dir=null"])  # null written as such: the type error alone
+
+
+@pytest.mark.parametrize("item", ["sched.epochs=~", "optim.weight_decay=~", "cd.lam=~"])
+def test_a_bare_tilde_for_a_number_field_gets_no_advice_to_quote_it(item):
+    """A number field takes no text: quoting its '~' (the tilde advice of a path key) would be refused in turn."""
+    message = refusal([item])
+    assert "quote" not in message and message.startswith(f"command line: '{item[:-2]}' expects "), message
