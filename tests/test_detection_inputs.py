@@ -350,7 +350,9 @@ def test_a_cd_checkpoint_from_before_cd_budget_existed_keeps_its_plain_label(mmd
     # the paper's detection TWEO is the rescaled form (configs/detection/method/tweo.py): the plain one is another
     # method, as are another penalty shape or schedule
     ("dict(type='TweoHook', lam=1e-4, rescale=False)", "TWEO (no rescale)"),
-    ("dict(type='TweoHook', rescale=False, p=2.0, tau=3.0)", "TWEO (no rescale, p 2, tau 3)"),
+    ("dict(type='TweoHook', rescale=False, p=2.0, tau=2.0)", "TWEO (no rescale, p 2, tau 2)"),
+    # tau and eps given at the values their null takes (cd.tweo's TAU, EPS): the same term as left out
+    ("dict(type='TweoHook', rescale=False, tau=3.0, eps=1e-6)", "TWEO (no rescale)"),
     ("dict(type='TweoHook', schedule='cosine', total_steps=100)", "TWEO (cosine, 100 steps)"),
     ("dict(type='TweoHook', rescale=True, p=4.0, form='plain')", "TWEO"),  # form: the same term, other memory
     # the noise on other layers, or another draw of it

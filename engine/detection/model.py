@@ -16,6 +16,7 @@ from mmdet.registry import MODELS
 
 from cd.decay import DEFAULT_LAM
 from cd.integrations.mmengine import type_name
+from cd.tweo import EPS, TAU
 from engine.checkpoint import is_run_checkpoint
 from engine.detection.errors import DetectionError
 from models.modules import nonfinite_tensors
@@ -240,8 +241,9 @@ LABELLED_SETTINGS = {
     "ColinearityDecayHook": {"lam": (DEFAULT_LAM, lambda v: f"lam {_shown(v)}"),
                              "targets": ("A+B", lambda v: f"targets {v}")},
     "TweoHook": {"lam": (1e-4, lambda v: f"lam {_shown(v)}"), "rescale": (True, lambda v: "no rescale"),
-                 "p": (4.0, lambda v: f"p {_shown(v)}"), "tau": (None, lambda v: f"tau {_shown(v)}"),
-                 "eps": (None, lambda v: f"eps {_shown(v)}"), "schedule": ("constant", str),
+                 # tau and eps: the values TWEO takes for their null (cd.tweo), so that null and those alike are one
+                 "p": (4.0, lambda v: f"p {_shown(v)}"), "tau": (TAU, lambda v: f"tau {_shown(v)}"),
+                 "eps": (EPS, lambda v: f"eps {_shown(v)}"), "schedule": ("constant", str),
                  "total_steps": (None, lambda v: f"{_shown(v)} steps")},
     "WeightNoiseHook": {"bits": (4, lambda v: f"bits {_shown(v)}"),
                         # a set: the order the layer types are listed in does not change which layers get noise
@@ -300,7 +302,8 @@ def method_label(hook: dict, budget) -> str:
     kind = type_name(hook.get("type"))
     notes = []
     for key, (default, note) in LABELLED_SETTINGS[kind].items():
-        value = hook.get(key, default)
+        value = hook.get(key)
+        value = default if value is None else value  # a hook's null setting is its default
         if isinstance(default, set) and isinstance(value, (list, tuple)):
             value = set(value)
         if value != default:
