@@ -292,7 +292,7 @@ def main(argv=None) -> dict:
         test_batch = loader.batch_size or getattr(loader.batch_sampler, "batch_size", 1)  # a batch sampler's own
         # the training split the pipelines draw their images from by index, by content: another file at the same path
         # draws other images; read only where a pipeline runs (COCO's train2017 annotations: 448 MB; files_sha256
-        # read 450 MB from the page cache in 0.6 s on a 2-core AMD EPYC VM)
+        # read 450 MB from the page cache in 0.67 s on a 2-core AMD EPYC VM, docs/measurements.md)
         train_sha = files_sha256(annotation_paths(cfg, "train_dataloader")) if pipelines else None
 
         def open_results():

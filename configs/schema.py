@@ -294,8 +294,9 @@ class LogConfig:
     # largest |value| of any output of a module inside the Transformer blocks / of a block; and
     # act/kurtosis_module and act/kurtosis_block, the largest kurtosis of one such output (Pearson, 3 for a
     # Gaussian, over all elements of that output in the validation set; softmax probabilities left out). The
-    # kurtosis is a float64 pass over every output: on the demo's vit_micro over its 360 digits validation images
-    # (one CPU thread, 2-core AMD EPYC VM) the forward took 1.09 s alone, 1.38 s with the maxima, 6.91 s with both
+    # kurtosis is a float64 pass over every output: the demo's vit_micro on one batch of 360 images (the digits
+    # validation set's size; random weights and images, one CPU thread, 2-core AMD EPYC VM) took 1.09 s alone,
+    # 1.38 s with the maxima, 6.91 s with both
     # (at 053da03, docs/measurements.md)
     act_max: bool = False
 
