@@ -76,6 +76,24 @@ def load_script(name: str):
     return module
 
 
+
+def check_overwrite_keeps_others_files(run, out, foreign: str, other: bytes, error: type, says: str) -> None:
+    """The --overwrite contract of a script with fixed-name outputs in `out`: `run(extra_argv)` writes them, replaces
+    its own file `foreign` under --overwrite, refuses (raising `error`, one line starting with `says`) when `foreign`
+    holds `other` (another's file), leaving every file's bytes as they were, and replaces its own file again."""
+    run([])
+    mine = (out / foreign).read_bytes()
+    run(["--overwrite"])  # its own: replaced
+    (out / foreign).write_bytes(other)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(error) as refused:
+        run(["--overwrite"])
+    message = str(refused.value.code if isinstance(refused.value, SystemExit) else refused.value)
+    assert message.startswith(says) and "\n" not in message, message
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / foreign).write_bytes(mine)  # this script's file again: replaced
+    run(["--overwrite"])
+
 def run_entry(path: str, argv: list[str], capsys) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `python path *argv` (path relative to ROOT), its `__main__` block run
     in this process: each subprocess would import torch again (seconds each). What a process would print

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.checkpoint import weights_fingerprint
-from tests.conftest import ROOT, run_entry
+from tests.conftest import ROOT, check_overwrite_keeps_others_files, run_entry
 from tests.test_mechanism import make_checkpoint
 
 import dose_report
@@ -670,16 +670,6 @@ def test_overwrite_replaces_only_the_files_dose_report_wrote(sweep, tmp_path, fo
 
     out = tmp_path / "o"
     argv = [str(sweep), "--out", str(out)]
-    dose_report.main(argv)
-    mine = (out / foreign).read_bytes()
-    dose_report.main(argv + ["--overwrite"])  # its own: replaced
     other = b"\x89PNG\r\n\x1a\nsomeone's figure" if foreign.endswith(".png") else "| Point | notes |\n".encode()
-    (out / foreign).write_bytes(other)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(RunDirError) as refused:
-        dose_report.main(argv + ["--overwrite"])
-    message = str(refused.value)
-    assert message.startswith(f"{out / foreign} is not a file dose_report.py wrote") and "\n" not in message
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    (out / foreign).write_bytes(mine)  # this script's file again: replaced
-    dose_report.main(argv + ["--overwrite"])
+    check_overwrite_keeps_others_files(lambda extra: dose_report.main(argv + extra), out, foreign, other, RunDirError,
+                                       f"{out / foreign} is not a file dose_report.py wrote")

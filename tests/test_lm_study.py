@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from engine.eval_results import ResultsError
+from tests.conftest import check_overwrite_keeps_others_files
 
 import dose_report
 import lm_study
@@ -512,16 +513,6 @@ def test_overwrite_replaces_only_the_files_lm_study_wrote(sweep, tmp_path, forei
     from engine.run_dir import RunDirError
 
     argv = [str(sweep), "--out", str(tmp_path)]
-    lm_study.main(argv)
-    mine = (tmp_path / foreign).read_bytes()
-    lm_study.main(argv + ["--overwrite"])  # its own: replaced
     other = b"\x89PNG\r\n\x1a\nsomeone's figure" if foreign.endswith(".png") else "| Point | notes |\n".encode()
-    (tmp_path / foreign).write_bytes(other)
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    with pytest.raises(RunDirError) as refused:
-        lm_study.main(argv + ["--overwrite"])
-    message = str(refused.value)
-    assert message.startswith(f"{tmp_path / foreign} is not a file lm_study.py wrote") and "\n" not in message
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
-    (tmp_path / foreign).write_bytes(mine)  # this script's file again: replaced
-    lm_study.main(argv + ["--overwrite"])
+    check_overwrite_keeps_others_files(lambda extra: lm_study.main(argv + extra), tmp_path, foreign, other,
+                                       RunDirError, f"{tmp_path / foreign} is not a file lm_study.py wrote")

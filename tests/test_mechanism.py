@@ -16,7 +16,7 @@ from torch import nn
 import train
 from cd_models import normalized, tiny_swin, tiny_vit
 from configs import load_config
-from tests.conftest import DEMO_CONFIG, ROOT
+from tests.conftest import DEMO_CONFIG, ROOT, check_overwrite_keeps_others_files
 
 import mechanism
 
@@ -713,16 +713,6 @@ def test_overwrite_replaces_only_the_files_mechanism_wrote(checkpoints, tmp_path
     base, _ = checkpoints
     out = tmp_path / "figs"
     argv = [command, "--checkpoint", base, "--out", str(out)]
-    mechanism.main(argv)
-    mine = (out / foreign).read_bytes()
-    mechanism.main(argv + ["--overwrite"])  # its own: replaced
     other = b"\x89PNG\r\n\x1a\nsomeone's figure" if foreign.endswith(".png") else b"name,value\nlr,0.1\n"
-    (out / foreign).write_bytes(other)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(mechanism.MechanismError) as refused:
-        mechanism.main(argv + ["--overwrite"])
-    message = str(refused.value)
-    assert message.startswith(f"{out / foreign} is not a file mechanism.py wrote") and "\n" not in message, message
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    (out / foreign).write_bytes(mine)  # this script's file again: replaced
-    mechanism.main(argv + ["--overwrite"])
+    check_overwrite_keeps_others_files(lambda extra: mechanism.main(argv + extra), out, foreign, other,
+                                       mechanism.MechanismError, f"{out / foreign} is not a file mechanism.py wrote")

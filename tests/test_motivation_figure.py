@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.conftest import load_script
+from tests.conftest import check_overwrite_keeps_others_files, load_script
 
 
 def write_result(folder, name, **fields) -> str:
@@ -195,16 +195,7 @@ def test_overwrite_replaces_only_the_figure_and_table_this_script_wrote(tmp_path
     for name in ("Baseline", "CD"):
         write_result(tmp_path, name)
     out = tmp_path / "fig"
-    motivation_figure.main([*results, "--out", str(out)])
-    mine = (out / foreign).read_bytes()
-    motivation_figure.main([*results, "--out", str(out), "--overwrite"])  # its own: replaced
     other = b"\x89PNG\r\n\x1a\nsomeone's figure" if foreign.endswith(".png") else b"name,value\nlr,0.1\n"
-    (out / foreign).write_bytes(other)
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
-    with pytest.raises(SystemExit) as refused:
-        motivation_figure.main([*results, "--out", str(out), "--overwrite"])
-    message = str(refused.value.code)
-    assert message.startswith(f"error: {out / foreign} is not a file motivation_figure.py wrote"), message
-    assert "\n" not in message and {p.name: p.read_bytes() for p in out.iterdir()} == before
-    (out / foreign).write_bytes(mine)  # this script's file again: replaced
-    motivation_figure.main([*results, "--out", str(out), "--overwrite"])
+    check_overwrite_keeps_others_files(lambda extra: motivation_figure.main([*results, "--out", str(out), *extra]),
+                                       out, foreign, other, SystemExit,
+                                       f"error: {out / foreign} is not a file motivation_figure.py wrote")
