@@ -732,29 +732,17 @@ def test_a_second_ctrl_c_during_the_checkpoint_write_ends_train_py_with_one_line
     assert (tmp_path / "archive").is_dir()
 
 
-def test_a_second_ctrl_c_after_the_run_wrote_a_checkpoint_says_the_same_command_resumes_from_it(tmp_path, capsys,
-                                                                                                 monkeypatch,
-                                                                                                 debug_config):
-    """train.ckpt_every_steps=2 wrote checkpoint.pt at update 2; a first Ctrl-C after update 3 and a second inside
-    the stop's write at update 4 leave that file: the line names it, and the same command resumes at update 2."""
-    code, out, err = second_ctrl_c_run(tmp_path, capsys, monkeypatch, 3, "train.ckpt_every_steps=2")
-    tmp_path = tmp_path / "run"
-    assert code == 130, err[-3000:]
-    line = ("error: stopped at once by a second interrupt (Ctrl-C), without waiting for the checkpoint.pt the first "
-            f"asked for; the same command resumes from {tmp_path / 'checkpoint.pt'}, the last one written")
-    assert err.strip().splitlines() == [line]
-    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["state"]["step"] == 2
-    train.main(debug_config("train.ckpt_every_steps=2"))
-    assert f"resumed from {tmp_path / 'checkpoint.pt'} at epoch 0, update 2" in (tmp_path / "train.log").read_text()
-
-
-def test_a_second_ctrl_c_inside_the_stops_write_keeps_the_write_held_back_at_that_update(tmp_path, capsys,
-                                                                                         monkeypatch, debug_config):
-    """train.ckpt_every_steps=2 held back its write of update 2 (engine/loop.py TrainLoop.checkpoint); a first
-    Ctrl-C at update 2 made the stop write update 2 again, and a second inside that write deleted the held one, a
-    whole checkpoint: the line said that none was written and the same command started afresh. A stop makes the held
-    write checkpoint.pt (docs/operations.md), and the second interrupt does too: the same command resumes at 2."""
-    code, out, err = second_ctrl_c_run(tmp_path, capsys, monkeypatch, 2, "train.ckpt_every_steps=2", in_write=2)
+@pytest.mark.parametrize("first_at, in_write", [(3, 1), (2, 2)], ids=["after_a_written_one", "inside_the_held_one"])
+def test_a_second_ctrl_c_in_the_stops_write_keeps_the_last_whole_checkpoint_and_says_it_resumes_from_it(
+        tmp_path, capsys, monkeypatch, debug_config, first_at, in_write):
+    """train.ckpt_every_steps=2 wrote checkpoint.pt at update 2 (first_at 3: a first Ctrl-C after update 3, a second
+    inside the stop's write at update 4), or held back its write of update 2 (engine/loop.py TrainLoop.checkpoint;
+    first_at 2: a first Ctrl-C at update 2 made the stop write update 2 again, and a second inside that write deleted
+    the held one, a whole checkpoint: the line said that none was written and the same command started afresh). A
+    stop makes the held write checkpoint.pt (docs/operations.md), and the second interrupt does too: in both, the line
+    names checkpoint.pt, no partial file is left, and the same command resumes at update 2."""
+    code, out, err = second_ctrl_c_run(tmp_path, capsys, monkeypatch, first_at, "train.ckpt_every_steps=2",
+                                       in_write=in_write)
     tmp_path = tmp_path / "run"
     assert code == 130, err[-3000:]
     line = ("error: stopped at once by a second interrupt (Ctrl-C), without waiting for the checkpoint.pt the first "
