@@ -41,7 +41,9 @@ status (ok, failed: a test failed, error: the stage raised or died, timeout, not
 spent, or a stop signal came before it, interrupted: killed by a stop signal), seconds, budget, figures and log file;
 it is written before the first stage starts (the environment alone) and again after each stage, and the stages'
 full logs are written next to it (`<out stem>_logs/`),
-where a stage's figures file (and any temporary of it) an earlier call left is removed before that stage starts. Every
+where a stage's figures file (and any temporary of it) an earlier call left is removed before that stage starts.
+--overwrite replaces only a report this script wrote (a JSON object with its REPORT_KEYS) and reuses only a logs
+folder it made (marked by its LOGS_MARK file) or an empty one: another's file or folder there is refused. Every
 stage writes its figures whole (a temporary file renamed into place) as soon as it has each; a figures
 file the driver cannot read is kept there and named in the stage's `figures_error` (a stage that ended
 well is then an error). The stage processes get CUBLAS_WORKSPACE_CONFIG=:4096:8 unless it is set
@@ -90,6 +92,12 @@ VIT_B = dict(embed_dim=768, depth=12, img_size=224, patch_size=16, num_classes=1
 TINY = dict(embed_dim=64, depth=2, img_size=32, patch_size=8, num_classes=10)
 MIN_STAGE_S = 5  # a stage is started only with at least this many seconds of the total budget left
 TOTAL_BUDGET_S = 570.0  # --total-budget's default: the stages of one call of at most 10 minutes
+# By these --overwrite knows its own outputs: the report's keys (engine.outputs.refuse_others_files), and in its
+# logs folder a file of this name holding SOURCE, written when the folder is made; a non-empty folder without it is
+# another's (its stage.log files would be replaced, its stage.figures.json removed)
+SOURCE = "scripts/gpu_check.py"
+REPORT_KEYS = ("device", "smoke", "started", "stages")
+LOGS_MARK = ".gpu_check"
 
 
 class Partial:
@@ -432,6 +440,16 @@ def launch(stage: str, args, figures_path: str, log_path: str, budget: float) ->
     return entry
 
 
+def refuse_others_outputs(out: str, logs: str) -> None:
+    """A RunDirError when --overwrite would replace a report at `out` this script did not write (a JSON without
+    REPORT_KEYS), or write and remove files in a non-empty folder at `logs` it did not make (no LOGS_MARK there)."""
+    outputs.refuse_others_files([out], SOURCE, json_keys=REPORT_KEYS)
+    mark = os.path.join(logs, LOGS_MARK)
+    if os.path.isdir(logs) and os.listdir(logs) and not outputs.written_by(mark, SOURCE, csv_fields=[SOURCE]):
+        raise RunDirError(f"{logs} is not a logs folder {os.path.basename(SOURCE)} made (its {LOGS_MARK} is not "
+                          "there), and --overwrite reuses only those: choose another --out, or move the folder aside")
+
+
 def stage_budgets(p: argparse.ArgumentParser, args) -> dict[str, float]:
     """Each stage's budget: BUDGETS (SMOKE_BUDGETS) with the --budget items over them. Refused: a stage named
     twice in --stages, a budget of 0 s (a stage that could not start), two budgets for one stage (which one?),
@@ -468,7 +486,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--test-timeout", type=at_least(1), default=150,
                    help="seconds per GPU test (train.compile=true compiles twice)")
     p.add_argument("--smoke", action="store_true", help="every stage small, on a CPU")
-    p.add_argument("--overwrite", action="store_true", help="replace this script's earlier outputs at --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace this script's earlier report at --out and reuse its logs folder")
     p.add_argument("--stage", choices=list(STAGES), help=argparse.SUPPRESS)  # child process
     p.add_argument("--stage-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -482,9 +501,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     logs = os.path.splitext(args.out)[0] + "_logs"
     try:
         refuse_existing_outputs([args.out], args.overwrite, folders=[logs])
+        if args.overwrite:
+            refuse_others_outputs(args.out, logs)
     except RunDirError as e:
         sys.exit(f"error: {e}")
     os.makedirs(logs, exist_ok=True)
+    outputs.write_text(os.path.join(logs, LOGS_MARK), SOURCE, overwrite=True)  # the folder is this script's now
 
     # the fields every benchmark's JSON records (scripts/bench_env.py): the device the stages run on (a GPU is
     # required above, but under --smoke), its hardware (the GPU's or the processor's name) and the versions
@@ -499,6 +521,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     def write() -> None:  # the first write never over a file another command wrote since this one started
         try:
+            if args.overwrite and not written:
+                outputs.refuse_others_files([args.out], SOURCE, json_keys=REPORT_KEYS)
             write_whole(args.out, report, overwrite=args.overwrite or bool(written))
         except RunDirError as e:
             sys.exit(f"error: {e}")

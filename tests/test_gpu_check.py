@@ -6,6 +6,7 @@ each stage a budget no busy CPU reaches (the default smoke budgets are about twi
 times: a busier one may still run past them), and time only the kill of a stage that is over its budget on purpose."""
 import json
 import os
+import shutil
 import stat
 import sys
 from argparse import Namespace
@@ -112,7 +113,7 @@ bench_quant.timed_forward = timed_forward
     assert entry["status"] == "error" and "figures_error" not in entry  # ended by the signal, not by itself
     assert list(entry["figures"]["pipelines"]) == ["percentile"]
     assert entry["figures"]["fp_forward_s"] > 0 and entry["figures"]["pipelines"]["percentile"]["forward_s"] > 0
-    assert sorted(os.listdir(tmp_path / "gpu_check_logs")) == ["quant.log"]
+    assert sorted(os.listdir(tmp_path / "gpu_check_logs")) == [".gpu_check", "quant.log"]  # its mark and log
 
 
 def test_an_unreadable_figures_file_is_recorded_and_the_next_stage_runs(tmp_path, monkeypatch):
@@ -218,8 +219,9 @@ def test_figures_an_earlier_call_left_are_not_reported_as_this_call_s(tmp_path, 
     from engine.run_dir import partial_path
 
     out, logs = tmp_path / "gc.json", tmp_path / "gc_logs"
-    logs.mkdir()
-    out.write_text("{}")
+    logs.mkdir()  # an earlier call's report and logs folder (--overwrite replaces only those)
+    out.write_text('{"device": "cpu", "smoke": true, "started": "", "stages": {}}')
+    (logs / ".gpu_check").write_text("scripts/gpu_check.py")
     stale = logs / "quant.figures.json"
     stale.write_text('{"pipelines": {"repq": {"ratio_vs_fp": 1.01}}, "note": "stale"}')
     cut = partial_path(str(stale))
@@ -234,6 +236,35 @@ def test_figures_an_earlier_call_left_are_not_reported_as_this_call_s(tmp_path, 
     assert entry["status"] == "error" and entry["figures"] == {} and "present at start" not in entry["log_tail"]
     assert not stale.exists() and not os.path.exists(cut) and foreign.read_text() == "a user's file"
     assert code == 1 and "quant (error)" in err
+
+
+def refused_unchanged(tmp_path, capsys, argv: list[str], named: str) -> None:
+    """gpu_check.py `argv` exits with one `error:` line naming `named`, and every file under tmp_path is as it was."""
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    code = str(run_entry(SCRIPT, argv, capsys)[0])  # sys.exit's message: the process prints it, exits with 1
+    assert code.startswith("error: ") and named in code and "\n" not in code, code
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_overwrite_replaces_only_a_report_and_logs_folder_it_wrote(tmp_path, monkeypatch, capsys):
+    """--overwrite had replaced any file at --out (a JSON of another's at the default gpu_check.json in the working
+    folder) and written and removed files of its names (quant.log) in any folder at <out stem>_logs. It replaces
+    only its own report (a JSON object with its keys) and reuses only a logs folder it made (or an empty one); the
+    refusal is one line, before anything is written."""
+    stand_in_stage(tmp_path, monkeypatch, 'printf "{}" > "$5"')
+    out, logs = tmp_path / "gc.json", tmp_path / "gc_logs"
+    argv = ["--smoke", *unhurried("quant"), "--stages", "quant", "--out", str(out)]
+    assert run_entry(SCRIPT, argv, capsys)[0] == 0
+    assert run_entry(SCRIPT, [*argv, "--overwrite"], capsys)[0] == 0  # its own report and logs: replaced
+    out.write_text('{"device": "cuda", "stages": ["theirs"]}')  # another's JSON at --out
+    refused_unchanged(tmp_path, capsys, [*argv, "--overwrite"], str(out))
+    out.unlink()
+    shutil.rmtree(logs)
+    logs.mkdir()
+    (logs / "quant.log").write_text("notes")  # a folder the script did not make, at its logs folder's name
+    refused_unchanged(tmp_path, capsys, [*argv, "--overwrite"], str(logs))
+    (logs / "quant.log").unlink()
+    assert run_entry(SCRIPT, [*argv, "--overwrite"], capsys)[0] == 0  # an empty logs folder: nothing of another's
 
 
 @pytest.mark.parametrize("body,stages,expected", [
