@@ -97,13 +97,13 @@ def create(name: str) -> nn.Module:
 
 
 def build(name: str, batch: int, tokens: Optional[int], device: torch.device) -> tuple[nn.Module, torch.Tensor]:
-    """The model (random weights, training mode) and a random input of `batch` samples."""
-    model = create(name)
+    """The model (random weights, training mode) and a random input of `batch` samples, both on `device`."""
+    model = create(name).to(device).train()
     if name in GPT_SIZES:
-        inputs = torch.randint(GPT_VOCAB, (batch, tokens or model.context))
+        inputs = torch.randint(GPT_VOCAB, (batch, tokens or model.context), device=device)
     else:
-        inputs = torch.randn(batch, *model.pretrained_cfg["input_size"])
-    return model.to(device).train(), inputs.to(device)
+        inputs = torch.randn(batch, *model.pretrained_cfg["input_size"], device=device)
+    return model, inputs
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -89,3 +89,20 @@ def test_a_model_given_twice_is_a_usage_error_before_any_is_measured(capsys):
     assert refused.value.code == 2 and len(captured.err.strip().splitlines()) == 1, captured.err
     assert captured.err.startswith("error: ") and "argument --model: gpt2_nano given twice" in captured.err
     assert captured.out == "", captured.out
+
+
+def test_the_random_inputs_are_made_on_the_device_of_the_model(monkeypatch):
+    """The inputs had been drawn on the CPU and copied to --device (a host draw and copy per model, on a GPU). The
+    trick of tests/test_device_explicit.py: a CPU model and `meta` as the default device, where an input drawn
+    without an explicit device is a meta tensor (and cannot be copied to the CPU)."""
+    import timm
+
+    import tweo_memory
+
+    models = {"gpt2_nano": tweo_memory.create("gpt2_nano"),
+              "vit": timm.create_model("vit_tiny_patch16_224", depth=1)}  # its default input: 3 x 224 x 224
+    monkeypatch.setattr(tweo_memory, "create", models.__getitem__)
+    with torch.device("meta"):
+        for name, shape in (("gpt2_nano", (2, 32)), ("vit", (2, 3, 224, 224))):
+            model, inputs = tweo_memory.build(name, 2, None, torch.device("cpu"))
+            assert inputs.device.type == "cpu" and tuple(inputs.shape) == shape and model is models[name]
