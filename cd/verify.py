@@ -10,8 +10,9 @@ from:
   that W2 diag(g) is exactly the composed map. A res-post-norm block (Swin V2: `norm1` applied to the
   attention output) fails here: its qkv input never went through `norm1`.
 - functional pair (W1, W2): every input of W2's layer depends on the output of W1's layer of the same
-  forward, i.e. W1 runs first and feeds W2 through the branch's attention mixing or activation. For an MLP pair
-  (fc1 -> fc2) no norm module inside the MLP may stand between them (`_hook_mlp_norms`: a sub-LN, an RMSNorm).
+  forward, i.e. W1 runs first and feeds W2 through the branch's attention mixing or activation. No norm module
+  inside the MLP or the attention may stand between them (`_hook_inner_norms`: a sub-LN, an RMSNorm; DiffAttention's
+  sub_norm before proj), save a QK-norm, whose output reaches proj only through the softmax.
 - storage: each matrix of a pair is multiplied as the storage CD reads it with says (`Pair.transposed`,
   `Pair.upstream_transposed`): one stored (out, in) is contracted over its second axis (`F.linear(x, W)`,
   `x @ W.T`), one stored (in, out) over its first (`x @ W`, Conv1D's addmm). The mode follows the two axes of
@@ -41,6 +42,9 @@ _MOVES = frozenset("""
     _to_copy as_strided unfold movedim copy lift_fresh
 """.split())
 
+
+# aten ops after which a QK-norm's output no longer reaches proj by V's way (`_Provenance.softmax_ends`)
+_SOFTMAX = frozenset("_softmax _safe_softmax softmax".split())
 
 # aten ops that move a matrix keeping the position of each of its axes (their outputs have its number of dims)
 _SAME_AXES = frozenset("""
@@ -103,8 +107,11 @@ class _Provenance(TorchDispatchMode):
         # composable pair index -> bad uses whose operand depends on the norm's output all the same (its scale
         # reached W2's input through another computation than x_hat * weight: (1 + weight), a further factor)
         self.computed: dict[int, int] = {}
-        # MLP pair index -> the norm (name, type) found between its fc1 and fc2 (`_hook_mlp_norms`)
+        # pair index -> the norm (name, type) found between its W1 and W2 (`_hook_inner_norms`)
         self.normed: dict[int, tuple[str, str]] = {}
+        # the 'norm:<k>' labels of attention pairs: a softmax ends them, as a norm there that reaches proj only
+        # through the attention weights (a QK-norm) leaves W_O W_V proj's path
+        self.softmax_ends: set[str] = set()
         self.norm_of: dict[str, tuple[str, str]] = {}  # 'norm:<k>' label -> the norm module that set it
         self._keep: list[Tensor] = []  # keeps labelled tensors alive, so that ids are not reused
         # a 2-D parameter and its moves: id -> positions of the stored matrix's first and second axes
@@ -155,6 +162,8 @@ class _Provenance(TorchDispatchMode):
         moved_in = [self.moved.get(id(t), frozenset()) for t in ins]
         dep = frozenset().union(*(self.dep.get(id(t), frozenset()) for t in ins))
         name = func.overloadpacket.__name__
+        if name in _SOFTMAX:
+            dep = frozenset(label for label in dep if label not in self.softmax_ends)
         self._follow_axes(name, args, ins, outs, name.rstrip("_") in _MOVES)
         if name.rstrip("_") in _MOVES:
             moved = frozenset().union(*moved_in)
@@ -361,7 +370,7 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
         sinks.setdefault(p.name, []).append((k, p.kind == "composable"))
     mode = _Provenance(sources, sinks)
     meta = _meta_slots(root, mode)
-    hooks = _hook_mlp_norms(root, pairs, mode)
+    hooks = _hook_inner_norms(root, pairs, mode)
     try:
         with torch.no_grad(), mode:
             torch.func.functional_call(root, meta, args, kwargs, tie_weights=False)
@@ -394,6 +403,14 @@ def verify_pairs(root: nn.Module, pairs: Sequence, block_types: dict[str, str],
                             "and post-norm blocks, where the norm follows the layer, are refused)")
         elif k in mode.bad:
             failures.append(f"{where}: the input of {p.name} does not come from {p.upstream_name}")
+        elif k in mode.normed and p.role == "proj":
+            norm, kind = mode.normed[k]
+            up, down = p.upstream_name.removesuffix(".weight"), p.name.removesuffix(".weight")
+            failures.append(f"{where}: the norm {norm} ({kind}) stands on V's way from {up} to {down} "
+                            "(it normalizes each token's channels after the attention, as DiffAttention's sub_norm, "
+                            "or V before it), so W_O reads W_V through a per-token scaling and W_O W_V (paper "
+                            "Sec. 3.2) is not its path; pass verify=False to pair them unchecked (beyond the paper), "
+                            "or train this model without CD")
         elif k in mode.normed:
             norm, kind = mode.normed[k]
             failures.append(f"{where}: the norm {norm} ({kind}) normalizes {p.upstream_name.removesuffix('.weight')}"
@@ -415,19 +432,23 @@ def _normalizes_channels(module: nn.Module) -> bool:
             and next(module.children(), None) is None)
 
 
-def _hook_mlp_norms(root: nn.Module, pairs: Sequence, mode: _Provenance) -> list:
-    """Forward hooks on the norms inside each MLP (fc1 -> fc2 pair: the module holding fc2's layer, less the block's
-    own norms) that label a norm's output 'norm:<k>' when its input comes from fc1's output of pair k: fc2 reading
-    that label reads fc1 through the norm. An RMSNorm maps the channels the values check sets to zero to zeros
-    (`cd/values.py`), so only the structure tells it; a norm of the MLP after fc2 gives fc2 nothing."""
+def _hook_inner_norms(root: nn.Module, pairs: Sequence, mode: _Provenance) -> list:
+    """Forward hooks on the norms inside each MLP or attention (functional pair k: the module holding W2's layer, less
+    the block's own norms) that label a norm's output 'norm:<k>' when its input comes from W1's output: W2 reading
+    that label reads W1 through the norm. An RMSNorm maps the channels the values check sets to zero to zeros
+    (`cd/values.py`), so only the structure tells it; a norm after W2 gives W2 nothing. A fused qkv's label is on Q
+    and K too, so a QK-norm's input comes from it as well: an attention pair's label ends at a softmax
+    (`_Provenance.softmax_ends`), and proj reads it only from a norm on V's way (before or after the mixing)."""
     block_norms = {p.upstream_name.rpartition(".")[0] for p in pairs if p.kind == "composable"}
-    mlps: dict[str, list[int]] = {}
+    parts: dict[str, list[int]] = {}
     for k, p in enumerate(pairs):
-        if p.kind == "functional" and p.role != "proj":  # fused qkv's label is on Q and K too: QK-norms read it
-            mlps.setdefault(p.name.rpartition(".")[0].rpartition(".")[0], []).append(k)
+        if p.kind == "functional":
+            parts.setdefault(p.name.rpartition(".")[0].rpartition(".")[0], []).append(k)
+            if p.role == "proj":
+                mode.softmax_ends.add(f"norm:{k}")
     hooks = []
     for name, module in root.named_modules():
-        ks = [k for mlp, found in mlps.items() if name.startswith(f"{mlp}.") for k in found]
+        ks = [k for part, found in parts.items() if name.startswith(f"{part}.") for k in found]
         if not ks or name in block_norms or not _normalizes_channels(module):
             continue
 
