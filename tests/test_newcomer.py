@@ -79,7 +79,6 @@ def test_a_model_given_twice_is_one_line(capsys, argv):
 @pytest.mark.parametrize("name,how,start", [
     ("xcit_nano_12_p16_224", "cd/families.py's tiny xcit config", "block 'blocks.0' (XCABlock)"),
     ("davit_tiny", "depths=(1, 1, 1, 1)", "block 'stages.0.blocks.0.1' (ChannelBlock)"),
-    ("mvitv2_tiny", "img_size=128", "block 'stages.0.blocks.0' (MultiScaleBlock)"),
 ])
 def test_a_model_the_checks_on_real_numbers_refuse_is_refused_by_the_cli(capsys, name, how, start):
     """The meta model has no values for the V-row and channel-order checks (its table was printed, status 0): a
@@ -92,6 +91,20 @@ def test_a_model_the_checks_on_real_numbers_refuse_is_refused_by_the_cli(capsys,
     assert done.value.code == 2 and out == "" and err.count("\n") == 1, (out, err)
     assert err.startswith(f"error: {name}: {start} is not supported by CD: ") and \
         err.endswith(f"(found by the checks on real numbers, run on a copy built on the CPU with {how})\n"), err
+
+
+def test_a_norm_on_vs_way_to_proj_is_refused_by_the_cli_on_the_meta_model(capsys):
+    """MViTv2's LayerNorm on V (attn.norm_v) was refused only by the checks on real numbers, run on a small CPU copy;
+    the meta forward now names the norm (cd/verify.py): one `error:` line, status 2, nothing on stdout."""
+    from cd.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--model", "mvitv2_tiny"])
+    out, err = capsys.readouterr()
+    assert done.value.code == 2 and out == "" and err.count("\n") == 1, (out, err)
+    assert err.startswith("error: mvitv2_tiny: MultiScaleVit is not supported by CD: block 'stages.0.blocks.0' "
+                          "(MultiScaleBlock): the proj pair: the norm stages.0.blocks.0.attn.norm_v (LayerNorm) "
+                          "stands on V's way from stages.0.blocks.0.attn.qkv to stages.0.blocks.0.attn.proj"), err
 
 
 def test_a_model_without_a_small_copy_says_the_checks_on_real_numbers_were_not_run(capsys, monkeypatch):
