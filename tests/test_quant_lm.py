@@ -98,6 +98,27 @@ def test_a_grouped_weight_quantizer_is_described_by_its_group_size():
         assert len(weights) == 1 and weights.pop().startswith(f"4b asym per-{gran} ("), gran
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["asym", "sym"])
+def test_rtn_of_a_half_precision_model_takes_its_ranges_in_float32_as_the_official_nearest(dtype, symmetric):
+    # IST-DASLab/gptq `--nearest` on a half-precision model: find_params compares the rows' min / max with float32
+    # zeros (torch.zeros' default dtype), so scale and zero point are float32, and quantize's float32 result is cast
+    # to the weight's dtype; a scale rounded to 8 mantissa bits moves the grid and puts some weights on another level
+    model = gpt().to(dtype)
+    qmodel, _ = PIPELINES["rtn"](model, tokens(), "w4a16", {"symmetric": symmetric})
+    for name, layer in block_linears(qmodel).items():
+        w = block_linears(model)[name].weight.detach().float()
+        lo, hi = w.amin(1).clamp(max=0), w.amax(1).clamp(min=0)
+        if symmetric:
+            hi = torch.maximum(lo.abs(), hi)
+            lo = torch.where(lo < 0, -hi, lo)
+        scale = ((hi - lo) / 15)[:, None]
+        zero = torch.full_like(scale, 8) if symmetric else torch.round(-lo[:, None] / scale)
+        want = (scale * (torch.clamp(torch.round(w / scale) + zero, 0, 15) - zero)).to(dtype)
+        got = layer.quantized_weight()
+        assert got.dtype == dtype and torch.equal(got, want), name
+
+
 def test_rtn_of_a_model_equals_the_float_model_with_naively_rounded_weights():
     model, x = gpt(), tokens(4, seed=3)
     qmodel, _ = PIPELINES["rtn"](model, x, "w3a16")

@@ -52,8 +52,10 @@ class GPTQQuantizer(UniformQuantizer):
         return cls(spec.bits, spec.symmetric, spec.group_size, device=device)
 
     def range_params(self, w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(scale [R], zero point [R]) of the rows of w [R, K] (GPTQ's `find_params(w, weight=True)`)."""
-        zero = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+        """(scale [R], zero point [R]) of the rows of w [R, K] (GPTQ's `find_params(w, weight=True)`), at least in
+        float32: theirs compares the rows' min / max with float32 zeros, so a half-precision weight gets float32
+        ranges (a bf16 scale would move the grid)."""
+        zero = torch.zeros(w.shape[0], dtype=torch.promote_types(w.dtype, torch.float32), device=w.device)
         lo, hi = torch.minimum(w.amin(dim=1), zero), torch.maximum(w.amax(dim=1), zero)
         if self.symmetric:
             hi = torch.maximum(lo.abs(), hi)
