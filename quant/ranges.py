@@ -52,6 +52,8 @@ class RangeSearch:
             raise ValueError(f"unknown range search method {self.method!r}")
         if self.method == "percentile" and len(self.percentiles) != 1:
             raise ValueError(f"method 'percentile' takes exactly one level, got {self.percentiles}")
+        if self.method == "percentile_mse" and not self.percentiles:  # no candidate range for a quantizer to fit
+            raise ValueError(f"method 'percentile_mse' needs at least one percentile level, got {self.percentiles}")
         if self.method != "minmax" and not all(0.5 < p <= 1.0 for p in self.percentiles):
             raise ValueError(f"percentile levels must lie in (0.5, 1], got {self.percentiles}")
 

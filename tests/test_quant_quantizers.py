@@ -129,6 +129,13 @@ def test_fixed_percentile_and_minmax_modes():
     assert q.scale.item() == pytest.approx((x.max() - x.min()).item() / 255, rel=1e-5)
 
 
+def test_a_percentile_search_without_levels_is_refused_when_built():
+    # no candidate range: refused where it is made, not by "stack expects a non-empty TensorList" from the fit of
+    # the first quantizer that calibrates with it (a custom QuantizerSpec's search, quant/README.md)
+    with pytest.raises(ValueError, match=r"method 'percentile_mse' needs at least one percentile level, got \(\)"):
+        RangeSearch("percentile_mse", ())
+
+
 def test_activation_channel_is_last_dim_for_nhwc():
     x = torch.randn(2, 4, 4, 6, generator=gen(6))
     x[..., 2] *= 50  # Swin NHWC: one loud channel in the last dim
