@@ -424,15 +424,11 @@ class _Block:
         MMDetection's Swin) would otherwise be told about the wrong part. A layer that is there but whose weight is
         computed at each forward (a parametrization, weight_norm) is named as such, with the way to remove it, and
         one that is there without a 2-D weight Parameter (a wrapper holding the layer and adapters) too."""
-        from .noise import weight_source  # here: noise -> update -> pairs
         for path in paths.replace(" or ", " and ").split(" and "):
             layer = _module(self.module, path)
-            if layer is not None and isinstance(getattr(layer, "weight", None), torch.Tensor) and \
-                    not isinstance(layer.weight, nn.Parameter):
-                how, fix = weight_source(layer)
-                if fix.startswith("give WeightNoise"):
-                    fix = "give the layer a weight Parameter of its own"
-                return self.refuse(f"the weight of {path} is {how}, not a Parameter CD can update; {fix}")
+            computed = self.refuse_computed(path, "update")
+            if computed is not None:
+                return computed
             if layer is not None and _matrix_weight(layer) is None:  # there: not "found no", but no matrix to pair
                 extra = adapter_parameters(layer)  # what a wrapper (PEFT-style adapters) holds
                 held = (f" (it holds {', '.join(extra[:4])}{', ...' if len(extra) > 4 else ''}; for a layer with "
@@ -447,6 +443,21 @@ class _Block:
             "attn.proj, norm2, mlp.fc1, mlp.fc2, or under its own names given as layouts=[cd.Layout(...)]")
         return self.refuse(f"found no {paths} ({what}); its children {', '.join(self.lay.children)} are those of "
                            f"the {self.lay.library} block layout{own}")
+
+    def refuse_computed(self, path: str, use: str) -> Optional[UnsupportedModelError]:
+        """The refusal of the module at `path` when its `weight` is there but computed at each forward (a
+        parametrization, weight_norm), naming that cause and the way to remove it; None otherwise. A pair holds
+        Parameters: a computed weight is a new tensor at each forward, nothing CD can `use` ("update" for a layer,
+        "read as W1" for a norm's scale, which an affine norm under a parametrization has)."""
+        from .noise import weight_source  # here: noise -> update -> pairs
+        module = _module(self.module, path)
+        weight = getattr(module, "weight", None) if module is not None else None
+        if not isinstance(weight, torch.Tensor) or isinstance(weight, nn.Parameter):
+            return None
+        how, fix = weight_source(module)
+        if fix.startswith("give WeightNoise"):
+            fix = "give the layer a weight Parameter of its own"
+        return self.refuse(f"the weight of {path} is {how}, not a Parameter CD can {use}; {fix}")
 
     def refuse_inner_norm(self, layer: str, pair: str) -> None:
         """Refuse a norm between a functional pair's matrices (timm's `norm` child of the attention or MLP,
@@ -467,6 +478,9 @@ class _Block:
         input width."""
         g = _scale_weight(_module(self.module, norm))
         w = self.matrix(layer)
+        computed = self.refuse_computed(norm, "read as W1") if g is None else None
+        if computed is not None:  # an affine norm all the same: "needs an affine norm" would name a wrong cause
+            raise computed
         if g is None or w is None or g.shape[0] != self.width(layer, 1):
             raise self.refuse(f"{role} needs an affine {norm} (1-D weight) of {layer}'s input width")
         return Pair(self.weight_name(layer), role, "composable", self.name,

@@ -853,6 +853,27 @@ def test_a_layer_whose_weight_a_parametrization_computes_is_refused_for_that_cau
     assert "remove_parametrizations" in said and "found no" not in said
 
 
+
+class _Positive(torch.nn.Module):
+    """A parametrization keeping a norm's scale positive: the norm stays affine, its weight is computed."""
+
+    def forward(self, w):
+        return w.abs()
+
+
+@pytest.mark.parametrize("norm", ["norm1", "norm2"])
+def test_a_norm_whose_scale_a_parametrization_computes_is_refused_for_that_cause(norm):
+    """The norm is affine, but its weight is computed at each forward, so the pair holds no Parameter for W1: the
+    refusal says so and how to remove it, not that the block needs an affine norm."""
+    from torch.nn.utils import parametrize
+    model = tiny_vit()
+    parametrize.register_parametrization(getattr(model.blocks[0], norm), "weight", _Positive())
+    with pytest.raises(UnsupportedModelError) as refused:
+        ColinearityDecay(model)
+    said = str(refused.value)
+    assert f"the weight of {norm} is computed at each forward by a parametrization" in said, said
+    assert "remove_parametrizations" in said and "needs an affine" not in said, said
+
 class _ScaledNorm(torch.nn.Module):
     """An RMSNorm whose scale reaches its output through another computation than x_hat * weight: Gemma's
     x_hat * (1 + weight) ("one_plus"), or x_hat * weight * 2.0 ("doubled")."""
