@@ -289,8 +289,8 @@ def check_settings(lam, lam_per_role, targets, mode, loss_coef, matmul_precision
     if matmul_precision not in ("auto",) + PRECISIONS:
         raise ValueError(f"cd matmul_precision must be one of {('auto',) + PRECISIONS}, "
                          f"got {matmul_precision!r}")
-    # a bool is an int in Python: norms_every=True would be 1
-    if not (isinstance(norms_every, int) and not isinstance(norms_every, bool) and norms_every >= 1):
+    # a bool is an int in Python: norms_every=True would be 1; numpy's integers are integers (numbers.Integral)
+    if not (isinstance(norms_every, numbers.Integral) and not isinstance(norms_every, bool) and norms_every >= 1):
         raise ValueError(f"cd norms_every must be an integer >= 1, got {norms_every!r}")
     # a setting of the other form would be silently unused (values compared with the defaults: a default given
     # explicitly changes nothing either way)
@@ -431,7 +431,7 @@ class ColinearityDecay:
         self.targets = targets
         self.mode = mode
         self.loss_coef = float(loss_coef)
-        self.norms_every = norms_every
+        self.norms_every = int(norms_every)
         self.gated_mlp = gated_mlp
         self.layouts = layouts
 

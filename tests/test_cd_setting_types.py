@@ -61,6 +61,18 @@ def test_norms_every_true_is_refused_not_taken_as_1():
     assert ColinearityDecay(tiny_vit(), norms_every=1).norms_every == 1
 
 
+def test_norms_every_as_a_numpy_integer_is_honoured_as_that_integer():
+    """np.int64(2) is an integer >= 1 (a log interval computed with numpy): the norms come on every 2nd update, as
+    TWEO takes its total_steps; refusing it named no wrong input."""
+    np = pytest.importorskip("numpy")
+    decay = ColinearityDecay(tiny_vit(), norms_every=np.int64(2))
+    check_cd_arguments({"norms_every": np.int64(2)})
+    decay.apply(1e-3)
+    assert not any(key.startswith("cd/update_norm/") for key in decay.metrics())  # update 1: no norms
+    decay.apply(1e-3)
+    assert {"cd/update_norm/qkv", "cd/update_norm/fc2"} <= set(decay.metrics())  # update 2: the norms
+
+
 @pytest.mark.parametrize("lr", [True, False])
 def test_apply_with_a_bool_lr_is_refused_and_moves_nothing(lr):
     # apply(True) made a step with lr 1.0, a thousand times a typical lr of 1e-3; apply(False) a silent no-op
