@@ -202,7 +202,8 @@ def _fetch_error(error: Exception) -> bool:
 
 # the data keys of the input pipeline that timm records for hub weights (their pretrained_cfg), as timm's
 # resolve_data_config reads them: the normalization, eval crop and resize the weights were trained and scored with
-HUB_DATA_KEYS = ("mean", "std", "crop_pct", "interpolation")
+# (crop_mode too: 131 of timm's weights are scored on the whole image squashed to a square, crop_mode squash)
+HUB_DATA_KEYS = ("mean", "std", "crop_pct", "crop_mode", "interpolation")
 
 
 def hub_data_mismatch(cfg: Config) -> str:

@@ -1,8 +1,8 @@
 """model.pretrained=hub weights fine-tuned or scored with another input pipeline than timm records for them (their
-pretrained_cfg: mean, std, eval crop, interpolation) are named in one warning line of train.py's run log and of
-evaluate.py's output, with both values and the overrides that match them; not refused (DeiT fine-tunes with its own
-values). The reference is timm's own data config of the weights (timm.data.resolve_data_config), read offline; the hub
-is a Hugging Face cache made here (nothing is fetched)."""
+pretrained_cfg: mean, std, eval crop and crop mode, interpolation) are named in one warning line of train.py's run
+log and of evaluate.py's output, with both values and the overrides that match them; not refused (DeiT fine-tunes
+with its own values). The reference is timm's own data config of the weights (timm.data.resolve_data_config), read
+offline; the hub is a Hugging Face cache made here (nothing is fetched)."""
 import dataclasses
 import re
 
@@ -97,3 +97,19 @@ def test_evaluate_py_scores_them_with_the_line_in_its_output(hub, tmp_path, caps
 def test_synthetic_images_which_get_no_transform_are_not_compared():
     cfg = load_config(None, [f"model.name={NAME}", "model.pretrained=hub", "data.dataset=synthetic"])
     assert hub_data_mismatch(cfg) == ""
+
+
+def test_weights_scored_on_a_squashed_image_name_the_center_crop():
+    # timm scores these weights on the whole image squashed to a square (crop_mode squash, at crop_pct 1.0): the
+    # schema's center crop at crop_pct 1.0 cuts a non-square image's sides off instead
+    name = "convnext_tiny.fb_in22k_ft_in1k_384"
+    reference = resolve_data_config({}, model=timm.create_model(name, pretrained=False))
+    assert reference["crop_mode"] == "squash" and reference["crop_pct"] == 1.0, reference
+    cfg = load_config(None, [f"model.name={name}", "model.pretrained=hub", "data.crop_pct=1.0"])
+    line, named = warned(cfg)
+    assert named == ["crop_mode"], line
+    assert "data.crop_mode=center (the weights': squash)" in line, line
+    fixes = re.search(r"to match them, set (.*?) \(", line)[1].split()
+    matched = load_config(None, [f"model.name={name}", "model.pretrained=hub", "data.crop_pct=1.0", *fixes])
+    assert matched.data.crop_mode == reference["crop_mode"], fixes
+    assert hub_data_mismatch(matched) == ""
