@@ -218,7 +218,16 @@ class ImageFolderDataset(ImageDataset):
     or decoding sample `index` gives a blank image with the target `unreadable_target(index)` (negative);
     engine/loop.py leaves it out of evaluations and replaces it in training batches, naming and counting
     it in both. The transform's own errors are not caught: they are bugs or settings, not a bad file.
+
+    A folder's images that timm's natural-key order ties are put in the order of their names (`ties_in_name_order`).
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        samples = self.reader.samples
+        # a folder's (path, target) list; a .tar's samples (an array of members) tie in the tar's order, every copy's
+        if isinstance(samples, list) and samples and isinstance(samples[0][0], str):
+            self.reader.samples = ties_in_name_order(samples)
 
     def __getitem__(self, index: int):
         source = None
@@ -232,6 +241,28 @@ class ImageFolderDataset(ImageDataset):
             if hasattr(source, "close"):
                 source.close()  # the reader opened it; PIL closes only the files it opened itself
         return (self.transform(img) if self.transform is not None else img), target
+
+
+def ties_in_name_order(samples: list) -> list:
+    """timm's (path, target) `samples` of a folder, sorted by natural_key, with each run of paths that natural_key
+    ties (1.png and 01.png, x.png and X.png: lower case, numbers as numbers) in the order of the paths themselves.
+    timm leaves a tie in the order of the directory listing, which another copy of the folder may change (ext4's
+    follows its hash seed): index i would be another image on another node, or after a copy, while the sorted names
+    of `folder_fingerprint` agree. A tie's paths are adjacent, and equal once lower-cased with their zeros taken out,
+    which is checked first: natural_key is computed for those pairs only, not again for every image. A tie through
+    leading zeros of another script's digits than ASCII's is left in timm's order."""
+    from timm.utils.misc import natural_key
+
+    def tied(a: str, b: str) -> bool:
+        return a.lower().replace("0", "") == b.lower().replace("0", "") and natural_key(a) == natural_key(b)
+
+    ordered, start = list(samples), 0
+    for end in range(1, len(ordered) + 1):
+        if end == len(ordered) or not tied(ordered[end - 1][0], ordered[end][0]):
+            if end - start > 1:
+                ordered[start:end] = sorted(ordered[start:end], key=lambda sample: sample[0])
+            start = end
+    return ordered
 
 
 def unreadable_target(index: int) -> int:
@@ -296,9 +327,9 @@ def folder_fingerprint(dataset: ImageDataset) -> dict:
     """What tells one split's images from another's wherever its folder lies (data.root may move between
     machines): the number of images and the SHA-256 of their sorted names relative to the split (class folder and
     file name; in a .tar, the member's name after the class tar holding it, if any), the images a resumed run must
-    find again. Sorted: timm's natural-key order ties `1.png` with `01.png`, whose order is then the directory
-    listing's, which a copy may change. Files replaced under the same names are not told apart: reading every
-    image would cost minutes on ImageNet."""
+    find again. Sorted by the names themselves, as the records of earlier runs are (the data set's own order, timm's
+    natural-key order with ties in name order, `ties_in_name_order`, follows from the same names). Files replaced
+    under the same names are not told apart: reading every image would cost minutes on ImageNet."""
     reader = dataset.reader
     if hasattr(reader, "root") and isinstance(reader.samples[0][0], str):  # a folder: absolute paths under root
         prefix = os.path.join(reader.root, "")  # os.walk joins onto root as given, trailing separator or not

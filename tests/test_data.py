@@ -704,3 +704,28 @@ def test_a_missing_or_empty_val_folder_is_refused_before_the_training_split_is_r
         build_loaders(cfg, img_size=32, batch_size_per_gpu=2, eval_batch_size_per_gpu=2, rank=0, world_size=1,
                       seed=0, num_classes=2)
     assert read == []  # no split was read image by image before the refusal
+
+
+@pytest.mark.parametrize("listing", [list, lambda files: list(reversed(files))])
+def test_images_whose_names_sort_as_one_take_the_same_place_in_any_copy(tmp_path, monkeypatch, listing):
+    # timm orders images by natural_key (lower case, numbers as numbers), which ties 1.png with 01.png and x.png with
+    # X.png: left to the directory listing (ext4's follows its hash seed, so another copy lists otherwise), index i
+    # would be another image on another node or after a copy, under the same fingerprint (sorted names). The
+    # reference: natural_key, then the name itself, whatever order the folder lists its files in (two listings)
+    import os
+    from timm.data.readers import reader_image_folder
+    from timm.utils.misc import natural_key
+    from data.folder import build_folder_dataset
+    names = ["01.png", "1.png", "2.png", "X.png", "x.png", "y.png"]
+    os.makedirs(tmp_path / "val" / "a")
+    for i, name in enumerate(names):
+        Image.fromarray(np.full((4, 4, 3), i * 40, np.uint8)).save(tmp_path / "val" / "a" / name)
+    walk = os.walk
+
+    def listed(top, **kwargs):  # the copy's listing order
+        for folder, subfolders, files in walk(top, **kwargs):
+            yield folder, subfolders, listing(sorted(files))
+    monkeypatch.setattr(reader_image_folder.os, "walk", listed)
+    dataset = build_folder_dataset(str(tmp_path), "val")
+    read = [os.path.basename(dataset.filename(i)) for i in range(len(dataset))]
+    assert read == sorted(names, key=lambda name: (natural_key(name), name))
