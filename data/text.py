@@ -31,6 +31,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -158,9 +159,32 @@ def is_plain_text(head: np.ndarray) -> bool:
     return True
 
 
-def text_file_error(path: str, values: int) -> DataError:
-    """The refusal of a token file whose first `values` uint16 values are text (`is_plain_text`)."""
-    return DataError(f"{path}: its first {2 * values:,} bytes are text (UTF-8 without control bytes), as in a plain "
+# the first uint16 value of a UTF-16 text file, its byte-order mark U+FEFF, read little-endian: the file's encoding
+UTF16_MARKS = {0xFEFF: ("utf-16-le", "UTF-16LE"), 0xFFFE: ("utf-16-be", "UTF-16BE")}
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f]")  # CONTROL_BYTES as characters
+
+
+def utf16_text_encoding(head: np.ndarray) -> Optional[str]:
+    """The encoding ("UTF-16LE" or "UTF-16BE") where the uint16 values `head` are those of a UTF-16 text file: its
+    byte-order mark first (PowerShell 5's `>` and Python's "utf-16" write one; read as an id, 65279 or 65534), then
+    code units that decode strictly (but a pair the head's end cuts) to text without a control character (but tab,
+    line feed and carriage return). None else: read as uint16, such text is its characters as ids, which fit any
+    vocabulary."""
+    if len(head) < 2 or int(head[0]) not in UTF16_MARKS:
+        return None
+    codec, name = UTF16_MARKS[int(head[0])]
+    try:
+        text = codecs.getincrementaldecoder(codec)().decode(np.ascontiguousarray(head[1:], dtype=np.uint16).tobytes(),
+                                                             final=False)
+    except UnicodeDecodeError:
+        return None
+    return None if CONTROL_CHARACTERS.search(text) else name
+
+
+def text_file_error(path: str, values: int, encoding: str = "UTF-8 without control bytes") -> DataError:
+    """The refusal of a token file whose first `values` uint16 values are text (`is_plain_text`; `encoding`: another
+    than UTF-8, `utf16_text_encoding`)."""
+    return DataError(f"{path}: its first {2 * values:,} bytes are text ({encoding}), as in a plain "
                      "text file, not uint16 token ids; tokenize the text into a file of uint16 ids (as nanoGPT's "
                      "prepare.py does: np.array(ids, dtype=np.uint16).tofile(...)) and give data.root its folder")
 
@@ -184,12 +208,15 @@ def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
       1 or more, 0x3C00..0x7BFF (15360..31743, `is_float16_ids`): ids of 15360 and more, the bits of float16 numbers.
     A plain text file (its bytes UTF-8 without control bytes, `is_plain_text`) is refused too: read as uint16 it
     gives ids up to 32382 (plain ASCII) or 65535 (other characters), so that model.num_classes widened to fit would
-    train on pairs of bytes."""
+    train on pairs of bytes. So is a UTF-16 text file with its byte-order mark (`utf16_text_encoding`), whose
+    characters would be trained on as ids."""
     head = np.asarray(ids[:ID_CHECK_SAMPLE])
     if len(head) < LAYOUT_JUDGE_IDS:
         return
     if is_plain_text(head):
         raise text_file_error(path, len(head))
+    if (utf16 := utf16_text_encoding(head)) is not None:
+        raise text_file_error(path, len(head), f"{utf16} after its byte-order mark")
     odd, even = head[1::2], head[0::2]
     high, low = int(odd.max()), int(even.max())
     if (high == 0 and low > 0) or (high < 16 and low >= 4096):
@@ -355,8 +382,9 @@ def check_vocabulary(stream: TokenStream, vocab_size: int, ids: Optional[np.ndar
     of `ids` alone when only those are used (calibration windows). A token file whose ids do not fit and whose
     bytes are text (`is_plain_text`, judged on a file of TEXT_JUDGE_BYTES bytes or more, however short beyond that)
     is refused as text: the advice of a larger model.num_classes would train on pairs of bytes. Shorter files get
-    that advice. A token file whose ids would all fit as big-endian uint16 or as uint8 ids is refused as a file of
-    that layout (`other_layout_error`)."""
+    that advice, but for UTF-16 text with its byte-order mark (`utf16_text_encoding`), refused as text at any length
+    (the mark is the id that does not fit). A token file whose ids would all fit as big-endian uint16 or as uint8
+    ids is refused as a file of that layout (`other_layout_error`)."""
     if stream.vocab is not None:
         size = len(stream.vocab)
     elif ids is None and stream.path is not None:  # a whole token file: read once, then its record (`file_largest_id`)
@@ -370,6 +398,9 @@ def check_vocabulary(stream: TokenStream, vocab_size: int, ids: Optional[np.ndar
         if (head is not None and head.dtype == np.uint16 and head.nbytes >= TEXT_JUDGE_BYTES
                 and is_plain_text(head)):
             raise text_file_error(stream.source, len(head))
+        # UTF-16 text of any length: its byte-order mark is what does not fit (65279 or 65534)
+        if head is not None and head.dtype == np.uint16 and (utf16 := utf16_text_encoding(head)) is not None:
+            raise text_file_error(stream.source, len(head), f"{utf16} after its byte-order mark")
         # ids of big-endian uint16 or uint8 read as little-endian uint16: the advice of a larger model.num_classes
         # would train on the wrong numbers; the fix is the file's layout
         layout = other_layout_error(stream.ids, stream.source, vocab_size, size - 1) if stream.vocab is None else None

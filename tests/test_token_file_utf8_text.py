@@ -2,7 +2,8 @@
 bytes read as uint16 give ids up to 65535, which the vocabulary check advised a model.num_classes to fit (then
 the run trained on byte pairs), or, with a few non-ASCII characters, ids that fit GPT-2's vocabulary (then it
 trained without a word). Judged against a naive reference (Python's own UTF-8 decoder, byte by byte), and real
-uint16 id streams of such text are still read as written."""
+uint16 id streams of such text are still read as written. A UTF-16 text file (with its byte-order mark) is refused as
+text too."""
 import re
 
 import numpy as np
@@ -148,3 +149,21 @@ def test_uint16_ids_of_utf8_text_are_read_as_written(tmp_path, stream):
     ids.astype(np.uint16).tofile(tmp_path / "val.bin")
     read = token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
     assert read.ids.tolist() == np.fromfile(tmp_path / "val.bin", dtype=np.uint16).tolist() == ids.tolist()
+
+
+@pytest.mark.parametrize("codec", ["utf-16-le", "utf-16-be"])
+@pytest.mark.parametrize("chars", [30_000, 20])
+def test_a_utf16_text_file_is_refused_as_text_not_advised_a_wider_vocabulary(tmp_path, codec, chars):
+    """A UTF-16 text file with its byte-order mark (PowerShell 5's `>` writes one, as Python's "utf-16" does): read
+    as uint16 its characters are ids that fit any vocabulary, its mark an id of 65279 (little-endian) or 65534, so
+    the run was advised model.num_classes=65280 or more, to train on characters as token ids. The file is text by
+    construction (Python's encoder); long or short (no layout judged), it is refused as text, naming the encoding."""
+    data = "\ufeff".encode(codec) + _kjv_text()[:chars].replace("'", "\u2019").encode(codec)
+    (tmp_path / "val.bin").write_bytes(data)
+    stream = DataConfig(dataset="tokens", root=str(tmp_path))
+    encoding = {"utf-16-le": "UTF-16LE", "utf-16-be": "UTF-16BE"}[codec]
+    with pytest.raises(DataError, match=rf"^{re.escape(str(tmp_path / 'val.bin'))}: its first [\d,]+ bytes are text "
+                                        rf"\({encoding} after its byte-order mark\), as in a plain text file, "
+                                        r"not uint16 token ids; tokenize") as refused:
+        check_vocabulary(token_stream(stream, "val"), 50_304)
+    assert "model.num_classes" not in str(refused.value)
