@@ -5,7 +5,9 @@ and `head.weight`, models/gpt.py): the tied matrix would be averaged twice per u
 horizon `train.ema_decay` asks for. timm's `exclude_buffers=True` walks the de-duplicated `parameters()` but copies
 the buffers, so a BatchNorm model's EMA would be scored with the raw model's running statistics. `ModelEma` walks
 the de-duplicated `parameters()` and `buffers()` and treats them as timm's default does: floating tensors are
-averaged, integer ones (BatchNorm's `num_batches_tracked`) copied.
+averaged, integer ones (BatchNorm's `num_batches_tracked`) copied. The average is torch's foreach lerp, as timm's own
+update makes it for fp32 weights: timm's `_foreach_lerp_` helper (newer releases) is not in timm 1.0.15 to 1.0.28,
+which requirements.txt admits.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class ModelEma(ModelEmaV3):
             if not e.is_floating_point():
                 e.copy_(m)
         averaged = [(e, m) for e, m in pairs if e.is_floating_point()]
-        self._foreach_lerp_([e for e, _ in averaged], [m for _, m in averaged], weight=1.0 - decay)
+        torch._foreach_lerp_([e for e, _ in averaged], [m for _, m in averaged], weight=1.0 - decay)
 
 
 def build_ema(model: nn.Module, cfg: TrainConfig) -> Optional[ModelEma]:

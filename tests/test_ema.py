@@ -60,3 +60,20 @@ def test_batchnorm_statistics_are_averaged_and_the_batch_count_copied():
     for key, want in naive.items():
         assert got[key].dtype == want.dtype, key
         assert torch.allclose(got[key], want, rtol=0, atol=1e-12), key
+
+
+def test_the_update_runs_on_the_oldest_timm_the_requirements_admit(monkeypatch):
+    """requirements.txt admits timm 1.0.15, whose ModelEmaV3 has no `_foreach_lerp_` helper (added after 1.0.28):
+    the first update of a train.ema=true run must not need it. Closed form as above, one update at decay 0.5."""
+    from timm.utils import ModelEmaV3
+
+    monkeypatch.delattr(ModelEmaV3, "_foreach_lerp_", raising=False)
+    model = nn.Linear(3, 2).double()
+    ema = build_ema(model, TrainConfig(ema=True, ema_decay=0.5))
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(2.0)
+    ema.update(model, step=100)
+    for got, old, now in zip(ema.module.parameters(), before, model.parameters()):
+        assert torch.allclose(got, 0.5 * old + 0.5 * now, rtol=0, atol=1e-12)
