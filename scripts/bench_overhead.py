@@ -41,7 +41,6 @@ import gc
 import os
 import statistics
 import sys
-import time
 from typing import Callable, Optional, Sequence
 
 import timm
@@ -51,7 +50,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `cd`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for bench_quant
 from bench_env import environment  # noqa: E402
-from bench_quant import undivided_heads, vit_heads  # noqa: E402
+from bench_quant import timed, undivided_heads, vit_heads  # noqa: E402
 from cd import TWEO, ColinearityDecay  # noqa: E402
 from cd.update import _products_in  # noqa: E402
 from engine.figures import new_figure  # noqa: E402
@@ -83,18 +82,12 @@ def cd_norms_every(args) -> int:
 
 
 def timed_ms(fn, device: str) -> float:
-    """Wall time of fn() in ms, synchronizing CUDA before and after.
+    """Wall time of fn() in ms: bench_quant.timed, which synchronizes `device` before and after on CUDA.
 
     The synchronize before the clock starts keeps kernels queued by the previous call (a warm-up, or the other
     side of an interleaved pair) out of this sample.
     """
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3
+    return timed(fn, torch.device(device))[1] * 1e3
 
 
 def build_vit(embed_dim: int, depth: int, img_size: int, patch_size: int, num_classes: int, device: str):

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import cd_models  # noqa: F401  (one torch thread)
 import pytest
@@ -581,13 +582,27 @@ def test_a_cuda_sample_waits_for_earlier_queued_work_before_its_clock_starts(mon
     events = []
     ticks = iter([100.0, 100.005])
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda *a, **k: events.append("sync"))
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: events.append("clock") or next(ticks))
+    monkeypatch.setattr(time, "perf_counter", lambda: events.append("clock") or next(ticks))
     ms = bench.timed_ms(lambda: events.append("fn"), "cuda")
     assert events == ["sync", "clock", "fn", "sync", "clock"]
     assert ms == pytest.approx(5.0)
     events.clear()
     ticks = iter([1.0, 1.25])
     assert bench.timed_ms(lambda: events.append("fn"), "cpu") == pytest.approx(250.0) and "sync" not in events
+
+
+def test_a_cuda_sample_synchronizes_the_device_it_times_not_the_current_one(monkeypatch):
+    """timed_ms synchronized the current CUDA device (torch.cuda.synchronize()), and none at all for a device string
+    other than "cuda": a model on cuda:1 was timed on the clock of the calls that queued its kernels. It is
+    bench_quant.timed in ms: the device it is given is synchronized before the clock starts and before it stops."""
+    bench = _bench()
+    events = []
+    ticks = iter([10.0, 10.002])
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda device=None: events.append(f"sync {device}"))
+    monkeypatch.setattr(time, "perf_counter", lambda: events.append("clock") or next(ticks))
+    ms = bench.timed_ms(lambda: events.append("fn"), "cuda:1")
+    assert events == ["sync cuda:1", "clock", "fn", "sync cuda:1", "clock"]
+    assert ms == pytest.approx(2.0)
 
 
 def test_a_method_that_runs_out_of_gpu_memory_leaves_the_others_rows_measured(monkeypatch):
