@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root, for `quant`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for bench_quant
-from bench_quant import refuse_unbuildable  # noqa: E402
+from bench_quant import refuse_unbuildable, timed  # noqa: E402
 from quant.aphq.adaround import RoundingSchedule  # noqa: E402
 from quant.calibrate import calibrate  # noqa: E402
 from quant.convert import quantize_model  # noqa: E402
@@ -122,13 +122,7 @@ def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -
     logits = model_logits(fp, batch_imgs, args.batch)
     for _ in range(args.warmup):  # untimed, as the first iterations: the first backward passes' one-time costs
         perturbation_hessian(fp, args.block, batch_imgs, logits, args.batch)  # (CUDA's kernel loading, allocations)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the clock starts on finished work
-    start = time.perf_counter()
-    h = perturbation_hessian(fp, args.block, batch_imgs, logits, args.batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    hessian_batch_s = time.perf_counter() - start
+    h, hessian_batch_s = timed(lambda: perturbation_hessian(fp, args.block, batch_imgs, logits, args.batch), device)
 
     base = {"model": args.model, "img_size": args.img_size, "overrides": kw, "block": args.block,
             "batch": args.batch, **environment(device), "threads": torch.get_num_threads()}
