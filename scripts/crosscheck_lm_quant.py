@@ -83,13 +83,17 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 from configs.cli import OneLineParser, at_least, first_line  # noqa: E402
-from engine.outputs import write_json  # noqa: E402
+from engine.outputs import refuse_others_files, write_json  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs, write_whole  # noqa: E402
 from models.gpt import GPT_SIZES, build_gpt  # noqa: E402
 from quant import PIPELINES  # noqa: E402
 from quant.layers import QuantLinear  # noqa: E402
 
 BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+# By these --overwrite knows its own results JSON (engine.outputs.refuse_others_files): keys every run writes, which
+# another's JSON at that name (evaluate.py's has "fp" alone) is unlikely to hold both of
+SOURCE = "scripts/crosscheck_lm_quant.py"
+RESULT_KEYS = ("fp", "setup")
 
 
 # -- data and the small model --------------------------------------------------------------------------
@@ -474,6 +478,17 @@ def norm_diff(ours: nn.Module, theirs: nn.Module) -> float:
                if re.search(r"blocks\.\d+\.norm[12]\.", n))
 
 
+def write_results(path: str, results: dict, overwrite: bool) -> None:
+    """The results JSON at `path`, never over a file another command wrote since this one started: without
+    `overwrite` over none, with it over this script's own results alone (one error line otherwise)."""
+    try:
+        if overwrite:
+            refuse_others_files([path], SOURCE, json_keys=RESULT_KEYS)
+        write_json(path, results, overwrite, indent=1)
+    except RunDirError as e:
+        sys.exit(f"error: {e}")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("--gptq", required=True, help="a checkout of IST-DASLab/gptq")
@@ -491,7 +506,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=at_least(1), default=1)
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing --out and a float model of other settings next to it")
+                        help="replace the results JSON this script wrote at --out, and a float model of other "
+                             "settings next to it")
     args = parser.parse_args(argv)
     needed = {args.gptq: ("gptq.py", "quant.py", "modelutils.py"),
               args.smoothquant: ("smoothquant/smooth.py", "smoothquant/fake_quant.py", "smoothquant/calibration.py")}
@@ -502,6 +518,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                              f"(--gptq) and mit-han-lab/smoothquant (--smoothquant)")
     try:  # a folder at --out, or a file where its folder goes: one error line now, not a traceback after training
         refuse_existing_outputs([args.out], args.overwrite)
+        if args.overwrite:  # a file of another's at --out is not this script's to replace
+            refuse_others_files([args.out], SOURCE, json_keys=RESULT_KEYS)
     except RunDirError as e:
         raise SystemExit(f"error: {e}")
     start = time.perf_counter()
@@ -552,10 +570,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "train_bytes": len(train), "steps": args.steps, "calib_windows": args.calib,
                         "eval_windows": len(windows), "threads": args.threads, "seconds": time.perf_counter() - start,
                         "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
-    try:  # never over a file another command wrote since this one started
-        write_json(args.out, results, args.overwrite, indent=1)
-    except RunDirError as e:
-        sys.exit(f"error: {e}")
+    write_results(args.out, results, args.overwrite)
     print(f"wrote {args.out}")
 
 

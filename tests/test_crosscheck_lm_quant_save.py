@@ -3,6 +3,7 @@ their outputs (engine/run_dir.write_whole): an interrupted save leaves no torn f
 --overwrite the earlier file stays until the new one is whole, and without --overwrite a file another command wrote
 meanwhile is kept."""
 import argparse
+import json
 import os
 
 import pytest
@@ -67,3 +68,45 @@ def test_without_overwrite_a_model_another_command_wrote_meanwhile_is_kept(tmp_p
                               f"started") and "--overwrite" in message and "\n" not in message
     assert (tmp_path / "res.lm.pt").read_bytes() == b"the other command's model"
     assert os.listdir(tmp_path) == ["res.lm.pt"]
+
+
+def _checkouts(tmp_path) -> list[str]:
+    """--gptq / --smoothquant arguments naming folders with the (empty) files the script looks for."""
+    for checkout, files in ((tmp_path / "g", ("gptq.py", "quant.py", "modelutils.py")),
+                            (tmp_path / "s", ("smoothquant/smooth.py", "smoothquant/fake_quant.py",
+                                              "smoothquant/calibration.py"))):
+        for f in files:
+            (checkout / f).parent.mkdir(parents=True, exist_ok=True)
+            (checkout / f).write_text("")
+    return ["--gptq", str(tmp_path / "g"), "--smoothquant", str(tmp_path / "s")]
+
+
+ANOTHERS = b'{"model": "vit_small_patch16_224", "fp": {"top1": 79.9}}\n'  # evaluate.py's JSON has "fp" too
+
+
+def test_overwrite_refuses_an_out_file_the_script_did_not_write_before_training(tmp_path, monkeypatch):
+    """--overwrite replaced whatever file --out named (an evaluate.py result, a table) after minutes of training:
+    only a results JSON of this script's ("fp" and "setup") is replaced; another file is one error line, before
+    anything is trained or written, and kept."""
+    out = tmp_path / "res.json"
+    out.write_bytes(ANOTHERS)
+    monkeypatch.setattr(xc, "train_model", lambda *a, **k: pytest.fail("trained over another's file"))
+    with pytest.raises(SystemExit) as refused:
+        xc.main([*_checkouts(tmp_path), "--out", str(out), "--overwrite", "--model", "gpt2_nano"])
+    message = str(refused.value.code)
+    assert message.startswith(f"error: {out} is not a file crosscheck_lm_quant.py wrote") and "\n" not in message
+    assert out.read_bytes() == ANOTHERS and sorted(os.listdir(tmp_path)) == ["g", "res.json", "s"]
+
+
+def test_overwrite_keeps_a_file_another_command_put_at_out_meanwhile_and_replaces_its_own(tmp_path):
+    """The results are written at the end of the run: a file another command put at --out since the start is kept
+    (one error line), one of this script's earlier runs is replaced."""
+    out = tmp_path / "res.json"
+    out.write_bytes(ANOTHERS)
+    with pytest.raises(SystemExit) as refused:
+        xc.write_results(str(out), {"fp": {"perplexity": 3.0}, "setup": {}}, overwrite=True)
+    assert str(refused.value.code).startswith(f"error: {out} is not a file crosscheck_lm_quant.py wrote")
+    assert out.read_bytes() == ANOTHERS
+    out.write_text('{"fp": {"perplexity": 9.0}, "setup": {"steps": 1}}')
+    xc.write_results(str(out), {"fp": {"perplexity": 3.0}, "setup": {}}, overwrite=True)
+    assert json.loads(out.read_text()) == {"fp": {"perplexity": 3.0}, "setup": {}}
