@@ -119,8 +119,12 @@ def commit_rounding(inner: int, device: str) -> tuple[float, float]:
 
 def main(argv=None) -> list[dict]:
     parser = OneLineParser(description=first_line(__doc__))
-    parser.add_argument("--model", default="vit_base_patch16_224")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--model", default="vit_base_patch16_224",
+                        help="timm model name of a ViT or Swin, freshly initialised, whose CD pairs are measured "
+                             "(default: vit_base_patch16_224)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
+                        help="where the update runs: cuda runs every precision for real, cpu emulates tf32 "
+                             "(default: cuda if torch sees a CUDA device, else cpu)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")

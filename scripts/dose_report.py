@@ -657,9 +657,11 @@ def open_sweep(argv: Optional[Sequence[str]], description: str, example: str, ou
     outputs refused when present (unless --overwrite), and with --overwrite those the script `source` did not
     write (its figures' PNG text Source, its report's first line `md_head`)."""
     parser = OneLineParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("root", help=f"the sweep's out_root, e.g. {example}")
-    parser.add_argument("--out", required=True, help=f"folder for {', '.join(outputs)}")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    parser.add_argument("root", help=f"the folder the sweep's runs trained into (out_root in its scripts/sweep.py "
+                                     f"file), holding a folder <point>_s<seed> per run, e.g. {example}")
+    parser.add_argument("--out", required=True, help=f"folder for {', '.join(outputs)} (made if absent)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the outputs this script wrote in --out (never a file of another's)")
     args = parser.parse_args(argv)
     if not os.path.isdir(args.root):
         raise ReportError(f"{args.root}: no such folder; give the sweep's out_root")

@@ -291,7 +291,9 @@ def main(argv=None) -> dict:
     parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("--checkpoint", required=True, help="best.pt written by train.py")
     parser.add_argument("--out", required=True, help="folder for the per-variant JSONs and the summary")
-    parser.add_argument("--bits", default="w4a4")
+    parser.add_argument("--bits", default="w4a4",
+                        help="the one bit-width every variant is evaluated at, e.g. w4a4 or w3a3 (default: w4a4); "
+                             "the summary is sensitivity_<bits>.json")
     parser.add_argument("--with-aphq", action="store_true", help="also APHQ (official, first_last=w8a8)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     parser.add_argument("--overwrite", action="store_true", help="replace the summary JSON this script wrote in --out")
