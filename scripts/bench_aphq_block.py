@@ -51,25 +51,33 @@ def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -
     after the Hessian batch and after every reconstruction iteration (gpu_check.py keeps them, so that a stage
     stopped at its time budget leaves what it had measured)."""
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="vit_base_patch16_224", help="timm model name")
-    p.add_argument("--img-size", type=at_least(1), default=224)
+    p.add_argument("--model", default="vit_base_patch16_224", help="timm model name (default: %(default)s)")
+    p.add_argument("--img-size", type=at_least(1), default=224,
+                   help="input side in pixels, a multiple of the patch size (default: %(default)s)")
     p.add_argument("--depth", type=at_least(1), default=None, help="override (smoke tests)")
     p.add_argument("--embed-dim", type=at_least(1), default=None,
                    help="override (smoke tests); heads = dim // 64 (at least 1), which must divide it")
     p.add_argument("--block", default="blocks.5",
                    help="the APHQ unit to reconstruct: the stem, a block or a patch merging (quant.units.find_units; "
-                        "not the head, which APHQ reconstructs with a KL loss and no Hessian)")
-    p.add_argument("--batch", type=at_least(1), default=32, help="reconstruction batch (official 32)")
-    p.add_argument("--images", type=at_least(1), default=64, help="cached images (timing does not depend on it)")
-    p.add_argument("--iters", type=at_least(1), default=5, help="timed reconstruction iterations")
+                        "not the head, which APHQ reconstructs with a KL loss and no Hessian; default: %(default)s)")
+    p.add_argument("--batch", type=at_least(1), default=32,
+                   help="reconstruction batch (default: %(default)s, the official)")
+    p.add_argument("--images", type=at_least(1), default=64,
+                   help="cached images, at least --batch; the timing does not depend on them (default: %(default)s)")
+    p.add_argument("--iters", type=at_least(1), default=5,
+                   help="timed reconstruction iterations (default: %(default)s)")
     p.add_argument("--warmup", type=at_least(0), default=1,
-                   help="untimed first reconstruction iterations, and Hessian batches before the timed one")
-    p.add_argument("--official-iters", type=at_least(1), default=20000)
-    p.add_argument("--official-images", type=at_least(1), default=1024, help="images of the official APH pass")
-    p.add_argument("--device", type=torch_device, default="cpu")
+                   help="untimed first reconstruction iterations, and Hessian batches before the timed one "
+                        "(default: %(default)s)")
+    p.add_argument("--official-iters", type=at_least(1), default=20000,
+                   help="reconstruction iterations per unit of the official recipe, the extrapolation's count "
+                        "(default: %(default)s)")
+    p.add_argument("--official-images", type=at_least(1), default=1024,
+                   help="images of the official APH pass (default: %(default)s)")
+    p.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--threads", type=at_least(1), default=None,
                    help="torch CPU threads (default: torch's; 1 on a shared machine)")
-    p.add_argument("--out", default="", help="JSON path")
+    p.add_argument("--out", default="", help="JSON path (default: none, the timings are printed only)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = p.parse_args(argv)
     heads = refuse_unbuildable(p, args)

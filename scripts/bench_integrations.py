@@ -231,15 +231,17 @@ def check_installed(parser: argparse.ArgumentParser, frameworks: list[str], give
 def main(argv=None) -> None:
     parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("--frameworks", nargs="+", choices=list(RUNS), help="default: all")
-    parser.add_argument("--steps", type=at_least(1), default=15, help="timed optimizer steps per run")
+    parser.add_argument("--steps", type=at_least(1), default=15,
+                        help="timed optimizer steps per run (default: %(default)s)")
     parser.add_argument("--warmup", type=at_least(0), default=3,
                         help="untimed steps before the timed ones, after the first step, which is never timed (it "
-                             "holds the framework's start and CD's one-time pair check)")
-    parser.add_argument("--repeats", type=at_least(1), default=3, help="runs without and with CD, alternating")
+                             "holds the framework's start and CD's one-time pair check; default: %(default)s)")
+    parser.add_argument("--repeats", type=at_least(1), default=3,
+                        help="runs without and with CD, alternating (default: %(default)s)")
     parser.add_argument("--width", type=at_least(1), default=192,
-                        help="embed dim; heads = width // 64 (at least 1), which must divide it")
-    parser.add_argument("--depth", type=at_least(1), default=4)
-    parser.add_argument("--batch", type=at_least(1), default=8)
+                        help="embed dim; heads = width // 64 (at least 1), which must divide it (default: %(default)s)")
+    parser.add_argument("--depth", type=at_least(1), default=4, help="ViT blocks (default: %(default)s)")
+    parser.add_argument("--batch", type=at_least(1), default=8, help="images per step (default: %(default)s)")
     parser.add_argument("--norms-every", type=at_least(1), nargs="+", default=None, metavar="N",
                         help="CD's norms_every in the runs with CD, one row per value (default: the integrations' "
                              f"default, {NORMS_EVERY})")

@@ -355,7 +355,7 @@ def step_flags() -> OneLineParser:
     an epochs command line (epochs_protocol) take them from it."""
     parser = OneLineParser(add_help=False)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        choices=["cuda", "cpu"])
+                        choices=["cuda", "cpu"], help="default: cuda if torch sees a CUDA device, else cpu")
     parser.add_argument("--small", action="store_true", help="small models and batches (CPU smoke run)")
     parser.add_argument("--widths", type=at_least(1), nargs="+", help="sweep (b) embed dims (default 384 768 1024)")
     parser.add_argument("--amp", choices=["fp16", "bf16", "none"], help="default: fp16 on CUDA, bf16 on CPU")
@@ -414,7 +414,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--width-batch", type=at_least(1),
                         help="sweep (b) batch size (default 256 as in the paper; ViT-L at 256 needs ~80 GB)")
     parser.add_argument("--out", default="results/overhead",
-                        help="output folder for overhead.json / overhead.png")
+                        help="output folder for overhead.json / overhead.png (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true", help="replace this script's files in --out")
     args = parser.parse_args(argv)
     if args.apply_only:  # no training step: a flag of the steps would be dropped without a word

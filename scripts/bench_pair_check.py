@@ -54,9 +54,10 @@ def main(argv: list[str]) -> dict:
     p.add_argument("--model", default=None,
                    help=f"timm model name (random weights; default {DEFAULT_MODEL}); not with --lm-config")
     p.add_argument("--lm-config", default=None, help="a configs/lm/*.yaml whose model to build instead of --model")
-    p.add_argument("--repeats", type=at_least(1), default=5, help="timed calls of each part (median)")
-    p.add_argument("--device", type=torch_device, default="cpu")
-    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads")
+    p.add_argument("--repeats", type=at_least(1), default=5,
+                   help="timed calls of each part, the median reported (default: %(default)s)")
+    p.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch CPU threads (default: torch's)")
     args = p.parse_args(argv)
     # one model is timed: the other flag would be dropped unread
     if args.lm_config is not None and args.model is not None:

@@ -147,20 +147,25 @@ def refuse_unbuildable(p, args) -> Optional[int]:
 
 def main(argv=None) -> dict:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="vit_base_patch16_224")
+    p.add_argument("--model", default="vit_base_patch16_224", help="timm model name (default: %(default)s)")
     p.add_argument("--img-size", type=at_least(1), default=None, help="override (smoke runs)")
     p.add_argument("--depth", type=at_least(1), default=None, help="override (smoke runs)")
     p.add_argument("--embed-dim", type=at_least(1), default=None,
                    help="override (smoke runs); heads = dim // 64 (at least 1), which must divide it")
-    p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--batch", type=at_least(1), default=256)
+    p.add_argument("--device", type=torch_device, default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda if torch sees a CUDA device, else cpu)")
+    p.add_argument("--batch", type=at_least(1), default=256, help="images per timed forward (default: %(default)s)")
     p.add_argument("--calib", type=at_least(1), default=32,
-                   help="calibration images (APHQ's calib_images, GPLQ's init_images)")
+                   help="calibration images (APHQ's calib_images, GPLQ's init_images; default: %(default)s)")
     # "+": an empty --pipelines timed the float model alone and exited 0
-    p.add_argument("--pipelines", nargs="+", default=["repq", "percentile"], choices=sorted(PIPELINES))
-    p.add_argument("--bits", default="w4a4")
-    p.add_argument("--repeats", type=at_least(1), default=10)
-    p.add_argument("--warmup", type=at_least(0), default=3)
+    p.add_argument("--pipelines", nargs="+", default=["repq", "percentile"], choices=sorted(PIPELINES),
+                   metavar="PIPELINE", help=f"pipelines to time, of {', '.join(sorted(PIPELINES))} (default: repq "
+                                            f"percentile)")
+    p.add_argument("--bits", default="w4a4", help="bit-width, e.g. w4a4 or w8a8 (default: %(default)s)")
+    p.add_argument("--repeats", type=at_least(1), default=10,
+                   help="timed forwards, the median reported (default: %(default)s)")
+    p.add_argument("--warmup", type=at_least(0), default=3,
+                   help="untimed forwards before them (default: %(default)s)")
     p.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch default)")
     p.add_argument("--out", default="", help="optional JSON path")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")

@@ -58,8 +58,9 @@ class LiveStorage(TorchDispatchMode):
 
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(description=first_line(__doc__))
-    parser.add_argument("--model", default="vit_base_patch16_224", help="a timm model name (random weights)")
-    parser.add_argument("--device", type=torch_device, default="cpu")
+    parser.add_argument("--model", default="vit_base_patch16_224",
+                        help="a timm model name, random weights (default: %(default)s)")
+    parser.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     args = parser.parse_args(argv)
     import timm
     try:

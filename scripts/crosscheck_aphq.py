@@ -475,12 +475,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", required=True, help="best.pt written by train.py (a timm ViT)")
     parser.add_argument("--official", required=True, help="path of a GoatWu/APHQ-ViT checkout (read only)")
     parser.add_argument("--out", required=True, help="JSON file to write")
-    parser.add_argument("--bits", nargs="+", default=["w4a4", "w3a3"], help="bit-widths (W = A)")
+    parser.add_argument("--bits", nargs="+", default=["w4a4", "w3a3"], help="bit-widths, W = A (default: w4a4 w3a3)")
     parser.add_argument("--iters", type=at_least(0), default=500,
                         help="reconstruction iterations per unit in both (official: 20000); "
-                             "0: calibration only")
-    parser.add_argument("--threads", type=at_least(1), default=1, help="torch CPU threads")
-    parser.add_argument("--official-seed", type=int, default=3407, help="torch seed of the official run")
+                             "0: calibration only (default: %(default)s)")
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch CPU threads (default: %(default)s)")
+    parser.add_argument("--official-seed", type=int, default=3407,
+                        help="torch seed of the official run (default: %(default)s)")
     parser.add_argument("--reference-seed", type=int, default=None,
                         help="also reconstruct ours with this quant.aphq.seed (sampling-noise reference)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")

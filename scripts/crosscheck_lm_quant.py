@@ -494,17 +494,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--gptq", required=True, help="a checkout of IST-DASLab/gptq")
     parser.add_argument("--smoothquant", required=True, help="a checkout of mit-han-lab/smoothquant")
     parser.add_argument("--out", required=True, help="JSON of the results (the float weights go next to it)")
-    parser.add_argument("--model", default="gpt2_micro", choices=sorted(GPT_SIZES))
+    parser.add_argument("--model", default="gpt2_micro", choices=sorted(GPT_SIZES),
+                        help="the GPT size trained (models/gpt.py; default: %(default)s)")
     # the counts and the learning rate are checked here, before anything is written or minutes are trained (a
     # negative --steps would train nothing and save the model as trained)
-    parser.add_argument("--steps", type=at_least(0), default=600, help="training updates of the float model")
-    parser.add_argument("--lr", type=learning_rate, default=2e-3, help="peak AdamW learning rate (finite, above 0)")
-    parser.add_argument("--batch", type=at_least(1), default=32, help="training windows per update")
+    parser.add_argument("--steps", type=at_least(0), default=600,
+                        help="training updates of the float model (default: %(default)s)")
+    parser.add_argument("--lr", type=learning_rate, default=2e-3,
+                        help="peak AdamW learning rate, finite, above 0 (default: %(default)s)")
+    parser.add_argument("--batch", type=at_least(1), default=32,
+                        help="training windows per update (default: %(default)s)")
     parser.add_argument("--calib", type=at_least(1), default=128, help="calibration windows (GPTQ's 128 samples)")
     parser.add_argument("--eval-windows", type=at_least(1), default=400,
-                        help="held-out windows for the perplexity")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=at_least(1), default=1)
+                        help="held-out windows for the perplexity (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the float model's training (default: %(default)s)")
+    parser.add_argument("--threads", type=at_least(1), default=1, help="torch CPU threads (default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the results JSON this script wrote at --out, and a float model of other "
                              "settings next to it")

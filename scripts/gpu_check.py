@@ -476,15 +476,16 @@ def stage_budgets(p: argparse.ArgumentParser, args) -> dict[str, float]:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="gpu_check.json", help="the JSON of figures (its logs go next to it)")
+    p.add_argument("--out", default="gpu_check.json",
+                   help="the JSON of figures, its logs next to it (default: %(default)s)")
     p.add_argument("--stages", nargs="+", choices=list(STAGES), default=list(STAGES), help="default: all")
     p.add_argument("--total-budget", type=at_least(MIN_STAGE_S, float), default=TOTAL_BUDGET_S,
                    help=f"seconds for all stages together (at least {MIN_STAGE_S}); a stage gets at most what is "
-                        f"left of it, and is not run with under {MIN_STAGE_S} s left")
+                        f"left of it, and is not run with under {MIN_STAGE_S} s left (default: %(default)s)")
     p.add_argument("--budget", action="append", default=[], metavar="STAGE=SECONDS",
                    help="a stage's own budget (repeatable); defaults in BUDGETS")
     p.add_argument("--test-timeout", type=at_least(1), default=150,
-                   help="seconds per GPU test (train.compile=true compiles twice)")
+                   help="seconds per GPU test, train.compile=true compiles twice (default: %(default)s)")
     p.add_argument("--smoke", action="store_true", help="every stage small, on a CPU")
     p.add_argument("--overwrite", action="store_true",
                    help="replace this script's earlier report at --out and reuse its logs folder")

@@ -17,10 +17,10 @@ from data.coco_sample import write_coco_sample  # noqa: E402
 def main(argv=None) -> int:
     parser = OneLineParser(description=first_line(__doc__))
     parser.add_argument("root", help="a new (or empty) folder")
-    parser.add_argument("--train", type=int, default=16, help="training images")
-    parser.add_argument("--val", type=int, default=8, help="validation images")
-    parser.add_argument("--size", type=int, default=64, help="image side in pixels")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train", type=int, default=16, help="training images (default: %(default)s)")
+    parser.add_argument("--val", type=int, default=8, help="validation images (default: %(default)s)")
+    parser.add_argument("--size", type=int, default=64, help="image side in pixels (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the drawn images (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
         counts = write_coco_sample(args.root, args.train, args.val, args.size, args.seed)

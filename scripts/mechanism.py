@@ -1031,7 +1031,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     if command in ("surrogate", "remove"):  # the others compute on the CPU
-        parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+        parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                            help="auto: the train.device of the config, cuda where that is auto and torch sees "
+                                 "one (default: %(default)s)")
     parser.add_argument("--threads", type=at_least(1), help="CPU threads (default: 1 for models under 5M "
                         "parameters, torch's default otherwise)")
     if command in ("surrogate", "alignment", "remove"):
@@ -1040,7 +1042,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--images", type=at_least(1), default=8, help="validation images (default 8)")
         parser.add_argument("--bias", action="store_true",
                             help="keep fc1/fc2 biases in the surrogate (the paper's Eq. (8) has none)")
-        parser.add_argument("--max-points", type=at_least(1), default=40000, help="points drawn per block")
+        parser.add_argument("--max-points", type=at_least(1), default=40000,
+                            help="points drawn per block (default: %(default)s)")
     if command == "alignment":
         parser.add_argument("--detail", type=at_least(1), default=3,
                             help="blocks with the highest peak drawn in detail (default 3)")
@@ -1048,8 +1051,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                             help="strongest directions and FC2 rows shown per detail block (default 16)")
     if command == "remove":
         parser.add_argument("--k", type=at_least(0), default=3, help="remove the top 1..k directions (default 3)")
-        parser.add_argument("--pipeline", default="repq", choices=["repq", "percentile"])
-        parser.add_argument("--bits", default="w4a4")
+        parser.add_argument("--pipeline", default="repq", choices=["repq", "percentile"],
+                            help="the quantization pipeline scored (default: %(default)s)")
+        parser.add_argument("--bits", default="w4a4", help="bit-width, e.g. w4a4 or w3a3 (default: %(default)s)")
     if command == "energies":
         parser.add_argument("--compare", help="a second checkpoint (or weights file) drawn side by side")
         parser.add_argument("--labels", nargs="*", help="legend labels (default: Baseline / CD / ...)")

@@ -261,7 +261,8 @@ def main(argv=None) -> list[dict]:
                    help="which maximum of a classifier sets the circle area (default module)")
     p.add_argument("--det-max-act", choices=["backbone", "head"], default=None,
                    help="which maximum of a detector sets the circle area (default backbone)")
-    p.add_argument("--out", default="results/motivation", help="folder for motivation.png / .csv")
+    p.add_argument("--out", default="results/motivation",
+                   help="folder for motivation.png / .csv (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace motivation.png / .csv in --out")
     args = p.parse_args(argv)
     try:  # as --pipeline: 'w4' is no bit-width, not one the results lack

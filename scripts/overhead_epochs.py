@@ -271,15 +271,20 @@ def build_parser(**kwargs) -> OneLineParser:
     p.add_argument("--launcher", default="", help='e.g. "torchrun --nproc_per_node=8" (default: this python)')
     p.add_argument("--global-batch", type=at_least(1), default=1024, help="train.batch_size (the paper: 1024)")
     p.add_argument("--batches", type=at_least(1), nargs="*", default=[32, 64, 128, 256],
-                   help="sweep (a): per-GPU batches on the recipe's model (none: skip the sweep)")
+                   help="sweep (a): per-GPU batches on the recipe's model (none: skip the sweep; default: 32 64 128 "
+                        "256)")
     p.add_argument("--models", nargs="*", default=WIDTH_MODELS,
-                   help="sweep (b): models of different hidden sizes at --width-batch (none: skip)")
+                   help=f"sweep (b): models of different hidden sizes at --width-batch (none: skip; default: "
+                        f"{' '.join(WIDTH_MODELS)})")
     p.add_argument("--width-batch", type=at_least(1), default=256,  # 0: the plan's check divided by it
                    help="sweep (b) per-GPU batch (the paper: 256)")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--epochs", type=at_least(1), default=5)
-    p.add_argument("--runs", type=at_least(1), default=3)
-    p.add_argument("--out", default="results/overhead_epochs")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
+                   help=f"methods timed, each in its own runs (default: {' '.join(METHODS)})")
+    p.add_argument("--epochs", type=at_least(1), default=5, help="epochs per run (the paper: 5; default: %(default)s)")
+    p.add_argument("--runs", type=at_least(1), default=3,
+                   help="runs per configuration, averaged (the paper: 3; default: %(default)s)")
+    p.add_argument("--out", default="results/overhead_epochs",
+                   help="folder for epochs.json / epochs.png and the runs (default: %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace epochs.json / epochs.png in --out")
     p.add_argument("overrides", nargs="*", help="key=value for every run, e.g. data.root=/datasets/imagenet")
     return p

@@ -69,7 +69,7 @@ def parse_args(argv):
     parser.add_argument("--data-root", help="COCO folder (annotations/, train2017/, val2017/)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --work-dir from its last checkpoint")
     parser.add_argument("--launcher", choices=("none", "pytorch", "slurm"), default="none",
-                        help="pytorch under torchrun, slurm under srun")
+                        help="pytorch under torchrun, slurm under srun (default: %(default)s, one process)")
     parser.add_argument("--local-rank", "--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value (MMEngine's --cfg-options)")
     parser.add_argument("--cfg-options", nargs="+", action="extend", default=[], metavar="KEY=VALUE",

@@ -111,12 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", nargs="+", default=list(MODELS),
                         help=f"timm model names or GPT sizes ({', '.join(GPT_SIZES)}), random weights; default "
                              f"{' '.join(MODELS)}")
-    parser.add_argument("--batch", type=at_least(1), default=2)
+    parser.add_argument("--batch", type=at_least(1), default=2,
+                        help="images or sequences per forward (default: %(default)s)")
     parser.add_argument("--tokens", type=at_least(1), default=None,
                         help="a GPT's sequence length, at most its context (default: its context); needs a GPT "
                              "among --model")
-    parser.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none", help="autocast dtype")
-    parser.add_argument("--device", type=torch_device, default="cpu")
+    parser.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none",
+                        help="autocast dtype, none for fp32 (default: %(default)s)")
+    parser.add_argument("--device", type=torch_device, default="cpu", help="cpu, cuda or cuda:N (default: %(default)s)")
     args = parser.parse_args(argv)
     refuse_repeats(parser, ("--model", args.model))  # measured again, its figures printed twice
     gpts = [name for name in args.model if name in GPT_SIZES]
