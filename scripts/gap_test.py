@@ -167,8 +167,10 @@ def report(a: list[Run], b: list[Run], score: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> str:
     parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("root", help="the sweep's out_root, e.g. runs/sweeps/kjv_lm_dose")
-    parser.add_argument("points", nargs=2, metavar="POINT", help="the two points, e.g. baseline cd10x")
+    parser.add_argument("root", help="the folder the sweep's runs trained into (out_root in its scripts/sweep.py "
+                                     "file), holding a folder <point>_s<seed> per run, e.g. runs/sweeps/kjv_lm_dose")
+    parser.add_argument("points", nargs=2, metavar="POINT",
+                        help="the two points, the <point> of their run folders, e.g. baseline cd10x")
     parser.add_argument("--seeds", type=int, nargs="+", help="the seeds of both points to test (default: all)")
     args = parser.parse_args(argv)
     if args.points[0] == args.points[1]:  # a usage error (status 2), as argparse's: before the sweep is read
