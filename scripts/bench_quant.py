@@ -39,6 +39,9 @@ from configs.cli import OneLineParser, at_least, refuse_repeats, torch_device  #
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/, for bench_env
 from bench_env import environment  # noqa: E402
 
+# By these --overwrite knows its own JSON (engine.outputs.refuse_others_files): keys every version of it has written
+SOURCE = "scripts/bench_quant.py"
+RESULT_KEYS = ("model", "fp_forward_s", "pipelines")
 # Iteration counts that make APHQ and GPLQ quantize a ViT-B in seconds on a GPU (see the docstring). APHQ's eq_n
 # is the smallest its check accepts at any width (2 ranges per zero point of a grid of 16): its quantized model
 # is the same size whatever the grid, and the calibration is faster (gpu_check --smoke's quant-stage model with
@@ -168,7 +171,7 @@ def main(argv=None) -> dict:
                    help="untimed forwards before them (default: %(default)s)")
     p.add_argument("--threads", type=at_least(0), default=0, help="CPU threads (0: torch default)")
     p.add_argument("--out", default="", help="optional JSON path")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--overwrite", action="store_true", help="replace a JSON this script wrote at --out")
     args = p.parse_args(argv)
     # timed again, a second line printed, and only the last timing kept under its key in --out
     refuse_repeats(p, ("--pipelines", args.pipelines))
@@ -179,6 +182,8 @@ def main(argv=None) -> dict:
     heads = refuse_unbuildable(p, args)
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
+        if args.out and args.overwrite:  # a file of another's at --out is not this script's to replace
+            outputs.refuse_others_files([args.out], SOURCE, json_keys=RESULT_KEYS)
         if args.out:  # its folder too: open() after the timings failed on a folder that was not there
             prepare_folder(os.path.dirname(os.path.abspath(args.out)), setting="--out")
         for pipeline in args.pipelines:  # a bit-width a pipeline cannot do: now, not after the float timing
@@ -219,6 +224,8 @@ def main(argv=None) -> dict:
     print(f"{args.model} on {env['device']} ({env['hardware']}, {torch.get_num_threads()} threads), batch "
           f"{args.batch}: float forward {fp * 1e3:.1f} ms")
     try:  # the first write: never over a file another command wrote since this one started
+        if args.out and args.overwrite:  # nor over another's that another command put there meanwhile
+            outputs.refuse_others_files([args.out], SOURCE, json_keys=RESULT_KEYS)
         write_json(args.out, result, args.overwrite)
     except RunDirError as e:
         sys.exit(f"error: {e}")

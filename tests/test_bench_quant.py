@@ -104,3 +104,19 @@ def test_the_calibration_clock_stops_on_finished_cuda_work(monkeypatch):
                                                      torch.device("cuda"))
     assert events == ["sync cuda", "clock", "calibrate", "sync cuda", "clock"]
     assert (qmodel, options, seconds) == ("q", None, 5.0 - 2.0)  # the clock read at events 2 and 5
+
+
+def test_overwrite_replaces_a_timing_json_of_its_own_and_refuses_another_file(tmp_path, capsys, monkeypatch):
+    """--overwrite replaced whatever file --out named (an evaluate.py result, another benchmark's JSON): only a
+    JSON of this script's is replaced; another file is one error line before any timing, and kept."""
+    out = tmp_path / "t.json"
+    out.write_text('{"model": "vit_small_patch16_224", "fp": {"top1": 79.9}}')
+    code, lines = refusal([*SMALL, "--out", str(out), "--overwrite"], capsys, monkeypatch)
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {out} is not a file bench_quant.py wrote"), lines
+    assert json.loads(out.read_text()) == {"model": "vit_small_patch16_224", "fp": {"top1": 79.9}}
+    monkeypatch.undo()
+    own = [*SMALL, "--out", str(tmp_path / "own.json"), "--repeats", "1", "--warmup", "0"]
+    bench_quant.main(own)
+    bench_quant.main([*own, "--overwrite"])  # its own file: replaced
+    assert set(json.loads((tmp_path / "own.json").read_text())["pipelines"]) == {"percentile"}
