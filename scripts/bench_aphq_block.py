@@ -38,11 +38,14 @@ from quant.aphq.reconstruct import ReconSettings, reconstruct_unit  # noqa: E402
 from quant.spec import Bits  # noqa: E402
 from quant.units import capture_unit, find_units, model_logits  # noqa: E402
 from bench_env import environment  # noqa: E402
-from engine.outputs import write_json  # noqa: E402
+from engine.outputs import refuse_others_files, write_json  # noqa: E402
 from engine.run_dir import RunDirError, refuse_existing_outputs  # noqa: E402
 from configs.cli import OneLineParser, at_least, torch_device  # noqa: E402
 
 
+# By these --overwrite knows its own JSON (engine.outputs.refuse_others_files): keys every version of it has written
+SOURCE = "scripts/bench_aphq_block.py"
+RESULT_KEYS = ("model", "block", "hessian_batch_s", "extrapolated")
 TIMED_KINDS = ("stem", "block", "merge")  # quant.units kinds whose APHQ reconstruction is the one timed here
 
 
@@ -78,13 +81,15 @@ def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -
     p.add_argument("--threads", type=at_least(1), default=None,
                    help="torch CPU threads (default: torch's; 1 on a shared machine)")
     p.add_argument("--out", default="", help="JSON path (default: none, the timings are printed only)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.add_argument("--overwrite", action="store_true", help="replace a JSON this script wrote at --out")
     args = p.parse_args(argv)
     heads = refuse_unbuildable(p, args)
     if args.images < args.batch:  # the Hessian batch would be smaller than the batch it is extrapolated by
         p.error(f"--images {args.images} < --batch {args.batch}: the timed Hessian batch needs --batch images")
     try:
         refuse_existing_outputs([args.out] if args.out else [], args.overwrite)  # before minutes of timing
+        if args.out and args.overwrite:  # a file of another's at --out is not this script's to replace
+            refuse_others_files([args.out], SOURCE, json_keys=RESULT_KEYS)
     except RunDirError as e:
         sys.exit(f"error: {e}")
     if args.threads is not None:
@@ -179,6 +184,8 @@ def main(argv: list[str], on_figures: Optional[Callable[[dict], None]] = None) -
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         try:  # never over a file another command wrote since this one started
+            if args.overwrite:  # nor over another's that another command put there meanwhile
+                refuse_others_files([args.out], SOURCE, json_keys=RESULT_KEYS)
             write_json(args.out, result, args.overwrite, indent=2)
         except RunDirError as e:
             sys.exit(f"error: {e}")

@@ -149,3 +149,25 @@ def test_bad_values_are_one_error_line_before_any_timing(monkeypatch, capsys, ar
         torch.set_num_threads(threads)
     message = str(refused.value.code) if isinstance(refused.value.code, str) else capsys.readouterr().err
     assert message.startswith("error: ") and says in message and len(message.strip().splitlines()) == 1, message
+
+
+def test_overwrite_replaces_a_timing_json_of_its_own_and_refuses_another_file(tmp_path, monkeypatch):
+    """--overwrite replaced whatever file --out named (an evaluate.py result, another benchmark's JSON) after the
+    timing: only a JSON of this script's is replaced; another file is one error line before any timing, and kept."""
+    bench = load_script("bench_aphq_block")
+    out = tmp_path / "t.json"
+    out.write_text('{"model": "vit_small_patch16_224", "fp": {"top1": 79.9}}')
+    monkeypatch.setattr(bench, "perturbation_hessian", lambda *a, **k: pytest.fail("timed after all"))
+    with pytest.raises(SystemExit) as refused:
+        bench.main([*SMALL, "--iters", "1", "--out", str(out), "--overwrite"])
+    message = str(refused.value.code)
+    assert message.startswith(f"error: {out} is not a file bench_aphq_block.py wrote") and "\n" not in message
+    assert json.loads(out.read_text()) == {"model": "vit_small_patch16_224", "fp": {"top1": 79.9}}
+    monkeypatch.undo()
+    threads = torch.get_num_threads()
+    try:
+        bench.main([*SMALL, "--iters", "1", "--out", str(tmp_path / "own.json")])
+        bench.main([*SMALL, "--iters", "1", "--out", str(tmp_path / "own.json"), "--overwrite"])  # its own: replaced
+    finally:
+        torch.set_num_threads(threads)
+    assert json.loads((tmp_path / "own.json").read_text())["timed_iters"] == 1
