@@ -90,6 +90,9 @@ from quant.quantile import quantile  # noqa: E402
 from quant.units import find_units  # noqa: E402
 
 log = logging.getLogger("crosscheck_aphq")
+# By these --overwrite knows its own JSON (engine.outputs.refuse_others_files): keys every version of it has written
+SOURCE = "scripts/crosscheck_aphq.py"
+RESULT_KEYS = ("checkpoint", "fingerprint", "official", "fp_top1", "bits")
 OFFICIAL_MODULES = ("utils.calibrator", "utils.block_recon", "utils.wrap_net")
 OFFICIAL_PACKAGES = ("utils", "quant_layers", "quantizers")
 OFFICIAL_FILES = ("utils/calibrator.py", "utils/block_recon.py", "utils/wrap_net.py",
@@ -484,7 +487,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="torch seed of the official run (default: %(default)s)")
     parser.add_argument("--reference-seed", type=int, default=None,
                         help="also reconstruct ours with this quant.aphq.seed (sampling-noise reference)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    parser.add_argument("--overwrite", action="store_true", help="replace a JSON this script wrote at --out")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides (e.g. data.root=...)")
     parser.epilog = passed_on_epilog(parser, evaluate.build_parser(), "evaluate.py")
     args = parser.parse_args(argv)
@@ -506,6 +509,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> dict:
     args = parse_args(argv)
     refuse_existing_outputs([args.out], args.overwrite)
+    if args.overwrite:  # a file of another's at --out is not this script's to replace
+        outputs.refuse_others_files([args.out], SOURCE, json_keys=RESULT_KEYS)
     check_official(args.official)
     configs = {bits: official_config(args.official, bits) for bits in args.bits}
     torch.set_num_threads(args.threads)
@@ -541,6 +546,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     for i, bits in enumerate(args.bits):
         result["bits"][bits] = res = compare_bits(setup, bits, configs[bits], labels, args)
         # the first write never over a file another command wrote since this one started; later ones over its own
+        if args.overwrite and i == 0:  # nor over another's that another command put there meanwhile
+            outputs.refuse_others_files([args.out], SOURCE, json_keys=RESULT_KEYS)
         write_json(args.out, result, overwrite=args.overwrite or i > 0)
         for stage, r in res.items():
             if stage == "option_differences":

@@ -1,7 +1,9 @@
 """scripts/crosscheck_aphq.py without the official APHQ-ViT code (CI has no copy): its argument errors, its
 metrics, and the plumbing of the official run against a FAKE official tree written to tmp_path (it records
 what the script hands it; it computes nothing of APHQ)."""
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from engine.run_dir import RunDirError
 from tests.conftest import ROOT
 from tests.quant_models import images, tiny_vit
 
@@ -106,7 +109,7 @@ def run_script(*args):
 @pytest.mark.slow
 def test_an_existing_out_file_is_refused_in_one_error_line(tmp_path, fake_official):
     out = tmp_path / "x.json"
-    out.write_text("{}")
+    out.write_text(json.dumps({key: {} for key in xc.RESULT_KEYS}))  # a JSON of this script's: --overwrite's to replace
     common = ("--checkpoint", str(tmp_path / "none.pt"), "--official", fake_official, "--out", str(out))
     proc = run_script(*common)
     assert proc.returncode != 0 and len(proc.stderr.strip().splitlines()) == 1
@@ -117,6 +120,18 @@ def test_an_existing_out_file_is_refused_in_one_error_line(tmp_path, fake_offici
 
     with pytest.raises((xc.UserError, *evaluate.USER_ERRORS), match=r"^checkpoint not found"):
         xc.main([*common, "--overwrite", "--bits", "w4a4"])
+
+
+def test_overwrite_refuses_an_out_file_the_script_did_not_write_before_any_work(tmp_path, fake_official):
+    """--overwrite replaced whatever file --out named (an evaluate.py result, another script's JSON) after the
+    first bit-width's minutes of reconstruction: only a JSON of this script's is replaced; another file is one
+    error before the checkpoint is read, and kept."""
+    out = tmp_path / "x.json"
+    out.write_text('{"model": "vit_small_patch16_224", "fp": {"top1": 79.9}}')
+    with pytest.raises(RunDirError, match=rf"^{re.escape(str(out))} is not a file crosscheck_aphq.py wrote"):
+        xc.main(["--checkpoint", str(tmp_path / "none.pt"), "--official", fake_official, "--out", str(out),
+                 "--overwrite", "--bits", "w4a4"])
+    assert json.loads(out.read_text()) == {"model": "vit_small_patch16_224", "fp": {"top1": 79.9}}
 
 
 def test_argument_errors(tmp_path, fake_official):
