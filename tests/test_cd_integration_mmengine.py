@@ -425,6 +425,18 @@ def test_input_shape_is_checked_when_the_hook_is_made_and_used_when_given(tmp_pa
         run(config(tmp_path, iters=1, input_shape=(1, 3, 48, 48)))
 
 
+def test_an_input_shape_that_is_no_sequence_is_refused_naming_it_not_taken_or_failed_on_while_iterating():
+    """One number (input_shape=224, a side length), an unordered set or a dict is not one batch's shape: each is
+    refused with the hook's error, not "'int' object is not iterable" (a number), nor taken in an arbitrary order
+    (a set) or as its keys (a dict)."""
+    from cd.integrations.mmengine import ColinearityDecayHook
+    for bad in [224, 3.5, {1, 3, 32}, {1: 3, 3: 32}, (n for n in (1, 3, 32, 32))]:
+        with pytest.raises(ValueError, match=r"input_shape must be a sequence of positive ints .*got "):
+            ColinearityDecayHook(input_shape=bad)
+    assert ColinearityDecayHook(input_shape=[1, 3, 32, 32]).input_shape == (1, 3, 32, 32)  # a config's list
+    assert ColinearityDecayHook(input_shape=torch.Size([1, 3, 32, 32])).input_shape == (1, 3, 32, 32)
+
+
 @pytest.mark.parametrize("hook, shape", [(dict(module=""), "(1, 3, 224, 224)"),
                                          (dict(input_shape=(1, 3, 48, 48)), "(1, 3, 48, 48)")])
 def test_a_pair_check_on_the_wrong_input_shape_names_the_hooks_input_shape(tmp_path, hook, shape):

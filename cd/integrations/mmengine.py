@@ -42,6 +42,7 @@ for a hook given `module=`) and restored by `resume`; a run that starts from a c
 """
 from __future__ import annotations
 
+import collections.abc
 import inspect
 import math
 import re
@@ -97,8 +98,10 @@ class ColinearityDecayHook(Hook):
     def __init__(self, module: Optional[str] = None, input_shape: Optional[Sequence[int]] = None,
                  **cd_kwargs: Any) -> None:
         self.module = check_module_name(module, "ColinearityDecayHook")
-        # an empty shape passes all(): it would fail only inside runner.train(), at the pair check
-        if input_shape is not None and (isinstance(input_shape, (str, bytes)) or not all(
+        # an empty shape passes all(): it would fail only inside runner.train(), at the pair check; a number is not
+        # iterable, and a set or a dict iterates in no batch's order (its keys), so only a sequence is read
+        if input_shape is not None and (isinstance(input_shape, (str, bytes)) or not isinstance(
+                input_shape, collections.abc.Sequence) or not all(
                 isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in input_shape) or not input_shape):
             raise ValueError(f"ColinearityDecayHook: input_shape must be a sequence of positive ints (one input "
                              f"batch, e.g. (1, 3, 224, 224)), got {input_shape!r}")
