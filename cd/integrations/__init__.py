@@ -35,11 +35,16 @@ _LOSS_ONLY = ("mode", "loss_coef")
 NORMS_EVERY = 50
 
 
-def check_cd_arguments(kwargs: dict[str, Any]) -> dict[str, Any]:
+def check_cd_arguments(kwargs: dict[str, Any], takes_module: bool = False) -> dict[str, Any]:
     """`kwargs` for `ColinearityDecay(model, **kwargs)`, checked now: the names, and the values that need no model
     (`check_settings`; the rest when the model is there, before the first step), with `norms_every` NORMS_EVERY
     unless given, and `layouts` as a tuple of `Layout` (a config file's mappings of its fields made Layouts).
+    `takes_module`: whether the caller names a part of the model with `module=` (named in the refusal of model=).
     Raises TypeError for a name `ColinearityDecay` does not take, ValueError for a value it refuses."""
+    if "model" in kwargs:  # the signature's own first argument: binding would say "multiple values for 'model'"
+        part = "; name the part of it to decay with module=" if takes_module else ""
+        raise TypeError("model= is not an argument of cd.integrations: the model is the framework's own (the "
+                        f"Trainer's, the LightningModule, runner.model), found at the train start{part}")
     bad = sorted(set(kwargs) & set(_LOSS_ONLY))
     if bad:
         raise TypeError(f"{bad}: the integrations apply CD's decoupled update; the loss form (mode='loss') "

@@ -68,7 +68,7 @@ class ColinearityDecayCallback(Callback):
     def __init__(self, module: str = "", **cd_kwargs: Any) -> None:
         # None would be select_module's `backbone` (MMEngine's default), not the whole module that "" is here
         self.module = check_module_name(module, "ColinearityDecayCallback", backbone=False)
-        self.cd_kwargs = check_cd_arguments(cd_kwargs)
+        self.cd_kwargs = check_cd_arguments(cd_kwargs, takes_module=True)
         self.decay: Optional[ColinearityDecay] = None
         self._restored: Optional[dict] = None
         self._checkpoint_keys: Optional[dict[str, Optional[str]]] = None  # as on_load_checkpoint finds them

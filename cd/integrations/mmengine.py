@@ -106,7 +106,7 @@ class ColinearityDecayHook(Hook):
             raise ValueError(f"ColinearityDecayHook: input_shape must be a sequence of positive ints (one input "
                              f"batch, e.g. (1, 3, 224, 224)), got {input_shape!r}")
         self.input_shape = None if input_shape is None else tuple(input_shape)
-        self.cd_kwargs = check_cd_arguments(cd_kwargs)
+        self.cd_kwargs = check_cd_arguments(cd_kwargs, takes_module=True)
         if input_shape is not None and not self.cd_kwargs.get("verify", True):
             raise ValueError("ColinearityDecayHook: input_shape serves the pair check only, and verify=False skips it: "
                              "drop input_shape, or drop verify=False to run the check on it")
