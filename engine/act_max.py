@@ -122,9 +122,9 @@ class ActivationProbe:
             for sub_name, sub in block.named_modules():
                 if sub_name and not skip(sub):
                     self.targets.append((f"{block_name}.{sub_name}", "module", index, sub_name, sub))
-        # a module inside a block is counted already: named again, it was a second record, drawn and marked as one
-        # outside the blocks (check_extra_modules refuses a pattern that names nothing else)
-        counted = {id(t[4]) for t in self.targets if t[1] == "module"}
+        # a block, or a module inside one, is counted already: named again, it was a second record, drawn and marked
+        # as one outside the blocks (check_extra_modules refuses a pattern that names nothing else)
+        counted = {id(t[4]) for t in self.targets}
         outside = [name for name, sub in model.named_modules()
                    if fqn_matches(name, extra_modules) and not skip(sub) and id(sub) not in counted]
         types = types_outside_blocks(model, outside)
@@ -390,10 +390,10 @@ def check_has_blocks(model: nn.Module, model_name: str, fix: str) -> None:
 def check_extra_modules(model: torch.nn.Module, patterns: list) -> None:
     """Each quant.act_max_extra_modules pattern must name modules of the model whose outputs the probe measures:
     one that names none (a typo, a name of another architecture), only pass-through modules (`repeats_its_input`:
-    an Identity, a Dropout, a DropPath, which `ActivationProbe` skips), or only modules inside the blocks (counted
-    already: the result's note would say that modules outside the blocks were), would be recorded in the result file as
-    probed while adding nothing. evaluate.py checks before its passes, train.py once its model is built (the run's
-    quant.* settings are the defaults of `evaluate.py --checkpoint`)."""
+    an Identity, a Dropout, a DropPath, which `ActivationProbe` skips), or only the blocks and modules inside them
+    (counted already: the result's note would say that modules outside the blocks were), would be recorded in the
+    result file as probed while adding nothing. evaluate.py checks before its passes, train.py once its model is built
+    (the run's quant.* settings are the defaults of `evaluate.py --checkpoint`)."""
     modules = list(model.named_modules())
     names = [name for name, _ in modules]
     blocks = names_of_blocks(model)
@@ -409,11 +409,15 @@ def check_extra_modules(model: torch.nn.Module, patterns: list) -> None:
             raise ConfigError(f"quant.act_max_extra_modules: {pattern!r} names only pass-through modules of "
                               f"{type(model).__name__} ({shown}{more}), whose outputs repeat their inputs and are not "
                               "measured; drop it or name the module that computes what they pass on")
+        # a block's own name is no name under it: its output is the block maximum's
         outside = [name for name, sub in matched if not repeats_its_input(sub)
-                   and not any(name.startswith(block + ".") for block in blocks)]
+                   and not any(name == block or name.startswith(block + ".") for block in blocks)]
         if not outside:
             shown = ", ".join(name for name, _ in matched[:3])
             more = f" and {len(matched) - 3} more" if len(matched) > 3 else ""
-            raise ConfigError(f"quant.act_max_extra_modules: {pattern!r} names only modules inside the Transformer "
-                              f"blocks of {type(model).__name__} ({shown}{more}), whose outputs the module maximum "
-                              "counts already; drop it (the setting adds modules outside the blocks)")
+            what, maxima = (("Transformer blocks (and modules inside them)", "block and module maxima count")
+                            if set(blocks) & {name for name, _ in matched} else
+                            ("modules inside the Transformer blocks", "module maximum counts"))
+            raise ConfigError(f"quant.act_max_extra_modules: {pattern!r} names only {what} of "
+                              f"{type(model).__name__} ({shown}{more}), whose outputs the {maxima} already; drop it "
+                              "(the setting adds modules outside the blocks)")

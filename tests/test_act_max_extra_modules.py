@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from timm.layers import DropPath
 from torch import nn
 
 from configs import ConfigError
@@ -185,3 +186,37 @@ def test_modules_outside_the_blocks_are_grouped_by_their_stage_index_only():
     with ActivationProbe(model, extra_modules=["**"]) as probe:  # it names the model itself too: its name is ""
         pass
     assert {name: typ for name, _, block, typ, _ in probe.targets if block == -1}[""] == ""
+
+
+@pytest.mark.parametrize("pattern", ["layers.*.blocks.*", "layers.0.blocks.1"])
+def test_a_pattern_of_the_blocks_themselves_is_refused(pattern):
+    """A block's output is the block maximum's: a pattern naming blocks was accepted (a block's name does not lie
+    under the block), and each block was recorded a second time as a module outside the blocks (block -1, drawn in
+    the plot's "outside" column), its output then counted in the module maximum too. The reference for what is a
+    block: the tests' own names of Swin's blocks (layers.N.blocks.M)."""
+    model = tiny_swin()
+    matched = [name for name, _ in model.named_modules() if fqn_matches(name, [pattern])]
+    assert matched and all(re.fullmatch(r"layers\.\d+\.blocks\.\d+", name) for name in matched)
+    with pytest.raises(ConfigError, match=rf"quant.act_max_extra_modules: '{re.escape(pattern)}' names only "
+                                          r"Transformer blocks \(and modules inside them\) of SwinTransformer "
+                                          r"\(.*\), whose outputs the block and module maxima count already"):
+        check_extra_modules(model, [pattern])
+
+
+def test_blocks_that_a_wider_pattern_names_are_recorded_once_as_blocks():
+    """`**` names every module, the blocks among them: accepted, the blocks recorded once each, as blocks (kind
+    "block", their index), and the modules outside the blocks at block -1. The reference: the tests' own names of
+    Swin's blocks (layers.N.blocks.M) and of the pass-through types."""
+    model = tiny_swin()
+    check_extra_modules(model, ["**"])
+    with ActivationProbe(model, extra_modules=["**"]) as probe, torch.no_grad():
+        model(images(2))
+    records = probe.result().per_layer
+    names = [r["name"] for r in records]
+    assert len(names) == len(set(names))
+    blocks = [name for name, _ in model.named_modules() if re.fullmatch(r"layers\.\d+\.blocks\.\d+", name)]
+    assert sorted(r["name"] for r in records if r["kind"] == "block") == sorted(blocks)
+    outside = {r["name"] for r in records if r["block"] == -1}
+    want = {name for name, sub in model.named_modules()
+            if not re.search(r"\.blocks\.\d+", name) and not isinstance(sub, (nn.Identity, nn.Dropout, DropPath))}
+    assert outside == want and "layers.0.blocks" in outside
