@@ -1192,3 +1192,17 @@ def test_maxima_that_overflow_fp16_are_refused_naming_the_module_and_amp(checkpo
     result = evaluate.main(evaluate.parse_args(["--checkpoint", weights, "--quant", "--out",
                                                 str(tmp_path / "fp32.json")]))
     assert 1e5 < result["max_act"]["module"] < float("inf")  # 2e4 times channel 0 of the norm's output
+
+
+def test_an_overflow_is_named_where_it_began_not_at_a_module_outside_the_blocks_after_it(checkpoint, tmp_path, capsys):
+    """With quant.act_max_extra_modules the records of the modules outside the blocks (block -1) were searched first,
+    so the error named the final norm, which reads the overflowing last block's output, as the output that is not
+    finite; it names the last block's fc1, where overflowing_checkpoint puts the overflow, as without them."""
+    weights = overflowing_checkpoint(checkpoint, tmp_path / "overflow.pt")
+    code, _, err = run_entry("evaluate.py", ["--checkpoint", weights, "--amp", "fp16", "--quant", "--out",
+                                             str(tmp_path / "fp16.json"),
+                                             "quant.act_max_extra_modules=[patch_embed.proj,norm]"], capsys)
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "Traceback" not in err, err[-2000:]
+    assert re.match(r"error: activation maxima: the output of blocks\.\d+\.mlp\.fc1 and \d+ more is not finite ",
+                    last), last
