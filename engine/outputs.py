@@ -94,11 +94,12 @@ def png_text(path: str) -> dict[str, str]:
 def written_by(path: str, source: str, csv_fields=(), json_keys=(), md_head: str = "") -> bool:
     """Whether the file at `path` is an output of the script `source`: a PNG that holds its `source_mark`, a JSON
     object that holds every key of `json_keys`, a Markdown report whose first line is `md_head` (its table's
-    header), a CSV whose header line is `csv_fields`'."""
+    header), a CSV whose header line is `csv_fields`'. A file is judged by its name's extension, but as a JSON
+    object by `json_keys` alone (`_json_only`)."""
     try:
         if path.endswith(".png"):
             return png_text(path).get(PNG_SOURCE_KEY) == source
-        if path.endswith(".json"):
+        if path.endswith(".json") or _json_only(csv_fields, json_keys, md_head):
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
             return isinstance(data, dict) and set(json_keys) <= data.keys()
@@ -109,6 +110,12 @@ def written_by(path: str, source: str, csv_fields=(), json_keys=(), md_head: str
         return False
 
 
+def _json_only(csv_fields, json_keys, md_head: str) -> bool:
+    """Whether a script's outputs are known by JSON keys alone: its JSON may lie at an --out of any name (a second
+    run with --overwrite would read its own file as a CSV without a header otherwise)."""
+    return bool(json_keys) and not csv_fields and not md_head
+
+
 def refuse_others_files(paths: list[str], source: str, csv_fields=(), json_keys=(), md_head: str = "") -> None:
     """A RunDirError naming the first file of `paths` there that the script `source` did not write (`written_by`):
     its --overwrite replaces only its own outputs ("Nothing lost"), never a figure or table another script or a
@@ -116,7 +123,8 @@ def refuse_others_files(paths: list[str], source: str, csv_fields=(), json_keys=
     for path in paths:
         if os.path.exists(path) and not written_by(path, source, csv_fields, json_keys, md_head):
             mark = f"its PNG text {PNG_SOURCE_KEY}" if path.endswith(".png") else \
-                f"a JSON object with the keys {', '.join(json_keys)}" if path.endswith(".json") else \
+                f"a JSON object with the keys {', '.join(json_keys)}" \
+                if path.endswith(".json") or _json_only(csv_fields, json_keys, md_head) else \
                 "the header of its table" if path.endswith(".md") else "the header of its columns"
             raise RunDirError(f"{path} is not a file {os.path.basename(source)} wrote ({mark} is not there), and "
                               "--overwrite replaces only those: choose another --out, or move the file aside")

@@ -264,3 +264,18 @@ def test_overhead_epochs_with_overwrite_keeps_another_s_outputs_written_during_i
     assert message.startswith(f"error: {tmp_path / 'epochs.json'} is not a file overhead_epochs.py wrote"), message
     assert (tmp_path / "epochs.json").read_text() == THEIRS and (tmp_path / "epochs.png").read_text() == THEIRS
     assert sorted(os.listdir(tmp_path)) == ["epochs.json", "epochs.png", "runs"]
+
+
+@pytest.mark.parametrize("name", ["timing.out", "timing"])
+def test_a_json_of_its_own_at_an_out_not_named_json_is_replaced_with_overwrite(tmp_path, name):
+    """A script whose only output is a JSON (bench_quant, bench_aphq_block, crosscheck_aphq, crosscheck_lm_quant)
+    writes it at any --out; its second run with --overwrite was refused there, its own file read as a CSV without
+    'the header of its columns'. The file is judged by its JSON keys whatever its name; another file is refused."""
+    from engine.outputs import refuse_others_files
+    path = tmp_path / name
+    path.write_text(json.dumps({"model": "vit", "block": "blocks.5", "hessian_batch_s": 1.0}, indent=2))
+    refuse_others_files([str(path)], "scripts/bench.py", json_keys=("model", "hessian_batch_s"))  # its own: taken
+    path.write_text('{"model": "vit", "fp": {"top1": 79.9}}')
+    with pytest.raises(RunDirError, match=r"is not a file bench\.py wrote \(a JSON object with the keys model, "
+                                          r"hessian_batch_s is not there\)"):
+        refuse_others_files([str(path)], "scripts/bench.py", json_keys=("model", "hessian_batch_s"))
