@@ -7,9 +7,12 @@ import re
 
 from tests.conftest import ROOT
 
-TIMING = re.compile(r"\b(\d+(?:\.\d+)?) ?(ms|s|minutes|min|h)\b")  # "0.17 s", "147 ms", "22 min", "1 h"
+# "0.17 s", "147 ms", "40 seconds", "22 min", "10 minutes", "1 h", "3 hours"
+TIMING = re.compile(r"\b(\d+(?:\.\d+)?) ?(ms|seconds?|s|minutes?|min|hours?|h)\b")
 # a unit as a row may spell it: "10 minutes" in a comment is "10 min" in the table
-UNIT = {"ms": "ms", "s": "s", "minutes": "min(?:utes)?", "min": "min(?:utes)?", "h": "h"}
+UNIT = {"ms": "ms", **dict.fromkeys(("s", "second", "seconds"), "s(?:econds?)?"),
+        **dict.fromkeys(("min", "minute", "minutes"), "min(?:utes?)?"),
+        **dict.fromkeys(("h", "hour", "hours"), "h(?:ours?)?")}
 
 
 def measurement_rows() -> dict[str, list[str]]:
@@ -21,6 +24,16 @@ def measurement_rows() -> dict[str, list[str]]:
             if line.startswith("|") and len(cells) > 3 and re.fullmatch(r"[0-9a-f]{7,40}", cells[2]):
                 rows.setdefault(cells[2], []).append(line)
     return rows
+
+
+def test_the_timing_pattern_reads_every_spelling_of_its_units():
+    # "3 hours" or "40 seconds" in a comment went unchecked (only "h" and "s" were read), while "10 minutes" was
+    text = "0.17 s, 147 ms, 40 seconds, 1 second, 22 min, 10 minutes, 1 minute, 1 h, 3 hours, 1 hour, 3 heads, 2 sets"
+    assert TIMING.findall(text) == [("0.17", "s"), ("147", "ms"), ("40", "seconds"), ("1", "second"), ("22", "min"),
+                                    ("10", "minutes"), ("1", "minute"), ("1", "h"), ("3", "hours"), ("1", "hour")]
+    # each as a row may spell it
+    assert all(re.fullmatch(UNIT[unit], spelt) for unit, spelt in [("seconds", "s"), ("s", "seconds"), ("h", "hours"),
+                                                                   ("hour", "h"), ("minute", "min")])
 
 
 def test_a_timing_in_a_configs_comment_is_a_measurement_row_that_it_names():
