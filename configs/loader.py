@@ -1147,7 +1147,31 @@ def _spelling_fix(value: Any, annotation: Any, key: str, source: str) -> str:
         return f"; give {given}{int(value)}"
     if type(value) is int and value in (0, 1) and _takes(annotation, bool):
         return "; give true or false"
+    if isinstance(value, bool) and not _takes(annotation, bool) and (_takes(annotation, int)
+                                                                   or _takes(annotation, float)):
+        number = _number_for(value, annotation, key)
+        return (f"; YAML reads {str(value).lower()} as a boolean, not a number: give "
+                + (f"{given}{number}{' (its default)' if value else ''}" if number is not None else "a number"))
     return ""
+
+
+def _number_for(switch: bool, annotation: Any, key: str) -> Optional[Union[int, float]]:
+    """A number the field `key` takes for a boolean `switch` given to it (data.repeated_aug=true, DeiT's switch): its
+    schema default for true, 0 for false (the count or rate that does nothing), where the field, with its ranges,
+    takes that value; else None."""
+    default = None
+    if key in schema_keys():  # `annotation` is the type without its ranges (coerce_value's Annotated branch)
+        owner, _, name = key.rpartition(".")
+        section = get_key(Config(), owner) if owner else Config()
+        default, annotation = getattr(section, name), schema_hints(type(section))[name]
+    number = default if switch else 0
+    if number is None or isinstance(number, bool) or (switch and number == 0):
+        return None
+    try:
+        coerce_value(number, annotation, key, "")
+    except ConfigError:
+        return None
+    return number
 
 
 def _boolean_choice_fix(value: Any, choices: tuple, key: str, source: str) -> str:

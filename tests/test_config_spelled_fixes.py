@@ -114,3 +114,34 @@ def test_a_yaml_boolean_for_a_choice_that_is_such_a_word_is_told_to_be_quoted(so
     assert str(refused.value).endswith(f"YAML 1.1 read the value as the boolean false (it reads an unquoted yes, no, "
                                        f"on, off, true or false so), not as text: quote it to keep it as text: {fix}")
     assert coerce_value("off", annotation, "x.mode", source) == "off"
+
+
+@pytest.mark.parametrize("override, fix, named", [
+    # DeiT's --repeated-aug is a switch (3 repeats); here the key is the count
+    ("data.repeated_aug=true", "; YAML reads true as a boolean, not a number: give data.repeated_aug=3 (its default)",
+     "data.repeated_aug=3"),
+    ("data.repeated_aug=false", "; YAML reads false as a boolean, not a number: give data.repeated_aug=0",
+     "data.repeated_aug=0"),
+    ("data.mixup=false", "; YAML reads false as a boolean, not a number: give data.mixup=0", "data.mixup=0"),
+    # 0 is no epoch count, and 300 is no meaning of false: no value is named
+    ("sched.epochs=false", "; YAML reads false as a boolean, not a number: give a number", "sched.epochs=3"),
+    ("model.img_size=true", "; YAML reads true as a boolean, not a number: give a number", "model.img_size=32"),
+])
+def test_a_boolean_given_to_a_number_field_names_a_number_to_give(override, fix, named):
+    """data.repeated_aug=true was refused as "'data.repeated_aug' expects int, ..., got True (bool)", with no word of
+    what to give: a DeiT user's switch. The line now says that YAML read a boolean and names a number the key takes:
+    its default for true, 0 for false where the key takes 0."""
+    with pytest.raises(ConfigError) as refused:
+        load_config([TINY], [override])
+    message = str(refused.value)
+    assert message.startswith("command line: '") and message.endswith(fix) and "\n" not in message, message
+    load_config([TINY], [named])
+
+
+def test_a_boolean_given_to_a_number_field_in_a_file_names_the_value_alone(tmp_path):
+    path = tmp_path / "recipe.yaml"
+    path.write_text("data:\n  repeated_aug: true\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config([TINY, str(path)])
+    assert str(refused.value).startswith(f"{path}: 'data.repeated_aug' expects int")
+    assert str(refused.value).endswith("; YAML reads true as a boolean, not a number: give 3 (its default)")
