@@ -1132,11 +1132,19 @@ def _one_item_list_fix(value: Any, annotation: Any, key: str, source: str) -> st
 def _spelling_fix(value: Any, annotation: Any, key: str, source: str) -> str:
     """The fix for a value that means one the field takes but is written another way: Python's None for null
     ('; YAML spells it null: optim.lr=null'), a whole float for an int ('; give sched.epochs=3'), 0 or 1 for a bool
-    ('; give true or false'); '' otherwise. The override's form on the command line; elsewhere (a file's line, a
-    mapping's entry, a list's item) the value alone, written where the refused one stands ('; give 3')."""
+    ('; give true or false'), a boolean for a number (`_number_for`), null for text (a file's `root: ~`); '' otherwise.
+    The override's form on the command line; elsewhere (a file's line, a mapping's entry, a list's item) the value
+    alone, written where the refused one stands ('; give 3')."""
+    given = f"{key}=" if source == "command line" and "[" not in key else ""
+    if value is None and takes_text(annotation) and not _takes(annotation, type(None)):
+        # `root: ~` in a file, YAML's null, where the user meant no path ('') or the home folder ('~')
+        if given:
+            return (f"; YAML reads null as no value, not as text: give the text, or {given} with nothing after it for "
+                    f"empty text")
+        return ("; YAML reads null, ~ and a key with no value as no value, not as text: write the text (quoted, '~', "
+                "for a ~ of its own) or '' for empty text")
     if takes_text(annotation):  # a number or bool there is text YAML read otherwise: TextReadAsValue says to quote it
         return ""
-    given = f"{key}=" if source == "command line" and "[" not in key else ""
     if isinstance(value, str) and value.strip().lower() == "none" and _takes(annotation, type(None)):
         return f"; YAML spells it null: {given}null" if given else "; YAML spells it null"
     if isinstance(value, float) and value.is_integer() and _takes(annotation, int):

@@ -145,3 +145,44 @@ def test_a_boolean_given_to_a_number_field_in_a_file_names_the_value_alone(tmp_p
         load_config([TINY, str(path)])
     assert str(refused.value).startswith(f"{path}: 'data.repeated_aug' expects int")
     assert str(refused.value).endswith("; YAML reads true as a boolean, not a number: give 3 (its default)")
+
+
+def text_keys() -> list[str]:
+    """Every schema key whose field takes text but not null (data.root, model.name, out_dir, ...)."""
+    from configs.loader import _takes, get_key, schema_hints, schema_keys, takes_text
+    from configs.schema import Config
+
+    found = []
+    for key in schema_keys():
+        owner, _, name = key.rpartition(".")
+        section = get_key(Config(), owner) if owner else Config()
+        annotation = schema_hints(type(section))[name]
+        if takes_text(annotation) and not _takes(annotation, type(None)):
+            found.append(key)
+    return found
+
+
+def test_every_text_field_given_null_names_the_fix_on_the_command_line_and_in_a_file(tmp_path):
+    """`root: ~` in a file (YAML's null) was refused as "'data.root' expects str, got None (NoneType)", which names
+    no fix: the line now says YAML read no value and what to write, for every text field, on the command line and
+    in a file (`key: ~`, `key: null`, `key:` alike); the empty text it names is taken where the key takes it."""
+    keys = text_keys()
+    assert {"data.root", "model.name", "out_dir", "train.resume", "model.pretrained", "optim.name"} <= set(keys)
+    path = tmp_path / "recipe.yaml"
+    for key in keys:
+        *sections, name = key.split(".")
+        with pytest.raises(ConfigError) as refused:
+            load_config([TINY], [f"{key}=null"])
+        assert str(refused.value) == (f"command line: '{key}' expects str, got None (NoneType); YAML reads null as no "
+                                      f"value, not as text: give the text, or {key}= with nothing after it for empty "
+                                      f"text"), refused.value
+        for written in ("~", "null", ""):
+            path.write_text("".join(f"{'  ' * i}{s}:\n" for i, s in enumerate(sections))
+                            + f"{'  ' * len(sections)}{name}: {written}\n")
+            with pytest.raises(ConfigError) as refused:
+                load_config([TINY, str(path)])
+            assert str(refused.value) == (f"{path}: '{key}' expects str, got None (NoneType); YAML reads null, ~ and a "
+                                          f"key with no value as no value, not as text: write the text (quoted, '~', "
+                                          f"for a ~ of its own) or '' for empty text"), refused.value
+    for key in ("out_dir", "train.resume", "model.pretrained"):  # the empty text named is taken
+        load_config([TINY], [f"{key}="])
