@@ -89,7 +89,7 @@ from engine.quant_settings import quant_settings, sees_training_transform, train
 from engine.result_table import markdown_table, method_name
 from engine.tasks import check_model_fits_task, perplexity_text, task_for
 from engine.console import console_print
-from engine.runinfo import exit_with_error, foreign_log, log_environment, setup_logging
+from engine.runinfo import exit_with_error, foreign_log, log_environment, setup_logging, software
 from models import ModelError, build_model, input_size, model_input_size, model_label
 from models.factory import check_recorded_architecture
 from models.hub import hub_data_mismatch
@@ -282,9 +282,12 @@ def main(args: argparse.Namespace) -> dict:
                        # whose val split tables compare with the one scored (result_table.data_root_changed)
                        "trained_data": {"root": as_trained.data.root,
                                         "fingerprint": payload.get("data_fingerprint")}}
+        # the code and packages of this call, as its log's first line names them: with the float score and maxima
+        # it measured, and with each quantized entry it writes (an entry of an earlier call keeps its own)
+        scored_with = software()
         results.update(method=method_name(cfg), **trained,
                        fp={k: fp[k] for k in kept if k in fp} |
-                       {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths)
+                       {"seconds": round(fp_seconds, 3)}, max_act=max_act | paths, software=scored_with)
         # the JSON names the maxima files (and their digests) before they are written, so that a second evaluate.py
         # adding to this result file meanwhile knows them as this file's (check_act_max_files) and does not refuse
         # them; a save or write that fails or is interrupted leaves the JSON naming only files that are there as it
@@ -305,6 +308,7 @@ def main(args: argparse.Namespace) -> dict:
                 name, model, calib, bits, options=pipeline_options(cfg, name), data=pipeline_data,
                 eval_fn=lambda m: task.evaluate(m, val_loader, device, args.amp, progress=f"{name} {bits}"))
             entry["eval_vs_fp"] = round(entry["eval_seconds"] / max(fp_seconds, 1e-9), 2)
+            entry["software"] = scored_with
             results.add(name, bits, entry, asked[name])  # the settings planned (open_results)
             run_on_main(lambda: results.save(keep), f"writing {main_out}", device)
             log.info("%s %s %s  [quantize %.1fs, eval %.1fs = %.2fx FP eval]", name, bits, score_line(entry),

@@ -145,8 +145,15 @@ def log_environment(logger: logging.Logger, dist) -> None:
         logger.warning("%s", alone)
 
 
+def software() -> dict:
+    """The code and the packages that compute a result: {commit, torch, timm, python}, as the environment line of a
+    run's log names them (evaluate.py records them with each result, so that a table row can say what scored it)."""
+    return {"commit": git_commit(), "torch": torch.__version__, "timm": timm.__version__,
+            "python": platform.python_version()}
+
+
 def describe_environment(dist) -> str:
     device = (torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda"
               else f"cpu ({cpu_name()}, {torch.get_num_threads()} threads)")
-    return (f"commit {git_commit()}, torch {torch.__version__}, timm {timm.__version__}, python "
-            f"{sys.version.split()[0]}, {dist.world_size} process(es), rank {dist.rank} on {device}")
+    return (f"{', '.join(f'{name} {version}' for name, version in software().items())}, {dist.world_size} "
+            f"process(es), rank {dist.rank} on {device}")

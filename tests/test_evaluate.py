@@ -62,6 +62,27 @@ def test_evaluate_writes_the_documented_json(digits_checkpoint, tmp_path):
     assert cd.count(" - ") == 2  # the CD result has no percentile columns
 
 
+def test_the_result_file_names_the_software_that_scored_it(digits_checkpoint, tmp_path):
+    """The run's log names torch and timm (engine/runinfo.py's environment line), the result file did not: a table
+    row could not say what software scored it. The float pass and maxima (measured by every call) and each quantized
+    entry (written by the call that ran it) now record the versions and the commit of the call that computed them."""
+    import platform
+
+    import timm
+    import torch
+
+    out = str(tmp_path / "result.json")
+    evaluate.main(evaluate.parse_args(["--checkpoint", digits_checkpoint, "--quant", "percentile", "--bits", "w8a8",
+                                       "--out", out]))
+    with open(out) as f:
+        saved = json.load(f)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    for software in (saved["software"], saved["quant"]["percentile"]["w8a8"]["software"]):
+        assert software["torch"] == torch.__version__ and software["timm"] == timm.__version__
+        assert software["python"] == platform.python_version()
+        assert software["commit"].partition("+")[0] == commit.strip()
+
+
 def test_block_maxima_match_a_direct_computation(digits_checkpoint, tmp_path):
     import torch
 
