@@ -281,7 +281,10 @@ def main(args: argparse.Namespace) -> dict:
                        # data.root is a path (the recipe leaves it out: it may move): the files the run read under it,
                        # whose val split tables compare with the one scored (result_table.data_root_changed)
                        "trained_data": {"root": as_trained.data.root,
-                                        "fingerprint": payload.get("data_fingerprint")}}
+                                        "fingerprint": payload.get("data_fingerprint")},
+                       # the software that trained its weights, part by part (a resume under another torch adds
+                       # one; engine/runinfo.py trained_software); null: a checkpoint written before the record
+                       "trained_software": payload.get("software")}
         # the code and packages of this call, as its log's first line names them: with the float score and maxima
         # it measured, and with each quantized entry it writes (an entry of an earlier call keeps its own)
         scored_with = software()

@@ -81,7 +81,8 @@ from engine.run_dir import (RunDirError, check_claim, claim_on_main_rank, config
 from engine.running_stats import average_running_stats
 from engine.start_weights import (START_WEIGHTS, ancestors_data, classifier_keys, resumed_record, start_lineage,
                                    start_record)
-from engine.runinfo import SAME_ON_EVERY_RANK, exit_with_error, foreign_log, log_environment, setup_logging
+from engine.runinfo import (SAME_ON_EVERY_RANK, exit_with_error, foreign_log, log_environment, setup_logging,
+                            trained_software)
 from engine.tasks import ClassificationTask, check_model_fits_task, task_for
 from engine.training_checks import check_poly_power, check_schedule_on_resume, check_training_settings
 from models import ModelError, build_model, describe, input_size, model_label
@@ -426,6 +427,8 @@ class Run:
     started_from: Optional[str] = None  # the train.resume file this run descends from (checkpoints record it)
     started_at: Optional[int] = 0  # the update it began at in out_dir (STARTED_AT_STEP); None: unknown (older file)
     start_weights: Optional[dict] = None  # engine/start_weights.py's record; None: a checkpoint written before it
+    # the software that trained the weights, part by part (engine/runinfo.py trained_software; checkpoints record it)
+    software: list = dataclasses.field(default_factory=list)
     resumed_elsewhere: bool = False  # from another file than out_dir/checkpoint.pt (train.resume=PATH)
     validation_changed: bool = False  # resumed with other validation settings than its checkpoint's run validated with
     wandb_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:16])  # kept by a resume in out_dir
@@ -455,7 +458,7 @@ class Run:
                  "optimizer_param_names": optimizer_param_names(model, optimizer),
                  "epoch_position": epoch_position(epoch_batches=state.epoch_batches, **self.position),
                  "resumed_from": self.started_from, STARTED_AT_STEP: self.started_at,
-                 "wandb_id": self.wandb_id, "model_drop_sites": MODEL_DROP_SITES,
+                 "wandb_id": self.wandb_id, "model_drop_sites": MODEL_DROP_SITES, "software": self.software,
                  # which history of metrics.jsonl leads here: a return to this branch takes its records back
                  METRICS_FINGERPRINT: self.logger.fingerprint(state.step) if self.logger is not None else None,
                  **({"cd": self.decay.state_dict()} if self.decay is not None else {})}
@@ -708,12 +711,14 @@ def build_run(cfg: Config, dist: DistInfo, resumed: bool, start_weights: Optiona
               updates_per_epoch=updates_per_epoch, epochs=epochs, total_steps=total_steps,
               per_step_schedule=per_step, optimizer=optimizer, scheduler=scheduler,
               scaler=grad_scaler(cfg.train.amp, device), ema=ema, decay=decay, tweo=tweo,
-              pair_energies=pair_energies, position=position, start_weights=start_weights)
+              pair_energies=pair_energies, position=position, start_weights=start_weights,
+              software=trained_software(checkpoint[1] if checkpoint is not None else None))
     run.best = BestCheckpoint(os.path.join(cfg.out_dir, "best.pt"), model=model, ema=ema,
                               config=config_to_dict(cfg), classes=loaders.classes, save=run.save_on_main,
                               key=task.score_key, higher_is_better=task.higher_is_better,
                               # the data it trained on, as checkpoint.pt: evaluate.py compares a data.root's files
-                              extra={**run.start_entry(), "data_fingerprint": loaders.fingerprint})
+                              extra={**run.start_entry(), "data_fingerprint": loaders.fingerprint,
+                                     "software": run.software})
     return run
 
 

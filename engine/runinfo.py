@@ -148,8 +148,19 @@ def log_environment(logger: logging.Logger, dist) -> None:
 def software() -> dict:
     """The code and the packages that compute a result: {commit, torch, timm, python}, as the environment line of a
     run's log names them (evaluate.py records them with each result, so that a table row can say what scored it)."""
-    return {"commit": git_commit(), "torch": torch.__version__, "timm": timm.__version__,
+    # str(): torch's version is a TorchVersion, whose pickle a checkpoint read with weights_only=True may not hold
+    return {"commit": git_commit(), "torch": str(torch.__version__), "timm": str(timm.__version__),
             "python": platform.python_version()}
+
+
+def trained_software(payload: Optional[dict]) -> list:
+    """What a checkpoint records of the software that trained its weights ("software"): the list of the resumed
+    `payload`'s (None for a fresh run), with this process's `software()` appended where it differs from the last
+    (a resume under another torch). A checkpoint written before the record stands for its part as null."""
+    earlier = payload.get("software", [None]) if payload is not None else []
+    earlier = earlier if isinstance(earlier, list) else [None]
+    now = software()
+    return earlier if earlier and earlier[-1] == now else [*earlier, now]
 
 
 def describe_environment(dist) -> str:

@@ -81,6 +81,8 @@ def test_the_result_file_names_the_software_that_scored_it(digits_checkpoint, tm
         assert software["torch"] == torch.__version__ and software["timm"] == timm.__version__
         assert software["python"] == platform.python_version()
         assert software["commit"].partition("+")[0] == commit.strip()
+    # the run trained in one part, under this software too (test_a_checkpoint_records_the_software_of_each_part)
+    assert saved["trained_software"] == [saved["software"]]
 
 
 def test_block_maxima_match_a_direct_computation(digits_checkpoint, tmp_path):
