@@ -1104,29 +1104,38 @@ def _entry_name(entry: Any) -> bool:
     return isinstance(entry, str) and all(part.strip() for part in entry.split("."))
 
 
-def _list_annotation(annotation: Any) -> Any:
-    """The list (or variable-length tuple) type that `annotation` takes, through Annotated and Optional; or None."""
-    origin = _origin(annotation)
-    if origin is Annotated:
-        return _list_annotation(typing.get_args(annotation)[0])
-    if origin in (Union, types.UnionType):
-        return next(filter(None, map(_list_annotation, typing.get_args(annotation))), None)
-    args = typing.get_args(annotation)
-    if origin is list or (origin is tuple and args[1:] == (Ellipsis,)):
-        return annotation
-    return None
-
-
 def _one_item_list_fix(value: Any, annotation: Any, key: str, source: str) -> str:
-    """'; give a list: quant.pipelines=[repq]' where a list field is given one value that it takes as a list's
-    only item (the override's form on the command line, the YAML value in a file); '' otherwise."""
-    if _list_annotation(annotation) is None or value is None or isinstance(value, (list, tuple, dict)):
+    """'; give a list: quant.pipelines=[repq]' where a list or tuple field is given one value that it takes as a
+    list's only item, or text that joins its items with commas (`quant.pipelines=repq,aphq`, `data.mean=0.5,0.5,0.5`,
+    `optim.betas=(0.9,0.95)`: timm's and argparse's lists, which YAML reads as one text) that it takes as those items;
+    the list without spaces (one shell word), in the override's form on the command line, the YAML value in a file;
+    '' otherwise."""
+    if value is None or isinstance(value, (list, tuple, dict)):
         return ""
+    annotation = _field_annotation(key, annotation)  # with its ranges: a fixed-length tuple's count
+    items = [value]
+    if isinstance(value, str) and "," in value:
+        text = value.strip()
+        text = text[1:-1] if text[:1] + text[-1:] == "()" else text
+        try:
+            items = [parse_yaml(part) for part in text.split(",")]
+        except yaml.YAMLError:
+            return ""
     try:  # the whole field's check (its ranges too): the list advised is one it takes
-        coerce_value([value], annotation, key, source)
+        coerce_value(items, annotation, key, source)
     except ConfigError:
-        return ""  # not an item the list takes either: the type named is the whole answer
-    return f"; give a list: {key + '=' if source == 'command line' else ''}{_show([value])}"
+        return ""  # not items the list takes either: the type named is the whole answer
+    return f"; give a list: {key + '=' if source == 'command line' else ''}[{','.join(map(_show, items))}]"
+
+
+def _field_annotation(key: str, annotation: Any) -> Any:
+    """The schema's annotation of `key`, its ranges included, where `key` is a schema key; else `annotation`.
+    coerce_value checks an Annotated field's type without its ranges first, and a fix worked out there must pass
+    them too."""
+    if key not in schema_keys():
+        return annotation
+    owner, _, name = key.rpartition(".")
+    return schema_hints(type(get_key(Config(), owner) if owner else Config()))[name]
 
 
 def _spelling_fix(value: Any, annotation: Any, key: str, source: str) -> str:
@@ -1167,11 +1176,8 @@ def _number_for(switch: bool, annotation: Any, key: str) -> Optional[Union[int, 
     """A number the field `key` takes for a boolean `switch` given to it (data.repeated_aug=true, DeiT's switch): its
     schema default for true, 0 for false (the count or rate that does nothing), where the field, with its ranges,
     takes that value; else None."""
-    default = None
-    if key in schema_keys():  # `annotation` is the type without its ranges (coerce_value's Annotated branch)
-        owner, _, name = key.rpartition(".")
-        section = get_key(Config(), owner) if owner else Config()
-        default, annotation = getattr(section, name), schema_hints(type(section))[name]
+    default = get_key(Config(), key) if key in schema_keys() else None
+    annotation = _field_annotation(key, annotation)  # with its ranges (sched.epochs: no 0)
     number = default if switch else 0
     if number is None or isinstance(number, bool) or (switch and number == 0):
         return None

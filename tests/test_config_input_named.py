@@ -8,7 +8,7 @@ import pytest
 
 import sweep  # noqa: E402  (scripts/, on the path of the tests)
 from configs import ConfigError, load_config
-from tests.conftest import DEBUG_CONFIG, ROOT, run_entry
+from tests.conftest import DEBUG_CONFIG, DEMO_CONFIG, ROOT, run_entry
 
 
 def refusal(paths, overrides=()) -> str:
@@ -104,6 +104,29 @@ def test_one_value_given_to_a_list_field_names_the_list_and_that_list_is_taken(t
 def test_a_value_that_no_list_of_the_field_takes_gets_no_list_advice(override):
     """An int is no str item (quant.bits), and optim.betas is a pair: a one-item list would be refused too."""
     assert "give a list" not in refusal([DEBUG_CONFIG], [override])
+
+
+@pytest.mark.parametrize("key, text, written, items", [
+    ("quant.pipelines", "repq,aphq", "[repq,aphq]", ["repq", "aphq"]),
+    ("quant.bits", "w4a4,w8a8", "[w4a4,w8a8]", ["w4a4", "w8a8"]),
+    ("quant.act_max_extra_modules", "a.*,b", "[a.*,b]", ["a.*", "b"]),
+    ("data.mean", "0.5,0.5,0.5", "[0.5,0.5,0.5]", (0.5, 0.5, 0.5)),  # a tuple field: no advice was given at all
+    ("optim.betas", "(0.9,0.95)", "[0.9,0.95]", (0.9, 0.95)),  # Python's tuple, as DeiT prints its --opt-betas
+    ("data.scale", "0.08, 1", "[0.08,1]", (0.08, 1.0)),
+])
+def test_a_list_given_as_comma_joined_text_names_the_list_of_its_items(tmp_path, key, text, written, items):
+    """`quant.pipelines=repq,aphq` (timm's and argparse's comma lists) is one text to YAML: the fix named was the
+    one-item list ['repq,aphq'], whose item is no pipeline; a tuple field (data.mean=0.5,0.5,0.5) named no fix. The
+    fix is now the list of the items, written without spaces (one shell word), and it is taken (on the digits, whose
+    images read data.mean)."""
+    message = refusal([DEMO_CONFIG], [f"{key}={text}"])
+    assert message.endswith(f"(str); give a list: {key}={written}"), message
+    cfg = load_config([DEMO_CONFIG], [f"{key}={written}"])
+    section, _, leaf = key.partition(".")
+    assert getattr(getattr(cfg, section), leaf) == items
+    path = tmp_path / "q.yaml"
+    path.write_text(f"{section}:\n  {leaf}: {text}\n")  # in a file: the YAML value to write there
+    assert refusal([DEMO_CONFIG, str(path)]).endswith(f"give a list: {written}")
 
 
 def test_a_sweep_file_given_as_a_config_names_scripts_sweep(capsys):
