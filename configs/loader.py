@@ -538,6 +538,12 @@ FIRST_LAST_KEYS = tuple(f"quant.{name}.{option}" for name, section in vars(Confi
                         for option in ("stem_w_bits", "stem_a_bits", "head_w_bits", "head_a_bits")
                         if hasattr(section, option))
 
+# the option sections of the pipelines that quantize image models only (quant/registry.py: no causal_lm among their
+# tasks; tests/test_config_unread_details.py checks the list against it): no evaluation of a language model runs them
+IMAGE_PIPELINE_SECTIONS = ("quant.percentile.", "quant.repq.", "quant.aphq.", "quant.gplq.")
+IMAGE_PIPELINE_KEYS = tuple(f"{section}{f.name}" for section in IMAGE_PIPELINE_SECTIONS
+                            for f in dataclasses.fields(getattr(Config().quant, section.split(".")[1])))
+
 # quant/aphq/reconstruct.py: at drop_prob 0 (the probability of the quantized element) every activation quantizer of a
 # classifier returns its float input while a unit is reconstructed, so the learned scales get no gradient. A
 # detector's neck units reconstruct with QDrop off whatever drop_prob says (quant/aphq/detector.py: the official
@@ -548,6 +554,7 @@ APHQ_ACT_LR_READ = (("quant.aphq.act_lr",), "quant.aphq.drop_prob", (NONZERO,))
 READ_ONLY_WHEN = [
     (("data.root", "data.train_split", "data.val_split"), "data.dataset", ("folder", "tokens")),
     (("data.val_windows",), "data.dataset", LM_DATA),
+    (IMAGE_PIPELINE_KEYS, "data.dataset", ("folder", "digits", "synthetic")),  # no pipeline of a language model
     # a language model calibrates on token windows and synthetic images get no transform either (GPLQ's QwT images
     # likewise: a classifier's are train-split images, which on synthetic data are the same under both transforms)
     (("quant.calib_transform", "quant.gplq.stage2_train_transform"), "data.dataset", ("folder", "digits")),

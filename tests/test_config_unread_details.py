@@ -104,3 +104,36 @@ def test_crop_mode_on_the_digits_crops_alike_and_is_refused():
                                           r"when data.dataset is folder, and it is digits"):
         load_config([DEMO_CONFIG], ["data.crop_mode=squash"])
     assert load_config([VIT_B], ["data.crop_mode=squash"]).data.crop_mode == "squash"
+
+
+LM_CONFIG = os.path.join(ROOT, "configs", "lm", "kjv_nano.yaml")
+
+
+@pytest.mark.parametrize("override", ["quant.repq.reparam=false", "quant.percentile.act_range=minmax",
+                                      "quant.aphq.iters=10", "quant.gplq.steps=10"])
+def test_the_options_of_an_image_pipeline_are_refused_on_a_language_model(tmp_path, override):
+    """RepQ-ViT, percentile, APHQ and GPLQ quantize image models only (quant/registry.py: their tasks), so no
+    evaluation of a language model reads their options: train.py trained and recorded quant.repq.reparam=false on
+    configs/lm/kjv_nano.yaml without a word. Refused by name, before anything is written; the same option on the
+    digits is taken, and the LM pipelines' options on a language model too."""
+    from quant import PIPELINES
+
+    pipeline = override.split(".")[1]
+    assert "causal_lm" not in PIPELINES[pipeline].tasks and "classification" in PIPELINES[pipeline].tasks
+    with pytest.raises(ConfigError) as refused:
+        load_config([LM_CONFIG], [override])
+    key = override.partition("=")[0]
+    assert str(refused.value).startswith(f"{override} would be ignored: {key} is read only when data.dataset is "), \
+        refused.value
+    assert str(refused.value).endswith("and it is kjv; drop it or set data.dataset as well"), refused.value
+    load_config([DEMO_CONFIG], [override])
+    load_config([LM_CONFIG], ["quant.gptq.act_order=true", "quant.smoothquant.alpha=0.6", "quant.rtn.group_size=16"])
+
+
+def test_every_pipeline_that_quantizes_no_language_model_has_its_options_refused_on_one():
+    """The rule's sections (configs/loader.py, which imports no quantization code) against quant/registry.py."""
+    from configs.loader import IMAGE_PIPELINE_SECTIONS
+    from quant import PIPELINES
+
+    assert set(IMAGE_PIPELINE_SECTIONS) == {f"quant.{name}." for name, p in PIPELINES.items()
+                                            if "causal_lm" not in p.tasks}
