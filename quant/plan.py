@@ -83,6 +83,13 @@ def joined_bit_widths(value) -> list[str]:
     return parts
 
 
+def joined_pipelines(value) -> list[str]:
+    """The pipelines of `value` when it is several known ones joined by commas, semicolons or spaces in one string
+    ('repq aphq'), else [] (as `joined_bit_widths`)."""
+    parts = [p for p in re.split(r"[,;\s]+", value) if p] if isinstance(value, str) else []
+    return parts if len(parts) > 1 and all(p in PIPELINES for p in parts) else []
+
+
 def default_pipelines_hint(cfg: Config, task, flags: bool = True) -> str:
     """The advice for bit-widths that the task's default pipelines (no --quant) cannot all run: the user asked for
     the bits, not for those pipelines, so for every such bit-width name the --quant of the task's pipelines that
@@ -119,6 +126,12 @@ def default_pipelines_hint(cfg: Config, task, flags: bool = True) -> str:
 def check_pipelines(cfg: Config, task) -> None:
     """cfg.quant.pipelines (resolved: a list) names only known pipelines that quantize `task`'s models."""
     unknown = [p for p in cfg.quant.pipelines if p not in PIPELINES]
+    joined = next((p for p in unknown if joined_pipelines(p)), None)
+    if joined is not None:  # `quant.pipelines=['repq aphq']`, `--quant repq,aphq`: a list the shell or YAML left whole
+        every = [part for p in cfg.quant.pipelines for part in (joined_pipelines(p) or [p])]
+        raise ConfigError(f"quant.pipelines: {joined!r} joins {len(joined_pipelines(joined))} pipelines in one value; "
+                          f"give each as an item of the list: quant.pipelines=[{','.join(every)}] (evaluate.py: "
+                          f"--quant {' '.join(every)})")
     if unknown:
         raise ConfigError(f"unknown quantization pipeline(s) {unknown}; available: {sorted(PIPELINES)}")
     other = [p for p in cfg.quant.pipelines if task.name not in PIPELINES[p].tasks]

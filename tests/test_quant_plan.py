@@ -211,3 +211,15 @@ def test_a_model_the_pipelines_cannot_convert_is_refused_naming_it_and_a_vit_pas
     assert torch.equal(torch.get_rng_state(), state)
     assert all(torch.equal(v, vit.state_dict()[k]) for k, v in before.items())
     assert not any("Quant" in type(m).__name__ for m in vit.modules())  # the original is not converted
+
+
+@pytest.mark.parametrize("item", ["repq aphq", "repq,aphq", "repq;aphq", "repq, aphq"])
+def test_pipelines_joined_in_one_item_are_named_as_the_list_of_them(item):
+    """`quant.pipelines=['repq aphq']` (a list the shell or YAML did not split) was refused as one unknown pipeline;
+    the refusal names the list of the pipelines it joins, as joined bit-widths are named, and that list is taken."""
+    cfg = load_config([DEBUG_CONFIG], [f"quant.pipelines=['{item}']"])
+    with pytest.raises(ConfigError) as refused:
+        check_quant_plan(cfg)
+    assert str(refused.value).startswith(f"quant.pipelines: {item!r} joins 2 pipelines in one value; give each as an "
+                                         f"item of the list: quant.pipelines=[repq,aphq] "), refused.value
+    check_quant_plan(load_config([DEBUG_CONFIG], ["quant.pipelines=[repq,aphq]"]))
