@@ -1148,7 +1148,8 @@ def _field_annotation(key: str, annotation: Any) -> Any:
 def _spelling_fix(value: Any, annotation: Any, key: str, source: str) -> str:
     """The fix for a value that means one the field takes but is written another way: Python's None for null
     ('; YAML spells it null: optim.lr=null'), a whole float for an int ('; give sched.epochs=3'), 0 or 1 for a bool
-    ('; give true or false'), a boolean for a number (`_number_for`), null for text (a file's `root: ~`); '' otherwise.
+    ('; give true or false'), a boolean for a number (`_number_for`), null for text (a file's `root: ~`) or for
+    another field that takes none (its default, one shell word); '' otherwise.
     The override's form on the command line; elsewhere (a file's line, a mapping's entry, a list's item) the value
     alone, written where the refused one stands ('; give 3')."""
     given = f"{key}=" if source == "command line" and "[" not in key else ""
@@ -1161,6 +1162,11 @@ def _spelling_fix(value: Any, annotation: Any, key: str, source: str) -> str:
                 "for a ~ of its own) or '' for empty text")
     if takes_text(annotation):  # a number or bool there is text YAML read otherwise: TextReadAsValue says to quote it
         return ""
+    if value is None and not _takes(annotation, type(None)) and key in schema_keys():
+        default = get_key(Config(), key)  # never null: the field takes none
+        written = f"[{','.join(map(_show, default))}]" if isinstance(default, (list, tuple)) else _show(default)
+        return (f"; YAML reads null as no value, which this key does not take: give a value, e.g. its default, "
+                f"{given}{written}")
     if isinstance(value, str) and value.strip().lower() == "none" and _takes(annotation, type(None)):
         return f"; YAML spells it null: {given}null" if given else "; YAML spells it null"
     if isinstance(value, float) and value.is_integer() and _takes(annotation, int):

@@ -186,3 +186,27 @@ def test_every_text_field_given_null_names_the_fix_on_the_command_line_and_in_a_
                                           f"for a ~ of its own) or '' for empty text"), refused.value
     for key in ("out_dir", "train.resume", "model.pretrained"):  # the empty text named is taken
         load_config([TINY], [f"{key}="])
+
+
+@pytest.mark.parametrize("override, named", [
+    ("quant.bits=null", "quant.bits=[]"),
+    ("quant.act_max_extra_modules=null", "quant.act_max_extra_modules=[]"),
+    ("sched.epochs=null", "sched.epochs=300"),
+    ("train.compile=null", "train.compile=false"),
+    ("data.mean=null", "data.mean=[0.485,0.456,0.406]"),  # one shell word
+])
+def test_null_given_to_a_field_that_takes_none_names_its_default(tmp_path, override, named):
+    """`quant.bits=null` (no bit-widths meant) was refused as "expects list of str, got None" with no fix: the line
+    names the field's default, which is taken (for a list field, [] is also what no items are)."""
+    demo = "configs/demo/vit_digits.yaml"
+    with pytest.raises(ConfigError) as refused:
+        load_config([demo], [override])
+    message = str(refused.value)
+    assert message.endswith(f"; YAML reads null as no value, which this key does not take: give a value, e.g. its "
+                            f"default, {named}") and "\n" not in message, message
+    load_config([demo], [named])
+    path = tmp_path / "recipe.yaml"
+    path.write_text(f"{override.partition('=')[0]}: null\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config([demo, str(path)])
+    assert str(refused.value).endswith(f"give a value, e.g. its default, {named.partition('=')[2]}"), refused.value
