@@ -1180,7 +1180,7 @@ def _spelling_fix(value: Any, annotation: Any, key: str, source: str) -> str:
     if isinstance(value, bool) and not _takes(annotation, bool) and (_takes(annotation, int)
                                                                    or _takes(annotation, float)):
         number = _number_for(value, annotation, key)
-        return (f"; YAML reads {str(value).lower()} as a boolean, not a number: give "
+        return (f"; YAML read the value as the boolean {str(value).lower()}, not a number: give "
                 + (f"{given}{number}{' (its default)' if value else ''}" if number is not None else "a number"))
     return ""
 

@@ -116,16 +116,18 @@ def test_a_yaml_boolean_for_a_choice_that_is_such_a_word_is_told_to_be_quoted(so
     assert coerce_value("off", annotation, "x.mode", source) == "off"
 
 
+BOOLEAN = "; YAML read the value as the boolean {}, not a number: give "
+
+
 @pytest.mark.parametrize("override, fix, named", [
     # DeiT's --repeated-aug is a switch (3 repeats); here the key is the count
-    ("data.repeated_aug=true", "; YAML reads true as a boolean, not a number: give data.repeated_aug=3 (its default)",
-     "data.repeated_aug=3"),
-    ("data.repeated_aug=false", "; YAML reads false as a boolean, not a number: give data.repeated_aug=0",
-     "data.repeated_aug=0"),
-    ("data.mixup=false", "; YAML reads false as a boolean, not a number: give data.mixup=0", "data.mixup=0"),
+    ("data.repeated_aug=true", BOOLEAN.format("true") + "data.repeated_aug=3 (its default)", "data.repeated_aug=3"),
+    ("data.repeated_aug=false", BOOLEAN.format("false") + "data.repeated_aug=0", "data.repeated_aug=0"),
+    ("data.mixup=false", BOOLEAN.format("false") + "data.mixup=0", "data.mixup=0"),
     # 0 is no epoch count, and 300 is no meaning of false: no value is named
-    ("sched.epochs=false", "; YAML reads false as a boolean, not a number: give a number", "sched.epochs=3"),
-    ("model.img_size=true", "; YAML reads true as a boolean, not a number: give a number", "model.img_size=32"),
+    ("sched.epochs=false", BOOLEAN.format("false") + "a number", "sched.epochs=3"),
+    ("model.img_size=true", BOOLEAN.format("true") + "a number", "model.img_size=32"),
+    ("data.repeated_aug=yes", BOOLEAN.format("true") + "data.repeated_aug=3 (its default)", "data.repeated_aug=3"),
 ])
 def test_a_boolean_given_to_a_number_field_names_a_number_to_give(override, fix, named):
     """data.repeated_aug=true was refused as "'data.repeated_aug' expects int, ..., got True (bool)", with no word of
@@ -144,7 +146,7 @@ def test_a_boolean_given_to_a_number_field_in_a_file_names_the_value_alone(tmp_p
     with pytest.raises(ConfigError) as refused:
         load_config([TINY, str(path)])
     assert str(refused.value).startswith(f"{path}: 'data.repeated_aug' expects int")
-    assert str(refused.value).endswith("; YAML reads true as a boolean, not a number: give 3 (its default)")
+    assert str(refused.value).endswith("; YAML read the value as the boolean true, not a number: give 3 (its default)")
 
 
 def text_keys() -> list[str]:
