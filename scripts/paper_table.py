@@ -8,7 +8,8 @@
     python scripts/paper_table.py --layout finetune runs/sweeps/finetune/*/eval_best.json       # Table 3
 
 A quantized number computed with settings other than the defaults (pipeline options, calibration set)
-is marked with * and a note naming them (engine.result_table.nondefault_settings); a result evaluated otherwise
+is marked with * and a note naming them (engine.result_table.nondefault_settings; in the fine-tuning layout, so is
+the Average that takes it in); a result evaluated otherwise
 than it was trained or than the paper evaluates (a model.kwargs override, other data or another eval transform
 than its run's, another data.val_split, an --amp autocast, the --ema weights, val images left out as unreadable:
 how many, of how many) is marked † with a note (engine.result_table.evaluated_otherwise): its row's model in the rows
@@ -184,6 +185,7 @@ def finetune_table(results: list[dict], stopped: Optional[Sequence[Optional[str]
         sums = {m: [] for m in methods}
         marked = set()  # the methods whose Average takes in a † entry
         cut = set()  # the methods whose Average takes in a § entry
+        other = set()  # the methods whose Average takes in an entry of non-default settings (*)
         for d in datasets:
             row = [FINETUNE_DATASETS.get(d, d)]
             for m in methods:
@@ -204,6 +206,7 @@ def finetune_table(results: list[dict], stopped: Optional[Sequence[Optional[str]
                 if unusual:
                     notes.append(f"\\* {FINETUNE_DATASETS.get(d, d)} {m}: not the default settings: "
                                  f"{', '.join(unusual)}")
+                    other.add(m)
                 if (d, m) in changed:
                     marked.add(m)
                 if (d, m) in short:
@@ -217,7 +220,8 @@ def finetune_table(results: list[dict], stopped: Optional[Sequence[Optional[str]
                 continue
             fp, qt = (sum(v[i] for v in sums[m]) / n for i in (0, 1))
             partial = f" (over {n} of {len(datasets)})" if n < len(datasets) else ""
-            average.append(f"{fp_quantized_drop(fp, qt)}{partial}" + ("†" if m in marked else "")
+            average.append(f"{fp_quantized_drop(fp, qt)}{partial}" + ("*" if m in other else "")
+                           + ("†" if m in marked else "")
                            + ("§" if m in cut else ""))
         rows.append(line(average))
         if any(d == "imagenet" for d, _ in cells):  # the paper measures maxima on the ImageNet-1K run only

@@ -131,6 +131,22 @@ def test_tables_mark_results_of_non_default_settings(tmp_path):
     assert "90.00 / 36.00 / -54.00*" in finetune and "\\* Pets Baseline: not the default settings" in finetune
 
 
+def test_finetune_layout_marks_the_average_that_takes_in_an_entry_of_non_default_settings():
+    """Table 3's Average of a method over its data sets takes in each entry: one entry quantized with other settings
+    (quant.aphq.eq_n=16) makes it no average of default-protocol numbers, so it is marked * as that entry is (as the
+    Average that takes in a † or a § entry is); a method whose entries are all of the defaults stays unmarked."""
+    import paper_table
+
+    def entry(root, method, top1, **changes):
+        return dict(result(method, {"aphq": {"w4a4": {"top1": top1, "settings": settings("aphq", **changes)}}}),
+                    data={"dataset": "folder", "root": f"/datasets/{root}"}, checkpoint=f"{root}/{method}")
+    results = [entry("pets", "Baseline", 36.0, eq_n=16), entry("flowers102", "Baseline", 80.0),
+               entry("pets", "CD", 70.0), entry("flowers102", "CD", 80.0)]
+    lines = paper_table.finetune_table(results).splitlines()
+    assert lines[5] == "| Pets | 90.00 / 36.00 / -54.00* | 90.00 / 70.00 / -20.00 |"
+    assert lines[6] == "| Average | 90.00 / 58.00 / -32.00* | 90.00 / 75.00 / -15.00 |"  # (36 + 80) / 2, (70 + 80) / 2
+
+
 @pytest.mark.parametrize("recipe, override", [("", "optim.momentum=0.5"),  # adamw: no momentum
                                               ("optim: {name: sgd}", "optim.betas=[0.8,0.9]"),
                                               ("data: {auto_augment: rand-m9-mstd0.5-inc1}",
