@@ -53,7 +53,7 @@ def test_each_method_config_trains_the_detector(sample, tmp_path, method):
     """configs/detection/method/<method>.py as a second --config: the detector trains an epoch with the method's
     hook on its backbone, and the weights differ from a plain run's from the same seed (TWEO also logs its term;
     CD's fragment lowers the weight decay by lam, the budget rule)."""
-    from engine.detection import training_method
+    from engine.detection import method_of, training_config
     base_checkpoint = train(sample, tmp_path / "base")
     base = _state(base_checkpoint)
     work = tmp_path / method
@@ -62,8 +62,9 @@ def test_each_method_config_trains_the_detector(sample, tmp_path, method):
     # the method as evaluate_detection.py records it, from the training config the checkpoint keeps
     meta = [torch.load(path, map_location="cpu", weights_only=False)["meta"]
             for path in (base_checkpoint, method_checkpoint)]
-    assert [training_method(m) for m in meta] == ["Baseline", dict(cd="CD", tweo="TWEO", noise="Noise")[method]]
-    assert training_method({}) is None and training_method({"cfg": "not python ("}) is None
+    assert [method_of(training_config(m)) for m in meta] == ["Baseline",
+                                                           dict(cd="CD", tweo="TWEO", noise="Noise")[method]]
+    assert training_config({}) is None and training_config({"cfg": "not python ("}) is None
     assert any(not torch.equal(base[k], with_method[k]) for k in base if base[k].is_floating_point())
     assert all(torch.isfinite(v).all() for v in with_method.values() if v.is_floating_point())
     saved = (work / "mask_rcnn_swin_sample.py").read_text()

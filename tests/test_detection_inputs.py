@@ -317,20 +317,21 @@ def test_the_training_method_is_read_from_the_config_a_checkpoint_keeps(mmdet_re
     """evaluate_detection.py labels a result (Fig. 1's circles) with the method of the hooks in the training
     config MMEngine keeps in a checkpoint's meta["cfg"]; the hooks' module need not be importable where the
     evaluation runs, and a config that cannot be read leaves no file behind."""
-    from engine.detection import training_method
+    from engine.detection import method_of, training_config
     text = (f"custom_imports = dict(imports=['a_module_not_installed_here'], allow_failed_imports=False)\n"
             f"custom_hooks = {hooks}\ncd_budget = 'applied: 0.05 - lam 0.005 = 0.045'\n")  # as the dump records it
-    assert training_method({"cfg": text}) == method
+    assert method_of(training_config({"cfg": text})) == method
     if method.startswith("CD"):  # without the budget rule (cd_budget=False): another weight decay
         no_budget = method[:-1] + ", no budget)" if "(" in method.split("+")[0] else method.replace(
             "CD", "CD (no budget)", 1)
-        assert training_method({"cfg": text.replace("cd_budget = 'applied", "cd_budget = False  # '")}) == no_budget
+        without = text.replace("cd_budget = 'applied", "cd_budget = False  # '")
+        assert method_of(training_config({"cfg": without})) == no_budget
         # no cd_budget at all: a config from before the key (the budget in its weight decay) says nothing of it
-        assert training_method({"cfg": text[:text.index("cd_budget")]}) == method
+        assert method_of(training_config({"cfg": text[:text.index("cd_budget")]})) == method
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     import tempfile
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
-    assert training_method({"cfg": "not python ("}) is None and training_method({}) is None
+    assert training_config({"cfg": "not python ("}) is None and training_config({}) is None
     assert list(tmp_path.iterdir()) == []
 
 
@@ -338,12 +339,12 @@ def test_a_cd_checkpoint_from_before_cd_budget_existed_keeps_its_plain_label(mmd
     """configs/detection/method/cd.py set the budgeted weight decay itself (0.045) before its cd_budget key existed:
     a checkpoint of then keeps no cd_budget, and its result is the same method as a later run's "CD", not one
     "without the budget rule" (its circles and rows would be split from the runs they belong with)."""
-    from engine.detection import training_method
+    from engine.detection import method_of, training_config
     old_fragment = ("custom_imports = dict(imports=['cd.integrations.mmengine'], allow_failed_imports=False)\n"
                     "custom_hooks = [dict(type='ColinearityDecayHook', lam=0.005)]\n"
                     "optim_wrapper = dict(optimizer=dict(type='AdamW', lr=1e-4, weight_decay=0.045))\n")
-    assert training_method({"cfg": old_fragment}) == "CD"
-    assert training_method({"cfg": old_fragment.replace("lam=0.005", "lam=0.01")}) == "CD (lam 0.01)"
+    assert method_of(training_config({"cfg": old_fragment})) == "CD"
+    assert method_of(training_config({"cfg": old_fragment.replace("lam=0.005", "lam=0.01")})) == "CD (lam 0.01)"
 
 
 @pytest.mark.parametrize("hook, label", [
@@ -368,8 +369,8 @@ def test_runs_that_differ_in_a_hook_setting_other_than_the_strength_get_other_la
     """Two detectors trained with TWEO with and without its rescale, or with the Noise on other layers or of another
     seed, were labelled alike ("TWEO", "Noise"): one method in the result JSON and one colour of Fig. 1. Each
     setting that differs from configs/detection/method/*.py (the hooks' defaults) is named, as the strength is."""
-    from engine.detection import training_method
-    assert training_method({"cfg": f"custom_hooks = [{hook}]\n"}) == label
+    from engine.detection import method_of, training_config
+    assert method_of(training_config({"cfg": f"custom_hooks = [{hook}]\n"})) == label
 
 
 def _categories_copy(sample, tmp_path, names):

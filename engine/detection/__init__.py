@@ -44,8 +44,8 @@ try:
                                               check_image_folders, check_pipeline, dataset_classes, image_folders,
                                               loader_datasets, reading_annotations, set_data_root)
     from engine.detection.model import (build_detector, check_backbone_checkpoint, check_backbone_init,
-                                        check_checkpoint_classes, check_checkpoint_file, check_load_from, mismatch,
-                                        read_state, training_method)
+                                        check_checkpoint_classes, check_checkpoint_file, check_load_from, method_of,
+                                        mismatch, read_state, training_config)
     from engine.detection.rng_state import RankRngStates, RngStateHook
     from engine.detection.feeds import (DetectorFeed, DetectorSamples, TrainingImages, build_loader,
                                         pipeline_of_test_split, train_images_with_test_pipeline)
@@ -66,7 +66,7 @@ __all__ = [
     "check_evaluator_annotations", "check_evaluator_thresholds", "check_head_classes", "check_image_folders",
     "check_pipeline", "dataset_classes", "image_folders", "loader_datasets", "reading_annotations", "set_data_root",
     "build_detector", "check_backbone_checkpoint", "check_backbone_init", "check_checkpoint_classes",
-    "check_checkpoint_file", "check_load_from", "mismatch", "read_state", "training_method",
+    "check_checkpoint_file", "check_load_from", "method_of", "mismatch", "read_state", "training_config",
     "RngStateHook", "RankRngStates",
     "DetectorFeed", "DetectorSamples", "TrainingImages", "build_loader", "pipeline_of_test_split",
     "train_images_with_test_pipeline",

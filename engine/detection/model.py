@@ -273,14 +273,6 @@ def training_config(meta: dict) -> Optional[Config]:
             return None
 
 
-def training_method(meta: dict) -> Optional[str]:
-    """The method a detector was trained with, from the training config its MMEngine checkpoint keeps
-    (meta["cfg"]): `method_of` that config, or None when the checkpoint keeps no readable config (a file
-    converted or written elsewhere)."""
-    cfg = training_config(meta)
-    return None if cfg is None else method_of(cfg)
-
-
 def method_of(cfg: Config) -> str:
     """"CD", "TWEO", "Noise" (joined by "+" when several), each with the settings that differ from
     configs/detection/method/*.py (`method_label`: "CD (lam 0.01)"), from the custom_hooks of the training config
