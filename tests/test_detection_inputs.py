@@ -304,6 +304,10 @@ def test_evaluation_refuses_a_pipeline_or_bit_width_named_twice(mmdet_ready, tmp
     ("[dict(type='ColinearityDecayHook', lam=0)]", "Baseline"),
     ("[dict(type='ColinearityDecayHook', lam=0.0, lam_per_role=dict(fc2=0))]", "Baseline"),
     ("[dict(type='ColinearityDecayHook', lam=0, module='neck'), dict(type='TweoHook')]", "TWEO"),
+    # TWEO at lam 0 adds 0 x its term (a gradient of zeros, test_tweo_at_lam_0_trains_as_the_baseline): a baseline
+    # too, in any schedule, not a TWEO point of Fig. 1 (whose colour is the label's method)
+    ("[dict(type='TweoHook', lam=0)]", "Baseline"),
+    ("[dict(type='TweoHook', lam=0.0, schedule='cosine'), dict(type='WeightNoiseHook')]", "Noise"),
     # fc2 is decayed (labelled with its strengths since the labels name other settings than the fragments')
     ("[dict(type='ColinearityDecayHook', lam=0, lam_per_role=dict(fc2=0.02))]", "CD (lam 0, fc2 0.02)"),
     # a strength sweep: each of its circles and CSV rows named apart, as a classifier's "CD (lam 0.01)"; the
@@ -333,6 +337,26 @@ def test_the_training_method_is_read_from_the_config_a_checkpoint_keeps(mmdet_re
     monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
     assert training_config({"cfg": "not python ("}) is None and training_config({}) is None
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("rescale", [True, False])
+def test_tweo_at_lam_0_trains_as_the_baseline(rescale):
+    """What the label "Baseline" of a TweoHook at lam 0 says (method_of): the loss and every gradient of a step with
+    TWEO's term at lam 0 are those of the step without it, bit for bit."""
+    from cd.tweo import TWEO
+    from quant_models import tiny_vit
+    images = torch.randn(2, 3, 32, 32)
+    grads = []
+    for lam in (None, 0.0):
+        model = tiny_vit(depth=2).train()
+        tweo = None if lam is None else TWEO(model, lam=lam, rescale=rescale)
+        loss = model(images).square().mean()
+        if tweo is not None:
+            loss = loss + tweo.aux_loss(loss)
+            tweo.remove()
+        loss.backward()
+        grads.append([loss.detach()] + [p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_a_cd_checkpoint_from_before_cd_budget_existed_keeps_its_plain_label(mmdet_ready):

@@ -276,9 +276,9 @@ def training_config(meta: dict) -> Optional[Config]:
 def method_of(cfg: Config) -> str:
     """"CD", "TWEO", "Noise" (joined by "+" when several), each with the settings that differ from
     configs/detection/method/*.py (`method_label`: "CD (lam 0.01)"), from the custom_hooks of the training config
-    `cfg`; "Baseline" when it ran none of their hooks, or only CD hooks that decay nothing (`decays_nothing`:
-    custom_hooks.0.lam=0 made no update in any step, so Fig. 1 would have plotted a baseline as CD)."""
-    hooks = [hook for hook in cfg.get("custom_hooks") or [] if isinstance(hook, dict) and not decays_nothing(hook)]
+    `cfg`; "Baseline" when it ran none of their hooks, or only CD or TWEO hooks that change nothing (`changes_nothing`:
+    custom_hooks.0.lam=0 made no update in any step, so Fig. 1 would have plotted a baseline as CD or TWEO)."""
+    hooks = [hook for hook in cfg.get("custom_hooks") or [] if isinstance(hook, dict) and not changes_nothing(hook)]
     # no cd_budget key: written before it existed, when configs/detection/method/cd.py set the budgeted weight decay
     # itself (0.045), so nothing is said of the budget (None), as the label before it read
     return "+".join(method_label(hook, cfg.get("cd_budget")) for hook in hooks
@@ -311,10 +311,14 @@ def method_label(hook: dict, budget) -> str:
     return f"{METHOD_HOOKS[kind]} ({', '.join(notes)})" if notes else METHOD_HOOKS[kind]
 
 
-def decays_nothing(hook: dict) -> bool:
-    """Whether the custom_hooks entry `hook` is a ColinearityDecayHook whose every strength is 0: lam 0 (its
-    default is ColinearityDecay's) and no lam_per_role entry above 0, since a role without one takes lam. Its
-    decoupled update is skipped in every step (cd/decay.py), so the run trains as the baseline does."""
+def changes_nothing(hook: dict) -> bool:
+    """Whether the custom_hooks entry `hook` trains as the baseline does: a TweoHook at lam 0 (its term is 0 x L_TWEO
+    at every step, whatever the schedule: a gradient of zeros), or a ColinearityDecayHook whose every strength is 0:
+    lam 0 (its default is ColinearityDecay's) and no lam_per_role entry above 0, since a role without one takes lam.
+    The CD hook's decoupled update is skipped in every step (cd/decay.py)."""
+    if type_name(hook.get("type")) == "TweoHook":
+        lam = hook.get("lam")
+        return isinstance(lam, (int, float)) and not isinstance(lam, bool) and lam == 0
     if type_name(hook.get("type")) != "ColinearityDecayHook":
         return False
     per_role = hook.get("lam_per_role") or {}
