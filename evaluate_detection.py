@@ -294,6 +294,8 @@ def main(argv=None) -> dict:
         # draws other images; read only where a pipeline runs (COCO's train2017 annotations: 448 MB; files_sha256
         # read 450 MB from the page cache in 0.67 s on a 2-core AMD EPYC VM, docs/measurements.md)
         train_sha = files_sha256(annotation_paths(cfg, "train_dataloader")) if pipelines else None
+        # what GPLQ's stage-1 folder records of the training data beside its images' indices (stage1_identity)
+        train_data = {"train_annotations_sha256": train_sha}
 
         def open_results():
             results = EvalResults.open(out, identity)
@@ -341,8 +343,9 @@ def main(argv=None) -> dict:
         def check_folders() -> None:
             parsed = parse_options(PIPELINES["gplq"].Options, options["gplq"])
             for b in gplq_bits:
-                check_stage1_folder(stage1_folder(PipelineData(work_prefix=work_prefix), parse_bits(b)),
-                                    stage1_identity(model, parse_bits(b), parsed, feed))
+                data = PipelineData(work_prefix=work_prefix, identity=train_data)
+                check_stage1_folder(stage1_folder(data, parse_bits(b)),
+                                    stage1_identity(model, parse_bits(b), parsed, feed, data))
 
         if gplq_bits:  # on rank 0, which creates them; the other ranks fail with it
             run_on_main(check_folders, "checking GPLQ's stage-1 folders", dist.device)
@@ -365,7 +368,7 @@ def main(argv=None) -> dict:
             data = PipelineData(
                 detector_samples=lambda count, seed, flag=flag: DetectorSamples(cfg, count, seed, flag, images),
                 train_detector=lambda student, stage1, work_dir: train_activation_qat(student, cfg, stage1, work_dir),
-                work_prefix=work_prefix)
+                work_prefix=work_prefix, identity=train_data)
             say(f"{name} {b} ...", flush=True)
             entry = evaluate_quantized(name, model, feed, b, options=options[name], data=data,
                                        eval_fn=lambda q: evaluate_detector(q, cfg, loader, progress=dist.is_main))

@@ -1,7 +1,8 @@
 """evaluate_detection.py's quantized entries are of the training split they drew their images from: the calibration
 batch (and APHQ's and GPLQ's own images) are drawn by index from train_dataloader's annotation file, so a file of
 other contents at the same path (another export, another subset) draws other images. An entry computed on the old
-contents is no result of the new ones: a later call refuses it, as it refuses other calibration settings.
+contents is no result of the new ones: a later call refuses it, as it refuses other calibration settings, and GPLQ's
+stage-1 folder trained on them is not resumed.
 
 Marked `detection`: they need MMDetection with full mmcv (scripts/install_mmcv.sh).
 """
@@ -68,3 +69,40 @@ def test_a_quant_entry_of_other_training_annotations_is_not_taken_as_computed(sa
     main(argv)
     assert calls == [True, False]
     assert os.path.exists(out)
+
+
+@pytest.mark.slow  # GPLQ's stage 1 and QwT on the sample detector: 32 s under load
+def test_a_gplq_stage1_folder_of_other_training_annotations_is_not_resumed(sample, tmp_path, monkeypatch):
+    """The stage-1 folder's identity held the calibration images' indices but not the file they index: a stage 1
+    cut off before its result was written resumed (or, once finished, was taken as it was) on a training split
+    exported again at the same path (here each object's class swapped: other targets, the same images). It is
+    refused before the full-precision score, the folder left as it is."""
+    import engine.detection
+    from engine.detection import DetectionError
+    from evaluate_detection import main
+
+    def scored(model, cfg, loader, probe_maxima=False, progress=True):  # stands for evaluate_detector: fast
+        return {"bbox_mAP": 0.1, "segm_mAP": 0.1, "seconds": 0.0,
+                **({"max_act": {"backbone": 1.0, "head": 2.0}} if probe_maxima else {})}
+
+    monkeypatch.setattr(engine.detection, "evaluate_detector", scored)
+    root = tmp_path / "coco"
+    shutil.copytree(sample, root)
+    out = tmp_path / "eval.json"
+    argv = ["--config", SAMPLE_CONFIG, "--checkpoint", _random_detector(tmp_path), "--data-root", str(root),
+            "--out", str(out), "--quant", "gplq", "--quant-options", "gplq.steps=1", "gplq.stage2_images=1",
+            "gplq.lr=0.001"]
+    assert main(argv)["quant"]["gplq"]["w4a4"]["stage1"]["resumed"] is False
+    data = json.loads(out.read_text())
+    del data["quant"]["gplq"]  # as if the run stopped after stage 1, before its result was written
+    out.write_text(json.dumps(data))
+    train = root / "annotations" / "instances_train2017.json"
+    contents = json.loads(train.read_text())
+    for box in contents["annotations"]:
+        box["category_id"] = 3 - box["category_id"]  # box (1) <-> disc (2)
+    train.write_text(json.dumps(contents))
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    before = sorted((p, p.read_bytes()) for p in folder.rglob("*") if p.is_file())  # MMEngine's log folders too
+    with pytest.raises(DetectionError, match=rf"^{folder} holds GPLQ stage 1 of another run"):
+        main(argv)
+    assert sorted((p, p.read_bytes()) for p in folder.rglob("*") if p.is_file()) == before

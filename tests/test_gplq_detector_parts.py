@@ -13,6 +13,7 @@ from quant import PIPELINES
 from quant.gplq.detector import stage1_identity as detector_identity
 from quant.gplq.qwt import fit_block_compensation_streamed
 from quant.modes import named_quantizers
+from quant.pipeline_data import PipelineData
 from quant.spec import parse_bits
 from quant_models import ImageFeed, tiny_vit, unread_samples
 
@@ -112,11 +113,15 @@ def test_the_detection_recipe_passes_the_options_rules_with_stage1_or_qwt_off(gi
 
 def test_detector_stage1_identity_holds_every_stage1_option():
     model, opts = tiny_vit(depth=1), PIPELINES["gplq"].Options
-    base = detector_identity(model, parse_bits("w4a4"), opts(pca_weight=0.0), None)
+    base = detector_identity(model, parse_bits("w4a4"), opts(pca_weight=0.0), None, PipelineData())
     for key, value in [("init_images", 7), ("lr", 1e-5), ("seed", 2), ("steps", 3), ("head_a_bits", 8),
                        ("batch_size_per_gpu", 2), ("scale_lr", 1e-4), ("weight_decay", 0.1), ("amp", "bf16"),
                        ("matmul_percentile", 0.999)]:
-        assert detector_identity(model, parse_bits("w4a4"), opts(pca_weight=0.0, **{key: value}), None) != base, key
+        assert detector_identity(model, parse_bits("w4a4"), opts(pca_weight=0.0, **{key: value}), None,
+                                 PipelineData()) != base, key
+    # the training data it was trained on (evaluate_detection.py: the training annotations by content)
+    assert detector_identity(model, parse_bits("w4a4"), opts(pca_weight=0.0), None,
+                             PipelineData(identity={"train_annotations_sha256": "ab"})) != base
 
 
 @pytest.mark.parametrize("key, value", [("pca_variance", 0.5), ("pca_multiple", 8), ("pca_images", 64)])
@@ -229,7 +234,8 @@ def test_detector_stage1_identity_names_the_calibration_images():
     """A resume with another LSQ-start batch is another run: the batch's dataset indices are in the identity."""
     from types import SimpleNamespace
     model, options = tiny_vit(depth=1), PIPELINES["gplq"].Options(pca_weight=0.0)
-    first, other = (detector_identity(model, parse_bits("w4a4"), options, SimpleNamespace(indices=indices))
+    first, other = (detector_identity(model, parse_bits("w4a4"), options, SimpleNamespace(indices=indices),
+                                      PipelineData())
                     for indices in ([0, 1], [0, 2]))
     assert first["init_batch"] == [0, 1] and first != other
 

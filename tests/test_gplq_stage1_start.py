@@ -150,13 +150,15 @@ def test_a_detector_stage1_identity_holds_the_lr_used_and_a_folder_of_a_null_lr_
     from engine.detection import DetectionError
     from engine.detection.qat import STAGE1_IDENTITY, check_stage1_folder
     from quant.gplq.detector import stage1_identity
+    from quant.pipeline_data import PipelineData
     from quant.spec import parse_bits
     from quant_models import tiny_vit
 
     model, bits = tiny_vit(depth=1), parse_bits("w4a4")
 
     def identity(**given):
-        return stage1_identity(model, bits, dataclasses.replace(GPLQOptions(), **{**GPLQ_DETECTION, **given}), None)
+        return stage1_identity(model, bits, dataclasses.replace(GPLQOptions(), **{**GPLQ_DETECTION, **given}), None,
+                               PipelineData())
 
     now = identity()
     assert (now["options"]["lr"], now["options"]["scale_lr"]) == (1e-6, 1e-6) and identity(lr=1e-6) == now
@@ -173,3 +175,23 @@ def test_a_detector_stage1_identity_holds_the_lr_used_and_a_folder_of_a_null_lr_
     monkeypatch.setattr(gplq, "default_lr", lambda batch: 7e-6)  # a later default
     with pytest.raises(DetectionError, match=rf"^{folder} holds GPLQ stage 1 of another run"):
         check_stage1_folder(str(folder), identity())
+
+
+def test_a_stage1_folder_of_other_training_data_is_refused_and_one_written_before_the_data_was_recorded_resumes(
+        tmp_path):
+    """The identity holds the training data (evaluate_detection.py: the training annotations' SHA-256): a folder of
+    other annotations is refused; one whose identity file was written before it held the data resumes, as a result
+    entry without its train_annotations_sha256 does (refusing it would refuse every such folder)."""
+    from engine.detection import DetectionError
+    from engine.detection.qat import STAGE1_IDENTITY, check_stage1_folder
+    folder = tmp_path / "eval_gplq_w4a4_stage1"
+    folder.mkdir()
+    (folder / "iter_1.pth").write_text("weights")
+    (folder / "last_checkpoint").write_text(str(folder / "iter_1.pth"))
+    asked = {"bits": "w4a4", "data": {"train_annotations_sha256": "ab"}, "options": {"lr": 1e-6, "scale_lr": 1e-6}}
+    (folder / STAGE1_IDENTITY).write_text(json.dumps({**asked, "data": {"train_annotations_sha256": "cd"}}))
+    with pytest.raises(DetectionError, match=rf"^{folder} holds GPLQ stage 1 of another run"):
+        check_stage1_folder(str(folder), asked)
+    before = {key: value for key, value in asked.items() if key != "data"}
+    (folder / STAGE1_IDENTITY).write_text(json.dumps(before))
+    assert check_stage1_folder(str(folder), asked) == (before, str(folder / "iter_1.pth"))

@@ -160,6 +160,9 @@ def check_stage1_folder(work_dir: str, identity: Optional[Dict[str, Any]] = None
         raise DetectionError(f"{identity_path} cannot be read ({e}): move {work_dir} away to start stage 1 "
                              "anew") from None
     from quant.gplq.qat import lr_meant_then  # here: the quantization package imports engine modules
+    if identity is not None and "data" not in stored:  # written before the identity held the training data: taken
+        # as of the data given now, as a result entry without its train_annotations_sha256 (eval_results.py)
+        identity = {key: value for key, value in identity.items() if key != "data"}
     # a null lr or scale_lr of an identity written before they were recorded as used: the lr null meant then
     if identity is not None and lr_meant_then(stored, "options") != identity:
         if not _holds_checkpoint(work_dir):  # nothing trained to lose: taken over (docstring)

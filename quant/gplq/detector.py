@@ -81,18 +81,21 @@ def stage1_folder(data: PipelineData, bits: Bits) -> Optional[str]:
     return data.work_path(f"_gplq_{bits}_stage1")
 
 
-def stage1_identity(fp_model: nn.Module, bits: Bits, options: GPLQOptions, calib: Any) -> dict:
+def stage1_identity(fp_model: nn.Module, bits: Bits, options: GPLQOptions, calib: Any, data: PipelineData) -> dict:
     """What a resumed stage 1 must share with the run that wrote its folder (plain JSON types, as the folder's
     identity file holds them): the bits, the float weights, the calibration images that set the LSQ start, the
-    number of ranks (the global batch, each rank's shard) and the stage-1 options. evaluate_detection.py compares
-    it with a folder's before the full-precision score. The lr and scale_lr as used (GPLQPipeline.recorded_options:
-    null read as the default of the global batch), so that the lr typed out resumes a folder of its null and a later
-    default does not (a folder written with null compares as the lr null meant then: check_stage1_folder)."""
+    training data (`data.identity`: evaluate_detection.py's training annotations by content, from which those
+    images' indices and stage 1's targets are read), the number of ranks (the global batch, each rank's shard) and
+    the stage-1 options. evaluate_detection.py compares it with a folder's before the full-precision score. The lr
+    and scale_lr as used (GPLQPipeline.recorded_options: null read as the default of the global batch), so that the
+    lr typed out resumes a folder of its null and a later default does not (a folder written with null compares as
+    the lr null meant then, one written without the training data as of the data given now: check_stage1_folder)."""
     from .pipeline import GPLQPipeline  # imported here: pipeline.py imports this module
     options = GPLQPipeline().recorded_options(options)
     return json.loads(json.dumps({
         "pipeline": "gplq", "bits": str(bits), "fp_model": weights_fingerprint(fp_model.state_dict()),
         "init_batch": getattr(calib, "indices", None),  # which images set the LSQ start
+        "data": data.identity,
         "world_size": world_size(),  # the global batch and each rank's shard
         "options": {f.name: getattr(options, f.name) for f in fields(options) if f.name in STAGE1_OPTIONS}}))
 
@@ -135,7 +138,7 @@ def quantize_detector(layout: QuantSpec, fp_model: nn.Module, calib: Any, bits: 
                 "scale_lr": scale_lr, "weight_decay": options.weight_decay,
                 "param_groups": param_groups(model, lr, scale_lr, options.weight_decay), "amp": options.amp,
                 "log_every": options.log_every, "ckpt_every": options.ckpt_every, "seed": options.seed,
-                "identity": stage1_identity(fp_model, bits, options, calib)}
+                "identity": stage1_identity(fp_model, bits, options, calib, data)}
     with timer("stage1", device):
         stage1 = data.train_detector(model, settings, stage1_folder(data, bits))
     model.eval().requires_grad_(False)
