@@ -49,6 +49,7 @@ def test_a_stage1_resumed_from_its_first_iteration_ends_bit_for_bit_where_the_un
     assert not differ, f"{len(differ)} of {len(whole)} tensors differ, e.g. {differ[:3]}"
 
 
+@pytest.mark.slow  # 12 to 17 CPU seconds each (47 to 58 s on two cores under load), beside the module's detection mark
 @pytest.mark.parametrize("workers, persistent", [(0, False), (1, False), (1, True)])
 def test_a_stage1_resumed_past_an_epoch_s_end_ends_where_the_uninterrupted_one_does_and_says_so(
         mmdet_ready, sample, tmp_path, monkeypatch, workers, persistent):
