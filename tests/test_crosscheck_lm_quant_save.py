@@ -11,6 +11,7 @@ import torch
 
 import crosscheck_lm_quant as xc
 from models.gpt import build_gpt
+from test_crosscheck_lm_quant import _empty_checkouts
 
 TEXT = torch.randint(0, 256, (2000,), generator=torch.Generator().manual_seed(0))
 
@@ -70,17 +71,6 @@ def test_without_overwrite_a_model_another_command_wrote_meanwhile_is_kept(tmp_p
     assert os.listdir(tmp_path) == ["res.lm.pt"]
 
 
-def _checkouts(tmp_path) -> list[str]:
-    """--gptq / --smoothquant arguments naming folders with the (empty) files the script looks for."""
-    for checkout, files in ((tmp_path / "g", ("gptq.py", "quant.py", "modelutils.py")),
-                            (tmp_path / "s", ("smoothquant/smooth.py", "smoothquant/fake_quant.py",
-                                              "smoothquant/calibration.py"))):
-        for f in files:
-            (checkout / f).parent.mkdir(parents=True, exist_ok=True)
-            (checkout / f).write_text("")
-    return ["--gptq", str(tmp_path / "g"), "--smoothquant", str(tmp_path / "s")]
-
-
 ANOTHERS = b'{"model": "vit_small_patch16_224", "fp": {"top1": 79.9}}\n'  # evaluate.py's JSON has "fp" too
 
 
@@ -92,7 +82,7 @@ def test_overwrite_refuses_an_out_file_the_script_did_not_write_before_training(
     out.write_bytes(ANOTHERS)
     monkeypatch.setattr(xc, "train_model", lambda *a, **k: pytest.fail("trained over another's file"))
     with pytest.raises(SystemExit) as refused:
-        xc.main([*_checkouts(tmp_path), "--out", str(out), "--overwrite", "--model", "gpt2_nano"])
+        xc.main([*_empty_checkouts(tmp_path), "--out", str(out), "--overwrite", "--model", "gpt2_nano"])
     message = str(refused.value.code)
     assert message.startswith(f"error: {out} is not a file crosscheck_lm_quant.py wrote") and "\n" not in message
     assert out.read_bytes() == ANOTHERS and sorted(os.listdir(tmp_path)) == ["g", "res.json", "s"]

@@ -31,18 +31,23 @@ def _random_detector(tmp_path):
     return str(path)
 
 
-def test_a_quant_entry_of_other_training_annotations_is_not_taken_as_computed(sample, tmp_path, monkeypatch):
+def _stub_scores(monkeypatch, calls: list) -> None:
+    """evaluate_detector replaced by a fast stand-in that records whether each call probed the maxima."""
     import engine.detection
-    from engine.eval_results import ResultsError
-    from evaluate_detection import main
-    calls = []
 
-    def scored(model, cfg, loader, probe_maxima=False, progress=True):  # stands for evaluate_detector: fast
+    def scored(model, cfg, loader, probe_maxima=False, progress=True):
         calls.append(probe_maxima)
         return {"bbox_mAP": 0.1, "segm_mAP": 0.1, "seconds": 0.0,
                 **({"max_act": {"backbone": 1.0, "head": 2.0}} if probe_maxima else {})}
 
     monkeypatch.setattr(engine.detection, "evaluate_detector", scored)
+
+
+def test_a_quant_entry_of_other_training_annotations_is_not_taken_as_computed(sample, tmp_path, monkeypatch):
+    from engine.eval_results import ResultsError
+    from evaluate_detection import main
+    calls = []
+    _stub_scores(monkeypatch, calls)
     root = tmp_path / "coco"
     shutil.copytree(sample, root)
     out = tmp_path / "eval.json"
@@ -77,15 +82,9 @@ def test_a_gplq_stage1_folder_of_other_training_annotations_is_not_resumed(sampl
     cut off before its result was written resumed (or, once finished, was taken as it was) on a training split
     exported again at the same path (here each object's class swapped: other targets, the same images). It is
     refused before the full-precision score, the folder left as it is."""
-    import engine.detection
     from engine.detection import DetectionError
     from evaluate_detection import main
-
-    def scored(model, cfg, loader, probe_maxima=False, progress=True):  # stands for evaluate_detector: fast
-        return {"bbox_mAP": 0.1, "segm_mAP": 0.1, "seconds": 0.0,
-                **({"max_act": {"backbone": 1.0, "head": 2.0}} if probe_maxima else {})}
-
-    monkeypatch.setattr(engine.detection, "evaluate_detector", scored)
+    _stub_scores(monkeypatch, [])
     root = tmp_path / "coco"
     shutil.copytree(sample, root)
     out = tmp_path / "eval.json"
