@@ -914,7 +914,7 @@ def _assign(node: Any, parts: list, value: Any, path: str, source: str) -> None:
                               f"{_show(current)}; give null to empty it")
         return setattr(node, name, {**current, **coerce_value(value, annotation, key, source)})
     if not rest:
-        return setattr(node, name, coerce_value(value, annotation, key, source))
+        return setattr(node, name, coerce_value(value, annotation, key, source, before=current))
     if annotation is dict or _origin(annotation) is dict:
         # a dotted key into a free-form dict field: cd.lam_per_role.fc2=0.02
         if not _entry_name(".".join(rest)):
@@ -995,15 +995,16 @@ class _ValueProblem(ConfigError):
     type."""
 
 
-def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
+def coerce_value(value: Any, annotation: Any, key: str, source: str, before: Any = None) -> Any:
     """Check `value` against `annotation` (its type, and the ranges of an `Annotated` one); return it in the
     field's canonical type. A ConfigError says `source`, `key`, the value and what the field expects. Used for
-    every config value and for a pipeline's options handed over as a mapping (quant.pipeline_base)."""
+    every config value and for a pipeline's options handed over as a mapping (quant.pipeline_base). `before`: the
+    value the key has before this one (the config files' for an override), named as the fix for a null."""
 
     def fail(reason: str = ""):
         refusal = (f"{source}: '{key}' expects {describe_type(annotation)}, got {value!r}"
                    f" ({type(value).__name__}){reason}{_one_item_list_fix(value, annotation, key, source)}"
-                   f"{_spelling_fix(value, annotation, key, source)}")
+                   f"{_spelling_fix(value, annotation, key, source, before)}")
         if isinstance(value, (int, float, datetime.date)) and takes_text(annotation):  # bool is an int
             raise TextReadAsValue(refusal, key, _show(value))
         raise RefusedValueError(refusal, key, takes_text(annotation))
@@ -1018,7 +1019,7 @@ def coerce_value(value: Any, annotation: Any, key: str, source: str) -> Any:
     if origin is Annotated:  # a value range (constraints.py) on top of the type
         base, *ranges = typing.get_args(annotation)
         try:
-            value = coerce_value(value, base, key, source)
+            value = coerce_value(value, base, key, source, before)
         except RefusedValueError:
             # a whole float for an int is refused with the int as its fix, unless the int is out of range too:
             # 'give sched.epochs=0' for sched.epochs=0.0 would send the user to a second refusal
@@ -1145,11 +1146,11 @@ def _field_annotation(key: str, annotation: Any) -> Any:
     return schema_hints(type(get_key(Config(), owner) if owner else Config()))[name]
 
 
-def _spelling_fix(value: Any, annotation: Any, key: str, source: str) -> str:
+def _spelling_fix(value: Any, annotation: Any, key: str, source: str, before: Any = None) -> str:
     """The fix for a value that means one the field takes but is written another way: Python's None for null
     ('; YAML spells it null: optim.lr=null'), a whole float for an int ('; give sched.epochs=3'), 0 or 1 for a bool
     ('; give true or false'), a boolean for a number (`_number_for`), null for text (a file's `root: ~`) or for
-    another field that takes none (its default, one shell word); '' otherwise.
+    another field that takes none (the value it has `before`, else its default; one shell word); '' otherwise.
     The override's form on the command line; elsewhere (a file's line, a mapping's entry, a list's item) the value
     alone, written where the refused one stands ('; give 3')."""
     given = f"{key}=" if source == "command line" and "[" not in key else ""
@@ -1163,9 +1164,12 @@ def _spelling_fix(value: Any, annotation: Any, key: str, source: str) -> str:
     if takes_text(annotation):  # a number or bool there is text YAML read otherwise: TextReadAsValue says to quote it
         return ""
     if value is None and not _takes(annotation, type(None)) and key in schema_keys():
-        default = get_key(Config(), key)  # never null: the field takes none
-        written = f"[{','.join(map(_show, default))}]" if isinstance(default, (list, tuple)) else _show(default)
-        return (f"; YAML reads null as no value, which this key does not take: give a value, e.g. its default, "
+        # never null: the field takes none. The value the config gives it, not the schema's: on a language model's
+        # config the schema's model.drop_path (0.1) is refused, and over a recipe it would replace the recipe's value
+        had = before if before is not None else get_key(Config(), key)
+        written = f"[{','.join(map(_show, had))}]" if isinstance(had, (list, tuple)) else _show(had)
+        what = "the one it has without it" if before is not None else "its default"
+        return (f"; YAML reads null as no value, which this key does not take: give a value, e.g. {what}, "
                 f"{given}{written}")
     if isinstance(value, str) and value.strip().lower() == "none" and _takes(annotation, type(None)):
         return f"; YAML spells it null: {given}null" if given else "; YAML spells it null"

@@ -193,22 +193,43 @@ def test_every_text_field_given_null_names_the_fix_on_the_command_line_and_in_a_
 @pytest.mark.parametrize("override, named", [
     ("quant.bits=null", "quant.bits=[]"),
     ("quant.act_max_extra_modules=null", "quant.act_max_extra_modules=[]"),
-    ("sched.epochs=null", "sched.epochs=300"),
+    ("sched.epochs=null", "sched.epochs=30"),  # the demo's own, not the schema's 300
     ("train.compile=null", "train.compile=false"),
-    ("data.mean=null", "data.mean=[0.485,0.456,0.406]"),  # one shell word
+    ("data.mean=null", "data.mean=[0.5,0.5,0.5]"),  # one shell word; the demo's, not ImageNet's
 ])
 def test_null_given_to_a_field_that_takes_none_names_its_default(tmp_path, override, named):
     """`quant.bits=null` (no bit-widths meant) was refused as "expects list of str, got None" with no fix: the line
-    names the field's default, which is taken (for a list field, [] is also what no items are)."""
+    names the value the key has without it (here the config's, or the default where it sets none), which is taken
+    (for a list field, [] is also what no items are)."""
     demo = "configs/demo/vit_digits.yaml"
     with pytest.raises(ConfigError) as refused:
         load_config([demo], [override])
     message = str(refused.value)
-    assert message.endswith(f"; YAML reads null as no value, which this key does not take: give a value, e.g. its "
-                            f"default, {named}") and "\n" not in message, message
+    assert message.endswith(f"; YAML reads null as no value, which this key does not take: give a value, e.g. the "
+                            f"one it has without it, {named}") and "\n" not in message, message
     load_config([demo], [named])
     path = tmp_path / "recipe.yaml"
     path.write_text(f"{override.partition('=')[0]}: null\n")
     with pytest.raises(ConfigError) as refused:
         load_config([demo, str(path)])
-    assert str(refused.value).endswith(f"give a value, e.g. its default, {named.partition('=')[2]}"), refused.value
+    assert str(refused.value).endswith(f"give a value, e.g. the one it has without it, {named.partition('=')[2]}"), \
+        refused.value
+
+
+@pytest.mark.parametrize("config, override, named", [
+    ("configs/lm/kjv_cpu.yaml", "model.drop_path=null", "model.drop_path=0.0"),  # 0.1 is refused for a GPT
+    ("configs/lm/kjv_cpu.yaml", "train.batch_size=null", "train.batch_size=32"),  # not the schema's 1024
+    ("configs/demo/vit_digits.yaml", "sched.epochs=null", "sched.epochs=30"),
+])
+def test_null_names_the_value_the_key_has_without_it_not_the_schema_default(tmp_path, config, override, named):
+    """The fix named for null was the schema's default whatever the config gave: on a language model's config
+    model.drop_path=0.1, which the model refuses, and over a recipe its batch size or epochs replaced by DeiT's."""
+    with pytest.raises(ConfigError) as refused:
+        load_config([config], [override])
+    assert str(refused.value).endswith(f"give a value, e.g. the one it has without it, {named}"), refused.value
+    assert load_config([config], [named]) == load_config([config])  # the run the config alone gives
+    path = tmp_path / "over.yaml"
+    path.write_text(f"{override.partition('=')[0]}: null\n")  # in a file over the config: the value before it
+    with pytest.raises(ConfigError) as refused:
+        load_config([config, str(path)])
+    assert str(refused.value).endswith(f"e.g. the one it has without it, {named.partition('=')[2]}"), refused.value
