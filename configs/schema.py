@@ -383,7 +383,8 @@ class QuantConfig:
     aphq: APHQOptions = field(default_factory=APHQOptions)
     gplq: GPLQOptions = field(default_factory=GPLQOptions)
     # the LM settings of the paper (RTN-W4A16, GPTQ-W4A16, SmoothQuant-W8A8 and its strict variant); they
-    # quantize the Linears inside the blocks only, e.g. quant.gptq.act_order=true quant.smoothquant.alpha=0.8
+    # quantize the Linears inside the blocks (smoothquant_strict the attention's matmuls too), e.g.
+    # quant.gptq.act_order=true quant.smoothquant.alpha=0.8
     rtn: RTNOptions = field(default_factory=RTNOptions)
     gptq: GPTQOptions = field(default_factory=GPTQOptions)
     smoothquant: SmoothQuantOptions = field(default_factory=SmoothQuantOptions)
