@@ -194,6 +194,7 @@ def main(argv=None) -> dict:
     from engine.distributed import (MainRankWait, OtherRankError, fail_on_every_rank_at_start,
                                     failure_on_every_rank, process_group, raise_on_every_rank, run_on_main)
     from engine.eval_results import EvalResults, check_result_path
+    from engine.runinfo import software
     from mmengine.dist import sync_random_seed
     from quant import PIPELINES, evaluate_quantized, parse_bits
     from quant.aphq.detector import check_detector_options as check_aphq_options
@@ -357,7 +358,10 @@ def main(argv=None) -> dict:
         if compute_fp:
             say(f"full precision on {len(loader.dataset)} images ...", flush=True)
             fp = evaluate_detector(model, cfg, loader, probe_maxima=True, progress=dist.is_main)
-            results.update(fp={k: v for k, v in fp.items() if k != "max_act"}, max_act=fp["max_act"])
+            # the code and packages that scored them, as evaluate.py records them (engine/runinfo.py software);
+            # not compared when a result is reused: a score of another commit is the same score
+            results.update(fp={k: v for k, v in fp.items() if k != "max_act"}, max_act=fp["max_act"],
+                           software=software())
         if compute_fp or not labelled:  # new numbers, or the method added to an older file
             run_on_main(results.save, f"writing {out}", dist.device)
         say(f"FP: {score(results.data['fp'])}; max act backbone / head: "
@@ -374,6 +378,7 @@ def main(argv=None) -> dict:
                                        eval_fn=lambda q: evaluate_detector(q, cfg, loader, progress=dist.is_main))
             report = entry.pop("report", {})
             entry["summary"] = report.get("summary")
+            entry["software"] = software()  # of the call that quantized and scored it (an earlier one's keep theirs)
             for key in ("units", "stage1", "qwt"):  # APHQ's reconstruction, GPLQ's training and compensation
                 if key in report:
                     entry[key] = report[key]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 
 import pytest
 import torch
@@ -103,6 +104,33 @@ def test_evaluate_detection_scores_fp_and_the_detection_pipelines(sample, traine
     assert (row["model"], row["method"]) == ("mask_rcnn_swin_sample", "Baseline")
     assert row["quantized"] == pytest.approx(100 * data["quant"]["repq"]["w4a4"]["bbox_mAP"])
     assert row["max_act"] == data["max_act"]["backbone"]
+
+
+def test_the_detection_result_file_names_the_software_that_scored_it(sample, trained, tmp_path):
+    """evaluate.py's result file records the software {commit, torch, timm, python} of the call that computed its
+    numbers, evaluate_detection.py's did not; its full-precision score and maxima and each quantized entry now do,
+    and a file scored by other software is still reused (software is no setting of the evaluation)."""
+    import platform
+
+    import timm
+    from evaluate_detection import main
+    out = tmp_path / "eval.json"
+    args = ["--config", SAMPLE_CONFIG, "--checkpoint", trained, "--data-root", sample, "--out", str(out),
+            "--quant", "percentile", "--bits", "w8a8"]
+    main(args)
+    saved = json.loads(out.read_text())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), capture_output=True, text=True).stdout.strip()
+    for software in (saved["software"], saved["quant"]["percentile"]["w8a8"]["software"]):
+        assert software["torch"] == torch.__version__ and software["timm"] == timm.__version__
+        assert software["python"] == platform.python_version()
+        assert software["commit"].partition("+")[0] == commit
+    other = {"commit": "0000000", "torch": "0.0", "timm": "0.0", "python": "0.0"}
+    saved["software"] = saved["quant"]["percentile"]["w8a8"]["software"] = other
+    out.write_text(json.dumps(saved))
+    again = main(args)  # nothing scored again: the file's numbers, and the software that scored them, stay
+    assert again["software"] == other and again["quant"]["percentile"]["w8a8"] == saved["quant"]["percentile"]["w8a8"]
+    assert again["fp"] == saved["fp"]
 
 
 def test_max_images_scores_a_marked_partial_set_in_its_own_file(sample, trained, tmp_path):
