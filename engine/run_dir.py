@@ -901,6 +901,34 @@ def write_whole(path: str, write: Callable[[str], None], overwrite: bool = True)
         raise
 
 
+def write_folder_whole(folder: str, write: Callable[[str], None]) -> None:
+    """`write(tmp)` fills a new folder `tmp` (a `partial_path` of `folder`, beside it), whose files then appear at
+    `folder` at once (a data set written file by file): a reader (a run) never finds a part of them, and on any
+    exception (a full disk, Ctrl-C) `tmp` and all in it are removed, `folder` as it was. Where there is no `folder`,
+    `tmp` is renamed to it; an empty one is kept (its permissions, a shell's current folder) and takes the entries of
+    `tmp`, one rename each; one that files appeared in meanwhile is refused (OSError ENOTEMPTY) and kept as it is. A
+    killed writer leaves `tmp`, a name no reader takes for `folder`. A symbolic link at `folder` is written through,
+    as `write_whole` writes."""
+    target = os.path.realpath(folder)
+    tmp = partial_path(target)
+    if not os.path.exists(os.path.dirname(target)):  # a file there: mkdir's NotADirectoryError, as writing into it
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+    os.mkdir(tmp)  # its random part: never an existing folder, so the one removed below is this call's
+    try:
+        write(tmp)
+        if not os.path.isdir(target):
+            os.rename(tmp, target)
+            return
+        if os.listdir(target):
+            raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), target)
+        for name in sorted(os.listdir(tmp)):
+            os.rename(os.path.join(tmp, name), os.path.join(target, name))
+        os.rmdir(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _publish_new(tmp: str, path: str) -> None:
     """`tmp` becomes `path` where no file is at `path`, else RunDirError; `tmp` is removed either way."""
     try:

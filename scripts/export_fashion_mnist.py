@@ -12,7 +12,9 @@ them to RGB), named by their index in the idx file so that any image can be trac
 are `<label>_<name>` (0_t-shirt_top ... 9_ankle_boot): timm's folder reader numbers classes in natural
 sort order of the folder names, and the label prefix makes that order Fashion-MNIST's own labels.
 `--train-per-class` / `--val-per-class` keep the first N images of each class in file order (the files
-are already shuffled), a fixed subset for runs that must fit a CPU.
+are already shuffled), a fixed subset for runs that must fit a CPU. The images appear at OUT only once all
+are written (until then in a folder beside it, OUT.partial-<host>-<pid>-<random>, which an interrupted export
+removes; a killed one leaves it behind, never a part of the set at OUT).
 """
 from __future__ import annotations
 
@@ -108,16 +110,23 @@ def export(source: str, out: str, train_per_class: Optional[int] = None,
     splits = {split: load_split(source, split) for split in FILES}  # all read before anything is written
     chosen_of = {split: select(splits[split][1], per_class, split)  # and every selection made
                  for split, per_class in (("train", train_per_class), ("val", val_per_class))}
+    from engine.run_dir import write_folder_whole  # here: it imports torch, which the reading above does not need
     counts = {}
-    try:
+
+    def write(folder: str) -> None:
         for split, chosen in chosen_of.items():
             images, labels = splits[split]
             for label in range(len(CLASSES)):
-                os.makedirs(os.path.join(out, split, class_folder(label)), exist_ok=True)
+                os.makedirs(os.path.join(folder, split, class_folder(label)))
             for index in chosen:
-                path = os.path.join(out, split, class_folder(int(labels[index])), f"{index:05d}.png")
+                path = os.path.join(folder, split, class_folder(int(labels[index])), f"{index:05d}.png")
                 Image.fromarray(images[index]).save(path)  # 2-D uint8: 8-bit grayscale
             counts[split] = len(chosen)
+
+    try:
+        # whole or not at all: an export cut short (Ctrl-C, a full disk) left a part of the set at --out, which
+        # train.py took for the data set and the same command refused as not empty
+        write_folder_whole(out, write)
     except OSError as e:  # under a file, read-only, a full disk
         raise ExportError(f"--out {out}: {e.strerror or e}; give a writable folder") from None
     return counts

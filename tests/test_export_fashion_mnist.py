@@ -187,3 +187,65 @@ def test_an_uncompressed_idx_file_is_read_too(tmp_path):
     path = tmp_path / "images.idx"
     path.write_bytes(bytes([0, 0, 8, 2]) + struct.pack(">II", 2, 3) + bytes(range(6)))
     assert np.array_equal(fm.read_idx(str(path)), np.arange(6, dtype=np.uint8).reshape(2, 3))
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError], ids=["ctrl_c", "full_disk"])
+@pytest.mark.parametrize("made", [False, True], ids=["absent", "empty_folder"])
+def test_an_export_cut_short_leaves_no_partial_set_that_a_run_would_train_on(source, tmp_path, monkeypatch, stop,
+                                                                              made):
+    """Cut off in its val images (Ctrl-C, a full disk), the export left a tree of all the train images and some of
+    the val ones at --out, which train.py read as the data set and which the same command refused as not empty: the
+    images appear at --out only once all are written, a user's empty --out stays as it was, no temporary is left,
+    and the same command then exports the whole set."""
+    folder, _ = source
+    out = tmp_path / "out"
+    if made:
+        out.mkdir()
+    saved, save = [], Image.Image.save
+
+    def save_until_cut(image, path, *args, **kwargs):
+        if len(saved) == 35:  # the 30 train images, then 5 of the 10 val ones
+            raise stop(28, "No space left on device") if stop is OSError else stop()
+        saved.append(path)
+        return save(image, path, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save_until_cut)
+    with pytest.raises(fm.ExportError if stop is OSError else KeyboardInterrupt):
+        fm.export(folder, str(out), train_per_class=3)
+    assert len(saved) == 35
+    assert sorted(os.listdir(tmp_path)) == (["out", "src"] if made else ["src"])
+    assert not made or os.listdir(out) == []
+    monkeypatch.setattr(Image.Image, "save", save)
+    assert fm.export(folder, str(out), train_per_class=3) == {"train": 30, "val": 10}
+    assert [len(os.listdir(out / "val" / fm.class_folder(label))) for label in range(10)] == [1] * 10
+
+
+def test_the_current_folder_as_out_is_filled_not_replaced(source, tmp_path, monkeypatch):
+    """--out . (an empty current folder): the set appears in the folder itself, which stays the current one (a
+    folder renamed over it left the shell in a deleted folder, the set out of its sight)."""
+    folder, _ = source
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert fm.main(["--source", folder, "--out", ".", "--train-per-class", "1"]) == 0
+    assert sorted(os.listdir(".")) == ["train", "val"]
+    assert os.path.samefile(".", here) and sorted(os.listdir(tmp_path)) == ["here", "src"]
+
+
+def test_a_file_put_into_out_during_the_export_is_kept_and_nothing_is_mixed_in(source, tmp_path, monkeypatch):
+    """--out was empty when the export started; a file another command put there meanwhile stays, alone: the images
+    are not mixed in with it (one error line), and no temporary is left."""
+    folder, _ = source
+    out = tmp_path / "out"
+    out.mkdir()
+    save = Image.Image.save
+
+    def save_while_another_writes(image, path, *args, **kwargs):
+        (out / "keep.txt").write_text("mine")
+        return save(image, path, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save_while_another_writes)
+    with pytest.raises(fm.ExportError, match=f"--out {out}: Directory not empty"):
+        fm.export(folder, str(out), train_per_class=1)
+    assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]
