@@ -73,7 +73,8 @@ MAX_IMAGES = 100_000  # per split: val's ids start at 100_001
 
 
 def write_coco_sample(root: str, train: int = 16, val: int = 8, size: int = 64, seed: int = 0) -> Dict[str, int]:
-    """Write the set under `root` (created; it must not exist or be empty: nothing is overwritten).
+    """Write the set under `root` (created; it must not exist or be empty: nothing is overwritten), which holds it
+    only once whole (engine/run_dir.write_folder_whole).
 
     Returns:
         {"train2017": images, "val2017": images, "annotations": objects in all}.
@@ -90,28 +91,36 @@ def write_coco_sample(root: str, train: int = 16, val: int = 8, size: int = 64, 
         raise ValueError("the root folder is empty; give a new folder to write the set in")
     if os.path.exists(root) and os.listdir(root):
         raise FileExistsError(f"{root} exists and is not empty; give a new folder (nothing is overwritten)")
+    from engine.run_dir import write_folder_whole  # the writer of outputs that appear whole
     rng = random.Random(seed)
     counts, ann_id = {}, 1
-    os.makedirs(os.path.join(root, "annotations"), exist_ok=True)
-    for split, n, first_id in (("train2017", train, 1), ("val2017", val, 100_001)):
-        os.makedirs(os.path.join(root, split))
-        images, annotations = [], []
-        for image_id in range(first_id, first_id + n):
-            objects = _objects(rng, size)
-            name = f"{image_id:012d}.png"
-            _image(rng, size, objects).save(os.path.join(root, split, name))
-            images.append({"id": image_id, "file_name": name, "width": size, "height": size})
-            for kind, cx, cy, r in objects:
-                poly = _polygon(kind, cx, cy, r)
-                xs, ys = [p[0] for p in poly], [p[1] for p in poly]
-                annotations.append({
-                    "id": ann_id, "image_id": image_id, "category_id": CLASSES.index(kind) + 1, "iscrowd": 0,
-                    "bbox": [min(xs), min(ys), max(xs) - min(xs), max(ys) - min(ys)], "area": _area(poly),
-                    "segmentation": [[round(c, 2) for p in poly for c in p]]})
-                ann_id += 1
-        categories = [{"id": i + 1, "name": c, "supercategory": "shape"} for i, c in enumerate(CLASSES)]
-        with open(os.path.join(root, "annotations", f"instances_{split}.json"), "w") as f:
-            json.dump({"images": images, "annotations": annotations, "categories": categories}, f)
-        counts[split] = n
+
+    def write(folder: str) -> None:
+        nonlocal ann_id
+        os.makedirs(os.path.join(folder, "annotations"))
+        for split, n, first_id in (("train2017", train, 1), ("val2017", val, 100_001)):
+            os.makedirs(os.path.join(folder, split))
+            images, annotations = [], []
+            for image_id in range(first_id, first_id + n):
+                objects = _objects(rng, size)
+                name = f"{image_id:012d}.png"
+                _image(rng, size, objects).save(os.path.join(folder, split, name))
+                images.append({"id": image_id, "file_name": name, "width": size, "height": size})
+                for kind, cx, cy, r in objects:
+                    poly = _polygon(kind, cx, cy, r)
+                    xs, ys = [p[0] for p in poly], [p[1] for p in poly]
+                    annotations.append({
+                        "id": ann_id, "image_id": image_id, "category_id": CLASSES.index(kind) + 1, "iscrowd": 0,
+                        "bbox": [min(xs), min(ys), max(xs) - min(xs), max(ys) - min(ys)], "area": _area(poly),
+                        "segmentation": [[round(c, 2) for p in poly for c in p]]})
+                    ann_id += 1
+            categories = [{"id": i + 1, "name": c, "supercategory": "shape"} for i, c in enumerate(CLASSES)]
+            with open(os.path.join(folder, "annotations", f"instances_{split}.json"), "w") as f:
+                json.dump({"images": images, "annotations": annotations, "categories": categories}, f)
+            counts[split] = n
+
+    # whole or not at all: a set cut short (Ctrl-C, a full disk) was left at root, part of a split without its
+    # annotations, and the same command refused root as not empty
+    write_folder_whole(root, write)
     counts["annotations"] = ann_id - 1
     return counts

@@ -102,6 +102,32 @@ def test_an_existing_folder_is_never_written_over(tmp_path):
         write_coco_sample(str(tmp_path / "new"), train=0)
 
 
+@pytest.mark.parametrize("made", [False, True], ids=["absent", "empty_folder"])
+def test_a_set_cut_short_leaves_nothing_at_root_and_the_same_command_then_writes_it(tmp_path, monkeypatch, made):
+    """Cut off in its val images (Ctrl-C), the set was left at root with all its train split and part of the val
+    one, and the same command refused root as not empty: the set appears at root only once whole, a user's empty
+    root stays as it was, no temporary is left, and the same command then writes the set."""
+    root = tmp_path / "s"
+    if made:
+        root.mkdir()
+    saved, save = [], Image.Image.save
+
+    def save_until_cut(image, path, *args, **kwargs):
+        if len(saved) == 4:  # the 3 train images, then 1 of the 2 val ones
+            raise KeyboardInterrupt
+        saved.append(path)
+        return save(image, path, *args, **kwargs)
+
+    monkeypatch.setattr(Image.Image, "save", save_until_cut)
+    with pytest.raises(KeyboardInterrupt):
+        write_coco_sample(str(root), train=3, val=2, size=32)
+    assert len(saved) == 4 and os.listdir(tmp_path) == (["s"] if made else [])
+    assert not made or os.listdir(root) == []
+    monkeypatch.setattr(Image.Image, "save", save)
+    assert write_coco_sample(str(root), train=3, val=2, size=32)["val2017"] == 2
+    assert sorted(os.listdir(root)) == ["annotations", "train2017", "val2017"]
+
+
 @pytest.mark.parametrize("kwargs", [{"size": 100_000}, {"size": 31}, {"train": 100_001}, {"val": 0}])
 def test_settings_out_of_range_are_refused_before_anything_is_written(tmp_path, kwargs):
     with pytest.raises(ValueError, match="need 1 <= train <= 100000"):
