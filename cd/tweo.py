@@ -278,7 +278,9 @@ class TWEO:
         lam = self.lam_at(step)
         # summed on its device (no host sync per forward), in float64 where the device has it (`_window_dtype`)
         detached = penalty.detach().to(_window_dtype(penalty.device))
-        self._window_sum = detached if self._window_sum is None else self._window_sum + detached
+        # .to: a sum carried by `load_window_state` lies on the hooked blocks' device, which is not the task loss's
+        # in a model split over devices (a no-op where it is)
+        self._window_sum = detached if self._window_sum is None else self._window_sum.to(detached.device) + detached
         self._window_count += 1
         self._last_lam = lam
         return lam * (align_to_task_loss(penalty, task_loss) if self.rescale else penalty)
@@ -313,7 +315,8 @@ class TWEO:
     def load_window_state(self, state: dict, keep_sums: bool = True, forwards: Optional[int] = None) -> None:
         """Go on from `window_state`'s `state`. `keep_sums`: this process takes the sums (the main rank, the others
         starting from 0, so that their sum over the ranks is the window's); the last values are taken either way.
-        The sum goes on the hooked blocks' device, where the next forward adds to it and `sum_fn` reduces it.
+        The sum goes on the hooked blocks' device, where `sum_fn` reduces it; the next forward adds to it on the task
+        loss's (`aux_loss`).
         `forwards`: the forwards (over all ranks) this run makes in the updates the window carries, where a trainer
         knows it (its micro-batches per update x those updates); None: as the window counted them."""
         if keep_sums and state["count"]:

@@ -488,3 +488,20 @@ def test_aux_loss_of_a_model_split_over_devices_is_on_the_task_losss_device():
         y = model(torch.randn(2, 3, 32, 32))
         aux = tweo.aux_loss(F.cross_entropy(y, torch.zeros(2, dtype=torch.long, device=meta)), step=0)
     assert y.device == meta and aux.device == meta and aux.shape == ()
+
+
+def test_a_window_carried_by_a_resume_is_summed_on_the_task_losss_device_of_a_split_model():
+    """load_window_state put the carried sum on the first hooked block's device, and the next forward added its
+    penalty, on the task loss's device (a model split over GPUs: cuda:0 then cuda:1, FakeTensors that check devices as
+    CUDA does), to it across the two devices, which torch refuses. The sum follows the task loss's device."""
+    from test_cd_update import _split_over_two_gpus
+
+    model = tiny_vit().train()
+    mode = _split_over_two_gpus(model)
+    model.blocks[1].register_forward_pre_hook(lambda m, args: tuple(a.to("cuda:1") for a in args))
+    model.norm.register_forward_pre_hook(lambda m, args: tuple(a.to("cuda:0") for a in args))
+    with mode, TWEO(model, lam=0.01) as tweo:
+        tweo.load_window_state({"penalty_sum": 3.0, "count": 2, "last_penalty": 1.5, "last_lam": 0.01})
+        y = model(torch.randn(2, 3, 32, 32, device="cuda:0")).to("cuda:1")
+        aux = tweo.aux_loss(F.cross_entropy(y, torch.zeros(2, dtype=torch.long, device="cuda:1")), step=0)
+        assert aux.device == tweo._window_sum.device == torch.device("cuda:1") and tweo._window_count == 3
