@@ -49,11 +49,10 @@ import dataclasses
 import datetime
 import json
 import logging
-import math
 import os
 import sys
 import time
-from typing import Collection, Optional, Sequence
+from typing import Collection, Optional
 
 import torch
 
@@ -94,7 +93,7 @@ from models import ModelError, build_model, input_size, model_input_size, model_
 from models.factory import check_recorded_architecture
 from models.hub import hub_data_mismatch
 from models.modules import nonfinite_tensors
-from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks
+from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks, first_not_finite
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
 from quant.gplq.pipeline import check_stage1_checkpoint
 from quant.pipeline_base import parse_options
@@ -239,7 +238,7 @@ def main(args: argparse.Namespace) -> dict:
             task.evaluate(model, val_loader, device, args.amp, progress="activation maxima")
         act = probe.result(reduce_fn=lambda t: all_reduce(t, op="max"), device=device, sum_fn=all_reduce)
         # the records all-reduced: every rank raises alike
-        check_finite_maxima(act.per_layer, args.amp, [name for name, _ in model.named_modules()])
+        check_finite_maxima(act.per_layer, args.amp)
         kurtosis = {k.rpartition("_")[2]: v for k, v in act.metrics().items() if "kurtosis" in k}
         max_act = {"module": act.module, "block": act.block, "kurtosis": kurtosis,
                    "seconds": round(time.perf_counter() - start, 3),
@@ -1238,27 +1237,22 @@ def held_out_advice(trained: DataConfig, here: DataConfig, fingerprint: Optional
     return f"score its held-out split (data.val_split={trained.val_split})"
 
 
-def check_finite_maxima(records: list, amp: str, module_order: Sequence[str]) -> None:
+def check_finite_maxima(records: list, amp: str) -> None:
     """Refuse activation maxima that are not finite numbers (engine.act_max records an output holding an inf or a
     NaN as inf): no maximum was measured there, and written as the result's max_act it is refused by every table that
     reads it as a diverged run's. The logits can be finite all the same (an overflow at tokens the head does not read,
-    the last block's patch tokens), so the FP pass did not refuse them. Nothing is written. `module_order`: the model's
-    module names as `named_modules()` gives them."""
-    # the first where it began (a NaN spreads on from there): in the order the model registers its modules, which is
-    # the order its forward runs them (timm, models/gpt.py: patch_embed, the blocks, norm, head; Swin's downsample
-    # before its stage's blocks), so that a module outside the blocks (quant.act_max_extra_modules, block -1) comes
-    # where it runs; and of a module and one inside it (blocks.N.mlp and its fc1, or the model itself, "", named by
-    # '**') the inner one, whose output the outer one's holds
-    position = {name: i for i, name in enumerate(module_order)}
-    bad = [r["name"] for r in sorted(records, key=lambda r: position[r["name"]]) if not math.isfinite(r["max"])]
-    if bad:
-        first = next(name for name in bad if not any(other.startswith(f"{name}.") or (not name and other)
-                                                     for other in bad))
-        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    the last block's patch tokens), so the FP pass did not refuse them. Nothing is written. The error names the first
+    output not finite in the order the forward computed them (engine.act_max.first_not_finite: a NaN spreads on from
+    there), and where the value it read was computed when that was not finite already."""
+    found = first_not_finite(records)
+    if found:
+        first, more, origin = found
+        more = f" and {more} more" if more else ""
+        origin = f"; {origin}" if origin else ""
         cause = ("under --amp fp16 a value past fp16's largest, 65504, overflows: give --amp bf16 or none"
                  if amp == "fp16" else "the weights' activations overflow there (a diverged run)")
         raise NonFiniteLossError(f"activation maxima: the output of {first}{more} is not finite (inf or NaN) on the "
-                                 f"val images, so it has no maximum and nothing is written; {cause}")
+                                 f"val images, so it has no maximum and nothing is written{origin}; {cause}")
 
 
 def default_out_path(checkpoint: str | None, model_name: str) -> str:

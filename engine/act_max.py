@@ -23,7 +23,11 @@ NaN, no value, in `per_layer` and the CSV): their outputs are probabilities, not
 act/kurtosis_module would change with TIMM_FUSED_ATTN.
 
 An output that is not finite (an fp16 overflow under autocast, a diverged model) has the maximum inf (a NaN too),
-so that the module or block maximum is inf, never the largest of the other outputs, and no kurtosis.
+so that the module or block maximum is inf, never the largest of the other outputs, and no kurtosis. Where it began
+(`first_not_finite`) is found from the order in which the forward computed the outputs (each record's `call`; a
+module's output after those of the modules inside it) and from whether each module read an input that was not finite
+already (`input_finite`), not from the order the modules are registered in: Swin's softmax module is registered after
+the proj that reads its output, and a softmax done as a function (timm ViT's, any fused attention) is no module.
 
 Swin's window attention (timm's `SwinTransformerBlock._attn` and SwinV2's, MMDetection's `ShiftWindowMSA`) zero-pads a
 token grid that is not a multiple of its window to whole windows, and crops the padded tokens off again after the
@@ -142,10 +146,21 @@ class ActivationProbe:
         self._max: Dict[torch.device, torch.Tensor] = {}  # [K]
         self._seen: Dict[torch.device, torch.Tensor] = {}  # [K]: 1.0 where the hook measured an output, else 0.0
         self._sums: Dict[torch.device, torch.Tensor] = {}  # [K, 5]: count, sum x, x^2, x^3, x^4 (with `moments`)
+        self._read: Dict[torch.device, torch.Tensor] = {}  # [K]: 1.0 where the module read an input not finite
+        self._calls: Dict[int, int] = {}  # target index -> its place in the forward's order (the first call's)
 
     # -- hooks ----------------------------------------------------------------------------------
     def _hook(self, index: int) -> Callable:
         def hook(module: nn.Module, inputs: tuple, output: object) -> None:
+            # hooks run in the order the forward computes the outputs: counted on the host, no sync
+            self._calls.setdefault(index, len(self._calls))
+            for x in inputs:  # an input not finite already: an overflow that began before this module (module doc)
+                if isinstance(x, torch.Tensor) and x.numel() and x.is_floating_point():
+                    if x.device not in self._read:
+                        self._read[x.device] = torch.zeros(len(self.targets), device=x.device)
+                    # one pass (isfinite().all() takes several): an inf shows in the min or max, a NaN in both
+                    low, high = x.detach().aminmax()
+                    self._read[x.device][index].clamp_(min=(~(low.isfinite() & high.isfinite())).float())
             tensors = output if isinstance(output, (tuple, list)) else (output,)
             for t in tensors:
                 if not isinstance(t, torch.Tensor) or t.numel() == 0 or not t.is_floating_point():
@@ -209,7 +224,7 @@ class ActivationProbe:
     # -- results --------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget the maxima (and moments) seen so far (e.g. at the start of each validation)."""
-        self._max, self._seen, self._sums = {}, {}, {}
+        self._max, self._seen, self._sums, self._read, self._calls = {}, {}, {}, {}, {}
 
     def names(self) -> List[str]:
         return [t[0] for t in self.targets]
@@ -233,21 +248,27 @@ class ActivationProbe:
                device: Optional[torch.device] = None,
                sum_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> ActMaxResult:
         """Aggregate (one host sync). Targets whose forward never ran (on any rank, with `reduce_fn`) have no
-        record in `per_layer`.
+        record in `per_layer`. Each record holds, besides its name, kind, block, type and max, its `call` (its place in
+        the order the forward computed the outputs on this rank, None where only another rank ran it) and
+        `input_finite` (False where the module read an input that was not finite), which `first_not_finite` reads.
 
         Args:
-            reduce_fn: applied before aggregation to the [2, K] stack of `maxima()` and `seen()`, e.g. a
-                distributed MAX all-reduce returning the reduced tensor: one collective, after which every rank
-                holds the same records.
+            reduce_fn: applied before aggregation to the [3, K] stack of `maxima()`, `seen()` and the flags of an
+                input not finite, e.g. a distributed MAX all-reduce returning the reduced tensor: one collective,
+                after which every rank holds the same records.
             device: where to place the zeros of a probe that saw no data (needed for collectives).
             sum_fn: with `moments`, applied to the [K, 5] moment sums (a distributed SUM all-reduce).
         """
-        stacked = torch.stack([self.maxima(device), self.seen(device)])
+        maxima = self.maxima(device)
+        read = _joined(self._read, torch.amax, (len(self.targets),), torch.float32, maxima.device)
+        stacked = torch.stack([maxima, self.seen(maxima.device), read])
         if reduce_fn is not None:
             stacked = reduce_fn(stacked.clone())
-        values, seen = stacked.cpu().tolist()
-        records = [{"name": name, "kind": kind, "block": block, "type": typ, "max": v}
-                   for (name, kind, block, typ, _), v in zip(self.targets, values)]
+        values, seen, read_not_finite = stacked.cpu().tolist()
+        records = [{"name": name, "kind": kind, "block": block, "type": typ, "max": v, "call": self._calls.get(i),
+                    "input_finite": bad == 0}
+                   for i, ((name, kind, block, typ, _), v, bad)
+                   in enumerate(zip(self.targets, values, read_not_finite))]
         if self.moments:
             sums = self.moment_sums(device)
             if sum_fn is not None:
@@ -260,6 +281,38 @@ class ActivationProbe:
         module = max((r["max"] for r in records if r["kind"] == "module"), default=0.0)
         block = max((r["max"] for r in records if r["kind"] == "block"), default=0.0)
         return ActMaxResult(module=module, block=block, per_layer=records)
+
+
+def first_not_finite(records: Sequence[Dict[str, object]]) -> Optional[Tuple[str, int, str]]:
+    """Where the outputs that are not finite began, for the errors that refuse such maxima (evaluate.py,
+    engine/detection/evaluation.py): None where every max is finite, else (the first output not finite in the order
+    the forward computed them, how many more are not, a note: "" where that module's own computation made it, else
+    where the value it read was computed). A NaN spreads on from where it began, so the outputs after it are not
+    finite too; a value computed outside every measured module (an attention's q @ k or softmax done as a function in
+    the attention's forward, a block's residual add, a position embedding added before the blocks) shows first in the
+    module that reads it, whose input was not finite: the value came from the forward of the innermost module around
+    it that read a finite input, else from before them all."""
+    bad = sorted((r for r in records if not math.isfinite(r["max"])),
+                 key=lambda r: (r.get("call") is None, r.get("call") or 0))
+    if not bad:
+        return None
+    first = bad[0]
+    name = str(first["name"])
+    if first.get("input_finite", True):
+        return name, len(bad) - 1, ""
+    by_name = {str(r["name"]): r for r in records}
+    around = [n for n in by_name if n != name and (n == "" or name.startswith(f"{n}."))]
+    outer = name
+    for parent in sorted(around, key=len, reverse=True):  # the innermost first
+        if by_name[parent].get("input_finite", True):
+            inside = "the model" if parent == "" else parent
+            return name, len(bad) - 1, (f"{name} read a value that was not finite already, computed in {inside}'s "
+                                        "forward outside the modules measured in it (an operation there that is no "
+                                        "module: an attention's q @ k, a softmax done as a function, a residual "
+                                        "add)")
+        outer = parent
+    return name, len(bad) - 1, (f"{name} read a value that was not finite already, computed before "
+                                f"{outer or 'the model'} outside the modules measured")
 
 
 def _joined(per_device: Dict[torch.device, torch.Tensor], join: Callable, shape: Tuple[int, ...],

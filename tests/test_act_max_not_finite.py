@@ -11,9 +11,10 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from engine.act_max import ActivationProbe
-from quant_models import images, tiny_vit
+from quant_models import images, tiny_swin, tiny_vit
 from test_compare_act_max import load as load_compare, run_rows, write as write_act_max
 from test_lm_study import write_run
 from tests.conftest import run_entry
@@ -111,3 +112,138 @@ def test_finite_outputs_keep_their_largest_kurtosis():
     result = probe.result()
     kurtosis = [r["kurtosis"] for r in result.per_layer if r["kind"] == "block"]
     assert math.isfinite(result.block) and result.metrics()["act/kurtosis_block"] == max(kurtosis)
+
+
+def calls_in_order(model):
+    """The reference: every module's call as plain forward hooks see it, in the order they fire, as (name, its inputs
+    are finite, its output is finite); and the hooks' handles."""
+    calls = []
+
+    def finite(values):
+        values = values if isinstance(values, (tuple, list)) else (values,)
+        return all(bool(v.isfinite().all()) for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())
+
+    handles = [m.register_forward_hook(lambda m, i, o, n=n: calls.append((n, finite(i), finite(o))))
+               for n, m in model.named_modules()]
+    return calls, handles
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("arch", ["swin", "vit"])
+def test_an_overflow_in_the_attention_is_named_at_the_first_output_the_forward_computed_not_finite(arch, fused):
+    """The last block's q @ k past fp32's largest (its qkv's column 0 at 1e20: q, k and the qkv output finite): on
+    timm Swin's unfused path its softmax module reads the inf and gives NaN first, but the records were searched in
+    the order the modules are registered, where the softmax comes after proj, so the error named proj. It names the
+    first output not finite in the forward's order, as plain forward hooks see it (Swin's softmax unfused, else the
+    proj, fused attention or timm ViT's functional softmax), and that the value it read was not finite already,
+    computed in the attention's forward (which read a finite input)."""
+    import evaluate
+
+    model = tiny_swin() if arch == "swin" else tiny_vit()
+    attention = "layers.1.blocks.1.attn" if arch == "swin" else "blocks.1.attn"
+    for module in model.modules():
+        if hasattr(module, "fused_attn"):
+            module.fused_attn = fused
+    with torch.no_grad():
+        model.get_submodule(f"{attention}.qkv").weight[:, 0] = 1e20
+    calls, handles = calls_in_order(model)
+    with torch.no_grad(), ActivationProbe(model) as probe:
+        model(images(2))
+    for handle in handles:
+        handle.remove()
+    probed = set(probe.names())
+    bad = [(name, read_finite) for name, read_finite, finite in calls if name in probed and not finite]
+    first, read_finite = bad[0]
+    # the premises: the first is the softmax where it is a module that ran, else the proj; it read a value not finite
+    # (q @ k, computed in the attention's forward), and the attention itself read a finite input
+    assert first == f"{attention}.{'softmax' if arch == 'swin' and not fused else 'proj'}" and not read_finite
+    assert [finite for name, finite, _ in calls if name == attention] == [True]
+    with pytest.raises(evaluate.NonFiniteLossError) as error:
+        evaluate.check_finite_maxima(probe.result().per_layer, "none")
+    # the records of the outputs not finite: each probed module's once, however often it ran
+    assert str(error.value).startswith(f"activation maxima: the output of {first} and {len({n for n, _ in bad}) - 1} "
+                                       "more is not finite (inf or NaN) on the val images")
+    assert (f"; {first} read a value that was not finite already, computed in {attention}'s forward outside the "
+            "modules measured in it") in str(error.value)
+
+
+def test_an_overflow_of_a_modules_own_output_is_named_without_a_note_on_its_input():
+    """overflowing_vit's fc1 makes its own inf from a finite input (the reference: plain hooks in call order)."""
+    import evaluate
+
+    model = overflowing_vit()
+    calls, handles = calls_in_order(model)
+    with torch.no_grad(), ActivationProbe(model) as probe, torch.autocast("cpu", dtype=torch.float16):
+        model(images(4))
+    for handle in handles:
+        handle.remove()
+    probed = set(probe.names())
+    first = next((name, read_finite) for name, read_finite, finite in calls if name in probed and not finite)
+    assert first == ("blocks.1.mlp.fc1", True)
+    with pytest.raises(evaluate.NonFiniteLossError, match=r"^activation maxima: the output of blocks\.1\.mlp\.fc1 "
+                                                          r"and \d+ more is not finite \(inf or NaN\) on the val "
+                                                          r"images, so it has no maximum and nothing is written; "
+                                                          r"under --amp fp16"):
+        evaluate.check_finite_maxima(probe.result().per_layer, "fp16")
+
+
+@pytest.mark.detection  # MMDetection needs full mmcv (scripts/install_mmcv.sh): CI's detection step runs it
+def test_an_overflow_in_mmdetection_swins_attention_is_named_at_its_softmax():
+    """MMDetection's WindowMSA registers its softmax after proj: an inf q @ k (qkv's column 0 at 1e20), which the
+    softmax reads and makes NaN, was named at proj; it is named at the softmax, the first output not finite as plain
+    forward hooks see them, with the value it read computed in w_msa's forward."""
+    from mmdet.models.backbones import swin
+    from engine.detection import DetectionError
+    from engine.detection.evaluation import BACKBONE, HEADS, activation_maxima
+
+    class Detector(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.backbone = swin.SwinTransformer(embed_dims=16, depths=(2,), num_heads=(2,), window_size=4,
+                                                 strides=(2,), patch_size=2, out_indices=(0,))
+
+        def forward(self, x):
+            return self.backbone(x)
+
+    torch.manual_seed(0)
+    model = Detector().eval()
+    msa = "backbone.stages.0.blocks.1.attn.w_msa"
+    with torch.no_grad():
+        model.get_submodule(f"{msa}.qkv").weight[:, 0] = 1e20
+    calls, handles = calls_in_order(model)
+    with torch.no_grad(), ActivationProbe(model, blocks=BACKBONE + HEADS) as probe:
+        model(torch.randn(1, 3, 16, 16))
+    for handle in handles:
+        handle.remove()
+    probed = set(probe.names())
+    bad = [(name, read_finite) for name, read_finite, finite in calls if name in probed and not finite]
+    assert bad[0] == (f"{msa}.softmax", False)  # the premise: the softmax reads the inf
+    with pytest.raises(DetectionError) as error:
+        activation_maxima(probe, torch.device("cpu"))
+    assert str(error.value).startswith(f"activation maxima: the output of {msa}.softmax and "
+                                       f"{len({n for n, _ in bad}) - 1} more is not finite (inf or NaN)")
+    assert f"computed in {msa}'s forward outside the modules measured in it" in str(error.value)
+
+
+def test_a_value_not_finite_from_before_the_blocks_is_named_so():
+    """A position embedding of inf (added in the model's forward, before the blocks, where no module is measured):
+    block 0's norm1 is the first output not finite and it read the inf, as its block did (the reference: plain hooks
+    in call order), so the value came from before the block."""
+    import evaluate
+
+    model = tiny_vit()
+    with torch.no_grad():
+        model.pos_embed[0, 1:, 0] = float("inf")
+    calls, handles = calls_in_order(model)
+    with torch.no_grad(), ActivationProbe(model) as probe:
+        model(images(2))
+    for handle in handles:
+        handle.remove()
+    probed = set(probe.names())
+    reads = {name: read_finite for name, read_finite, _ in calls}
+    first = next(name for name, _, finite in calls if name in probed and not finite)
+    assert first == "blocks.0.norm1" and not reads["blocks.0.norm1"] and not reads["blocks.0"]
+    with pytest.raises(evaluate.NonFiniteLossError, match=r"; blocks\.0\.norm1 read a value that was not finite "
+                                                          r"already, computed before blocks\.0 outside the modules "
+                                                          r"measured; the weights' activations overflow"):
+        evaluate.check_finite_maxima(probe.result().per_layer, "none")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import math
 import time
 from typing import Any, Dict, List
 
@@ -15,7 +14,7 @@ from mmengine.config import Config
 from mmengine.evaluator import Evaluator
 from mmdet.registry import METRICS
 
-from engine.act_max import ActivationProbe
+from engine.act_max import ActivationProbe, first_not_finite
 from engine.detection.data_checks import annotation_paths, check_evaluator_annotations, reading_annotations
 from engine.detection.errors import DetectionError
 from engine.distributed import OtherRankError, all_reduce, raise_on_every_rank
@@ -137,13 +136,13 @@ def check_finite_maxima(records: List[Dict[str, Any]]) -> None:
     can be defined all the same (an overflow in the mask head's logits, whose sigmoid is 0 or 1), so the FP pass did
     not refuse them. The evaluation runs in
     fp32 (no autocast), so no precision flag is the fix. Nothing is written."""
-    # where it began: in the lowest part (backbone, neck, RPN, RoI head), the first module whose submodules' outputs
-    # are finite (a module's output is its last submodule's: mask_head's is conv_logits')
-    bad = [r["name"] for r in sorted(records, key=lambda r: (r["block"], r["kind"] == "block"))
-           if not math.isfinite(r["max"])]
-    if bad:
-        first = next(name for name in bad if not any(other.startswith(name + ".") for other in bad))
-        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    # where it began: the first output not finite in the order the forward computed them (a NaN spreads on from there)
+    found = first_not_finite(records)
+    if found:
+        first, more, origin = found
+        more = f" and {more} more" if more else ""
+        origin = f"; {origin}" if origin else ""
         raise DetectionError(f"activation maxima: the output of {first}{more} is not finite (inf or NaN) on the test "
-                             "images, so it has no maximum and nothing is written; the detector runs in fp32 there, "
-                             "so its weights overflow it (a diverged run): score a checkpoint of before the divergence")
+                             f"images, so it has no maximum and nothing is written{origin}; the detector runs in fp32 "
+                             "there, so its weights overflow it (a diverged run): score a checkpoint of before the "
+                             "divergence")
