@@ -32,6 +32,15 @@ def passes_its_input_through(model: nn.Module, pattern: str) -> bool:
     return bool(same) and all(same)
 
 
+def probed_records(model: nn.Module, patterns: list) -> list:
+    """`ActivationProbe(...).result().per_layer` of `model` with quant.act_max_extra_modules=`patterns`, as evaluate.py
+    makes them: the patterns checked first (check_extra_modules), then one forward of two images under no_grad."""
+    check_extra_modules(model, patterns)
+    with ActivationProbe(model, extra_modules=patterns) as probe, torch.no_grad():
+        model(images(2))
+    return probe.result().per_layer
+
+
 @pytest.mark.parametrize("pattern", ["head.drop", "layers.0.downsample", "head.flatten"])
 def test_a_pattern_of_pass_through_modules_only_is_refused(pattern):
     model = tiny_swin()
@@ -48,10 +57,8 @@ def test_a_pattern_that_names_a_computing_module_is_accepted_and_measured(patter
     probe then holds a record outside the blocks for it."""
     model = tiny_swin()
     assert not passes_its_input_through(model, pattern)
-    check_extra_modules(model, [pattern])
-    with ActivationProbe(model, extra_modules=[pattern]) as probe, torch.no_grad():
-        model(images(2))
-    assert [r for r in probe.result().per_layer if r["block"] == -1 and fqn_matches(r["name"], [pattern])]
+    records = probed_records(model, [pattern])
+    assert [r for r in records if r["block"] == -1 and fqn_matches(r["name"], [pattern])]
 
 
 def test_a_pattern_that_names_no_module_is_still_refused():
@@ -76,12 +83,9 @@ def test_the_plot_draws_the_modules_outside_the_blocks_and_so_the_module_maximum
     direct = {}
     handles = [model.get_submodule(name).register_forward_hook(
         lambda m, inputs, out, name=name: direct.__setitem__(name, out.abs().max().item())) for name in extra]
-    x = images(2)
-    with ActivationProbe(model, extra_modules=extra) as probe, torch.no_grad():
-        model(x)
+    records = probed_records(model, extra)
     for handle in handles:
         handle.remove()
-    records = probe.result().per_layer
     in_blocks = max(r["max"] for r in records if r["block"] >= 0)
     assert direct["patch_embed.proj"] > 10 * in_blocks  # the premise: the maximum is outside the blocks
 
@@ -119,10 +123,7 @@ def test_modules_inside_the_blocks_that_a_wider_pattern_names_are_recorded_once(
     """`**.norm*` names the final norm and every block's norm1 / norm2 (and the patch merging's norms): accepted, with
     one record per module; those inside a block keep their block, the others are outside it (block -1)."""
     model = tiny_swin()
-    check_extra_modules(model, ["**.norm*"])
-    with ActivationProbe(model, extra_modules=["**.norm*"]) as probe, torch.no_grad():
-        model(images(2))
-    records = probe.result().per_layer
+    records = probed_records(model, ["**.norm*"])
     names = [r["name"] for r in records]
     assert len(names) == len(set(names))
     outside = {r["name"] for r in records if r["block"] == -1}
@@ -208,10 +209,7 @@ def test_blocks_that_a_wider_pattern_names_are_recorded_once_as_blocks():
     "block", their index), and the modules outside the blocks at block -1. The reference: the tests' own names of
     Swin's blocks (layers.N.blocks.M) and of the pass-through types."""
     model = tiny_swin()
-    check_extra_modules(model, ["**"])
-    with ActivationProbe(model, extra_modules=["**"]) as probe, torch.no_grad():
-        model(images(2))
-    records = probe.result().per_layer
+    records = probed_records(model, ["**"])
     names = [r["name"] for r in records]
     assert len(names) == len(set(names))
     blocks = [name for name, _ in model.named_modules() if re.fullmatch(r"layers\.\d+\.blocks\.\d+", name)]
