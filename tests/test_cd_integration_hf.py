@@ -547,3 +547,96 @@ def test_a_data_folder_named_datasets_on_the_path_is_refused_with_the_folder_and
     assert f"the folder {tmp_path / 'datasets'} is importable as the package `datasets` ({tmp_path} is on " \
            f"sys.path, " in message
     assert message.endswith(f"rename or move {tmp_path / 'datasets'}, or pip install datasets"), message
+
+
+PART = "transformer.h.0"  # a block: the model's other block, embeddings and head are outside it
+PART_INPUT = torch.zeros(1, SEQ, DIM, dtype=torch.float64)  # the block's input (hidden states), for the pair check
+
+
+def test_module_decays_that_part_alone_as_the_reference_on_its_pairs_does(tmp_path):
+    """module= names the part of the Trainer's model that CD decays (a fine-tune that leaves a head or a decoder
+    alone), as Lightning's callback and MMEngine's hook take it: the weights after every update are the reference's
+    with the part's pairs alone (CD on the whole model is far from them), and after the first update the weights
+    outside the part are bit for bit those of the task step alone."""
+    trainer, initial, recorder = train(tmp_path, steps=3, accum=2, clip=0.5,
+                                       cd_kwargs={"module": PART, "example_input": PART_INPUT})
+    cb = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ColinearityDecayCallback))
+    inside = {id(p) for p in initial.get_submodule(PART).parameters()}
+    outside = [n for n, p in initial.named_parameters() if id(p) not in inside]
+    part_pairs = [r for r in gpt2_hf_pairs(LAYERS, DIM) if r.w2.startswith(PART + ".")]
+    assert [p.name for p in cb.decay.pairs] == [r.w2[len(PART) + 1:] for r in part_pairs]
+    micro = [[recorder.batches[i * 2 + k] for k in range(2)] for i in range(3)]
+
+    def run(pairs):
+        model = copy.deepcopy(initial)
+        opt, sched = optimizer_and_schedule(model, 3)
+        return reference_run(model, micro, lambda m, b: m(**b).loss, opt, sched, pairs, LAM, clip=0.5)
+
+    want, whole = run(part_pairs), run(gpt2_hf_pairs(LAYERS, DIM))
+    for got, ref in zip(recorder.after, want):
+        assert max(float((got[n] - ref[n]).abs().max()) for n in ref) < TOL
+    assert all(torch.equal(recorder.after[0][n], want[0][n]) for n in outside)
+    assert max(float((got[n] - ref[n]).abs().max()) for got, ref in zip(recorder.after, whole) for n in ref) > 1e3 * TOL
+
+
+def test_module_is_checked_and_every_refusal_names_the_part(tmp_path):
+    """The arguments as Lightning's callback checks them (None is not the whole model here, "" is), an unknown part
+    named with the model's children, the refusals of the part by the pair check, by the optimizer and as a second CD
+    update in one step naming it (they name its matrices relative to it), and a whole model with a copy its forward
+    never runs refused naming module= and its children."""
+    from transformers import TrainerState
+
+    from cd import UnsupportedModelError
+    with pytest.raises(TypeError, match=r"module must be \"\" \(the whole module\) or a dotted submodule name"):
+        ColinearityDecayCallback(module=None, lam=LAM)
+    with pytest.raises(TypeError, match="name the part of it to decay with module="):
+        ColinearityDecayCallback(model=tiny_gpt2(), lam=LAM)
+    model = tiny_gpt2()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"module='transformer\.h\.9' names no submodule of the GPT2LMHeadModel .*"
+                                         r"\['transformer', 'lm_head'\]"):
+        ColinearityDecayCallback(module="transformer.h.9", lam=LAM).on_train_begin(
+            None, TrainerState(), None, model=model, optimizer=sgd)
+    with pytest.raises(UnsupportedModelError, match=r"^ColinearityDecayCallback\(module='transformer\.h\.0'\): cannot "
+                                                    r"tell the input size of GPT2Block.*give the part's own input as "
+                                                    r"ColinearityDecayCallback\(module='transformer\.h\.0', "
+                                                    r"example_input=\.\.\.\)"):
+        ColinearityDecayCallback(module=PART, lam=LAM).on_train_begin(
+            None, TrainerState(), None, model=model, optimizer=sgd)
+    head = torch.optim.SGD(model.lm_head.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"^ColinearityDecayCallback\(module='transformer'\): no optimizer holds"):
+        ColinearityDecayCallback(module="transformer", lam=LAM).on_train_begin(
+            None, TrainerState(), None, model=model, optimizer=head)
+    whole = ColinearityDecayCallback(lam=LAM)  # the whole model's update, in the same optimizer's step
+    whole.on_train_begin(None, state := TrainerState(), None, model=model, optimizer=sgd)
+    with pytest.raises(RuntimeError, match=r"^ColinearityDecayCallback\(module='transformer\.h\.0'\): "
+                                           r"cd\.integrations: another CD update runs in this optimizer's step "
+                                           r"already .* decays attn\.c_attn\.weight too"):
+        ColinearityDecayCallback(module=PART, lam=LAM, example_input=PART_INPUT).on_train_begin(
+            None, state, None, model=model, optimizer=sgd)
+    whole.on_train_end(None, state, None)
+    model.teacher = copy.deepcopy(model.transformer)  # a copy the forward never runs (distillation's teacher)
+    with pytest.raises(UnsupportedModelError, match=r"teacher\.h\.0\.attn\.c_attn\.weight is not used in the forward "
+                                                    r"pass.*name the part to decay with ColinearityDecayCallback\("
+                                                    r"module=\.\.\.\) \(its children: \['transformer', 'lm_head', "
+                                                    r"'teacher'\]\)"):
+        ColinearityDecayCallback(lam=LAM).on_train_begin(None, TrainerState(), None, model=model, optimizer=sgd)
+
+
+def test_a_part_keeps_its_counter_under_a_key_of_its_own_and_a_resume_with_another_module_warns(tmp_path):
+    """The counter of a callback given module= is saved under COUNTER_KEY:<module> and restored by a resume with
+    the same module=; a resume with another module= (here none) finds no state under its key and warns, naming the
+    key it holds and its module=, and counts from 0, as Lightning's callback and MMEngine's hook do."""
+    part = {"module": PART, "example_input": PART_INPUT}
+    train(tmp_path, steps=4, save_steps=2, schedule=warmup, cd_kwargs=part)  # 1 update in 2 steps: lr 0 at step 0
+    key = f"{COUNTER_KEY}:{PART}"
+    saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert saved[key]["num_updates"] == 1 and COUNTER_KEY not in saved
+    given = ColinearityDecayCallback(lam=LAM, **part)
+    train(tmp_path, steps=4, resume=str(tmp_path / "checkpoint-2"), callback=given, schedule=warmup)
+    assert given.decay.num_updates == 1 + 2
+    whole = ColinearityDecayCallback(lam=LAM)
+    with pytest.warns(UserWarning, match=rf"no CD state under '{COUNTER_KEY}' in the checkpoint; it holds CD state "
+                                         rf"under '{key}' \(module='{PART}'\) .*starts from 0"):
+        train(tmp_path, steps=4, resume=str(tmp_path / "checkpoint-2"), callback=whole, schedule=warmup)
+    assert whole.decay.num_updates == 2

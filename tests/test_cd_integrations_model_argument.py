@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("where, cls, part", [("cd.integrations.hf", "ColinearityDecayCallback", False),
+@pytest.mark.parametrize("where, cls, part", [("cd.integrations.hf", "ColinearityDecayCallback", True),
                                               ("cd.integrations.lightning", "ColinearityDecayCallback", True),
                                               ("cd.integrations.mmengine", "ColinearityDecayHook", True)])
 def test_model_given_to_an_integration_is_refused_naming_where_the_model_comes_from(where, cls, part):
