@@ -168,6 +168,22 @@ def test_arguments_are_colinearity_decays():
         check_cd_arguments({"mode": "loss"})
 
 
+def test_mode_decoupled_is_what_the_integrations_run_and_is_taken_the_loss_form_refused_naming_its_fix():
+    """mode='decoupled' (ColinearityDecay's default, the update the integrations give; a config written out in full
+    gives it, as configs/method/cd.yaml does) was refused as a loss-form argument, whose fix (aux_loss in the
+    training step) is not what was asked; the loss form is refused naming the value given and how to run it."""
+    assert check_cd_arguments({"lam": 0.01, "mode": "decoupled"}) == {"lam": 0.01, "mode": "decoupled",
+                                                                     "norms_every": 50}
+    for given, named in (({"mode": "loss"}, "mode='loss'"), ({"loss_coef": 0.005}, "loss_coef=0.005"),
+                         ({"mode": "loss", "loss_coef": 0.005}, "mode='loss', loss_coef=0.005")):
+        with pytest.raises(TypeError) as refused:
+            check_cd_arguments(given)
+        assert str(refused.value) == (
+            f"{named}: the integrations apply CD's decoupled update (mode='decoupled', the default); the loss form "
+            "is not run by them: drop mode= and loss_coef=, or train without the integration, with "
+            "ColinearityDecay(model, mode='loss') and loss + cd.aux_loss(loss) in your training step")
+
+
 def test_the_update_norms_are_computed_on_train_pys_default_log_interval_unless_norms_every_is_given():
     """They cost about as much again as the update (cd/README.md): the integrations compute them where train.py
     does by default, on every `train.log_every_steps`-th update; a given norms_every is honoured."""

@@ -27,7 +27,8 @@ from ..verify import UNUSED
 from ..wrappers import (closure_then, in_outer_step, steps_without_hooks, torch_optimizer, unhooked_step_text,
                         unwrap_model)
 
-# ColinearityDecay's arguments that the integrations take (the decoupled update: no `mode`, `loss_coef`).
+# ColinearityDecay's arguments of the loss form, which the integrations refuse (they give the decoupled update:
+# `mode` is taken as "decoupled" alone).
 _LOSS_ONLY = ("mode", "loss_coef")
 # The update norms (`cd/update_norm/<role>` in `metrics()`, a metric only) cost about as much again as the update
 # (cd/README.md, "Cost and precision of the update"), so, as in train.py, they are not computed on every update:
@@ -45,10 +46,14 @@ def check_cd_arguments(kwargs: dict[str, Any], takes_module: bool = False) -> di
         part = "; name the part of it to decay with module=" if takes_module else ""
         raise TypeError("model= is not an argument of cd.integrations: the model is the framework's own (the "
                         f"Trainer's, the LightningModule, runner.model), found at the train start{part}")
-    bad = sorted(set(kwargs) & set(_LOSS_ONLY))
+    # mode='decoupled' is the update they give (a config written out in full names it): taken
+    bad = [f"{name}={kwargs[name]!r}" for name in _LOSS_ONLY
+           if name in kwargs and (name, kwargs[name]) != ("mode", "decoupled")]
     if bad:
-        raise TypeError(f"{bad}: the integrations apply CD's decoupled update; the loss form (mode='loss') "
-                        "needs `aux_loss` in your training step")
+        raise TypeError(f"{', '.join(bad)}: the integrations apply CD's decoupled update (mode='decoupled', the "
+                        "default); the loss form is not run by them: drop mode= and loss_coef=, or train without the "
+                        "integration, with ColinearityDecay(model, mode='loss') and loss + cd.aux_loss(loss) in your "
+                        "training step")
     kwargs = {"norms_every": NORMS_EVERY, **kwargs}
     try:
         bound = inspect.signature(ColinearityDecay).bind(None, **kwargs)
