@@ -640,3 +640,42 @@ def test_a_part_keeps_its_counter_under_a_key_of_its_own_and_a_resume_with_anoth
                                          rf"under '{key}' \(module='{PART}'\) .*starts from 0"):
         train(tmp_path, steps=4, resume=str(tmp_path / "checkpoint-2"), callback=whole, schedule=warmup)
     assert whole.decay.num_updates == 2
+
+
+def test_bf16_autocast_gets_the_papers_update_once_per_update(tmp_path):
+    """TrainingArguments(bf16=True) on the CPU (autocast around the forward, float32 weights, no GradScaler): CD runs
+    once per update, and its update inside the step is the paper's on the weights the step found (float64
+    reference, cd_models.ref_w2), with the lr of W2's group, as under accelerate's bf16
+    (test_cd_integration_accelerate.py)."""
+    from cd.wrappers import torch_optimizer
+    from cd_models import ref_w2
+
+    model = tiny_gpt2().float()
+    dtypes = []  # of an MLP's output at each forward (the first: CD's pair check, before the loop)
+    model.transformer.h[0].mlp.c_proj.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    fc1, fc2 = model.transformer.h[1].mlp.c_fc.weight, model.transformer.h[1].mlp.c_proj.weight
+    seen = []  # per update: fc2 and fc1 before CD, fc2's lr, fc2 after CD
+
+    def before(opt, args, kwargs):
+        lr = next(g["lr"] for g in opt.param_groups if any(p is fc2 for p in g["params"]))
+        seen.append([fc2.detach().clone(), fc1.detach().clone(), lr])
+
+    class Around(TrainerCallback):  # step pre-hooks run in the order made: one before CD's binding, one after
+        def __init__(self, hook):
+            self.hook = hook
+
+        def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+            torch_optimizer(optimizer).register_step_pre_hook(self.hook)
+
+    callback = ColinearityDecayCallback(lam=LAM)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=3, max_grad_norm=0.5, learning_rate=1e-2, bf16=True, report_to=[], use_cpu=True,
+                             disable_tqdm=True, save_strategy="no")
+    Trainer(model=model, args=args, train_dataset=data(),
+            callbacks=[Around(before), callback, Around(lambda o, a, k: seen[-1].append(fc2.detach().clone()))]).train()
+    assert dtypes[-6:] == [torch.bfloat16] * 6  # the Trainer's forwards ran under autocast
+    assert callback.decay.num_updates == len(seen) == 3
+    for t, (w2, w1, lr, got) in enumerate(seen):  # Conv1D: stored (in, out)
+        want = ref_w2(w2.T, w1.T, lr * LAM).T
+        assert not torch.equal(got, w2)
+        assert torch.allclose(got.double(), want, rtol=0, atol=1e-6), (t, float((got.double() - want).abs().max()))

@@ -769,3 +769,48 @@ def test_a_deepspeed_strategy_is_refused_at_the_train_start_before_cd_is_built()
                                            r"does.*strategy='ddp'"):
         callback.on_train_start(trainer, module)
     assert callback.decay is None and not callback._bindings
+
+
+class Bf16Module(L.LightningModule):
+    """The float32 ViT under SGD; records the dtype of an MLP's output at each forward and, per update, fc2 and fc1
+    of block 1 before the step, then fc2's gradient and fc2 after the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_vit()
+        self.example_input_array = torch.zeros(1, 3, 32, 32)
+        self.dtypes, self.seen = [], []
+        self.net.blocks[0].mlp.fc2.register_forward_hook(lambda m, a, out: self.dtypes.append(out.dtype))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.net.parameters(), lr=0.1)
+        fc1, fc2 = self.net.blocks[1].mlp.fc1.weight, self.net.blocks[1].mlp.fc2.weight
+        opt.register_step_pre_hook(lambda o, a, k: self.seen.append([fc2.detach().clone(), fc1.detach().clone()]))
+        opt.register_step_post_hook(lambda o, a, k: self.seen[-1].extend([fc2.grad.clone(), fc2.detach().clone()]))
+        return opt
+
+
+def test_bf16_mixed_gets_the_papers_update_once_per_update():
+    """precision="bf16-mixed" on the CPU (autocast around training_step, float32 weights, no GradScaler): CD runs
+    once per update, and the step's result is the paper's update on the weights the step found (float64 reference,
+    cd_models.ref_w2) followed by SGD's lr * grad."""
+    from cd_models import ref_w2
+
+    module = Bf16Module()
+    callback = ColinearityDecayCallback(lam=LAM)
+    trainer = L.Trainer(max_steps=3, accumulate_grad_batches=2, accelerator="cpu", devices=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        precision="bf16-mixed", callbacks=[callback])
+    trainer.fit(module, image_loader(6, dtype=torch.float32))
+    assert module.dtypes[-6:] == [torch.bfloat16] * 6  # the training forwards ran under autocast
+    assert callback.decay.num_updates == len(module.seen) == 3
+    for t, (w2, w1, grad, got) in enumerate(module.seen):
+        want = ref_w2(w2, w1, 0.1 * LAM) - 0.1 * grad.double()
+        assert torch.allclose(got.double(), want, rtol=0, atol=1e-6), (t, float((got.double() - want).abs().max()))
+        assert not torch.allclose(got.double(), w2.double() - 0.1 * grad.double(), rtol=0, atol=1e-4)  # CD acted
