@@ -75,7 +75,7 @@ class PoisonStep(TrainerCallback):
 
 def train(tmp_path, steps: int, accum: int = 1, clip: float = 0.0, scaler: bool = False, poison: int = -1,
           resume: str | None = None, save_steps: int = 0, model=None, cd_kwargs=None, callback=None,
-          fused: bool = False, schedule=None):
+          fused: bool = False, schedule=None, more=()):
     model = model or tiny_gpt2()
     initial = copy.deepcopy(model)
     opt, sched = optimizer_and_schedule(model, steps, fused, schedule)
@@ -85,7 +85,7 @@ def train(tmp_path, steps: int, accum: int = 1, clip: float = 0.0, scaler: bool 
                              report_to=[], use_cpu=True, seed=0, disable_tqdm=True, dataloader_num_workers=0,
                              restore_callback_states_from_checkpoint=True)
     recorder = Recorder(model)
-    callbacks = [callback or ColinearityDecayCallback(lam=LAM, **(cd_kwargs or {})), recorder]
+    callbacks = [callback or ColinearityDecayCallback(lam=LAM, **(cd_kwargs or {})), *more, recorder]
     if poison >= 0:
         callbacks.append(PoisonStep(model, poison))
     trainer = Trainer(model=model, args=args, train_dataset=data(), optimizers=(opt, sched), callbacks=callbacks)
@@ -621,6 +621,20 @@ def test_module_is_checked_and_every_refusal_names_the_part(tmp_path):
                                                     r"module=\.\.\.\) \(its children: \['transformer', 'lm_head', "
                                                     r"'teacher'\]\)"):
         ColinearityDecayCallback(lam=LAM).on_train_begin(None, TrainerState(), None, model=model, optimizer=sgd)
+
+
+def test_callbacks_on_two_parts_each_decay_their_own_and_together_give_the_whole_models_update(tmp_path):
+    """Two callbacks in one Trainer on the model's two blocks (module=), one optimizer: each binds it and decays its
+    block's pairs in the step, so the weights are the reference's with every pair, each counts every update, and
+    each saves its counter under its own key."""
+    first, second = (ColinearityDecayCallback(module=f"transformer.h.{i}", lam=LAM, example_input=PART_INPUT)
+                     for i in range(LAYERS))
+    trainer, initial, recorder = train(tmp_path, steps=2, accum=2, clip=0.5, save_steps=2, callback=first,
+                                       more=[second])
+    check(initial, recorder, 2, 2, clip=0.5, variants=("before_backward", "after_step"))
+    assert first.decay.num_updates == second.decay.num_updates == 2
+    saved = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["stateful_callbacks"]
+    assert {k for k in saved if k.startswith(COUNTER_KEY)} == {f"{COUNTER_KEY}:transformer.h.{i}" for i in range(2)}
 
 
 def test_a_part_keeps_its_counter_under_a_key_of_its_own_and_a_resume_with_another_module_warns(tmp_path):

@@ -43,7 +43,8 @@ stays on its optimizer, armed if the run stopped between `on_pre_optimizer_step`
 has a `TrainerState` of its own, so a binding made for another state belongs to a run that is over, and the next
 `on_train_begin` on that optimizer removes it: a new callback (and Trainer) on the optimizer of a failed run is
 not refused as a second CD update, and the failed run's pending update never runs. Two callbacks in one Trainer
-share the state and are still refused.
+share the state: two that decay the same matrices are still refused (two on different parts, by `module=`, each
+make their part's update in the step).
 """
 from __future__ import annotations
 
