@@ -1,4 +1,4 @@
-"""The whole GPU check in one command that fits a 10-minute call on one GPU: `pytest -m gpu`, then the
+"""The whole GPU check in one command of under 10 minutes on one GPU: `pytest -m gpu`, then the
 GPU figures, all written to one JSON.
 
 On a machine with one CUDA GPU, from the repository root, in under 10 minutes (the stages take at most

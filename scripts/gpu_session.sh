@@ -21,7 +21,7 @@
 # Timings of the study's runs are taken beside the pytest stage and the other stream: they are no speed figures.
 # The logs and figures are written under $WORK, the runs under the sweep file's out_root (runs/sweeps/
 # fashion_mnist_gpu); both are packed, without checkpoints, into $OUT/gpu_session.tgz after the figures, after the
-# pytest stage, after every run and at the end, so a call cut off at its limit still returns what had finished.
+# pytest stage, after every run and at the end, so a command stopped at its limit still leaves what had finished.
 #
 # Settings, from the environment: OUT (required: the archive's folder), LIMIT (565 s, 1500 under SMOKE: the script),
 # END_MARGIN (25 s: the study's deadline before LIMIT, for the report and the packing), EPOCHS (4: sched.epochs of
@@ -35,7 +35,7 @@
 set -u
 cd "$(dirname "$0")/.."
 T0=$(date +%s)
-[ "${SMOKE:-0}" = 1 ] && LIMIT=${LIMIT:-1500}  # a CPU has no call limit, and its runs share two cores
+[ "${SMOKE:-0}" = 1 ] && LIMIT=${LIMIT:-1500}  # a CPU's smoke runs share two cores: more time
 LIMIT=${LIMIT:-565}; END_MARGIN=${END_MARGIN:-25}; EPOCHS=${EPOCHS:-4}
 KIT=${KIT:-kit}; WORK=${WORK:-gpu_session}; PY=${PY:-python3}
 export PYTHONUNBUFFERED=1
