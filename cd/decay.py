@@ -242,6 +242,19 @@ def _seen_flags(ran: Optional[Tensor], result: Mapping[str, Tensor], last: Mappi
             for k, v in result.items() if k not in last or k in seen}
 
 
+def decays_nothing(lam: object, lam_per_role: object) -> bool:
+    """Whether CD at strength `lam` with the per-role strengths `lam_per_role` (a mapping or None; a role without an
+    entry takes lam) changes no weight: every strength is 0. Its decoupled update is then skipped in every step, its
+    loss form's term is 0 (`ColinearityDecay.apply`, `aux_loss`) and the budget rule's wd - lam leaves the weight decay
+    as given, so the run trains bit for bit as without CD: configs/debug/tiny.yaml trained with cd.lam=0 (decoupled or
+    loss form, with or without the budget rule, lam_per_role entries of 0 or none) ends with the baseline's weights
+    (tests/test_method_of_a_training_that_changes_nothing.py). A value that is no number counts as a strength."""
+    per_role = {} if lam_per_role is None else lam_per_role
+    if not isinstance(per_role, Mapping):
+        return False
+    return all(isinstance(v, numbers.Real) and not isinstance(v, bool) and v == 0 for v in (lam, *per_role.values()))
+
+
 def budget_weight_decay(weight_decay: float, lam: float) -> float:
     """The paper's regularization-budget rule: wd -> wd - lam_cd
     (App. A.2 ("Normalized CD and regularization budget")).

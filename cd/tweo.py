@@ -118,6 +118,15 @@ def _check_types(lam: object, p: object, tau: object, eps: object, total_steps: 
                          f"such as 'false' would count as true)")
 
 
+def adds_nothing(lam: object) -> bool:
+    """Whether TWEO at peak strength `lam` trains as without it: lam 0 adds 0 x its term at every step, whatever the
+    schedule, the rescale, the penalty's shape or its form, a term and gradients of zeros (a penalty past float32's
+    range would make 0 x inf a NaN loss, which stops train.py's training: engine/loop.py NonFiniteLossError), so that
+    configs/debug/tiny.yaml trained with tweo.lam=0 ends with the baseline's weights
+    (tests/test_method_of_a_training_that_changes_nothing.py). A value that is no number is not 0."""
+    return isinstance(lam, numbers.Real) and not isinstance(lam, bool) and lam == 0
+
+
 def check_tweo_settings(lam: object, p: object, tau: object, eps: object, schedule: object, total_steps: object,
                         rescale: object, form: object) -> None:
     """Refuse TWEO settings that cannot run, without a model: what `TWEO` checks first, for the integrations to

@@ -23,6 +23,8 @@ import math
 import os
 from typing import Optional, Sequence
 
+from cd.decay import decays_nothing
+from cd.tweo import adds_nothing
 from configs import Config
 from configs.schema import EVAL_TRANSFORM_KEYS
 from data.text import scored_val_windows
@@ -45,18 +47,21 @@ FP_COLUMNS = {"ppl": (("ppl", "FP32 PPL"), ("ppl_bf16", "BF16 PPL")), "top1": ((
 def method_name(cfg: Config) -> str:
     """Baseline / CD / TWEO (CD + TWEO when both are on), with the settings that differ from the paper's
     defaults (so that the rows of an ablation table tell themselves apart), e.g. "CD (lam 0.01)",
-    "CD (targets C)", "CD (loss 0.005)"."""
+    "CD (targets C)", "CD (loss 0.005)". A regularizer that is on but changes nothing (`cd_changes_nothing`,
+    cd.tweo.adds_nothing: tweo.lam=0) is left out, as engine/detection/model.py method_of leaves out a detector's
+    hook of that kind: such a run trains bit for bit as the baseline, and two names would draw one training twice."""
     from configs import CDConfig, TWEOConfig
 
     names = []
-    if cfg.cd.enabled:
+    if cfg.cd.enabled and not cd_changes_nothing(cfg.cd):
         default, c = CDConfig(), cfg.cd
         names.append(_named("CD", [f"lam {c.lam:g}" if c.lam != default.lam else "",
                                    f"targets {c.targets}" if c.targets != default.targets else "",
                                    f"loss {c.loss_coef:g}" if c.mode == "loss" else "",
                                    " ".join(f"{r} {v:g}" for r, v in sorted(c.lam_per_role.items())),
                                    "" if c.budget else "no budget"]))
-    if cfg.tweo.enabled:  # also beside CD: such a run is not one of the CD runs (--over-seeds would average it)
+    # also beside CD: such a run is not one of the CD runs (--over-seeds would average it)
+    if cfg.tweo.enabled and not adds_nothing(cfg.tweo.lam):
         default, t = TWEOConfig(), cfg.tweo
         names.append(_named("TWEO", [f"lam {t.lam:g}" if t.lam != default.lam else "",
                                      "rescaled" if t.rescale else "",
@@ -67,6 +72,15 @@ def method_name(cfg: Config) -> str:
                                      f"tau {t.tau:g}" if t.tau != default.tau else "",
                                      f"eps {t.eps:g}" if t.eps != default.eps else ""]))
     return " + ".join(names) or "Baseline"
+
+
+def cd_changes_nothing(cd) -> bool:
+    """Whether the CD settings `cd` (a CDConfig) train as without CD, bit for bit: every strength 0
+    (cd.decay.decays_nothing), or the loss form at cd.loss_coef=0 (its term 0 x a finite penalty) with a weight decay
+    as given (cd.budget=false, or cd.lam 0). The loss form's budget rule at cd.lam above 0 lowers the weight decay:
+    that run is no baseline."""
+    return decays_nothing(cd.lam, cd.lam_per_role) or (cd.mode == "loss" and cd.loss_coef == 0
+                                                       and (not cd.budget or cd.lam == 0))
 
 
 def _named(name: str, notes: list[str]) -> str:

@@ -14,9 +14,9 @@ from torch import nn
 from mmengine.config import Config
 from mmdet.registry import MODELS
 
-from cd.decay import DEFAULT_LAM
+from cd.decay import DEFAULT_LAM, decays_nothing
 from cd.integrations.mmengine import type_name
-from cd.tweo import EPS, TAU
+from cd.tweo import EPS, TAU, adds_nothing
 from engine.checkpoint import is_run_checkpoint
 from engine.detection.errors import DetectionError
 from models.modules import nonfinite_tensors
@@ -312,17 +312,15 @@ def method_label(hook: dict, budget) -> str:
 
 
 def changes_nothing(hook: dict) -> bool:
-    """Whether the custom_hooks entry `hook` trains as the baseline does: a TweoHook at lam 0 (its term is 0 x L_TWEO
-    at every step, whatever the schedule: a gradient of zeros), or a ColinearityDecayHook whose every strength is 0:
-    lam 0 (its default is ColinearityDecay's) and no lam_per_role entry above 0, since a role without one takes lam.
-    The CD hook's decoupled update is skipped in every step (cd/decay.py)."""
+    """Whether the custom_hooks entry `hook` trains as the baseline does: a TweoHook at lam 0 (cd.tweo.adds_nothing:
+    its term is 0 x L_TWEO at every step, whatever the schedule, a gradient of zeros), or a ColinearityDecayHook whose
+    every strength is 0 (cd.decay.decays_nothing: lam 0, its default ColinearityDecay's, and no lam_per_role entry
+    above 0, since a role without one takes lam), whose decoupled update is skipped in every step (cd/decay.py) and
+    whose budget leaves the weight decay as given. The rule of engine.result_table.method_name for a classifier's
+    tweo.lam=0 and cd.lam=0, whose trainings end with the baseline's weights
+    (tests/test_method_of_a_training_that_changes_nothing.py)."""
     if type_name(hook.get("type")) == "TweoHook":
-        lam = hook.get("lam")
-        return isinstance(lam, (int, float)) and not isinstance(lam, bool) and lam == 0
+        return adds_nothing(hook.get("lam"))
     if type_name(hook.get("type")) != "ColinearityDecayHook":
         return False
-    per_role = hook.get("lam_per_role") or {}
-    if not isinstance(per_role, dict):  # not a hook that was built (its check refuses it): not read here
-        return False
-    strengths = [hook.get("lam", DEFAULT_LAM), *per_role.values()]
-    return all(isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0 for v in strengths)
+    return decays_nothing(hook.get("lam", DEFAULT_LAM), hook.get("lam_per_role"))
