@@ -59,7 +59,8 @@ def method_name(cfg: Config) -> str:
                                    f"targets {c.targets}" if c.targets != default.targets else "",
                                    f"loss {c.loss_coef:g}" if c.mode == "loss" else "",
                                    " ".join(f"{r} {v:g}" for r, v in sorted(c.lam_per_role.items())),
-                                   "" if c.budget else "no budget"]))
+                                   # without the budget rule the weight decay is as given, as it is with it at lam 0
+                                   "" if c.budget or c.lam == 0 else "no budget"]))
     # also beside CD: such a run is not one of the CD runs (--over-seeds would average it)
     if cfg.tweo.enabled and not adds_nothing(cfg.tweo.lam):
         default, t = TWEOConfig(), cfg.tweo

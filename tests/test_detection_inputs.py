@@ -328,6 +328,8 @@ def test_the_training_method_is_read_from_the_config_a_checkpoint_keeps(mmdet_re
     if method.startswith("CD"):  # without the budget rule (cd_budget=False): another weight decay
         no_budget = method[:-1] + ", no budget)" if "(" in method.split("+")[0] else method.replace(
             "CD", "CD (no budget)", 1)
+        if method.startswith("CD (lam 0,"):  # but the rule's 0.05 - 0 is the weight decay as given: the same run
+            no_budget = method
         without = text.replace("cd_budget = 'applied", "cd_budget = False  # '")
         assert method_of(training_config({"cfg": without})) == no_budget
         # no cd_budget at all: a config from before the key (the budget in its weight decay) says nothing of it

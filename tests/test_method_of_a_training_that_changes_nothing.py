@@ -55,6 +55,9 @@ LAM_0_FC2 = ["cd.enabled=true", "cd.lam=0", "cd.lam_per_role.fc2=0.5"]
     # the budget rule at cd.lam 0.005 trains at weight decay 0.045 though the loss term is 0
     (["cd.enabled=true", "cd.mode=loss", "cd.loss_coef=0"], [], False),
     (LAM_0_FC2, [], False),
+    # the budget rule's wd - lam at lam 0 is the weight decay as given: without the rule the same training
+    (LAM_0_FC2, [*LAM_0_FC2, "cd.budget=false"], True),
+    ([*LAM_0_FC2, "cd.mode=loss"], [*LAM_0_FC2, "cd.mode=loss", "cd.budget=false"], True),
 ])
 def test_a_run_is_labelled_as_another_exactly_where_it_trains_as_that_one(trained, overrides, other, identical):
     cfg, weights = trained(overrides)

@@ -289,7 +289,8 @@ def method_label(hook: dict, budget) -> str:
     """The method of the custom_hooks entry `hook` (a METHOD_HOOKS type) with the settings that differ from
     configs/detection/method/*.py (LABELLED_SETTINGS; the part of the model it acts on where that is not the
     backbone; a CD hook's lam_per_role, and "no budget" where the config's `budget` (its cd_budget) is False, the
-    weight decay left as given; None, no cd_budget, says nothing), e.g. "CD (lam 0.01)", "TWEO (no rescale)",
+    weight decay left as given, at a lam above 0 (at lam 0 the rule leaves it as given too); None, no cd_budget, says
+    nothing), e.g. "CD (lam 0.01)", "TWEO (no rescale)",
     "Noise (seed 1)": without them two runs of a sweep were one method, drawn in one colour at one place of Fig. 1."""
     kind = type_name(hook.get("type"))
     notes = []
@@ -307,7 +308,9 @@ def method_label(hook: dict, budget) -> str:
         per_role = hook.get("lam_per_role") or {}
         notes += [f"{role} {_shown(lam)}" for role, lam in sorted(per_role.items(), key=lambda item: str(item[0]))] \
             if isinstance(per_role, dict) else []
-        notes += ["no budget"] if budget is False else []
+        # the rule lowers the weight decay by lam: at lam 0 a run without it trains as one with it
+        strength = DEFAULT_LAM if hook.get("lam") is None else hook.get("lam")
+        notes += ["no budget"] if budget is False and strength != 0 else []
     return f"{METHOD_HOOKS[kind]} ({', '.join(notes)})" if notes else METHOD_HOOKS[kind]
 
 
