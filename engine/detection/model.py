@@ -274,15 +274,20 @@ def training_config(meta: dict) -> Optional[Config]:
 
 
 def method_of(cfg: Config) -> str:
-    """"CD", "TWEO", "Noise" (joined by "+" when several), each with the settings that differ from
+    """"CD", "TWEO", "Noise" (joined by "+" in that order when several), each with the settings that differ from
     configs/detection/method/*.py (`method_label`: "CD (lam 0.01)"), from the custom_hooks of the training config
     `cfg`; "Baseline" when it ran none of their hooks, or only CD or TWEO hooks that change nothing (`changes_nothing`:
     custom_hooks.0.lam=0 made no update in any step, so Fig. 1 would have plotted a baseline as CD or TWEO)."""
-    hooks = [hook for hook in cfg.get("custom_hooks") or [] if isinstance(hook, dict) and not changes_nothing(hook)]
+    hooks = [hook for hook in cfg.get("custom_hooks") or [] if isinstance(hook, dict) and not changes_nothing(hook)
+             and type_name(hook.get("type")) in METHOD_HOOKS]  # mmdet.X too
+    # in METHOD_HOOKS' order whatever the config's: the order the fragments were given in (cd.py, then tweo.py, or
+    # the other way round) trains the same detector, bit for bit
+    order = list(METHOD_HOOKS)
     # no cd_budget key: written before it existed, when configs/detection/method/cd.py set the budgeted weight decay
     # itself (0.045), so nothing is said of the budget (None), as the label before it read
-    return "+".join(method_label(hook, cfg.get("cd_budget")) for hook in hooks
-                    if type_name(hook.get("type")) in METHOD_HOOKS) or "Baseline"  # mmdet.X too
+    labels = sorted((order.index(type_name(hook.get("type"))), method_label(hook, cfg.get("cd_budget")))
+                    for hook in hooks)
+    return "+".join(label for _, label in labels) or "Baseline"
 
 
 def method_label(hook: dict, budget) -> str:
