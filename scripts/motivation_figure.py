@@ -189,7 +189,7 @@ def circle_areas(values: list[float]) -> list[float]:
 
 def method_family(method: str) -> str:
     """A method's label without its settings in parentheses: "CD (lam 0.01)" -> "CD", "CD (lam 0.01) + TWEO" ->
-    "CD + TWEO" (engine.result_table.method_name's labels; a detector's "CD+TWEO" stays as it is)."""
+    "CD + TWEO" (engine.result_table.method_name's labels, and engine.detection.method_of's)."""
     return re.sub(r" \([^)]*\)", "", method)
 
 

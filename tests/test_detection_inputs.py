@@ -299,7 +299,7 @@ def test_evaluation_refuses_a_pipeline_or_bit_width_named_twice(mmdet_ready, tmp
     ("[]", "Baseline"),
     ("[dict(type='ColinearityDecayHook', lam=0.005)]", "CD"),
     ("(dict(type='mmdet.TweoHook', lam=1e-4),)", "TWEO"),  # a scoped type, in a tuple
-    ("[dict(type='ColinearityDecayHook'), dict(type='TweoHook'), dict(type='EMAHook')]", "CD+TWEO"),
+    ("[dict(type='ColinearityDecayHook'), dict(type='TweoHook'), dict(type='EMAHook')]", "CD + TWEO"),
     # CD at every strength 0 updates no weight (custom_hooks.0.lam=0): the run is a baseline, not one of CD's
     ("[dict(type='ColinearityDecayHook', lam=0)]", "Baseline"),
     ("[dict(type='ColinearityDecayHook', lam=0.0, lam_per_role=dict(fc2=0))]", "Baseline"),
@@ -313,7 +313,7 @@ def test_evaluation_refuses_a_pipeline_or_bit_width_named_twice(mmdet_ready, tmp
     # a strength sweep: each of its circles and CSV rows named apart, as a classifier's "CD (lam 0.01)"; the
     # settings of configs/detection/method/*.py are the plain names
     ("[dict(type='ColinearityDecayHook', lam=0.01)]", "CD (lam 0.01)"),
-    ("[dict(type='TweoHook', lam=3e-4), dict(type='WeightNoiseHook', bits=3)]", "TWEO (lam 0.0003)+Noise (bits 3)"),
+    ("[dict(type='TweoHook', lam=3e-4), dict(type='WeightNoiseHook', bits=3)]", "TWEO (lam 0.0003) + Noise (bits 3)"),
     ("[dict(type='WeightNoiseHook', bits=4)]", "Noise"),
 ])
 def test_the_training_method_is_read_from_the_config_a_checkpoint_keeps(mmdet_ready, tmp_path, monkeypatch, hooks,
@@ -398,6 +398,23 @@ def test_runs_that_differ_in_a_hook_setting_other_than_the_strength_get_other_la
     from engine.detection import method_of, training_config
     assert method_of(training_config({"cfg": f"custom_hooks = [{hook}]\n"})) == label
 
+
+@pytest.mark.parametrize("hooks, overrides", [
+    ("[dict(type='ColinearityDecayHook'), dict(type='TweoHook')]", ["cd.enabled=true", "tweo.enabled=true"]),
+    ("[dict(type='TweoHook'), dict(type='ColinearityDecayHook', lam=0.01)]",
+     ["cd.enabled=true", "cd.lam=0.01", "tweo.enabled=true"]),
+])
+def test_a_detector_and_a_classifier_of_cd_and_tweo_are_one_method_of_the_figure(mmdet_ready, hooks, overrides):
+    """A detector trained with CD and TWEO was "CD+TWEO", a classifier "CD + TWEO" (engine.result_table.method_name):
+    motivation_figure.py drew the two panels' circles of one method in two colours, as two legend entries."""
+    from configs import load_config
+    from engine.detection import method_of, training_config
+    from engine.result_table import method_name
+    from tests.conftest import DEMO_CONFIG, load_script
+    detector = method_of(training_config({"cfg": f"custom_hooks = {hooks}\n"}))
+    classifier = method_name(load_config([DEMO_CONFIG], overrides))
+    colours = load_script("motivation_figure").method_colours([classifier, detector])
+    assert len(colours) == 1, colours
 
 def _categories_copy(sample, tmp_path, names):
     """A copy of the sample whose annotation files name their categories (ids 1, 2: box, disc in the sample)

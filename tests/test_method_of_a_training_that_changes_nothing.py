@@ -94,10 +94,10 @@ def test_a_detector_is_labelled_the_baseline_exactly_where_it_trains_as_the_base
 @pytest.mark.detection
 def test_a_detector_of_both_hooks_has_one_label_in_either_order_of_its_fragments(sample, tmp_path):
     """--config cd.py --config tweo.py and the other way round list the hooks in other orders (merge_fragment appends
-    each fragment's): the same training, labelled "TWEO+CD" beside "CD+TWEO" (two methods of Fig. 1)."""
+    each fragment's): the same training, was labelled "TWEO+CD" beside "CD+TWEO", two methods of Fig. 1."""
     fragments = [os.path.join(ROOT, "configs/detection/method", f) for f in ("cd.py", "tweo.py")]
     (first, weights), (second, other) = (
         _detector(train_detector(sample, tmp_path / name, epochs=1, configs=configs))
         for name, configs in (("cd_tweo", fragments), ("tweo_cd", fragments[::-1])))
     assert _alike(weights, other)  # the measurement the labels follow
-    assert first == second == "CD+TWEO"
+    assert first == second == "CD + TWEO"

@@ -274,7 +274,8 @@ def training_config(meta: dict) -> Optional[Config]:
 
 
 def method_of(cfg: Config) -> str:
-    """"CD", "TWEO", "Noise" (joined by "+" in that order when several), each with the settings that differ from
+    """"CD", "TWEO", "Noise" (joined by " + " in that order when several, as result_table.method_name joins a
+    classifier's: one method in both panels of Fig. 1), each with the settings that differ from
     configs/detection/method/*.py (`method_label`: "CD (lam 0.01)"), from the custom_hooks of the training config
     `cfg`; "Baseline" when it ran none of their hooks, or only CD or TWEO hooks that change nothing (`changes_nothing`:
     custom_hooks.0.lam=0 made no update in any step, so Fig. 1 would have plotted a baseline as CD or TWEO)."""
@@ -287,7 +288,7 @@ def method_of(cfg: Config) -> str:
     # itself (0.045), so nothing is said of the budget (None), as the label before it read
     labels = sorted((order.index(type_name(hook.get("type"))), method_label(hook, cfg.get("cd_budget")))
                     for hook in hooks)
-    return "+".join(label for _, label in labels) or "Baseline"
+    return " + ".join(label for _, label in labels) or "Baseline"
 
 
 def method_label(hook: dict, budget) -> str:
