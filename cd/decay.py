@@ -255,6 +255,15 @@ def decays_nothing(lam: object, lam_per_role: object) -> bool:
     return all(isinstance(v, numbers.Real) and not isinstance(v, bool) and v == 0 for v in (lam, *per_role.values()))
 
 
+def config_decays_nothing(cfg_cd: Any) -> bool:
+    """Whether train.py's CD settings `cfg_cd` (a CDConfig: lam, lam_per_role, mode, loss_coef, budget) train as
+    without CD, bit for bit: every strength 0 (`decays_nothing`), or the loss form at loss_coef 0 (its term 0 x a
+    finite penalty) with the weight decay as given (budget false, or lam 0). The loss form's budget rule at a lam
+    above 0 lowers the weight decay: that run is no baseline."""
+    return decays_nothing(cfg_cd.lam, cfg_cd.lam_per_role) or (
+        cfg_cd.mode == "loss" and cfg_cd.loss_coef == 0 and (not cfg_cd.budget or cfg_cd.lam == 0))
+
+
 def budget_weight_decay(weight_decay: float, lam: float) -> float:
     """The paper's regularization-budget rule: wd -> wd - lam_cd
     (App. A.2 ("Normalized CD and regularization budget")).

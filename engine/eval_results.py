@@ -36,19 +36,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import math
 import os
+import types
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 
+from cd.decay import config_decays_nothing
+from cd.tweo import adds_nothing
 from configs.loader import ConfigError, unread_options
 from configs.quant import detection_recipe
 
 from .checkpoint import weights_fingerprint
 from .run_dir import SETTINGS_BEFORE_THEIR_KEY, SNAPSHOTS, exclusive_lock, partial_path, saved_train_setting
+from .run_dir import recipe as config_recipe
 from .train_seeds import SEED_FIELD, config_seed
 
 log = logging.getLogger(__name__)
@@ -397,14 +402,42 @@ def first_difference(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str
     return None
 
 
+@functools.lru_cache(maxsize=1)
+def _default_recipe() -> dict:
+    """The recipe of the default config, as evaluate.py records a run's."""
+    from configs import Config, config_to_dict
+    return config_recipe(config_to_dict(Config()))
+
+
+def regularizers_as_trained(run_recipe: dict) -> dict:
+    """`run_recipe` with the cd.* or tweo.* settings of a regularizer that is off or trains as without it
+    (cd.decay.config_decays_nothing, cd.tweo.adds_nothing: cd.lam=0, tweo.lam=0) at their defaults, and cd.budget at
+    its default where cd.lam is 0 (the rule's wd - 0 is the weight decay as given): such a run trains bit for bit as
+    its baseline (tests/test_method_of_a_training_that_changes_nothing.py), is labelled as it
+    (engine.result_table.method_name) and is one of its seeds. A recipe without a key the rule reads (an older
+    file) keeps its settings."""
+    defaults, found = _default_recipe(), dict(run_recipe)
+    cd = {k[len("cd."):]: v for k, v in run_recipe.items() if k.startswith("cd.")}
+    if {"enabled", "lam", "lam_per_role", "mode", "loss_coef", "budget"} <= set(cd):
+        if not cd["enabled"] or config_decays_nothing(types.SimpleNamespace(**cd)):
+            found.update({f"cd.{k}": defaults[f"cd.{k}"] for k in cd if f"cd.{k}" in defaults})
+        elif cd["lam"] == 0:
+            found["cd.budget"] = defaults["cd.budget"]
+    if {"tweo.enabled", "tweo.lam"} <= set(run_recipe) and (not run_recipe["tweo.enabled"]
+                                                             or adds_nothing(run_recipe["tweo.lam"])):
+        found.update({k: defaults[k] for k in run_recipe if k.startswith("tweo.") and k in defaults})
+    return found
+
+
 def recipe_difference(labelled: Sequence[tuple[str, dict]]) -> Optional[tuple[str, str, str]]:
     """(label, label, how) of the first result trained with other settings than the first one (the `recipe`
     evaluate.py records: every training setting but the seed), or None. Results written before the recipe was
     recorded have none and are not compared; nor are keys only one recipe has (a setting added to the config
     between two evaluate.py versions: the older result could not record it), but those of SETTINGS_BEFORE_THEIR_KEY,
-    compared as the value every run had before its key: a train.tf32=false run is no seed of an older result's."""
-    recipes = [(label, {**SETTINGS_BEFORE_THEIR_KEY, **result["recipe"]}) for label, result in labelled
-               if result.get("recipe")]
+    compared as the value every run had before its key: a train.tf32=false run is no seed of an older result's.
+    The settings of a regularizer that changes nothing are compared as the baseline's (`regularizers_as_trained`)."""
+    recipes = [(label, regularizers_as_trained({**SETTINGS_BEFORE_THEIR_KEY, **result["recipe"]}))
+               for label, result in labelled if result.get("recipe")]
     for label, other in recipes[1:]:
         first = recipes[0][1]
         shared = set(first) & set(other)

@@ -23,7 +23,7 @@ import math
 import os
 from typing import Optional, Sequence
 
-from cd.decay import decays_nothing
+from cd.decay import config_decays_nothing
 from cd.tweo import adds_nothing
 from configs import Config
 from configs.schema import EVAL_TRANSFORM_KEYS
@@ -47,13 +47,13 @@ FP_COLUMNS = {"ppl": (("ppl", "FP32 PPL"), ("ppl_bf16", "BF16 PPL")), "top1": ((
 def method_name(cfg: Config) -> str:
     """Baseline / CD / TWEO (CD + TWEO when both are on), with the settings that differ from the paper's
     defaults (so that the rows of an ablation table tell themselves apart), e.g. "CD (lam 0.01)",
-    "CD (targets C)", "CD (loss 0.005)". A regularizer that is on but changes nothing (`cd_changes_nothing`,
+    "CD (targets C)", "CD (loss 0.005)". A regularizer that is on but changes nothing (cd.decay.config_decays_nothing,
     cd.tweo.adds_nothing: tweo.lam=0) is left out, as engine/detection/model.py method_of leaves out a detector's
     hook of that kind: such a run trains bit for bit as the baseline, and two names would draw one training twice."""
     from configs import CDConfig, TWEOConfig
 
     names = []
-    if cfg.cd.enabled and not cd_changes_nothing(cfg.cd):
+    if cfg.cd.enabled and not config_decays_nothing(cfg.cd):
         default, c = CDConfig(), cfg.cd
         names.append(_named("CD", [f"lam {c.lam:g}" if c.lam != default.lam else "",
                                    f"targets {c.targets}" if c.targets != default.targets else "",
@@ -73,15 +73,6 @@ def method_name(cfg: Config) -> str:
                                      f"tau {t.tau:g}" if t.tau != default.tau else "",
                                      f"eps {t.eps:g}" if t.eps != default.eps else ""]))
     return " + ".join(names) or "Baseline"
-
-
-def cd_changes_nothing(cd) -> bool:
-    """Whether the CD settings `cd` (a CDConfig) train as without CD, bit for bit: every strength 0
-    (cd.decay.decays_nothing), or the loss form at cd.loss_coef=0 (its term 0 x a finite penalty) with a weight decay
-    as given (cd.budget=false, or cd.lam 0). The loss form's budget rule at cd.lam above 0 lowers the weight decay:
-    that run is no baseline."""
-    return decays_nothing(cd.lam, cd.lam_per_role) or (cd.mode == "loss" and cd.loss_coef == 0
-                                                       and (not cd.budget or cd.lam == 0))
 
 
 def _named(name: str, notes: list[str]) -> str:

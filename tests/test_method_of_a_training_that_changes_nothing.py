@@ -3,16 +3,19 @@ engine.detection.method_of for a detector: the tables' and Fig. 1's name) is the
 trains as the baseline: configs/debug/tiny.yaml trained with a regularizer that is on but acts with strength 0
 (cd.lam=0, tweo.lam=0, the loss form's cd.loss_coef=0 with the weight decay as given), and the sample detector with
 a CD or TWEO hook at lam 0, end with the baseline's weights bit for bit, and a run labelled otherwise would be drawn
-as a second method; settings that change the training (a strength above 0, the budget rule's lower weight decay)
-keep their own label. The final weights are the reference, not the label functions."""
+as a second method (and refused as a seed of the baseline's recipe); settings that change the training (a strength
+above 0, the budget rule's lower weight decay) keep their own label. The final weights are the reference, not the
+label functions."""
 import os
 
 import pytest
 import torch
 
 import train
-from configs import load_config
+from configs import config_to_dict, load_config
+from engine.eval_results import recipe_difference
 from engine.result_table import method_name
+from engine.run_dir import recipe
 from detection_runs import train as train_detector
 from tests.conftest import ROOT
 
@@ -65,6 +68,10 @@ def test_a_run_is_labelled_as_another_exactly_where_it_trains_as_that_one(traine
     trained_alike = _alike(weights, other_weights)
     assert trained_alike == identical  # the measurement the labels follow
     assert (method_name(cfg) == method_name(other_cfg)) == trained_alike, (method_name(cfg), method_name(other_cfg))
+    # and seeds of one recipe where averaged (paper_table.py --over-seeds, dose_report.py's points): the baseline and
+    # its twin were refused as "trained with other settings" (cd.enabled, cd.lam)
+    recipes = [(str(i), {"recipe": recipe(config_to_dict(c))}) for i, c in enumerate((cfg, other_cfg))]
+    assert (recipe_difference(recipes) is None) == trained_alike, recipe_difference(recipes)
 
 
 @pytest.fixture(scope="module")
