@@ -50,7 +50,7 @@ from configs.cli import OneLineParser, add_config_arguments, parse_known, print_
 from configs.loader import IgnoredOverrideError, device_of_overrides, get_key
 from data import (DataError, build_loaders, build_token_loaders, calibration_window_count,
                   check_same_data_on_every_rank)
-from data.loader import same_split_data, split_location, split_reading
+from data.loader import check_data_files, same_split_data, split_location, split_reading
 from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks
 from engine.best_checkpoint import BestCheckpoint, BestMatch
 from engine.checkpoint import (CheckpointError, CheckpointFile, check_ema_entry, class_differences,
@@ -119,6 +119,9 @@ def main(cfg: Config) -> RunResult:
     try:  # before the ranks meet: an error on one node's rank (its wandb install) reaches the others there
         check_before_start(cfg)
         model = check_model_builds(cfg)  # on the meta device: the start weights' checks load into it too
+        # data.root's splits as a listing and a token file's head tell them, each rank its node's: a typo leaves no
+        # folder (the loaders, built once the folder is held, read them again)
+        check_data_files(cfg.data, cfg.model.num_classes)
         # the main rank (RANK 0 or unset) writes train.log: a file of the user's there is refused before the claim
         # of out_dir changes anything in it and before the first log line
         check_train_log(cfg.out_dir, cfg.train.resume, whole_number(os.environ.get("RANK", "0")) == 0)

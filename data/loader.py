@@ -103,9 +103,40 @@ def check_data_settings(cfg: DataConfig, *, input_size: int, num_classes: int, b
             path = find_split(cfg.root, cfg.train_split)
         except DataError:
             return
-        if os.path.isdir(path):  # the names build_folder_dataset labels (check_class_folders holds them to it)
-            classes = class_folders(path)
-            _check_class_count(cfg, "train", len(classes), num_classes, classes)
+        _check_listed_classes(cfg, path, num_classes)
+
+
+def _check_listed_classes(cfg: DataConfig, path: str, num_classes: int) -> None:
+    """model.num_classes (`num_classes`) against the class folders of the train split `path` of a folder data set,
+    where it is a folder (the names build_folder_dataset labels: check_class_folders holds them to it); a .tar's
+    classes are left to the build (its listing reads every member's header)."""
+    if os.path.isdir(path):
+        classes = class_folders(path)
+        _check_class_count(cfg, "train", len(classes), num_classes, classes)
+
+
+def check_data_files(cfg: DataConfig, num_classes: int) -> None:
+    """What the loaders refuse of the files under data.root that a listing or a token file's size and first MiB
+    tell, without reading the images or every id: data.root, both splits, their class folders and model.num_classes
+    (`num_classes`) against the train split's (a folder data set: check_split_files, _check_listed_classes), or each
+    split's token file (data.dataset=tokens). train.py asks it before it claims out_dir, so that a typo in data.root
+    leaves no folder; the loaders ask the same of the files as they read them."""
+    for split in ("train", "val"):
+        check_split_files(cfg, split)
+    if cfg.dataset == "folder":
+        _check_listed_classes(cfg, find_split(cfg.root, cfg.train_split), num_classes)
+
+
+def check_split_files(cfg: DataConfig, split: str) -> None:
+    """The files of `split` ('train' or 'val') of a folder or token data set as reading it refuses them, from a
+    listing: data.root, the split's folder or .tar and a folder's class folders, or its token file (its size and
+    the layout of its first ids: token_stream, a memory map). Nothing for the embedded data sets."""
+    if cfg.dataset == "tokens":
+        token_stream(cfg, split)
+    elif cfg.dataset == "folder":
+        path = find_split(cfg.root, cfg.train_split if split == "train" else cfg.val_split)
+        if os.path.isdir(path) and not class_folders(path):
+            raise DataError(f"{path} has no class sub-folders (expected {path}/<class>/<image>)")
 
 
 def split_location(cfg: DataConfig, split: str) -> Optional[str]:
@@ -334,9 +365,7 @@ def check_val_split_early(cfg: DataConfig) -> None:
     checks walk it again: minutes for ImageNet's 1.28 M images), raised before it from one listing. The class sets
     are compared after both splits are read, where an empty class folder is told from a missing one."""
     find_split(cfg.root, cfg.train_split)  # first, as before: a data.root that is not there names train/
-    val = find_split(cfg.root, cfg.val_split)
-    if os.path.isdir(val) and not class_folders(val):
-        raise DataError(f"{val} has no class sub-folders (expected {val}/<class>/<image>)")
+    check_split_files(cfg, "val")
 
 
 def val_fingerprint(cfg: DataConfig, val_set) -> Optional[dict]:

@@ -113,11 +113,13 @@ def test_a_rank_whose_node_lacks_the_data_prints_its_own_error_and_rank_0_speaks
     assert run.returncode != 0
     errors = error_lines(run)
     own = [line for line in errors if "missing" in line and "does not exist or is not a folder" in line]
-    told = [line for line in errors if "another rank failed reading the data under data.root" in line]
+    told = [line for line in errors if "another rank failed before the ranks met" in line]
     assert len(own) == 1, run.stderr[-3000:]
-    assert told == (["error: rank 0: another rank failed reading the data under data.root; its output says why"]
+    assert told == (["error: rank 0: another rank failed before the ranks met (reading its node's --config files, "
+                     "--checkpoint or data, or checking its settings); its output says why"]
                     if lacking == 1 else []), run.stderr[-3000:]
     assert len(errors) == 1 + len(told), errors
+    assert not (tmp_path / "run").exists()  # refused before out_dir is claimed, on every rank
 
 
 @pytest.mark.slow  # a process that imports torch, then waits for a rank that never comes
