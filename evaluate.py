@@ -67,7 +67,7 @@ from data import (DataError, build_dataset, build_eval_loader, build_token_eval_
                   val_fingerprint)
 from data.digits import split_indices as digits_split
 from data.folder import ClassCountError, check_same_classes, folder_fingerprint
-from data.loader import ShortSplitError, same_split_data, split_location, split_reading
+from data.loader import ShortSplitError, check_split_files, same_split_data, split_location, split_reading
 from data.text import FINGERPRINT_HEAD_BYTES, ShortTextError, VocabularyError, token_file_fingerprint, token_stream
 from engine.checkpoint import (CheckpointError, class_differences, is_run_checkpoint, load_checkpoint,
                                weights_fingerprint)
@@ -93,6 +93,7 @@ from models import ModelError, build_model, input_size, model_input_size, model_
 from models.factory import check_recorded_architecture
 from models.hub import hub_data_mismatch
 from models.modules import nonfinite_tensors
+from models.pretrained import check_weights_file
 from engine.act_max import ActivationProbe, check_extra_modules, check_has_blocks, first_not_finite
 from quant import PIPELINES, PipelineData, evaluate_quantized, parse_bits
 from quant.gplq.pipeline import check_stage1_checkpoint
@@ -115,6 +116,7 @@ def main(args: argparse.Namespace) -> dict:
             # are read and the log opened; the main rank (RANK 0 or unset) is the one that writes the log
             check_out(args.out, whole_number(os.environ.get("RANK", "0")) == 0)
         cfg, payload = resolve_config(args)
+        check_inputs(cfg, payload)  # before --out's folder and eval.log are made: a typo leaves no folder
     except Exception as e:  # noqa: BLE001 - raised on this rank after the others know (under torchrun)
         fail_on_every_rank_at_start(e, device_of_overrides(args.overrides))
     wait = MainRankWait(datetime.timedelta(hours=cfg.quant.main_rank_wait_hours), "quant.main_rank_wait_hours")
@@ -337,6 +339,16 @@ def checkpoint_update(payload: dict) -> dict:
             and isinstance(payload.get("model"), dict)
             and state["best_fingerprint"] == weights_fingerprint(payload["model"]))
     return {STEP_FIELD: step, BEST_FIELD: best}
+
+
+def check_inputs(cfg: Config, payload: Optional[dict]) -> None:
+    """The files the evaluation reads, as far as their listing refuses them, on each rank its node's: a weights file
+    (model.pretrained without --checkpoint, which resolve_config has read) that is not there, and the val split under
+    data.root (its folder and class folders, or its token file's size and first ids: check_split_files). Asked
+    before --out's folder and eval.log are made; load_float_model and build_val_loader read them in full."""
+    if not payload and cfg.model.pretrained != "hub":
+        check_weights_file(cfg.model.pretrained)
+    check_split_files(cfg.data, "val")
 
 
 def check_out(out: str, writes_log: bool) -> None:

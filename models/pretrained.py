@@ -65,6 +65,19 @@ class ConversionError(ModelError):
     cannot make on it."""
 
 
+def check_weights_file(path: str) -> None:
+    """Refuse a model.pretrained `path` that is no file (not there, a folder, a link to nothing): load_pretrained's
+    first check, which evaluate.py asks before it makes its --out folder."""
+    if not os.path.isfile(path):
+        # both callers read model.pretrained: name the key, and what it takes
+        raise ModelError(f"pretrained weights not found: model.pretrained={path}" + (
+            " is a folder; give the weights file in it" if os.path.isdir(path) else
+            # ls lists a link whose target is gone (or a loop of links): "no such file" would contradict it
+            " is a link that names no file (a loop of links, or its target is gone); give the path of the weights "
+            "file itself" if os.path.islink(path) else
+            " is no such file; give the path of a local .pth, .pt or .safetensors weights file"))
+
+
 def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
     """Load the weights in `path` into `model` in place.
 
@@ -75,14 +88,7 @@ def load_pretrained(model: nn.Module, path: str, strict: bool = False) -> None:
         strict: if False, classifier weights of a different shape are skipped (new head for fine-tuning)
             and missing attention-sink parameters keep their initial values.
     """
-    if not os.path.isfile(path):
-        # both callers read model.pretrained: name the key, and what it takes
-        raise ModelError(f"pretrained weights not found: model.pretrained={path}" + (
-            " is a folder; give the weights file in it" if os.path.isdir(path) else
-            # ls lists a link whose target is gone (or a loop of links): "no such file" would contradict it
-            " is a link that names no file (a loop of links, or its target is gone); give the path of the weights "
-            "file itself" if os.path.islink(path) else
-            " is no such file; give the path of a local .pth, .pt or .safetensors weights file"))
+    check_weights_file(path)
     try:
         state = load_state_dict(path, use_ema=False)
     except (AttributeError, TypeError, KeyError):  # timm reads e.g. a list as if it were a mapping

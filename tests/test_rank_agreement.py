@@ -283,12 +283,10 @@ def test_ranks_given_checkpoints_of_other_runs_stop_naming_the_checkpoint(outcom
 
 @pytest.mark.slow  # the outcomes fixture starts ranks in processes (about 30 s in all)
 @pytest.mark.parametrize("case, what, error", [
-    ("eval_no_data", "reading the val split", ("DataError", "does not exist or is not a folder")),
     ("eval_no_out", "making the --out folder", ("RunDirError", "a_file"))])
 def test_a_file_one_node_lacks_stops_that_rank_with_its_error_and_the_others_saying_so(outcomes, case, what, error):
-    """Rank 1's node lacks evaluate.py's data.root, or cannot make --out's folder: it raised alone, and
-    rank 0 went on into the next collective (gloo: a traceback when rank 1's process ended; NCCL: a wait until the
-    watchdog)."""
+    """Rank 1's node cannot make --out's folder: it raised alone, and rank 0 went on into the next collective (gloo:
+    a traceback when rank 1's process ended; NCCL: a wait until the watchdog)."""
     (kind0, first), (kind1, second) = outcomes[case]
     assert (kind0, first) == ("OtherRankError", f"rank 0: another rank failed {what}; its output says why")
     assert kind1 == error[0] and error[1] in second, second
@@ -299,14 +297,15 @@ def test_a_file_one_node_lacks_stops_that_rank_with_its_error_and_the_others_say
     ("train_no_config", ("ConfigError", "missing.yaml")),
     ("train_no_config_in_group", ("ConfigError", "missing.yaml")),
     ("train_no_data", ("DataError", "does not exist or is not a folder")),
+    ("eval_no_data", ("DataError", "does not exist or is not a folder")),
     ("train_bad_plan", ("ConfigError", "w4a4")),
     ("eval_no_checkpoint", ("CheckpointError", "none.pt")),
     ("resume_missing", ("CheckpointError", "missing.pt: no such file"))])
 def test_a_rank_that_fails_before_the_ranks_meet_stops_the_others_at_their_first_collective(outcomes, case, error):
-    """Rank 1's node lacks a --config file, the --checkpoint, a train.resume file into a new out_dir or train.py's
-    data.root (read before out_dir is claimed), or its settings fail a check made before the process group forms:
-    it raised there, and rank 0 waited at the rendezvous (and under NCCL in its first collective) until the group's
-    timeout. Rank 1 now joins the group to fail, and rank 0 raises at its first collective."""
+    """Rank 1's node lacks a --config file, the --checkpoint, a train.resume file into a new out_dir or the
+    data.root (read before out_dir or --out's folder is made), or its settings fail a check made before the process
+    group forms: it raised there, and rank 0 waited at the rendezvous (and under NCCL in its first collective) until
+    the group's timeout. Rank 1 now joins the group to fail, and rank 0 raises at its first collective."""
     (kind0, first), (kind1, second) = outcomes[case]
     assert (kind0, first) == ("OtherRankError", "rank 0: another rank failed before the ranks met (reading its "
                                                  "node's --config files, --checkpoint or data, or checking its "
