@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import functools
 import json
@@ -970,7 +971,10 @@ def refuse_missing_input_files(runs: list[dict]) -> None:
     in its folder: a resumed run takes its weights from the checkpoint), must be a file when its train.py starts:
     refused before the first run trains (ConfigError), not after the earlier runs have trained. model.pretrained=hub
     is timm's download, no path. A path in the folder of an earlier run of the sweep is left alone: that run may
-    write it (b: [model.pretrained=<out_root>/a/best.pt])."""
+    write it (b: [model.pretrained=<out_root>/a/best.pt]). So are a run's data files as train.py's start refuses
+    them from a listing (data/loader.py check_data_files: data.root, its splits, a token file's size and first ids)."""
+    from data import DataError
+    from data.loader import check_data_files
     from engine.run_dir import is_inside
 
     earlier: list[str] = []  # the folders of the runs before this one
@@ -990,6 +994,13 @@ def refuse_missing_input_files(runs: list[dict]) -> None:
             problem = "is a folder" if os.path.isdir(path) else "is no such file"
             raise ConfigError(f"sweep run '{run['name']}': {key}={value} {problem}: give {what} (checked before the "
                               f"sweep's first run trains)")
+        # data.root as the command reads it, in the repository root ('' stays '': the error names it unset)
+        data = dataclasses.replace(cfg.data, root=cfg.data.root and os.path.join(ROOT, cfg.data.root))
+        try:
+            check_data_files(data, cfg.model.num_classes)
+        except DataError as e:
+            raise ConfigError(f"sweep run '{run['name']}': {e} (checked before the sweep's first run trains)"
+                              ) from None
         earlier.append(out_dir)
 
 

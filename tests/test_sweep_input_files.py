@@ -79,3 +79,22 @@ def test_a_file_of_a_run_that_only_leaves_out_is_refused(tmp_path):
     """--only b: run a does not run before b, so nothing writes its best.pt."""
     with pytest.raises(sweep.ConfigError, match=r"sweep run 'b': model\.pretrained=.*/a/best\.pt is no such file"):
         sweep.refuse_missing_input_files(expanded(tmp_path, f"model.pretrained={tmp_path}/runs/a/best.pt", ["b"]))
+
+
+@pytest.mark.parametrize("items, problem", [
+    ("data.dataset=folder, model.num_classes=2, data.root={tmp}/missing", "data.root '{tmp}/missing' does not exist"),
+    ("data.dataset=tokens, model.name=gpt2_nano, model.num_classes=65, model.drop_path=0, data.root={tmp}",
+     "{tmp}/train.bin not found"),
+])
+def test_a_later_runs_data_that_is_not_there_is_refused_before_the_first_run_trains(tmp_path, launcher, items,
+                                                                                    problem):
+    """A run's own data (a data-set preset: configs/sweeps/finetune.yaml's run_keys) whose data.root or token file is
+    not there was told by its train.py, after the earlier runs had trained."""
+    path, calls = launcher
+    spec = sweep_file(tmp_path, items.format(tmp=tmp_path))
+    with pytest.raises(SystemExit) as refused:
+        sweep.main([spec, "--run", "--launcher", path])
+    message = str(refused.value)
+    assert message.startswith(f"error: sweep run 'b': {problem.format(tmp=tmp_path)}"), message
+    assert "\n" not in message
+    assert not calls.exists()  # run a did not train first
