@@ -825,9 +825,15 @@ def resolve_config(args: argparse.Namespace, recorded_quant: Optional[dict] = No
         own = "; ".join(f"{name} {p.default_bits}" for name, p in PIPELINES.items())
         raise ConfigError(f"--bits names no bit-width: name them (e.g. --bits w4a4 w8a8), or give quant.bits=[] "
                           f"for each pipeline's own ({own})")
+    # quant settings that --config files change count as given too: --quant / --bits would replace the file's
+    # quant.pipelines / quant.bits without a word
+    from_files = config_file_items(args.config or (), payload, "quant.")
+    filed = {override_keys(item)[0]: path for item, path in from_files.items()}
     for flag, key, value in (("--quant", "quant.pipelines", args.quant), ("--bits", "quant.bits", args.bits)):
         if value is not None and key in given:  # one of the two would be ignored
             raise ConfigError(f"{flag} and {key}= both say what to run: give one of them")
+        if value is not None and key in filed:
+            raise ConfigError(f"{flag} and {key} (--config {filed[key]}) both say what to run: give one of them")
     if args.quant is not None:
         cfg.quant.pipelines = list(args.quant)
     if args.bits is not None:
@@ -841,10 +847,9 @@ def resolve_config(args: argparse.Namespace, recorded_quant: Optional[dict] = No
         raise ConfigError(f"{dropout[0]} would be ignored: dropout and stochastic depth act in training only, and "
                           f"of evaluate.py's passes only GPLQ's stage 1 trains (pipelines: "
                           f"{', '.join(cfg.quant.pipelines) or 'none'}); drop it")
-    # quant settings that --config files change count as given too, and so, over a checkpoint, do their data settings
-    # (there the files are layers of evaluation settings, e.g. data.root; a weights file's --config files are its
-    # recipe, whose training-transform keys are not refused); `named` says where such an item comes from
-    from_files = config_file_items(args.config or (), payload, "quant.")
+    # and so, over a checkpoint, do their data settings (there the files are layers of evaluation settings, e.g.
+    # data.root; a weights file's --config files are its recipe, whose training-transform keys are not refused);
+    # `named` says where such an item comes from
     items = [*args.overrides, *from_files]
     data_from_files = config_file_items(args.config or (), payload, "data.") if payload else {}
     data_items = [*args.overrides, *data_from_files]

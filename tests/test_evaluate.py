@@ -679,6 +679,19 @@ def test_option_values_a_pipeline_cannot_use_stop_before_any_work(checkpoint, ov
         evaluate.resolve_config(args)
 
 
+@pytest.mark.parametrize("flag, yaml_text, key", [(["--quant", "percentile"], "quant:\n  pipelines: [repq]\n",
+                                                    "quant.pipelines"),
+                                                   (["--quant", "repq", "--bits", "w4a4"],
+                                                    "quant:\n  bits: [w8a8]\n", "quant.bits")])
+def test_a_config_file_naming_what_to_run_beside_the_flag_is_refused(checkpoint, tmp_path, flag, yaml_text, key):
+    """A --config file's quant.pipelines / quant.bits beside --quant / --bits was dropped without a word (the flag
+    ran percentile where the file asked for repq), where the same key given as an override is refused."""
+    layer = tmp_path / "quant.yaml"
+    layer.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=re.escape(f"{flag[-2]} and {key} (--config {layer}) both say what to run")):
+        evaluate.resolve_config(evaluate.parse_args(["--checkpoint", checkpoint, "--config", str(layer), *flag]))
+
+
 @pytest.mark.parametrize("argv, message", [(["--quant", "repq", "repq"], "--quant / quant.pipelines names repq twice"),
                                            (["--bits", "w4a4", "W4A4"], "--bits / quant.bits names w4a4 twice"),
                                            # `--quant` with no pipeline: the float evaluation alone reads no bits
