@@ -75,3 +75,39 @@ def test_big_endian_ids_past_the_vocabulary_either_way_keep_the_advice(tmp_path)
     """GPT-2 ids written big-endian, given a character model: they fit in no layout, the advice stays."""
     with pytest.raises(VocabularyError, match=r"or more$"):
         check_vocabulary(_stream(tmp_path, _gpt2_ids(20_000), ">u2"), 65)
+
+
+def _bible_char_ids(n: int) -> np.ndarray:
+    """The first `n` characters of the King James Bible as ids of its 65 sorted characters (nanoGPT's
+    shakespeare_char encoding)."""
+    from data.text import _kjv_text
+    text = _kjv_text()[:n]
+    lookup = {c: i for i, c in enumerate(sorted(set(_kjv_text())))}
+    return np.array([lookup[c] for c in text])
+
+
+@pytest.mark.parametrize("ids", [_char_ids(1 << 16), "bible"])
+def test_uint8_ids_that_fit_a_wide_vocabulary_read_as_uint16_are_refused_as_uint8(tmp_path, ids):
+    """Character ids written as uint8, given a GPT-2-sized model: two ids make a uint16 value up to 64 * 257 = 16448,
+    which fits 50304, so the vocabulary check passed and the model trained on pairs of characters. Refused with the
+    fix, which reads back as the ids written."""
+    ids = _bible_char_ids(1 << 17) if isinstance(ids, str) else ids
+    with pytest.raises(DataError, match=r"val\.bin: the low and high bytes of its first [\d,]+ uint16 values are "
+                                        r"spread alike .*a file of uint8 ids.*np\.fromfile\(path, dtype=np\.uint8\)"
+                                        r"\.astype\(np\.uint16\)\.tofile\(\.\.\.\)"):
+        _stream(tmp_path, ids, "u1")
+    path = tmp_path / "val.bin"
+    np.fromfile(path, dtype=np.uint8).astype(np.uint16).tofile(path)
+    stream = token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
+    np.testing.assert_array_equal(np.asarray(stream.ids), ids)
+    check_vocabulary(stream, 50_304)
+
+
+@pytest.mark.parametrize("ids", [_gpt2_ids(1 << 18), np.random.default_rng(2).integers(0, 50_304, 1 << 18),
+                                 np.random.default_rng(3).integers(0, 1_000, 1 << 16), _char_ids(1 << 16),
+                                 np.random.default_rng(4).integers(0, 1 << 16, 1 << 16)])
+def test_uint16_ids_of_any_vocabulary_are_not_taken_for_uint8(tmp_path, ids):
+    """GPT-2's Zipf-like ids, uniform ids of its whole vocabulary (the high bytes 0..196 against low bytes 0..255),
+    a vocabulary of 1,000, character ids below 256 and uniform ids of all 65,536 (bytes alike in both halves, but of
+    every value, as no uint8 text's are), all as uint16: read as written."""
+    np.testing.assert_array_equal(np.asarray(_stream(tmp_path, ids, "<u2").ids), ids)
