@@ -84,7 +84,8 @@ from engine.rank_agreement import SAME_SETTINGS_FIX, check_same_settings_on_ever
 from engine.loop import NonFiniteLossError, NothingScoredError
 from engine.precision import describe_precision
 from engine.preemption import EXIT_PREEMPTED, Preempted, Preemption, ignore_sigterm_until_exit
-from engine.quant_settings import quant_settings, sees_training_transform, train_mode_settings, training_data
+from engine.quant_settings import (quant_settings, sees_training_transform, train_folder_fingerprint,
+                                   train_mode_settings, training_data)
 from engine.result_table import markdown_table, method_name
 from engine.tasks import check_model_fits_task, perplexity_text, task_for
 from engine.console import console_print
@@ -207,7 +208,8 @@ def main(args: argparse.Namespace) -> dict:
             # before it
             pipeline_data = (build_pipeline_data(cfg, img_size, dist.rank, dist.world_size,
                                                  os.path.splitext(out)[0],
-                                                 lambda saves: Preemption(device, dist.distributed, saves=saves))
+                                                 lambda saves: Preemption(device, dist.distributed, saves=saves),
+                                                 gplq=any(name == "gplq" for name, _ in todo))
                              if todo and not task.language else None)  # the LM pipelines need the calibration windows
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
@@ -723,7 +725,7 @@ class ShortTrainImages(DataError, TooFewImages):
 
 
 def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
-                        work_prefix: str, preemption=None) -> PipelineData:
+                        work_prefix: str, preemption=None, gplq: bool = True) -> PipelineData:
     """Training data for pipelines that draw their own images (APHQ, GPLQ; see quant/pipeline_data.py).
 
     train_images: seeded train-split images (training or eval transform), the same on every rank.
@@ -731,7 +733,8 @@ def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
     augmentation; mixup/cutmix are never applied by pipelines). work_prefix: where GPLQ keeps its
     resumable stage-1 checkpoint (next to the output JSON). preemption: (checkpoint path) -> a Preemption
     (engine/preemption.py) that GPLQ stage 1 alone opens, so that a signal there saves its checkpoint; None:
-    signals keep their default effect.
+    signals keep their default effect. gplq: whether GPLQ may run on it, whose stage-1 identity names a folder
+    split's files (`identity`: a walk of the split, which the other pipelines do not need).
     """
     def train_images(count: int, seed: int, train_transform: bool) -> torch.Tensor:
         try:  # a split short of readable images (known only now) is refused under the quant.* setting that asked
@@ -746,8 +749,12 @@ def build_pipeline_data(cfg: Config, img_size: int, rank: int, world_size: int,
                                    seed=seed, num_classes=cfg.model.num_classes)
         return train
 
+    # the split's files, not its name alone: GPLQ's stage-1 checkpoint of the split exported again under its path
+    # (other images) is another run's
+    files = ({"train_files": train_folder_fingerprint(cfg.data.root, cfg.data.train_split)}
+             if gplq and cfg.data.dataset == "folder" and cfg.data.root else {})
     return PipelineData(train_images=train_images, train_loader=train_loader, work_prefix=work_prefix,
-                        identity={**training_data(cfg), "model_training": train_mode_settings(cfg)},
+                        identity={**training_data(cfg), **files, "model_training": train_mode_settings(cfg)},
                         preemption=preemption)
 
 

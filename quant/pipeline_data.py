@@ -50,7 +50,7 @@ class PipelineData:
     train_detector: (student, settings, work_dir) -> report: trains a detector in place on its own loss
         with MMDetection's runner (GPLQ stage 1; engine/detection/qat.py `train_activation_qat`), resuming from
         the checkpoints in work_dir.
-    identity: what the drawn images depend on besides the arguments (the training split and its
+    identity: what the drawn images depend on besides the arguments (the training split, its files and its
         transform), and the model's training-mode settings (dropout, stochastic depth): a pipeline that keeps
         files between runs (GPLQ stage 1) records it, so that a file trained otherwise is never resumed.
     preemption: (path of the checkpoint a stop writes) -> an engine.preemption.Preemption, a context manager

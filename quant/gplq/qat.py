@@ -135,8 +135,13 @@ def lr_meant_then(identity: dict, section: str) -> dict:
 def refuse_other_run(checkpoint: str, saved: dict, config: dict) -> None:
     """A CheckpointError (the entry point's one `error:` line) when the stage-1 checkpoint at `checkpoint` was
     written with another identity than `config` (a null lr or scale_lr it holds read as then, `lr_meant_then`); the
-    file is kept, it is another run's."""
+    file is kept, it is another run's. One written before the identity held the training split's files (`data`'s
+    `train_files`) is taken as of the files the split holds now, as a result entry without them is
+    (engine/eval_results.py LATER_SETTINGS)."""
     saved = lr_meant_then(saved, "stage1")
+    data = config.get("data")
+    if isinstance(data, dict) and "train_files" in data and "train_files" not in (saved.get("data") or {}):
+        config = {**config, "data": {k: v for k, v in data.items() if k != "train_files"}}
     if saved != config:  # only what differs: the identities are long (every option, the data's fingerprints)
         then, now = _flat(saved), _flat(config)
         keys = [k for k in {**then, **now} if then.get(k, "(none)") != now.get(k, "(none)")]
