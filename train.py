@@ -71,7 +71,8 @@ from engine.precision import describe_precision, grad_scaler, set_tf32
 from engine.exit_codes import EXIT_INTERRUPTED
 from engine.preemption import EXIT_PREEMPTED, Preemption, SecondInterrupt, ignore_sigterm_until_exit, preempted_line
 from engine.resume import (check_schedule_holds, continue_sample_order, epoch_layout, epoch_position,
-                           optimizer_param_names, restore_optimizer, resume_position, same_val_windows)
+                           note_moved_ties, optimizer_param_names, restore_optimizer, resume_position,
+                           same_val_windows)
 from engine.snapshots import (STARTED_AT_STEP, ReadAhead, check_same_start_on_every_rank,
                               check_same_weights_on_every_rank, file_identity, keep_abandoned_checkpoint,
                               keep_finished_run, keep_missing_snapshot, keep_snapshot, planned_resume, resume_source,
@@ -1066,6 +1067,9 @@ def resume_run(run: Run, resume_path: str, payload: dict) -> None:
         payload.get("epoch_position"), epoch_position(epoch_batches=0, **run.position),
         epoch_batches=state.epoch_batches, step=state.step, checkpoint=resume_path)
     continue_sample_order(payload, run.loaders.train.sampler, run.position, resume_path)
+    train_set = getattr(run.loaders.train.loader.dataset, "base", None)  # SeededDataset's
+    note_moved_ties(payload.get("epoch_position"), state.epoch_batches, getattr(train_set, "moved_ties", 0),
+                    resume_path)
     schedule_at_resume(run)
     # said once the checks above passed (EMA turned on, other updates per epoch, ...): a refused command says no
     # "resuming" before its error line

@@ -219,15 +219,17 @@ class ImageFolderDataset(ImageDataset):
     engine/loop.py leaves it out of evaluations and replaces it in training batches, naming and counting
     it in both. The transform's own errors are not caught: they are bugs or settings, not a bad file.
 
-    A folder's images that timm's natural-key order ties are put in the order of their names (`ties_in_name_order`).
+    A folder's images that timm's natural-key order ties are put in the order of their names (`ties_in_name_order`);
+    `moved_ties` counts those that take another place than the listing gave them (engine/resume.py note_moved_ties).
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        samples = self.reader.samples
+        samples, self.moved_ties = self.reader.samples, 0
         # a folder's (path, target) list; a .tar's samples (an array of members) tie in the tar's order, every copy's
         if isinstance(samples, list) and samples and isinstance(samples[0][0], str):
             self.reader.samples = ties_in_name_order(samples)
+            self.moved_ties = sum(a is not b for a, b in zip(samples, self.reader.samples))
 
     def __getitem__(self, index: int):
         source = None

@@ -29,6 +29,10 @@ at that update:
   refused with a CheckpointError that names the cause and the fix. The rule that seeds each epoch's shuffle from
   (seed, epoch) is recorded too (`order_rule`, data/samplers.py ORDER_RULE): a checkpoint without it was written
   under the earlier rule, which its run keeps to its end (`continue_sample_order`), so that it resumes exactly.
+  Likewise the order of a folder's images that timm's natural-key order ties (`tie_order`, data/folder.py
+  ties_in_name_order): a checkpoint without it was written while they kept the directory listing's order, which
+  is not recorded; where such a run stopped inside an epoch and tied images take other places now, the log says
+  so (`note_moved_ties`).
 * validation windows (`same_val_windows`): a language model's `data.val_windows` is compared by the windows it
   scores, not by its number: 0, the text's count and (in a run written before more were refused) a value past it
   all score every window.
@@ -50,7 +54,7 @@ from .checkpoint import CheckpointError
 log = logging.getLogger(__name__)
 
 __all__ = ["optimizer_param_names", "restore_optimizer", "is_group_counter", "epoch_position", "epoch_layout",
-           "resume_position", "continue_sample_order", "check_schedule_holds", "same_val_windows"]
+           "resume_position", "continue_sample_order", "note_moved_ties", "check_schedule_holds", "same_val_windows"]
 
 
 def optimizer_param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -133,7 +137,29 @@ def epoch_position(*, epoch_batches: int, batch_size_per_gpu: int, world_size: i
     return {"samples": epoch_batches * batch_size_per_gpu * world_size, "world_size": world_size,
             "batch_size_per_gpu": batch_size_per_gpu, "accum_steps": accum_steps,
             "updates_per_epoch": updates_per_epoch, "train_images": train_images, "seed": seed,
-            "repeated_aug": repeated_aug, "order_rule": order_rule}
+            "repeated_aug": repeated_aug, "order_rule": order_rule, "tie_order": TIE_ORDER}
+
+
+# the order of a folder's images that timm's natural-key order ties, which checkpoints record (`epoch_position`):
+# their names' (data/folder.py ties_in_name_order); a checkpoint that records none was written under the listing's
+TIE_ORDER = "name"
+
+
+def note_moved_ties(saved: Optional[dict], epoch_batches: int, moved: int, checkpoint: str) -> None:
+    """Warn where the checkpoint `checkpoint` (`saved`, its epoch_position; None where it has none) records no
+    `tie_order`, stopped inside an epoch (`epoch_batches` of it consumed) and `moved` of the training split's images
+    take another place now than that run's directory listing may have given them (data/folder.py
+    ImageFolderDataset.moved_ties). The rest of that epoch reads their indices as the other images of their tie,
+    which share their class folder: some may be seen twice, others not at all. Later epochs read each image once.
+    Not refused: the listing's order was never recorded, so no setting restores it, and the difference stays inside
+    one epoch and one class."""
+    if (isinstance(saved, dict) and "tie_order" in saved) or not epoch_batches or not moved:
+        return
+    log.warning("%s was written while images whose names sort as one (1.png and 01.png) kept the directory "
+                "listing's order, which it does not record, and it stopped inside an epoch: %d of the training "
+                "split's images take other places now (their names' order), so the rest of this epoch may read some "
+                "of them twice and their tied names not at all (each within its class); later epochs read each once",
+                checkpoint, moved)
 
 
 def epoch_layout(cfg, *, world_size: int, accum_steps: int, updates_per_epoch: int, train_images: int,
