@@ -2,11 +2,12 @@
 
 A missing root, a missing split folder (or a link to one), a class folder that is a link to nothing or a split
 without class folders is a clear error here rather than an exception from inside a DataLoader worker (or a class
-that drops out without a word). The classes are the split's sub-folders, each holding
-its images directly: an image elsewhere or an empty class folder is an error (`check_class_folders`), as
-either would change the class set silently. timm's reader also accepts a .tar per split, checked by the same
-rules: its class folders are the tar's top-level folders, or the class tars it holds (ImageNet's train tar),
-below the folders all its images share, if any (`tar cf train.tar train/` stores train/<class>/<image>).
+that drops out without a word). The classes are the split's sub-folders, each holding its images directly: an
+image elsewhere, an empty class folder or two class folders that are one (a link to the other) is an error
+(`check_class_folders`), as each would change the classes silently. timm's reader also accepts a .tar per split,
+checked by the same rules: its class folders are the tar's top-level folders, or the class tars it holds
+(ImageNet's train tar), below the folders all its images share, if any (`tar cf train.tar train/` stores
+train/<class>/<image>).
 
 The images are exactly the files timm's reader reads (its extensions, `read_extensions`): what is checked,
 counted and reported is what is read. An image file that timm would skip without a word (a .webp, .bmp,
@@ -443,7 +444,8 @@ def check_class_folders(path: str, dataset: ImageDataset) -> None:
 
     timm makes a class of every folder that holds an image, at any depth (in a .tar, of the last folder's name), and
     of none that holds no image: an image directly under the split (class ''), one in a nested or hidden folder, or
-    an empty class folder would change the class set, and so the meaning of every label, without a word.
+    an empty class folder would change the class set, and so the meaning of every label, without a word. Two class
+    folders that are one folder (a link to another class's) would label its images as both.
     """
     # a tar's headers are read once for both (a pass over a flat tar of ImageNet's images is not free)
     wrapper, folders = ([], class_folders(path)) if os.path.isdir(path) else tar_layout(path)
@@ -472,6 +474,15 @@ def check_class_folders(path: str, dataset: ImageDataset) -> None:
     if tied:
         raise DataError(f"{path}: class folders {', '.join(tied)} sort as one name (case and leading zeros aside), "
                         f"so their label order would change from process to process: rename them apart")
+    if os.path.isdir(path):  # a class folder linked to another (train/b -> a): one stat per class folder, via links
+        seen: dict = {}
+        for name in folders:
+            stat = os.stat(os.path.join(path, name))
+            first = seen.setdefault((stat.st_dev, stat.st_ino), name)
+            if first != name:
+                raise DataError(f"{path}: class folders {first} and {name} are one folder under two names "
+                                f"({os.path.join(path, name)} is {os.path.join(path, first)}), so its images would "
+                                f"be labelled as both classes: point the link at {name}'s own images, or remove it")
     labelled = set(class_names(dataset))
     empty = [name for name in folders if name not in labelled]
     if empty:

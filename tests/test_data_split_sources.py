@@ -116,6 +116,23 @@ def test_a_val_split_of_its_own_class_folders_is_taken(tmp_path):
     check_before_start(tmp_path)
 
 
+def test_two_class_folders_of_a_split_that_are_one_folder_are_refused(tmp_path):
+    """train/b a link to train/a: timm read a's images once as class a and once as class b, the same images under
+    two labels. Refused naming both, in either split."""
+    make_folder(tmp_path, {"train": {"a": 4, "c": 4}, "val": {"a": 2, "b": 2, "c": 2}})
+    os.symlink("a", tmp_path / "train" / "b")
+    assert os.path.samefile(tmp_path / "train" / "b", tmp_path / "train" / "a")  # the reference: one folder
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'train'}: class folders a and b are one folder under two "
+                                        r"names .*its images would be labelled as both classes"):
+        loaders(tmp_path, classes=3)
+
+
+def test_class_folders_linked_to_folders_of_their_own_are_taken(tmp_path):
+    make_folder(tmp_path, {"train": {"a": 4}, "val": {"a": 2, "b": 2}, "more": {"b": 4}})
+    os.symlink(tmp_path / "more" / "b", tmp_path / "train" / "b")
+    assert len(loaders(tmp_path).train.loader.dataset) == 8
+
+
 # -- class names in other Unicode forms ----------------------------------------------------------------------
 
 def test_class_names_that_differ_only_in_unicode_form_are_named_as_such(tmp_path):
