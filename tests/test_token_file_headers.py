@@ -1,8 +1,9 @@
-"""llm.c's token files (and modded-nanogpt's fineweb10B shards, written by the same code) begin with a header of 256
-int32 values (magic 20240520, version 1 for uint16 ids or 2 for uint32 ids, the token count) before the ids. Read as
-uint16 ids, that header trained as 512 ids (56920, 308, ...), whose 56920 made the vocabulary check advise
-model.num_classes=56921; version 2's uint32 ids trained as their halves. Such a file is refused naming its header,
-and the fix given (the ids after the 1024 bytes) reads back as the ids written."""
+"""Token files with a header before their ids. llm.c's (and modded-nanogpt's fineweb10B shards, written by the same
+code) begin with 256 int32 values (magic 20240520, version 1 for uint16 ids or 2 for uint32 ids, the token count).
+Read as uint16 ids, that header trained as 512 ids (56920, 308, ...), whose 56920 made the vocabulary check advise
+model.num_classes=56921; version 2's uint32 ids trained as their halves. A NumPy .npy file (np.save into val.bin)
+trained its header as ids, and int64 ids as their parts. Such a file is refused naming its header, and the fix given
+reads back as the ids written."""
 import re
 
 import numpy as np
@@ -54,3 +55,20 @@ def test_uint16_ids_that_begin_as_no_header_are_read_as_written(tmp_path):
     (tmp_path / "val.bin").write_bytes(ids.astype(np.uint16).tobytes())
     stream = token_stream(DataConfig(dataset="tokens", root=str(tmp_path)), "val")
     np.testing.assert_array_equal(np.asarray(stream.ids), ids)
+
+
+@pytest.mark.parametrize("dtype", ["<u2", "<i8"])
+def test_a_numpy_npy_file_is_refused_naming_its_header_and_the_fix_reads_back_its_ids(tmp_path, dtype):
+    """np.save into a file named val.bin: a .npy header (magic \\x93NUMPY, the dtype and shape), then the ids; read
+    as uint16 ids from its first byte, the header trained as 64 ids."""
+    ids = _gpt2_ids(5_000)
+    path = tmp_path / "val.bin"
+    with open(path, "wb") as f:
+        np.save(f, ids.astype(dtype))
+    cfg = DataConfig(dataset="tokens", root=str(tmp_path))
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}: it is a NumPy \.npy file \(np\.save: a header, "
+                                        rf"then {np.dtype(dtype)} ids of shape \(5000,\)\).*np\.load\(path\)\.astype"
+                                        r"\(np\.uint16\)\.tofile\(\.\.\.\)"):
+        token_stream(cfg, "val")
+    np.load(path).astype(np.uint16).tofile(path)
+    np.testing.assert_array_equal(np.asarray(token_stream(cfg, "val").ids), ids)
