@@ -87,15 +87,15 @@ def torchrun_options(launcher: str) -> Optional[tuple[str, object]]:
     """(the module, the options its own parse_args reads) of a torchrun launcher, with a script after the options,
     as the commands give it; None for another launcher, or options torchrun refuses (an unknown or ambiguous one,
     --n=2: its usage error, kept from the output here, ends the first command at its start). torchrun is the
-    program of that name or `python -m` one of TORCHRUN_MODULES, after an `env NAME=value ...` prefix (whose
-    values its options read). Raises ValueError for an unclosed quote."""
+    program of that name or `python -m` one of TORCHRUN_MODULES, after an `env [-u NAME] NAME=value ...` prefix
+    (the environment its options read: env_words). Raises ValueError for an unclosed quote."""
     words = shlex.split(launcher)
-    environment = {}
+    environment, clear = dict(os.environ), False
     if words and os.path.basename(words[0]) == "env":  # `env NAME=value ... torchrun ...`: torchrun reads them
-        words = words[1:]
-        while words and "=" in words[0] and not words[0].startswith("-"):
-            name, value = words.pop(0).split("=", 1)
-            environment[name] = value
+        words = env_words(words[1:], environment)
+        if words is None:
+            return None  # an option of env's not read here (-C DIR, -S): the count is not known before the start
+        clear = True
     if not words:
         return None
     if os.path.basename(words[0]) == "torchrun":
@@ -109,10 +109,34 @@ def torchrun_options(launcher: str) -> Optional[tuple[str, object]]:
     parse_args = importlib.import_module(module).parse_args  # torch: only for a torchrun launcher
     try:  # its options' defaults read the environment (PET_NPROC_PER_NODE): the launcher's own, env's included
         with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()), \
-                unittest.mock.patch.dict(os.environ, environment):
+                unittest.mock.patch.dict(os.environ, environment, clear=clear):
             return module, parse_args([*options, "train.py"])
     except SystemExit:
         return None
+
+
+def env_words(words: list[str], environment: dict) -> Optional[list[str]]:
+    """The command that `env` with arguments `words` runs, after applying its options and NAME=value words to
+    `environment` as env does (-u NAME / --unset=NAME: removed, -i / --ignore-environment / -: emptied: torchrun's
+    PET_* defaults are read from what is left); None for another option of env's (-C DIR, -S: not read here)."""
+    while words and words[0].startswith("-") and words[0] != "--":
+        word = words.pop(0)
+        if word in ("-i", "--ignore-environment", "-"):
+            environment.clear()
+        elif word in ("-u", "--unset") and words:
+            environment.pop(words.pop(0), None)
+        elif word.startswith("--unset="):
+            environment.pop(word.split("=", 1)[1], None)
+        elif word.startswith("-u") and not word.startswith("--"):
+            environment.pop(word[2:], None)
+        else:
+            return None
+    if words and words[0] == "--":
+        words = words[1:]
+    while words and "=" in words[0]:
+        name, value = words.pop(0).split("=", 1)
+        environment[name] = value
+    return words
 
 
 def python_module(arguments: list[str]) -> Optional[tuple[str, list[str]]]:

@@ -111,6 +111,9 @@ PYTHON, TORCHRUN_PROGRAM = sys.executable, os.path.join(os.path.dirname(sys.exec
     (f"{TORCHRUN_PROGRAM} --standalone --nproc_per_node=2", {}),
     (f"{TORCHRUN_PROGRAM} --standalone", {"PET_NPROC_PER_NODE": "2"}),  # torchrun's default from the environment
     (f"env OMP_NUM_THREADS=1 PET_NPROC_PER_NODE=3 {TORCHRUN_PROGRAM} --standalone", {"PET_NPROC_PER_NODE": "2"}),
+    # env's own options: the default unset (one process per node), or set after an unset
+    (f"env -u PET_NPROC_PER_NODE {TORCHRUN_PROGRAM} --standalone", {"PET_NPROC_PER_NODE": "2"}),
+    (f"env --unset=PET_NNODES -- PET_NPROC_PER_NODE=3 {TORCHRUN_PROGRAM} --standalone", {"PET_NNODES": "2"}),
 ])
 def test_launcher_world_size_is_the_number_of_processes_the_launcher_starts(tmp_path, monkeypatch, launcher,
                                                                             environment):
