@@ -230,16 +230,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """best.pt of a vit_nano trained 10 updates on digits: weights for evaluate.py's tests."""
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory):
+    """The run folder of a vit_nano trained 10 updates on digits, trained once per test process: `checkpoint` copies
+    it for each module (trained per module, it was 18 trainings of the same run in the default suite)."""
     import train
     from configs import load_config
 
-    out = tmp_path_factory.mktemp("ckpt")
+    out = tmp_path_factory.mktemp("digits_run")
     train.main(load_config([DEMO_CONFIG], [f"out_dir={out}", "model.name=vit_nano", "train.max_steps=10",
                                            "sched.epochs=1", "sched.warmup_epochs=0",
                                            "log.tensorboard=false"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(digits_run, tmp_path_factory):
+    """best.pt of a vit_nano trained 10 updates on digits: weights for evaluate.py's tests. Each module gets its own
+    copy of the run folder, as when it trained its own: its tests write results and logs beside the checkpoint."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("ckpt")
+    shutil.copytree(digits_run, out, dirs_exist_ok=True)
     return str(out / "best.pt")
 
 
