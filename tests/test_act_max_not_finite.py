@@ -7,11 +7,11 @@ the per-type table leaves out.
 Where they are measured (engine.act_max.ActivationProbe): an output that is NaN (an fp16 overflow's inf - inf) was
 a record of max NaN, which Python's max() of the records skips, so act/max_block was the largest of the other blocks'
 outputs; it is inf, and the largest kurtosis of its kind NaN (not known)."""
+import contextlib
 import math
 
 import pytest
 import torch
-from torch import nn
 
 from engine.act_max import ActivationProbe
 from quant_models import images, tiny_swin, tiny_vit
@@ -114,9 +114,10 @@ def test_finite_outputs_keep_their_largest_kurtosis():
     assert math.isfinite(result.block) and result.metrics()["act/kurtosis_block"] == max(kurtosis)
 
 
+@contextlib.contextmanager
 def calls_in_order(model):
     """The reference: every module's call as plain forward hooks see it, in the order they fire, as (name, its inputs
-    are finite, its output is finite); and the hooks' handles."""
+    are finite, its output is finite), for the forwards inside the `with`."""
     calls = []
 
     def finite(values):
@@ -125,7 +126,11 @@ def calls_in_order(model):
 
     handles = [m.register_forward_hook(lambda m, i, o, n=n: calls.append((n, finite(i), finite(o))))
                for n, m in model.named_modules()]
-    return calls, handles
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -146,11 +151,8 @@ def test_an_overflow_in_the_attention_is_named_at_the_first_output_the_forward_c
             module.fused_attn = fused
     with torch.no_grad():
         model.get_submodule(f"{attention}.qkv").weight[:, 0] = 1e20
-    calls, handles = calls_in_order(model)
-    with torch.no_grad(), ActivationProbe(model) as probe:
+    with calls_in_order(model) as calls, torch.no_grad(), ActivationProbe(model) as probe:
         model(images(2))
-    for handle in handles:
-        handle.remove()
     probed = set(probe.names())
     bad = [(name, read_finite) for name, read_finite, finite in calls if name in probed and not finite]
     first, read_finite = bad[0]
@@ -172,11 +174,9 @@ def test_an_overflow_of_a_modules_own_output_is_named_without_a_note_on_its_inpu
     import evaluate
 
     model = overflowing_vit()
-    calls, handles = calls_in_order(model)
-    with torch.no_grad(), ActivationProbe(model) as probe, torch.autocast("cpu", dtype=torch.float16):
+    with calls_in_order(model) as calls, torch.no_grad(), ActivationProbe(model) as probe, \
+            torch.autocast("cpu", dtype=torch.float16):
         model(images(4))
-    for handle in handles:
-        handle.remove()
     probed = set(probe.names())
     first = next((name, read_finite) for name, read_finite, finite in calls if name in probed and not finite)
     assert first == ("blocks.1.mlp.fc1", True)
@@ -192,29 +192,17 @@ def test_an_overflow_in_mmdetection_swins_attention_is_named_at_its_softmax():
     """MMDetection's WindowMSA registers its softmax after proj: an inf q @ k (qkv's column 0 at 1e20), which the
     softmax reads and makes NaN, was named at proj; it is named at the softmax, the first output not finite as plain
     forward hooks see them, with the value it read computed in w_msa's forward."""
-    from mmdet.models.backbones import swin
     from engine.detection import DetectionError
     from engine.detection.evaluation import BACKBONE, HEADS, activation_maxima
-
-    class Detector(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.backbone = swin.SwinTransformer(embed_dims=16, depths=(2,), num_heads=(2,), window_size=4,
-                                                 strides=(2,), patch_size=2, out_indices=(0,))
-
-        def forward(self, x):
-            return self.backbone(x)
+    from test_act_max_padded_windows import tiny_mmdet_detector
 
     torch.manual_seed(0)
-    model = Detector().eval()
+    model = tiny_mmdet_detector().eval()
     msa = "backbone.stages.0.blocks.1.attn.w_msa"
     with torch.no_grad():
         model.get_submodule(f"{msa}.qkv").weight[:, 0] = 1e20
-    calls, handles = calls_in_order(model)
-    with torch.no_grad(), ActivationProbe(model, blocks=BACKBONE + HEADS) as probe:
+    with calls_in_order(model) as calls, torch.no_grad(), ActivationProbe(model, blocks=BACKBONE + HEADS) as probe:
         model(torch.randn(1, 3, 16, 16))
-    for handle in handles:
-        handle.remove()
     probed = set(probe.names())
     bad = [(name, read_finite) for name, read_finite, finite in calls if name in probed and not finite]
     assert bad[0] == (f"{msa}.softmax", False)  # the premise: the softmax reads the inf
@@ -234,11 +222,8 @@ def test_a_value_not_finite_from_before_the_blocks_is_named_so():
     model = tiny_vit()
     with torch.no_grad():
         model.pos_embed[0, 1:, 0] = float("inf")
-    calls, handles = calls_in_order(model)
-    with torch.no_grad(), ActivationProbe(model) as probe:
+    with calls_in_order(model) as calls, torch.no_grad(), ActivationProbe(model) as probe:
         model(images(2))
-    for handle in handles:
-        handle.remove()
     probed = set(probe.names())
     reads = {name: read_finite for name, read_finite, _ in calls}
     first = next(name for name, _, finite in calls if name in probed and not finite)

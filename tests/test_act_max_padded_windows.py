@@ -109,11 +109,10 @@ def test_timm_swin_maxima_and_kurtosis_leave_out_the_padded_tokens(name, size, w
     check(probe, outputs, uncropped_and_cropped(outputs, grids, unpad), maxima_changed)
 
 
-@pytest.mark.detection  # MMDetection needs full mmcv (scripts/install_mmcv.sh): CI's detection step runs it
-def test_mmdetection_swin_maxima_and_kurtosis_leave_out_the_padded_tokens():
-    """MMDetection pads, then rolls: a 20 x 28 image's 10 x 14 grid in windows of 4, shifted in the second block."""
+def tiny_mmdet_detector() -> nn.Module:
+    """A model whose `backbone` is one tiny stage of MMDetection's Swin (embed 16, two blocks, windows of 4, the
+    second shifted): what engine.detection.evaluation measures of a detector, without its neck and heads."""
     from mmdet.models.backbones import swin
-    torch.manual_seed(0)
 
     class Detector(nn.Module):
         def __init__(self):
@@ -124,7 +123,15 @@ def test_mmdetection_swin_maxima_and_kurtosis_leave_out_the_padded_tokens():
         def forward(self, x):
             return self.backbone(x)
 
-    model = perturb_norms(Detector().eval())
+    return Detector()
+
+
+@pytest.mark.detection  # MMDetection needs full mmcv (scripts/install_mmcv.sh): CI's detection step runs it
+def test_mmdetection_swin_maxima_and_kurtosis_leave_out_the_padded_tokens():
+    """MMDetection pads, then rolls: a 20 x 28 image's 10 x 14 grid in windows of 4, shifted in the second block."""
+    from mmdet.models.backbones import swin
+    torch.manual_seed(0)
+    model = perturb_norms(tiny_mmdet_detector().eval())
     grids = {}
 
     def grid_of(name):
