@@ -902,24 +902,29 @@ def write_whole(path: str, write: Callable[[str], None], overwrite: bool = True)
 
 
 def write_folder_whole(folder: str, write: Callable[[str], None]) -> None:
-    """`write(tmp)` fills a new folder `tmp` (a `partial_path` of `folder`, beside it), whose files then appear at
-    `folder` at once (a data set written file by file): a reader (a run) never finds a part of them, and on any
-    exception (a full disk, Ctrl-C) `tmp` and all in it are removed, `folder` as it was. Where there is no `folder`,
-    `tmp` is renamed to it; an empty one is kept (its permissions, a shell's current folder) and takes the entries of
-    `tmp`, one rename each; one that files appeared in meanwhile is refused (OSError ENOTEMPTY) and kept as it is. A
-    killed writer leaves `tmp`, a name no reader takes for `folder`. A symbolic link at `folder` is written through,
-    as `write_whole` writes."""
+    """`write(tmp)` fills a new folder `tmp` (a `partial_path` of `folder`), whose files then appear at `folder` at
+    once (a data set written file by file): a reader (a run) never finds a part of them, and on any exception (a full
+    disk, Ctrl-C) `tmp` and all in it are removed, `folder` as it was. Where there is no `folder`, `tmp` is made beside
+    it and renamed to it. An empty one is kept (its permissions, a shell's current folder, a mount point) and `tmp`,
+    a hidden folder, is made in it: its entries then move up into `folder` by a rename each, which stays on `folder`'s
+    file system (a rename from beside a mount point crosses to another, EXDEV) and needs no right to write beside it.
+    A `folder` that files appeared in meanwhile is refused (OSError ENOTEMPTY) and kept as it is. A killed writer
+    leaves `tmp`, a name no reader takes for `folder` or a part of the set. A symbolic link at `folder` is written
+    through, as `write_whole` writes."""
     target = os.path.realpath(folder)
-    tmp = partial_path(target)
-    if not os.path.exists(os.path.dirname(target)):  # a file there: mkdir's NotADirectoryError, as writing into it
-        os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.isdir(target):
+        tmp = os.path.join(target, "." + os.path.basename(partial_path(target)))
+    else:
+        tmp = partial_path(target)
+        if not os.path.exists(os.path.dirname(target)):  # a file there: mkdir's NotADirectoryError, as writing into it
+            os.makedirs(os.path.dirname(target), exist_ok=True)
     os.mkdir(tmp)  # its random part: never an existing folder, so the one removed below is this call's
     try:
         write(tmp)
-        if not os.path.isdir(target):
+        if os.path.dirname(tmp) != target:
             os.rename(tmp, target)
             return
-        if os.listdir(target):
+        if set(os.listdir(target)) != {os.path.basename(tmp)}:
             raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), target)
         for name in sorted(os.listdir(tmp)):
             os.rename(os.path.join(tmp, name), os.path.join(target, name))

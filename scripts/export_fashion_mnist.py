@@ -13,8 +13,8 @@ are `<label>_<name>` (0_t-shirt_top ... 9_ankle_boot): timm's folder reader numb
 sort order of the folder names, and the label prefix makes that order Fashion-MNIST's own labels.
 `--train-per-class` / `--val-per-class` keep the first N images of each class in file order (the files
 are already shuffled), a fixed subset for runs that must fit a CPU. The images appear at OUT only once all
-are written (until then in a folder beside it, OUT.partial-<host>-<pid>-<random>, which an interrupted export
-removes; a killed one leaves it behind, never a part of the set at OUT).
+are written (until then in a folder OUT.partial-<host>-<pid>-<random> beside it, or a hidden one in an empty OUT
+given, which an interrupted export removes; a killed one leaves it behind, never a part of the set).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """scripts/export_fashion_mnist.py on tiny synthetic idx.gz files: the class folders, the per-class subset,
 the exact pixel values, labels as the repository's folder loader reads them, and the refusals."""
+import errno
 import gzip
 import os
 import struct
@@ -249,3 +250,35 @@ def test_a_file_put_into_out_during_the_export_is_kept_and_nothing_is_mixed_in(s
         fm.export(folder, str(out), train_per_class=1)
     assert os.listdir(out) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+@pytest.mark.parametrize("boundary", ["mount_point", "parent_not_writable"])
+def test_an_empty_out_on_another_file_system_or_under_a_folder_not_writable_is_filled(source, tmp_path, monkeypatch,
+                                                                                       boundary):
+    """An empty --out that is a mount point (a container's volume) or lies in a folder the user may not write: the
+    set was written beside it, on the parent's file system, and each entry's rename into --out failed (EXDEV), or
+    nothing could be made beside it (EACCES), an ExportError on a folder that takes files. Both are modelled here
+    (root ignores permissions, and a mount needs it): renames that cross --out's boundary fail, as between mounts."""
+    folder, _ = source
+    out = tmp_path / "out"
+    out.mkdir()
+    inside = str(out) + os.sep
+    rename, mkdir = os.rename, os.mkdir
+
+    def rename_on_one_file_system(src, dst, *args, **kwargs):
+        if str(src).startswith(inside) != str(dst).startswith(inside):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), src, dst)
+        return rename(src, dst, *args, **kwargs)
+
+    def mkdir_in_out_alone(path, *args, **kwargs):
+        if os.path.dirname(os.path.abspath(path)) == str(tmp_path):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return mkdir(path, *args, **kwargs)
+
+    if boundary == "mount_point":
+        monkeypatch.setattr(os, "rename", rename_on_one_file_system)
+    else:
+        monkeypatch.setattr(os, "mkdir", mkdir_in_out_alone)
+    assert fm.export(folder, str(out), train_per_class=1) == {"train": 10, "val": 10}
+    assert sorted(os.listdir(out)) == ["train", "val"] and sorted(os.listdir(tmp_path)) == ["out", "src"]
+    assert [len(os.listdir(out / "train" / fm.class_folder(label))) for label in range(10)] == [1] * 10
