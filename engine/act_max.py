@@ -25,9 +25,10 @@ act/kurtosis_module would change with TIMM_FUSED_ATTN.
 An output that is not finite (an fp16 overflow under autocast, a diverged model) has the maximum inf (a NaN too),
 so that the module or block maximum is inf, never the largest of the other outputs, and no kurtosis. Where it began
 (`first_not_finite`) is found from the order in which the forward computed the outputs (each record's `call`; a
-module's output after those of the modules inside it) and from whether each module read an input that was not finite
-already (`input_finite`), not from the order the modules are registered in: Swin's softmax module is registered after
-the proj that reads its output, and a softmax done as a function (timm ViT's, any fused attention) is no module.
+module's output after those of the modules inside it) and from whether the call that made a module's output not
+finite first read an input that was not finite already (`input_finite`; a module called again, shared or on the next
+batch, reads its own inf), not from the order the modules are registered in: Swin's softmax module is registered
+after the proj that reads its output, and a softmax done as a function (timm ViT's, any fused attention) is no module.
 
 Swin's window attention (timm's `SwinTransformerBlock._attn` and SwinV2's, MMDetection's `ShiftWindowMSA`) zero-pads a
 token grid that is not a multiple of its window to whole windows, and crops the padded tokens off again after the
@@ -146,7 +147,8 @@ class ActivationProbe:
         self._max: Dict[torch.device, torch.Tensor] = {}  # [K]
         self._seen: Dict[torch.device, torch.Tensor] = {}  # [K]: 1.0 where the hook measured an output, else 0.0
         self._sums: Dict[torch.device, torch.Tensor] = {}  # [K, 5]: count, sum x, x^2, x^3, x^4 (with `moments`)
-        self._read: Dict[torch.device, torch.Tensor] = {}  # [K]: 1.0 where the module read an input not finite
+        # [K]: 1.0 where the call that made the module's output not finite first read an input not finite
+        self._read: Dict[torch.device, torch.Tensor] = {}
         self._calls: Dict[int, int] = {}  # target index -> its place in the forward's order (the first call's)
 
     # -- hooks ----------------------------------------------------------------------------------
@@ -154,13 +156,17 @@ class ActivationProbe:
         def hook(module: nn.Module, inputs: tuple, output: object) -> None:
             # hooks run in the order the forward computes the outputs: counted on the host, no sync
             self._calls.setdefault(index, len(self._calls))
-            for x in inputs:  # an input not finite already: an overflow that began before this module (module doc)
+            read_bad = None  # 0-dim bool: an input not finite already, an overflow that began before (module doc)
+            for x in inputs:
                 if isinstance(x, torch.Tensor) and x.numel() and x.is_floating_point():
-                    if x.device not in self._read:
-                        self._read[x.device] = torch.zeros(len(self.targets), device=x.device)
                     # one pass (isfinite().all() takes several): an inf shows in the min or max, a NaN in both
                     low, high = x.detach().aminmax()
-                    self._read[x.device][index].clamp_(min=(~(low.isfinite() & high.isfinite())).float())
+                    bad = ~(low.isfinite() & high.isfinite())
+                    read_bad = bad if read_bad is None else read_bad | bad.to(read_bad.device)
+            # flagged at the call whose output is the module's first not finite alone: a module called again (shared,
+            # or on the next batch) reads its own inf, and a softmax reads a mask's -inf into a finite output
+            maxima = None if read_bad is None else self._max.get(read_bad.device)
+            was_finite = None if maxima is None else maxima[index].isfinite()
             tensors = output if isinstance(output, (tuple, list)) else (output,)
             for t in tensors:
                 if not isinstance(t, torch.Tensor) or t.numel() == 0 or not t.is_floating_point():
@@ -193,6 +199,12 @@ class ActivationProbe:
                         self._sums[x.device] = torch.zeros(len(self.targets), 5, device=x.device, dtype=torch.float64)
                     powers = torch.stack([count, x.sum(), x.square().sum(), x.pow(3).sum(), x.square().square().sum()])
                     self._sums[x.device][index] += powers
+            if read_bad is not None and read_bad.device in self._max:  # an output measured on the input's device
+                turned = ~self._max[read_bad.device][index].isfinite()
+                turned = turned if was_finite is None else turned & was_finite
+                if read_bad.device not in self._read:
+                    self._read[read_bad.device] = torch.zeros(len(self.targets), device=read_bad.device)
+                self._read[read_bad.device][index].clamp_(min=(read_bad & turned).float())
         return hook
 
     def __enter__(self) -> "ActivationProbe":
@@ -250,7 +262,8 @@ class ActivationProbe:
         """Aggregate (one host sync). Targets whose forward never ran (on any rank, with `reduce_fn`) have no
         record in `per_layer`. Each record holds, besides its name, kind, block, type and max, its `call` (its place in
         the order the forward computed the outputs on this rank, None where only another rank ran it) and
-        `input_finite` (False where the module read an input that was not finite), which `first_not_finite` reads.
+        `input_finite` (False where the call that made its output not finite first read an input not finite),
+        which `first_not_finite` reads.
 
         Args:
             reduce_fn: applied before aggregation to the [3, K] stack of `maxima()`, `seen()` and the flags of an

@@ -232,3 +232,41 @@ def test_a_value_not_finite_from_before_the_blocks_is_named_so():
                                                           r"already, computed before blocks\.0 outside the modules "
                                                           r"measured; the weights' activations overflow"):
         evaluate.check_finite_maxima(probe.result().per_layer, "none")
+
+
+class SharedLinearTwice(nn.Module):
+    """Blocks that run one Linear twice (a module shared within the forward, as weight-shared layers run theirs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"lin": nn.Linear(4, 4)}) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block["lin"](block["lin"](x))
+        return x
+
+
+def test_a_module_that_overflows_then_reads_its_own_inf_is_named_as_making_it():
+    """blocks.1's lin overflows in its first call (4 inputs of 16 times 1e38) and reads that inf in its second: the
+    module was flagged as reading a value not finite already, and the error said the value was computed outside the
+    modules measured, in its parent's forward. As plain forward hooks see it (the reference), the first call whose
+    output is not finite read a finite input: the error names lin with no note on its input."""
+    import evaluate
+
+    model = SharedLinearTwice()
+    with torch.no_grad():
+        for block, weight in zip(model.blocks, (1.0, 1e38)):
+            block.lin.weight.fill_(weight)
+            block.lin.bias.zero_()
+    calls, handles = calls_in_order(model)
+    with torch.no_grad(), ActivationProbe(model, blocks=("blocks.*",)) as probe:
+        model(torch.ones(2, 4))
+    for handle in handles:
+        handle.remove()
+    # the premise: (input finite, output finite) of its two calls
+    assert [(read, out) for name, read, out in calls if name == "blocks.1.lin"] == [(True, False), (False, False)]
+    with pytest.raises(evaluate.NonFiniteLossError) as error:
+        evaluate.check_finite_maxima(probe.result().per_layer, "none")
+    assert str(error.value).startswith("activation maxima: the output of blocks.1.lin is not finite")
+    assert "read a value that was not finite already" not in str(error.value)
