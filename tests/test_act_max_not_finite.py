@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from engine.act_max import ActivationProbe
 from quant_models import images, tiny_swin, tiny_vit
@@ -259,11 +260,8 @@ def test_a_module_that_overflows_then_reads_its_own_inf_is_named_as_making_it():
         for block, weight in zip(model.blocks, (1.0, 1e38)):
             block.lin.weight.fill_(weight)
             block.lin.bias.zero_()
-    calls, handles = calls_in_order(model)
-    with torch.no_grad(), ActivationProbe(model, blocks=("blocks.*",)) as probe:
+    with calls_in_order(model) as calls, torch.no_grad(), ActivationProbe(model, blocks=("blocks.*",)) as probe:
         model(torch.ones(2, 4))
-    for handle in handles:
-        handle.remove()
     # the premise: (input finite, output finite) of its two calls
     assert [(read, out) for name, read, out in calls if name == "blocks.1.lin"] == [(True, False), (False, False)]
     with pytest.raises(evaluate.NonFiniteLossError) as error:
