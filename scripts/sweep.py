@@ -156,7 +156,7 @@ def expand(sweep_path: str, extra_overrides: list[str], only: Optional[Sequence[
     kept_names = [name for name in split if only is None or str(name) in only]
     refuse_overrides_of_run_keys(owns, kept_names, extra_overrides, sweep_path)
     runs = []
-    checked: set = set()  # check_run_config's models and data settings, each checked once
+    checked: dict = {}  # check_run_config's model and data settings, each built or checked once
     for name, (configs, own_items) in split.items():
         kept = name in kept_names
         own = owns[name]
@@ -231,7 +231,7 @@ def few(names: list[str], shown: int = 4) -> str:
 
 
 def check_run_config(configs: list[str], overrides: list[str], eval_overrides: list[str],
-                     world_size: Optional[int], checked: Optional[set] = None, packages: bool = True) -> None:
+                     world_size: Optional[int], checked: Optional[dict] = None, packages: bool = True) -> None:
     """Strict, up front: what train.py and evaluate.py would refuse of a run's settings at their start (ConfigError), in
     their own words. train.py's checks before it starts (train.check_before_start: the run's own quant.*, which its
     config.yaml records, CD's settings, optim.name, log.wandb's package, a val split that is the train split); its
@@ -242,11 +242,11 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
     its evaluation against
     the model's modules (check_probed_modules), and the data settings (data.check_data_settings: data.auto_augment,
     mixup's even batch, data.digits_val_fraction, the synthetic sizes, model.num_classes against the data's classes).
-    `checked`: the model and data settings checked already (expand's runs: a 36-run sweep of seeds builds its model
-    once). With `world_size` (the processes the launcher starts), the global batch must split into them as train.py
-    splits it (train.accumulation_steps). Left to the run's start: what needs the data read or its length counted (files
-    under data.root, a token file's ids, train.max_steps and the cadences beyond the run's updates) and the device
-    (cd.matmul_precision=tf32 off CUDA)."""
+    `checked`: the settings checked already and the last model built (expand's runs: a 36-run sweep of seeds builds
+    its model once, finetune.yaml's three methods on nine data sets nine models). With `world_size` (the processes the
+    launcher starts), the global batch must split into them as train.py splits it (train.accumulation_steps). Left
+    to the run's start: what needs the data read or its length counted (files under data.root, a token file's ids,
+    train.max_steps and the cadences beyond the run's updates) and the device (cd.matmul_precision=tf32 off CUDA)."""
     from data import DataError, check_data_settings
     from models import input_size
     from quant.plan import check_quant_plan
@@ -260,7 +260,7 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
         check_quant_plan(evaluated)
     if world_size is not None:
         accumulation_steps(cfg, world_size)
-    checked = set() if checked is None else checked
+    checked = {} if checked is None else checked
     # all the checks below read (check_model_fits_run: optim.layer_decay too)
     key = repr((cfg.model, cfg.data, cfg.log.act_max, cfg.optim.layer_decay, cfg.train.batch_size_per_gpu))
     # what check_regularizers reads: a sweep of seeds and CD strengths finds the model's pairs once
@@ -272,10 +272,14 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
     converts = repr((cfg.model, cfg.data.dataset, cfg.quant, evaluated.quant if evaluated is not None else None))
     if key in checked and regularizers in checked and probed in checked and converts in checked:
         return
-    model = check_model(cfg.model)
+    # the checks below read the model and leave it as it was, so the last run's serves the next run of the same
+    # model.*; only one is held: a model the meta device cannot build is built on the CPU, with its weights
+    if checked.get("model", (None,))[0] != repr(cfg.model):
+        checked["model"] = (repr(cfg.model), check_model(cfg.model))
+    model = checked["model"][1]
     if probed not in checked:
         check_probed_modules(cfg, evaluated, model)
-        checked.add(probed)
+        checked[probed] = True
     if key not in checked:
         check_model_fits_run(cfg, model)
         try:
@@ -284,13 +288,13 @@ def check_run_config(configs: list[str], overrides: list[str], eval_overrides: l
                                 batch_size_per_gpu=cfg.train.batch_size_per_gpu)
         except DataError as e:
             raise ConfigError(str(e)) from None
-        checked.add(key)
+        checked[key] = True
     if regularizers not in checked:
         check_regularizers(cfg, model)
-        checked.add(regularizers)
+        checked[regularizers] = True
     if converts not in checked:
         check_plans_convert(cfg, evaluated, model)
-        checked.add(converts)
+        checked[converts] = True
 
 
 def check_plans_convert(cfg, evaluated, model) -> None:
