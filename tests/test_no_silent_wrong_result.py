@@ -273,19 +273,24 @@ def test_a_second_config_change_at_the_same_step_keeps_both_earlier_configs(debu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("typo", ["model.name=vit_nanoo", "data.dataset=folder"],
-                         ids=["model_name", "data_root"])
+@pytest.mark.parametrize("typo", ["model.name=vit_nanoo", "data.dataset=folder", "empty_classes"],
+                         ids=["model_name", "data_root", "empty_class_folders"])
 def test_a_failed_start_does_not_block_the_corrected_command(tmp_path, typo):
     """The failed start is a process of its own, which ends as a real one does (its lock dropped by the
     kernel); the corrected command runs in this process (train.main: a second process would import torch
-    again, seconds). A model name the build refuses is refused before out_dir is made (train.check_model_builds);
-    a data set found missing only once the folder is held leaves its train.log, which the corrected start
-    archives."""
+    again, seconds). A model name the build refuses, or a data.root that is not there, is refused before out_dir is
+    made (train.check_model_builds, data/loader.py check_data_files); class folders found empty only once the folder
+    is held (the images are read then) leave its train.log, which the corrected start archives."""
     out = str(tmp_path / "run")
     extra = ["data.root=/nonexistent/datasets"] if typo.startswith("data") else []
+    if typo == "empty_classes":  # the 4 class folders the debug config's model.num_classes asks for, without images
+        for split in ("train", "val"):
+            for name in "abcd":
+                os.makedirs(tmp_path / "ds" / split / name)
+        typo, extra = "data.dataset=folder", [f"data.root={tmp_path / 'ds'}"]
     code, lines = cli("train.py", "--config", DEBUG_CONFIG, f"out_dir={out}", typo, *extra)
     assert code == 1 and lines[-1].startswith("error: "), lines[-3:]
-    refused_early = typo.startswith("model")
+    refused_early = "/nonexistent/" in " ".join(extra) or typo.startswith("model")
     assert not os.path.exists(out) if refused_early else "train.log" in os.listdir(out)
     assert train.main(train.parse_args(["--config", DEBUG_CONFIG, f"out_dir={out}",
                                         "train.max_steps=1"])).state.step == 1
